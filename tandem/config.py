@@ -1,0 +1,67 @@
+"""Engine configuration: one dataclass, filled from keyword arguments, CLI flags or YAML."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a share of free memory
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context, capped by the KV pool
+    enable_prefix_caching: bool = True
+    max_prefix_tokens: int | None = None
+    min_match_length: int = 0
+    seed: int = 0
+    num_threads: int | None = None  # CPU threads for torch; None: all cores
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(values) - names
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a config file with the mission's `serving:` shape into engine options.
+
+    serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the prefix cache;
+    serving.engine holds any other EngineConfig field by name.
+    """
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read config {path}: {e}") from e
+    serving = doc.get("serving", doc)
+    if not isinstance(serving, dict):
+        raise ValueError(f"{path}: 'serving' must be a mapping")
+    out = dict(serving.get("engine") or {})
+    cache = serving.get("cache") or {}
+    if "enabled" in cache:
+        out["enable_prefix_caching"] = bool(cache["enabled"])
+    for key in ("max_prefix_tokens", "min_match_length"):
+        if key in cache:
+            out[key] = cache[key]
+    return out

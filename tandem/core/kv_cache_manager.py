@@ -1,0 +1,141 @@
+"""Per-request block tables over the block pool, prefix-cache lookups, and usage figures."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.core.block_pool import BlockPool, KVBlock, hash_block
+from tandem.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens served from the cache
+    requests: int = 0
+    requests_hit: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        max_prefix_tokens: int | None = None,
+        min_match_length: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.max_prefix_tokens = max_prefix_tokens
+        self.min_match_length = min_match_length
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, chained
+        self._req_tokens: dict[str, int] = {}  # tokens whose KV the request holds
+        self.stats = PrefixCacheStats()
+
+    # ---- prefix cache -------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request's tokens, in whole blocks. At least one
+        token is always left to compute, so the step still produces logits."""
+        if not self.enable_caching:
+            return [], 0
+        limit = req.num_tokens - 1
+        if self.max_prefix_tokens is not None:
+            limit = min(limit, self.max_prefix_tokens)
+        bs, tokens, blocks = self.block_size, req.all_token_ids, []
+        parent = None
+        for i in range(limit // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, chunk)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit = len(blocks) * bs
+        if num_hit < max(self.min_match_length, 1):
+            blocks, num_hit = [], 0
+        if req.num_cached_tokens < 0:  # count each request once, at its first schedule
+            self.stats.requests += 1
+            self.stats.queries += req.num_prompt_tokens
+            self.stats.hits += num_hit
+            self.stats.requests_hit += num_hit > 0
+        return blocks, num_hit
+
+    def cache_blocks(self, req: Request) -> None:
+        """Index the request's full blocks whose KV is computed (call after the step ran)."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(req.request_id)
+        if not blocks:
+            return
+        hashes = self._req_hashes.setdefault(req.request_id, [])
+        bs, tokens = self.block_size, req.all_token_ids
+        limit = req.num_computed_tokens
+        if self.max_prefix_tokens is not None:
+            limit = min(limit, self.max_prefix_tokens)
+        for i in range(len(hashes), min(limit // bs, len(blocks))):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash_block(hashes[-1] if hashes else None, chunk)
+            hashes.append(h)
+            self.pool.cache_block(blocks[i], h, chunk)
+
+    # ---- allocation ---------------------------------------------------------------
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after `req.num_computed_tokens`
+        (plus `computed_blocks`, prefix hits taken now). Returns the new block ids, or
+        None when there are not enough free blocks (nothing is changed then)."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        # Hits that sit unowned in the LRU count as free now; touching them takes them.
+        reusable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reusable:
+            if not blocks:
+                del self.req_to_blocks[req.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(need, 0))
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        self._req_tokens[req.request_id] = total
+        return [b.block_id for b in computed_blocks + new_blocks]
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_to_blocks.pop(req.request_id, None)
+        self._req_hashes.pop(req.request_id, None)
+        self._req_tokens.pop(req.request_id, None)
+        if blocks:
+            self.pool.free_blocks(list(reversed(blocks)))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req.request_id, ())]
+
+    # ---- figures ------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks owned by requests (cached-but-unowned blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def utilization(self) -> float:
+        """Tokens stored / token capacity of the blocks owned: internal fragmentation."""
+        num_blocks = sum(len(b) for b in self.req_to_blocks.values())
+        if not num_blocks:
+            return 1.0
+        return sum(self._req_tokens.values()) / (num_blocks * self.block_size)

@@ -1,0 +1,65 @@
+"""The executor seam: the scheduler's decision for one step and what the step returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the executor has not seen (or dropped at preemption): everything it needs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request already in the executor's persistent batch: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the executor should forget: finished, aborted, or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per scheduled request, the tokens sampled this step (empty for a partial prefill chunk)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per request with logprobs asked: one list per sampled token of (token_id, logprob) pairs,
+    # the sampled token first, then the top alternatives.
+    logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    execute_time: float = 0.0  # seconds the step took on the executor
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What the scheduler hands back to the engine per request after a step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

@@ -1,0 +1,117 @@
+"""The step loop: schedule -> execute -> update, plus request admission and abort."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from tandem.config import EngineConfig
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.request import Request, RequestStatus
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.executor.model_runner import ModelRunner
+from tandem.models.loader import load_tokenizer, resolve_model
+
+PromptType = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.executor = ModelRunner(config, self.model_dir)
+        mcfg = self.executor.model_config
+        self.vocab_size = mcfg.vocab_size
+        capacity = self.executor.num_kv_blocks * self.executor.block_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings, capacity)
+        eos = mcfg.eos_token_ids[:1]
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.eos_token_id = eos[0] if eos else None
+        self.kv_manager = KVCacheManager(
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            config.max_prefix_tokens, config.min_match_length,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv_manager, time.monotonic,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[str]] = {}
+        self._ids = itertools.count()
+
+    # ---- admission ----------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a prompt is a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 2) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._children:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
+                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        first = None
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_params = dataclasses.replace(params, n=1, seed=seed) if params.n > 1 else params
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(child_id, token_ids, child_params, arrival_time, self.eos_token_id,
+                          priority=priority,
+                          prefill_after=first if self.config.enable_prefix_caching else None)
+            first = first or req
+            children.append(req)
+        self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                                  [(r.request_id, r.sampling_params) for r in children], arrival_time)
+        for req in children:
+            self.scheduler.add_request(req)
+        self._children[request_id] = [r.request_id for r in children]
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        child_ids = self._children.pop(request_id, [])
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        outs = self.output_processor.abort(child_ids)
+        return outs[0] if outs else None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children)
+
+    # ---- one step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
+            return []
+        sched_times = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
+                       for r in sched.scheduled_new_reqs}
+        result = self.executor.execute_model(sched)
+        core_outputs = self.scheduler.update_from_output(sched, result)
+        outputs, stopped = self.output_processor.process(core_outputs, sched_times)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs

@@ -1,0 +1,120 @@
+"""Turns per-step token ids into what callers see: text deltas, stop strings, n > 1
+grouped under one request, and per-request timings."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # One entry per token: [(sampled_id, logprob), (alt_id, logprob), ...]
+    logprobs: list[list[tuple[int, float]]] | None = None
+    delta_text: str = ""  # new since the previous RequestOutput of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Child:
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    parent: RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.children: dict[str, _Child] = {}  # child request id -> state
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            children: list[tuple[str, object]], arrival_time: float) -> None:
+        parent = RequestOutput(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival_time))
+        for index, (child_id, params) in enumerate(children):
+            out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+            parent.outputs.append(out)
+            self.children[child_id] = _Child(out, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params), parent)
+
+    def abort(self, child_ids: list[str], reason: str = "abort") -> list[RequestOutput]:
+        touched = {}
+        for cid in child_ids:
+            child = self.children.pop(cid, None)
+            if child is not None and not child.output.finished:
+                child.output.finish_reason = reason
+                touched[id(child.parent)] = child.parent
+        return [self._finish_if_done(p) for p in touched.values()]
+
+    def process(self, core_outputs: list[EngineCoreOutput], sched_times: dict[str, float]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests and the child ids a stop string finished (the
+        scheduler must free them)."""
+        now = time.monotonic()
+        touched: dict[int, RequestOutput] = {}
+        stopped: list[str] = []
+        for co in core_outputs:
+            child = self.children.get(co.req_id)
+            if child is None:
+                continue
+            out, parent = child.output, child.parent
+            if id(parent) not in touched:
+                for o in parent.outputs:
+                    o.delta_text, o.delta_token_ids = "", []
+                touched[id(parent)] = parent
+            m = parent.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                m.first_scheduled_time = sched_times.get(co.req_id)
+            m.last_token_time = now
+            out.token_ids.extend(co.new_token_ids)
+            out.delta_token_ids.extend(co.new_token_ids)
+            if out.logprobs is not None and co.new_logprobs:
+                out.logprobs.extend(co.new_logprobs)
+            delta = child.detokenizer.update(co.new_token_ids)
+            out.text = child.detokenizer.output_text
+            out.delta_text += delta
+            if child.detokenizer.stop_reason is not None and co.finish_reason is None:
+                out.finish_reason, out.stop_reason = "stop", child.detokenizer.stop_reason
+                stopped.append(co.req_id)
+            elif co.finish_reason is not None:
+                out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
+            if out.finished:
+                del self.children[co.req_id]
+        return [self._finish_if_done(p) for p in touched.values()], stopped
+
+    @staticmethod
+    def _finish_if_done(parent: RequestOutput) -> RequestOutput:
+        if all(o.finished for o in parent.outputs):
+            parent.finished = True
+            parent.metrics.finished_time = time.monotonic()
+        return parent

@@ -1,0 +1,175 @@
+"""Runs one scheduled step on a real model: keeps the persistent batch, builds the
+flattened inputs and attention metadata, runs the model and samples."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tandem.core.sampling_params import SamplingParams
+from tandem.executor.attention import AttentionMetadata, PrefillSpan
+from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
+from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from tandem.models.llama import LlamaForCausalLM, ModelConfig
+from tandem.models.loader import iter_weights, load_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None
+
+
+class ModelRunner:
+    """The model executor (see executor/base.py)."""
+
+    def __init__(self, config: EngineConfig, model_dir) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_hf(load_config(model_dir))
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.model_config)
+        self.model.load_weights(iter_weights(model_dir))
+        self.model.to(self.dtype)
+        self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()
+        self.model.eval()
+
+        self.block_size = config.block_size
+        budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        self.num_kv_blocks = budget // per_block
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block (one block is {per_block} bytes)")
+        cfg = self.model_config
+        num_slots = self.num_kv_blocks * self.block_size
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_kv_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
+
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        # Generators outlive preemption so a seeded request resumes its random stream.
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    # ---- persistent batch -----------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self._add(new)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _add(self, new: NewRequestData) -> None:
+        self.requests[new.req_id] = CachedRequestState(
+            new.req_id, len(new.prompt_token_ids), new.prompt_token_ids + new.output_token_ids,
+            new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_id,
+        )
+        if new.req_id not in self.generators:
+            self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
+
+    # ---- one step -----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        # Decodes (one token) first: they share one attention call.
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] > 1)
+        states = [self.requests[req_id] for req_id, _ in order]
+        counts = np.array([n for _, n in order], dtype=np.int64)
+        input_ids, positions, meta, logits_rows = self._prepare_inputs(states, counts)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        out = ModelRunnerOutput()
+        if logits_rows:
+            rows = [states[i] for i in logits_rows]
+            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][logits_rows] - 1])
+            sampling = SamplingMetadata.build(
+                [SamplingRow(s.params, s.token_ids[:s.prompt_len], s.token_ids[s.prompt_len:],
+                             self.generators[s.req_id], s.eos_token_id) for s in rows],
+                logits.shape[-1], self.device)
+            result = self.sampler(logits, sampling)
+            for i, (s, token_id) in enumerate(zip(rows, result.sampled_token_ids)):
+                s.token_ids.append(token_id)
+                out.sampled_token_ids[s.req_id] = [token_id]
+                if result.logprobs is not None and s.params.logprobs is not None:
+                    out.logprobs[s.req_id] = [result.logprobs[i]]
+        for s, n in zip(states, counts.tolist()):
+            s.num_computed_tokens += n
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.execute_time = time.perf_counter() - start
+        return out
+
+    def _prepare_inputs(self, states: list[CachedRequestState], counts: np.ndarray):
+        bs, dev = self.block_size, self.device
+        b = len(states)
+        computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        seq_lens = computed + counts
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[-1])
+
+        ids: list[int] = []
+        for s, c, n in zip(states, computed.tolist(), counts.tolist()):
+            ids.extend(s.token_ids[c:c + n])
+        token_req = np.repeat(np.arange(b), counts)
+        positions = np.arange(total) - qsl[:-1][token_req] + computed[token_req]
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((b, max_blocks), dtype=np.int64)
+        for i, s in enumerate(states):
+            block_tables[i, :len(s.block_ids)] = s.block_ids
+        slot_mapping = block_tables[token_req, positions // bs] * bs + positions % bs
+
+        num_decodes = int(np.searchsorted(counts, 2))  # counts are sorted: 1s first
+        decode_slots = decode_mask = None
+        if num_decodes:
+            grid = np.arange(int(seq_lens[:num_decodes].max()))
+            decode_slots = torch.from_numpy(block_tables[:num_decodes, grid // bs] * bs + grid % bs).to(dev)
+            mask = grid[None, :] < seq_lens[:num_decodes, None]
+            decode_mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
+        prefills = []
+        for i in range(num_decodes, b):
+            ctx = np.arange(int(seq_lens[i]))
+            slots = torch.from_numpy(block_tables[i, ctx // bs] * bs + ctx % bs).to(dev)
+            mask = None
+            if computed[i]:
+                qpos = computed[i] + np.arange(int(counts[i]))
+                mask = torch.from_numpy(ctx[None, :] <= qpos[:, None]).to(dev)
+            prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), slots, mask))
+
+        logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            num_decodes=num_decodes, decode_slots=decode_slots, decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta, logits_rows

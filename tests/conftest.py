@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 checkpoints written as Hugging Face folders."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _tiny_config(kind: str):
+    import transformers as tf
+    if kind == "llama":
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if kind == "qwen2":
+        return tf.Qwen2Config(**TINY, tie_word_embeddings=False)
+    if kind == "qwen3":
+        return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    import transformers as tf
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(_tiny_config(kind), torch_dtype=torch.float32)
+        if kind == "qwen2":  # random biases, so the qkv bias path is really exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=0.3)
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        model.save_pretrained(path)
+        out[kind] = str(path)
+    return out
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: Hugging Face generate, one prompt at a time, fp32, greedy."""
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
