@@ -28,7 +28,7 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     out = {}
     for kind in ("llama", "qwen2", "qwen3"):
         torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(_tiny_config(kind), torch_dtype=torch.float32)
+        model = tf.AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32)
         if kind == "qwen2":  # random biases, so the qkv bias path is really exercised
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -42,13 +42,13 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference: Hugging Face generate, one prompt at a time, fp32, greedy."""
     import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other
     outs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 pad_token_id=0)
+                                 max_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs

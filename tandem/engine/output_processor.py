@@ -52,6 +52,7 @@ class _Child:
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer
     parent: RequestOutput
+    include_stop: bool  # keep a terminating EOS / stop token's text
 
 
 class OutputProcessor:
@@ -65,7 +66,8 @@ class OutputProcessor:
         for index, (child_id, params) in enumerate(children):
             out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
             parent.outputs.append(out)
-            self.children[child_id] = _Child(out, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params), parent)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            self.children[child_id] = _Child(out, detok, parent, params.include_stop_str_in_output)
 
     def abort(self, child_ids: list[str], reason: str = "abort") -> list[RequestOutput]:
         touched = {}
@@ -100,13 +102,17 @@ class OutputProcessor:
             out.delta_token_ids.extend(co.new_token_ids)
             if out.logprobs is not None and co.new_logprobs:
                 out.logprobs.extend(co.new_logprobs)
-            delta = child.detokenizer.update(co.new_token_ids)
+            core_done = co.finish_reason is not None
+            text_ids = co.new_token_ids
+            if core_done and isinstance(co.stop_reason, int) and not child.include_stop:
+                text_ids = text_ids[:-1]  # EOS / stop token: not part of the text
+            out.delta_text += child.detokenizer.update(text_ids, finished=core_done)
             out.text = child.detokenizer.output_text
-            out.delta_text += delta
-            if child.detokenizer.stop_reason is not None and co.finish_reason is None:
+            if child.detokenizer.stop_reason is not None:
                 out.finish_reason, out.stop_reason = "stop", child.detokenizer.stop_reason
-                stopped.append(co.req_id)
-            elif co.finish_reason is not None:
+                if not core_done:
+                    stopped.append(co.req_id)  # the scheduler still runs it: free it now
+            elif core_done:
                 out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
             if out.finished:
                 del self.children[co.req_id]

