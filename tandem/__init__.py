@@ -1,5 +1,12 @@
 """Tandem: an LLM serving system."""
 from tandem.core.sampling_params import SamplingParams
-from tandem.engine.llm import LLM
 
 __all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that the torch-free core (and the simulator) can be imported without torch.
+    if name == "LLM":
+        from tandem.engine.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")

@@ -20,9 +20,9 @@ class KVBlock:
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Deterministic across processes (ints and tuples of ints are not salted), so
-    instances and the router agree on prefix hashes."""
-    return hash((parent_hash, token_ids))
+    """Deterministic across processes (ints and tuples of ints are not salted, but None's
+    hash is its address before Python 3.12), so instances and the router agree on hashes."""
+    return hash((-1 if parent_hash is None else parent_hash, token_ids))
 
 
 class BlockPool:
@@ -73,9 +73,10 @@ class BlockPool:
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         """Drop a reference. Pass a request's blocks tail first: tails are evicted first."""
         for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
+            if block.ref_cnt <= 0:
                 raise RuntimeError(f"KV block {block.block_id} freed twice")
+        for block in blocks:
+            block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self._free.append(block.block_id)

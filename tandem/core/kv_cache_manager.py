@@ -63,12 +63,15 @@ class KVCacheManager:
         num_hit = len(blocks) * bs
         if num_hit < max(self.min_match_length, 1):
             blocks, num_hit = [], 0
-        if req.num_cached_tokens < 0:  # count each request once, at its first schedule
+        return blocks, num_hit
+
+    def record_prefix_query(self, req: Request, num_hit: int) -> None:
+        """Count a request once, when it is first admitted."""
+        if self.enable_caching:
             self.stats.requests += 1
             self.stats.queries += req.num_prompt_tokens
             self.stats.hits += num_hit
             self.stats.requests_hit += num_hit > 0
-        return blocks, num_hit
 
     def cache_blocks(self, req: Request) -> None:
         """Index the request's full blocks whose KV is computed (call after the step ran)."""

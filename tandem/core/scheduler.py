@@ -29,6 +29,10 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float]
     ) -> None:
+        capacity = kv_manager.pool.num_blocks * kv_manager.block_size
+        if capacity < config.max_model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool ({capacity} tokens): "
+                             "one request could never fit")
         self.config = config
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
@@ -110,6 +114,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             if req.num_cached_tokens < 0:
+                self.kv.record_prefix_query(req, num_hit)
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = self.clock()
             req.num_computed_tokens = num_hit
