@@ -2,11 +2,15 @@
 
 Metadata is in the form a paged kernel takes (slot_mapping, block_tables, seq_lens,
 query_start_loc); the gather indices and masks derived from it are built once per step and
-shared by every layer. The batch is ordered decodes first: all single-token queries run as
-one padded SDPA call; each multi-token (prefill) query runs its own causal SDPA call.
+shared by every layer. The batch is ordered decodes first, by context length. On CPU the
+single-token queries run in one call of a native paged kernel that reads K/V in place
+(kernels/cpu_paged_attention.cpp); elsewhere, or without a compiler, they run as a few padded
+SDPA calls over buckets of similar length (padding costs bandwidth). Each multi-token
+(prefill) query runs its own causal SDPA call.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +26,24 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeBucket:
+    start: int  # first decode row
+    end: int
+    slots: torch.Tensor  # [rows * max_len] context slots, flattened, padded
+    mask: torch.Tensor  # [rows, 1, 1, max_len] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     block_tables: torch.Tensor  # [num_seqs, max_blocks] (padded with 0)
     seq_lens: torch.Tensor  # [num_seqs] context length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     num_decodes: int  # the first num_decodes sequences have one query token each
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] context slots (padded)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    decodes: list[DecodeBucket]  # empty when decode_kernel runs them
     prefills: list[PrefillSpan]
+    block_size: int = 16
+    decode_kernel: Callable | None = None  # native paged decode attention, when available
 
 
 class TorchAttention:
@@ -51,26 +64,31 @@ class TorchAttention:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        if nd and meta.decode_kernel is not None:
+            out[:nd] = meta.decode_kernel(q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd],
+                                          meta.seq_lens[:nd], meta.block_size, self.scale)
+        for bucket in meta.decodes:
+            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], k_cache, v_cache, bucket)
         for span in meta.prefills:
             out[span.q_start:span.q_end] = self._prefill(
                 q[span.q_start:span.q_end], k_cache, v_cache, span)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:
         # One query token per sequence: fold the query heads of a KV group into the
         # query-length axis, so GQA needs no K/V expansion.
-        b = q.shape[0]
-        k = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_cache[meta.decode_slots].transpose(1, 2)
+        b, length = q.shape[0], bucket.mask.shape[-1]
+        shape = (b, length, self.num_kv_heads, self.head_dim)
+        # index_select on rows is several times faster than advanced indexing on CPU.
+        k = k_cache.index_select(0, bucket.slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache.index_select(0, bucket.slots).view(shape).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
-        k = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+        k = k_cache.index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v = v_cache.index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=1)

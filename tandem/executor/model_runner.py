@@ -12,8 +12,9 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
-from tandem.executor.attention import AttentionMetadata, PrefillSpan
+from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
+from tandem.kernels import cpu_paged_attention
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from tandem.models.llama import LlamaForCausalLM, ModelConfig
 from tandem.models.loader import iter_weights, load_config
@@ -62,6 +63,10 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
+        self.decode_kernel = None
+        if self.device.type == "cpu" and cfg.head_dim in (64, 128):
+            ext = cpu_paged_attention()
+            self.decode_kernel = ext.paged_decode_attention if ext is not None else None
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request resumes its random stream.
@@ -96,8 +101,9 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
-        # Decodes (one token) first: they share one attention call.
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] > 1)
+        # Decodes (one token) first, shortest context first, so length buckets pad little.
+        order = sorted(sched.num_scheduled_tokens.items(),
+                       key=lambda kv: (kv[1] > 1, self.requests[kv[0]].num_computed_tokens))
         states = [self.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
         input_ids, positions, meta, logits_rows = self._prepare_inputs(states, counts)
@@ -146,12 +152,14 @@ class ModelRunner:
         slot_mapping = block_tables[token_req, positions // bs] * bs + positions % bs
 
         num_decodes = int(np.searchsorted(counts, 2))  # counts are sorted: 1s first
-        decode_slots = decode_mask = None
-        if num_decodes:
-            grid = np.arange(int(seq_lens[:num_decodes].max()))
-            decode_slots = torch.from_numpy(block_tables[:num_decodes, grid // bs] * bs + grid % bs).to(dev)
-            mask = grid[None, :] < seq_lens[:num_decodes, None]
-            decode_mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
+        decodes = []
+        buckets = [] if self.decode_kernel is not None else _length_buckets(seq_lens[:num_decodes])
+        for start, end in buckets:
+            grid = np.arange(int(seq_lens[end - 1]))
+            slots = block_tables[start:end, grid // bs] * bs + grid % bs
+            mask = grid[None, :] < seq_lens[start:end, None]
+            decodes.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(dev),
+                                        torch.from_numpy(mask[:, None, None, :]).to(dev)))
         prefills = []
         for i in range(num_decodes, b):
             ctx = np.arange(int(seq_lens[i]))
@@ -168,8 +176,21 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(dev),
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
-            num_decodes=num_decodes, decode_slots=decode_slots, decode_mask=decode_mask,
-            prefills=prefills,
+            num_decodes=num_decodes, decodes=decodes, prefills=prefills,
+            block_size=bs, decode_kernel=self.decode_kernel,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), meta, logits_rows
+
+
+def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:
+    """Split sorted context lengths into runs whose longest is at most `max_pad` times the
+    shortest (runs of at least `min_rows`, so call overhead stays small)."""
+    buckets, start = [], 0
+    for i in range(1, len(lens)):
+        if i - start >= min_rows and lens[i] > max_pad * lens[start]:
+            buckets.append((start, i))
+            start = i
+    if len(lens):
+        buckets.append((start, len(lens)))
+    return buckets

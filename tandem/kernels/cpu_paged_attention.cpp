@@ -1,0 +1,87 @@
+// Paged decode attention for CPU: one query token per sequence, K/V read in place from the
+// block-paged cache (no gather copy), fp32 accumulation, one work item per (sequence, KV head)
+// so the query heads of a GQA group share every K/V row they read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+template <typename T, int D>
+static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t hq, int64_t hkv,
+                   int64_t max_blocks, int64_t block_size, float scale) {
+  const int64_t g = hq / hkv, row_stride = hkv * D;
+  at::parallel_for(0, num_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * D), acc(g * D), scores;
+    float row[D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hkv, h = item % hkv, len = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      scores.resize(g * len);
+      for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[(b * hq + h * g) * D + i]) * scale;
+      // Scores, block by block: rows of one block are a fixed stride apart.
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* kp = k_cache + (table[t0 / block_size] * block_size * hkv + h) * D;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t t = 0; t < n; ++t, kp += row_stride) {
+          for (int i = 0; i < D; ++i) row[i] = static_cast<float>(kp[i]);
+          for (int64_t j = 0; j < g; ++j) {
+            const float* qj = qf.data() + j * D;
+            float s = 0.f;
+            for (int i = 0; i < D; ++i) s += qj[i] * row[i];
+            scores[j * len + t0 + t] = s;
+          }
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        float* sj = scores.data() + j * len;
+        const float mx = *std::max_element(sj, sj + len);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* vp = v_cache + (table[t0 / block_size] * block_size * hkv + h) * D;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t t = 0; t < n; ++t, vp += row_stride) {
+          for (int i = 0; i < D; ++i) row[i] = static_cast<float>(vp[i]);
+          for (int64_t j = 0; j < g; ++j) {
+            const float p = scores[j * len + t0 + t];
+            float* aj = acc.data() + j * D;
+            for (int i = 0; i < D; ++i) aj[i] += p * row[i];
+          }
+        }
+      }
+      for (int64_t i = 0; i < g * D; ++i) out[(b * hq + h * g) * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; block_tables: [B, max_blocks] int64;
+// seq_lens: [B] int64 (context length including the query token). Returns [B, Hq, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     int64_t block_size, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
+  auto out = torch::empty_like(q);
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(d == 64 || d == 128, "paged_decode_attention supports head_dim 64 or 128");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    auto run = d == 64 ? decode<scalar_t, 64> : decode<scalar_t, 128>;
+    run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+        b, hq, hkv, block_tables.size(1), block_size, static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
