@@ -1,4 +1,5 @@
-# Two commands a fresh machine needs: `make run` (generate from the default model) and `make test`.
+# Two commands a fresh machine needs: `make serve` (the OpenAI-compatible server on the
+# default model, 127.0.0.1:8000) and `make test`. `make run` generates one answer.
 PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -6,7 +7,10 @@ STAMP   := $(VENV)/.installed
 MODEL   ?= smollm2-135m
 PROMPT  ?= Write a haiku about paged attention.
 
-.PHONY: run test test-fast bench clean
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: serve run test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -16,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[serve,plot,test]'
 	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tandem serve --model $(MODEL) --host $(HOST) --port $(PORT) --request-log logs/requests.jsonl
 
 run: $(STAMP)
 	$(BIN)/tandem generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 128

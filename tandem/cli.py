@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=_generate)
 
+    from tandem.server import launch
+    p = sub.add_parser("serve", help="the OpenAI-compatible server")
+    launch.add_arguments(p)
+    p.set_defaults(func=launch.main)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from tandem.bench import offline
     p = bench.add_parser("offline", help="offline throughput, optionally against transformers")

@@ -44,11 +44,12 @@ class EngineConfig:
         return cls(**values)
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a config file with the mission's `serving:` shape into engine options.
+def load_yaml(path: str | Path, section: str = "engine") -> dict:
+    """Read a config file with the mission's `serving:` shape.
 
-    serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the prefix cache;
-    serving.engine holds any other EngineConfig field by name.
+    section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
+    prefix cache; serving.engine holds any other EngineConfig field by name.
+    section "server": serving.server (host-independent server options, e.g. api_key).
     """
     try:
         doc = yaml.safe_load(Path(path).read_text()) or {}
@@ -57,6 +58,8 @@ def load_yaml(path: str | Path) -> dict:
     serving = doc.get("serving", doc)
     if not isinstance(serving, dict):
         raise ValueError(f"{path}: 'serving' must be a mapping")
+    if section != "engine":
+        return dict(serving.get(section) or {})
     out = dict(serving.get("engine") or {})
     cache = serving.get("cache") or {}
     if "enabled" in cache:

@@ -84,7 +84,7 @@ class LLMEngine:
             first = first or req
             children.append(req)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                                  [(r.request_id, r.sampling_params) for r in children], arrival_time)
+                                  [(r.request_id, r.sampling_params) for r in children], arrival_time, priority)
         for req in children:
             self.scheduler.add_request(req)
         self._children[request_id] = [r.request_id for r in children]
@@ -104,11 +104,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return []
-        sched_times = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
-                       for r in sched.scheduled_new_reqs}
+        for new in sched.scheduled_new_reqs:
+            req = self.scheduler.requests[new.req_id]
+            self.output_processor.on_scheduled(new.req_id, req.first_scheduled_time,
+                                               req.num_cached_tokens, req.num_preemptions)
         result = self.executor.execute_model(sched)
         core_outputs = self.scheduler.update_from_output(sched, result)
-        outputs, stopped = self.output_processor.process(core_outputs, sched_times)
+        outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:

@@ -45,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    priority: int = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -61,8 +62,9 @@ class OutputProcessor:
         self.children: dict[str, _Child] = {}  # child request id -> state
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            children: list[tuple[str, object]], arrival_time: float) -> None:
-        parent = RequestOutput(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival_time))
+            children: list[tuple[str, object]], arrival_time: float, priority: int = 2) -> None:
+        parent = RequestOutput(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival_time),
+                               priority=priority)
         for index, (child_id, params) in enumerate(children):
             out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
             parent.outputs.append(out)
@@ -78,7 +80,17 @@ class OutputProcessor:
                 touched[id(child.parent)] = child.parent
         return [self._finish_if_done(p) for p in touched.values()]
 
-    def process(self, core_outputs: list[EngineCoreOutput], sched_times: dict[str, float]) -> tuple[list[RequestOutput], list[str]]:
+    def on_scheduled(self, child_id: str, when: float | None, num_cached_tokens: int, num_preemptions: int) -> None:
+        """First admission of a request (and re-admissions after preemption)."""
+        child = self.children.get(child_id)
+        if child is None:
+            return
+        m = child.parent.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time, m.num_cached_tokens = when, num_cached_tokens
+        m.num_preemptions = max(m.num_preemptions, num_preemptions)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the updated requests and the child ids a stop string finished (the
         scheduler must free them)."""
         now = time.monotonic()
@@ -96,7 +108,6 @@ class OutputProcessor:
             m = parent.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
-                m.first_scheduled_time = sched_times.get(co.req_id)
             m.last_token_time = now
             out.token_ids.extend(co.new_token_ids)
             out.delta_token_ids.extend(co.new_token_ids)

@@ -1,0 +1,56 @@
+"""`tandem serve`: flags and YAML config -> engine + server -> uvicorn."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from tandem.config import EngineConfig, load_yaml
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or TANDEM_API_KEY")
+    p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429")
+    p.add_argument("--request-log", default=None, help="append one JSON line per finished request")
+    p.add_argument("--log-level", default="info")
+    for name in ("dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                 "max_model_len", "max_prefix_tokens", "min_match_length"):
+        kind = str if name in ("dtype", "device") else int
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+
+
+def main(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from tandem.engine.async_llm import AsyncLLM
+    from tandem.server.api_server import ServerConfig, build_app
+
+    engine_opts, server_opts = {}, {}
+    if args.config:
+        engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            engine_opts[f.name] = value
+    engine_config = EngineConfig.from_dict(engine_opts)
+    server = ServerConfig(model_name=args.served_model_name or server_opts.pop("served_model_name", None)
+                          or engine_config.model)
+    for key, value in server_opts.items():
+        if not hasattr(server, key):
+            raise ValueError(f"unknown server option {key!r} in {args.config}")
+        setattr(server, key, value)
+    for key in ("api_key", "max_waiting", "request_log"):
+        if getattr(args, key) is not None:
+            setattr(server, key, getattr(args, key))
+    llm = AsyncLLM(engine_config)
+    app = build_app(llm, server)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,135 @@
+"""Prometheus metrics and the per-request JSON-lines log, fed from the engine thread."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.output_processor import RequestOutput
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+def request_timings(out: RequestOutput) -> dict[str, float]:
+    """Queue, prefill and decode split of a finished request (seconds)."""
+    m = out.metrics
+    scheduled = m.first_scheduled_time or m.arrival_time
+    first = m.first_token_time or scheduled
+    end = m.finished_time or first
+    return {"queue_time": scheduled - m.arrival_time, "prefill_time": first - scheduled,
+            "decode_time": end - first, "ttft": first - m.arrival_time, "e2e": end - m.arrival_time}
+
+
+class _EngineCollector:
+    """Engine state read at scrape time: queue sizes, KV pool, prefix cache, preemptions."""
+
+    def __init__(self, engine: LLMEngine, model: str) -> None:
+        self.engine, self.model = engine, model
+
+    def collect(self):
+        s, kv = self.engine.scheduler, self.engine.kv_manager
+        labels = ["model_name"]
+        for name, doc, value in [
+            ("tandem:num_requests_running", "Requests in the running batch.", len(s.running)),
+            ("tandem:num_requests_waiting", "Requests waiting to be scheduled.", len(s.waiting)),
+            ("tandem:kv_cache_usage_perc", "Share of KV blocks owned by requests (0-1).", kv.usage),
+            ("tandem:kv_cache_free_blocks", "KV blocks free (including evictable cached ones).", kv.num_free_blocks),
+            ("tandem:kv_cache_total_blocks", "KV blocks in the pool.", kv.pool.num_blocks),
+            ("tandem:kv_cache_utilization", "Tokens stored / capacity of owned blocks.", kv.utilization),
+        ]:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model], value)
+            yield g
+        for name, doc, value in [
+            ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.stats.queries),
+            ("tandem:prefix_cache_hits", "Prompt tokens served from the prefix cache.", kv.stats.hits),
+            ("tandem:num_preemptions", "Requests preempted (recompute).", s.num_preemptions),
+        ]:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model], value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model: str, request_log: str | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        r, lbl = self.registry, ["model_name"]
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens.", lbl, buckets=_ITL, registry=r)
+        self.tpot = Histogram("tandem:time_per_output_token_seconds", "Decode time per output token.", lbl, buckets=_ITL, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency.", lbl, buckets=_LATENCY, registry=r)
+        self.queue = Histogram("tandem:request_queue_time_seconds", "Arrival to first schedule.", lbl, buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("tandem:request_prefill_time_seconds", "First schedule to first token.", lbl, buckets=_LATENCY, registry=r)
+        self.decode = Histogram("tandem:request_decode_time_seconds", "First token to finish.", lbl, buckets=_LATENCY, registry=r)
+        self.step = Histogram("tandem:iteration_time_seconds", "Engine step (iteration) time.", lbl, buckets=_ITL, registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", lbl, registry=r)
+        self.finished = Counter("tandem:request_success", "Finished requests by reason.", lbl + ["finished_reason"], registry=r)
+        self.registry.register(_EngineCollector(engine, model))
+        self._last_token: dict[str, float] = {}
+        self._log_path = Path(request_log) if request_log else None
+        self._log_lock = threading.Lock()
+        if self._log_path:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_step(self, engine: LLMEngine, elapsed: float | None, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        if elapsed is not None:
+            self.step.labels(self.model).observe(elapsed)
+        for out in outputs:
+            new = sum(len(o.delta_token_ids) for o in out.outputs)
+            self.generation_tokens.labels(self.model).inc(new)
+            last = self._last_token.get(out.request_id)
+            if last is None:
+                if out.metrics.first_token_time is not None:
+                    self.ttft.labels(self.model).observe(out.metrics.first_token_time - out.metrics.arrival_time)
+            elif new:
+                gap = (now - last) / new
+                for _ in range(new):
+                    self.itl.labels(self.model).observe(gap)
+            self._last_token[out.request_id] = now
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                self.on_finished(out)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        t = request_timings(out)
+        m = self.model
+        self.e2e.labels(m).observe(t["e2e"])
+        self.queue.labels(m).observe(t["queue_time"])
+        self.prefill.labels(m).observe(t["prefill_time"])
+        self.decode.labels(m).observe(t["decode_time"])
+        num_out = sum(len(o.token_ids) for o in out.outputs)
+        if num_out > len(out.outputs):
+            self.tpot.labels(m).observe(t["decode_time"] / (num_out - len(out.outputs)))
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        for o in out.outputs:
+            self.finished.labels(m, o.finish_reason or "abort").inc()
+        if self._log_path:
+            self.log_request(out, t, num_out)
+
+    def log_request(self, out: RequestOutput, t: dict[str, float], num_out: int) -> None:
+        """One JSON line per finished request, in the shape the workload analyzer reads."""
+        decode_tokens = max(num_out - len(out.outputs), 0)
+        line = {
+            "request_id": out.request_id,
+            "arrival_time": time.time() - (time.monotonic() - out.metrics.arrival_time),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "output_tokens": num_out,
+            "cached_prompt_tokens": out.metrics.num_cached_tokens,
+            "priority": out.priority,
+            "queue_time": t["queue_time"],
+            "ttft": t["ttft"],
+            "mean_itl": t["decode_time"] / decode_tokens if decode_tokens else 0.0,
+            "e2e_latency": t["e2e"],
+            "finish_reason": ",".join(o.finish_reason or "abort" for o in out.outputs),
+        }
+        with self._log_lock, self._log_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")

@@ -1,0 +1,38 @@
+"""Run a real `tandem serve` app (uvicorn on loopback) in a background thread for tests."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from tandem.config import EngineConfig
+from tandem.engine.async_llm import AsyncLLM
+from tandem.server.api_server import ServerConfig, build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine: EngineConfig, server: ServerConfig):
+    llm = AsyncLLM(engine)
+    app = build_app(llm, server)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", llm
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        llm.shutdown()
