@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("offline", help="offline throughput, optionally against transformers")
     offline.add_arguments(p)
     p.set_defaults(func=offline.main)
+
+    from tandem.bench import serve as bench_serve
+    p = bench.add_parser("serve", help="token-level load test of an OpenAI-compatible endpoint")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
     return parser
 
 
