@@ -48,6 +48,8 @@ class ModelRunner:
         self.model.to(self.dtype)
         self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()
         self.model.eval()
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()
 
         self.block_size = config.block_size
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from tandem.executor.attention import AttentionMetadata, TorchAttention
-from tandem.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
+from tandem.models.layers import (
+    Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -128,6 +130,18 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """bf16 on CPU: pre-pack every GEMM weight for oneDNN. Returns whether it did."""
+        if not can_pack_cpu(self.embed_tokens.weight):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.pack_for_cpu()
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = pack_cpu_weight(head.data)
+        return True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -143,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a token pass the final norm and the LM head; fp32 logits."""
         hidden = self.norm(hidden)
+        if self.packed_lm_head is not None:
+            return cpu_packed_linear(hidden, self.packed_lm_head, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
