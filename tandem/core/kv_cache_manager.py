@@ -31,6 +31,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         max_prefix_tokens: int | None = None,
         min_match_length: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
@@ -41,6 +42,12 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, chained
         self._req_tokens: dict[str, int] = {}  # tokens whose KV the request holds
         self.stats = PrefixCacheStats()
+        # Host tier for swapped-out requests. Blocks freed by a swap-in are only reusable at
+        # the next step, so a swap-out in the same step cannot overwrite them before they are read.
+        self.num_host_blocks = num_host_blocks
+        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._host_pending: list[int] = []
+        self.req_to_host_blocks: dict[str, list[int]] = {}
 
     # ---- prefix cache -------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
@@ -115,7 +122,50 @@ class KVCacheManager:
         self._req_tokens[req.request_id] = total
         return [b.block_id for b in computed_blocks + new_blocks]
 
+    # ---- host tier (swap) -----------------------------------------------------------
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    def num_cached_blocks(self, req: Request) -> int:
+        """The request's blocks that sit in the prefix index (they survive a recompute preemption)."""
+        return sum(1 for b in self.req_to_blocks.get(req.request_id, ()) if b.block_hash is not None)
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host tier: (device, host) pairs to copy, or None
+        when the host pool lacks room (nothing changed then)."""
+        blocks = self.req_to_blocks.get(req.request_id, [])
+        if not blocks or len(blocks) > len(self._host_free):
+            return None
+        host = [self._host_free.pop() for _ in blocks]
+        pairs = [(b.block_id, h) for b, h in zip(blocks, host)]
+        self.free(req)
+        self.req_to_host_blocks[req.request_id] = host
+        return pairs
+
+    def swap_in(self, req: Request, num_new_tokens: int) -> tuple[list[tuple[int, int]], list[int]] | None:
+        """Bring a swapped request back with room for `num_new_tokens` more: (host, device)
+        pairs to copy and all its device block ids, or None when device blocks are short."""
+        host = self.req_to_host_blocks[req.request_id]
+        total = req.num_computed_tokens + num_new_tokens
+        need = max(cdiv(total, self.block_size), len(host))
+        if need > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(need)
+        self.req_to_blocks[req.request_id] = blocks
+        self._req_tokens[req.request_id] = total
+        del self.req_to_host_blocks[req.request_id]
+        self._host_pending.extend(host)
+        return [(h, b.block_id) for h, b in zip(host, blocks)], [b.block_id for b in blocks]
+
+    def release_pending_host_blocks(self) -> None:
+        self._host_free.extend(self._host_pending)
+        self._host_pending.clear()
+
     def free(self, req: Request) -> None:
+        host = self.req_to_host_blocks.pop(req.request_id, None)
+        if host:
+            self._host_free.extend(host)
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._req_hashes.pop(req.request_id, None)
         self._req_tokens.pop(req.request_id, None)

@@ -37,6 +37,10 @@ class SchedulerOutput:
     # Requests the executor should forget: finished, aborted, or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV copies the executor makes before running the step, swap-outs first:
+    # (device block, host block) and (host block, device block) pairs.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

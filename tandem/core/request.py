@@ -40,13 +40,15 @@ class Request:
     arrival_time: float = 0.0
     eos_token_id: int | None = None
     max_model_len: int = 1 << 30
-    priority: int = 2  # 1 interactive, 2 standard, 3 background
+    priority: int = 2  # 1 interactive, 2 standard, 3 background (as asked)
+    level: int = 2  # the queue it is scheduled in (all 2 under the fcfs policy)
     # n > 1: siblings wait until this request's prompt is in the prefix cache, then share its blocks.
     prefill_after: Request | None = None
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
+    swapped: bool = False  # preempted with its KV in the host pool (num_computed_tokens kept)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None

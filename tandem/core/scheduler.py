@@ -1,20 +1,28 @@
-"""Continuous batching at iteration granularity.
+"""Continuous batching at iteration granularity, with multi-level queues and preemption.
 
 Every step, each running request's `num_computed_tokens` catches up with its tokens within a
-token budget and a sequence cap, so decode, prefill and chunked prefill share one batch. When
-KV blocks run short the most recently admitted running request is preempted (its blocks are
-dropped; it is recomputed later, mostly from the prefix cache) and resumes first.
+token budget and a sequence cap, so decode, prefill and chunked prefill share one batch.
+
+Policy `fcfs` (the baseline): one queue; when KV blocks run short the most recently admitted
+running request is preempted. Policy `multilevel`: L1 (interactive) enters the very next
+iteration, preempting running L3 and then L2 requests when seats or blocks are short; L2 keeps
+a guaranteed share of the token budget and seats whenever it has work; L3 runs only on what
+L1 and L2 leave idle and is preempted first. A victim is swapped to the host tier or dropped
+for recompute, whichever costs less; it resumes ahead of newer requests of its level, and a
+request preempted `max_preemptions` times is no longer chosen while others can be.
 """
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
+from tandem.core.queues import WaitingQueues
 from tandem.core.request import Request, RequestStatus
 
 
@@ -23,6 +31,21 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # fcfs | multilevel
+    queue_order: str = "fcfs"  # within a level: fcfs | spf (shortest prompt first, with aging)
+    l2_min_share: float = 0.2  # of the token budget and the seats, whenever L2 has work
+    max_preemptions: int = 4  # per request, before it stops being chosen as a victim
+    preemption_mode: str = "auto"  # auto | swap | recompute
+    swap_cost_per_token: float = 2e-5  # s to move one token's KV out and back (auto mode)
+    recompute_cost_per_token: float = 1e-3  # s to prefill one token again (auto mode)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "multilevel"):
+            raise ValueError(f"scheduler policy must be fcfs or multilevel, got {self.policy!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if not 0.0 <= self.l2_min_share < 1.0:
+            raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")
 
 
 class Scheduler:
@@ -36,11 +59,13 @@ class Scheduler:
         self.config = config
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.multilevel = config.policy == "multilevel"
+        self.waiting = WaitingQueues(config.queue_order, clock)
+        self.running: list[Request] = []  # by level, then admission order
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
         self.num_preemptions = 0
+        self.preemptions_by_mode: Counter[str] = Counter()
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -53,7 +78,10 @@ class Scheduler:
                 f"the prompt has {req.num_prompt_tokens} tokens; this model serves at most "
                 f"{self.config.max_model_len - 1} prompt tokens (max_model_len {self.config.max_model_len})"
             )
+        if req.priority not in (1, 2, 3):
+            raise ValueError(f"priority must be 1, 2 or 3, got {req.priority!r}")
         req.max_model_len = self.config.max_model_len
+        req.level = req.priority if self.multilevel else 2
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -78,61 +106,134 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        self.kv.release_pending_host_blocks()
         budget = self.config.max_num_batched_tokens
+        running_levels = Counter(r.level for r in self.running) if self.multilevel else Counter()
+        l2_work = self.multilevel and (running_levels[2] > 0 or self.waiting.count(2) > 0)
+        reserve = int(self.config.l2_min_share * budget) if l2_work else 0
+        if self.multilevel:
+            self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
+            self._make_room(out, budget - reserve)
 
+        used = 0
+        l1_used = 0
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and used < budget:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            cap = budget - used if req.level > 1 else min(budget - used, budget - reserve - l1_used)
+            if cap <= 0:
+                i += 1
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             new_block_ids = self.kv.allocate_slots(req, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._victim(first=i + 1) or req
+                self.running.remove(victim)
                 self._preempt(victim, out)
                 if victim is req:
                     break
                 new_block_ids = self.kv.allocate_slots(req, num_new)
             if new_block_ids is None:
-                break  # req preempted itself; it was the last one
+                continue  # req preempted itself; index i now holds the next request
             out.scheduled_cached_reqs.append(
-                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
-            )
-            budget = self._commit(req, num_new, budget, out)
+                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            self._commit(req, num_new, out)
+            used += num_new
+            l1_used += num_new if req.level == 1 else 0
             i += 1
 
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if out.preempted_req_ids:
-                break  # memory is short this step: do not admit new work
-            req = self.waiting.popleft()
-            if req.prefill_after is not None and not self._prefix_ready(req):
-                skipped.append(req)
-                continue
-            computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit, budget)
-            new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
-            if new_block_ids is None:
-                self.waiting.appendleft(req)
+        if out.preempted_req_ids and not self.multilevel:
+            return out  # memory is short this step: admit nothing new
+        blocked = False  # L3 is admitted only when L1 and L2 have nothing left waiting
+        for level in (1, 2, 3):
+            if level == 3 and (blocked or self.waiting.count(1) or self.waiting.count(2)):
                 break
+            for req in self.waiting.in_order(level):
+                cap = budget - used if level > 1 else min(budget - used, budget - reserve - l1_used)
+                if cap <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    blocked = True
+                    break
+                if req.prefill_after is not None and not self._prefix_ready(req):
+                    continue
+                num_new = self._admit(req, cap, out)
+                if num_new is None:
+                    blocked = True
+                    break
+                used += num_new
+                l1_used += num_new if level == 1 else 0
+        return out
+
+    def _admit(self, req: Request, cap: int, out: SchedulerOutput) -> int | None:
+        """Take a waiting request into the running batch; None when its blocks do not fit."""
+        if req.swapped:
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            swapped_in = self.kv.swap_in(req, num_new)
+            if swapped_in is None:
+                return None
+            pairs, block_ids = swapped_in
+            out.blocks_to_swap_in.extend(pairs)
+            req.swapped = False
+        else:
+            computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, cap)
+            block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
+            if block_ids is None:
+                return None
             if req.num_cached_tokens < 0:
                 self.kv.record_prefix_query(req, num_hit)
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = self.clock()
             req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled_new_reqs.append(NewRequestData(
-                req.request_id, list(req.prompt_token_ids), req.output_token_ids,
-                req.sampling_params, new_block_ids, num_hit, req.eos_token_id,
-            ))
-            budget = self._commit(req, num_new, budget, out)
-        self.waiting.extendleft(reversed(skipped))
-        return out
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled_new_reqs.append(NewRequestData(
+            req.request_id, list(req.prompt_token_ids), req.output_token_ids,
+            req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id,
+        ))
+        self._commit(req, num_new, out)
+        return num_new
 
-    def _commit(self, req: Request, num_new: int, budget: int, out: SchedulerOutput) -> int:
+    def _make_room(self, out: SchedulerOutput, l1_budget: int) -> None:
+        """Preempt lower levels so waiting L1 (then L2) requests fit this step: seats first,
+        then blocks. L1 never takes L2 below its guaranteed seats."""
+        cfg, bs = self.config, self.kv.block_size
+        l2_seats = math.ceil(cfg.l2_min_share * cfg.max_num_seqs)
+        seats = blocks = 0  # already promised to earlier waiting requests this step
+        growth = sum(1 for r in self.running if r.num_computed_tokens % bs == 0)
+        for level in (1, 2):
+            for req in self.waiting.in_order(level):
+                if req.prefill_after is not None and not self._prefix_ready(req):
+                    continue
+                need = cdiv(min(req.num_tokens - req.num_computed_tokens, l1_budget), bs)
+                while (len(self.running) + seats >= cfg.max_num_seqs
+                       or self.kv.num_free_blocks < blocks + need + growth):
+                    victim = self._victim(below=level, keep_l2=l2_seats if level == 1 else 0)
+                    if victim is None:
+                        return
+                    self.running.remove(victim)
+                    self._preempt(victim, out)
+                seats, blocks = seats + 1, blocks + need
+
+    def _victim(self, first: int = 0, below: int = 0, keep_l2: int = 0) -> Request | None:
+        """The lowest-level, most recently admitted running request (from index `first`, of a
+        level above `below` when given), preferring ones not preempted too often yet."""
+        l2_running = sum(1 for r in self.running if r.level == 2) if keep_l2 else 0
+        fallback = None
+        for req in reversed(self.running[first:]):
+            if below and req.level <= below:
+                break
+            if req.level == 2 and keep_l2 and l2_running <= keep_l2:
+                continue
+            if req.num_preemptions < self.config.max_preemptions:
+                return req
+            fallback = fallback or req
+        return fallback if not below else None
+
+    def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
         req.num_computed_tokens += num_new
-        return budget - num_new
 
     def _prefix_ready(self, req: Request) -> bool:
         src = req.prefill_after
@@ -143,12 +244,26 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.kv.free(req)
+        """Swap the victim's KV to the host tier or drop it for recompute, whichever is
+        cheaper (blocks still in the prefix cache make recompute cheap)."""
+        cfg, mode = self.config, self.config.preemption_mode
+        if mode == "auto":
+            to_recompute = req.num_computed_tokens - self.kv.num_cached_blocks(req) * self.kv.block_size
+            swap_cost = req.num_computed_tokens * cfg.swap_cost_per_token
+            mode = "swap" if swap_cost < to_recompute * cfg.recompute_cost_per_token else "recompute"
+        pairs = self.kv.swap_out(req) if mode == "swap" else None
+        if pairs is not None:
+            out.blocks_to_swap_out.extend(pairs)
+            req.swapped = True
+        else:
+            mode = "recompute"
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions_by_mode[mode] += 1
+        self.waiting.push_front(req)
         out.preempted_req_ids.add(req.request_id)
 
     # ---- after the step -----------------------------------------------------------
