@@ -22,6 +22,15 @@ class EngineConfig:
     min_match_length: int = 0
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: all cores
+    # Scheduling (see core/scheduler.py): fcfs is the baseline every benchmark compares with.
+    scheduler_policy: str = "fcfs"  # fcfs | multilevel
+    queue_order: str = "fcfs"  # within a level: fcfs | spf
+    l2_min_share: float = 0.2
+    max_preemptions: int = 4
+    preemption_mode: str = "auto"  # auto | swap | recompute
+    swap_space: int = 512 << 20  # bytes of host memory for swapped-out KV blocks
+    l1_max_prompt_tokens: int = 256  # unlabelled requests this short (prompt and max_tokens) go to L1
+    l1_max_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -61,6 +70,10 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     if section != "engine":
         return dict(serving.get(section) or {})
     out = dict(serving.get("engine") or {})
+    scheduler = dict(serving.get("scheduler") or {})
+    if "policy" in scheduler:
+        out["scheduler_policy"] = scheduler.pop("policy")
+    out.update(scheduler)
     cache = serving.get("cache") or {}
     if "enabled" in cache:
         out["enable_prefix_caching"] = bool(cache["enabled"])

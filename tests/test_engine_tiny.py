@@ -54,16 +54,46 @@ def test_chunked_prefill_matches_hf(kind, tiny_model_dirs, references):
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_preemption_matches_hf(kind, tiny_model_dirs, references):
+def test_preemption_matches_hf(kind, mode, tiny_model_dirs, references):
     prompts, ref, _, _ = references[kind]
     per_token = ModelConfig.from_hf(load_config(tiny_model_dirs[kind])).kv_bytes_per_token(torch.float32)
     # Room for the longest request alone (~82 tokens), far less than all six at once.
-    llm = _llm(tiny_model_dirs[kind], block_size=4, kv_cache_memory=per_token * 4 * 24, enable_prefix_caching=False)
+    llm = _llm(tiny_model_dirs[kind], block_size=4, kv_cache_memory=per_token * 4 * 24,
+               enable_prefix_caching=False, preemption_mode=mode)
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.preemptions_by_mode[mode] > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert llm.engine.kv_manager.num_free_blocks == llm.engine.executor.num_kv_blocks
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == llm.engine.executor.num_kv_blocks
+    kv.release_pending_host_blocks()
+    assert kv.num_free_host_blocks == kv.num_host_blocks
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_multilevel_preemption_matches_hf(mode, tiny_model_dirs, references):
+    """Interactive requests arriving while the batch is full preempt standard/background
+    ones; every request still gets exactly its single-request greedy tokens."""
+    prompts, ref, _, _ = references["llama"]
+    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(torch.float32)
+    llm = _llm(tiny_model_dirs["llama"], block_size=4, kv_cache_memory=per_token * 4 * 30, max_num_seqs=3,
+               scheduler_policy="multilevel", preemption_mode=mode)
+    engine = llm.engine
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(p, GREEDY, request_id=f"bg{i}", priority=3 if i else 2)
+    for _ in range(3):
+        engine.step()
+    for i, p in enumerate(prompts[3:]):
+        engine.add_request(p, GREEDY, request_id=f"chat{i}", priority=1)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions > 0
+    assert [results[f"bg{i}"] for i in range(3)] + [results[f"chat{i}"] for i in range(3)] == ref
+    assert engine.kv_manager.num_free_blocks == engine.executor.num_kv_blocks
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -48,7 +48,7 @@ def run_hf(args, requests) -> dict:
 
     from tandem.executor.device import resolve_dtype
     from tandem.models.loader import resolve_model
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    dtype = resolve_dtype(args.hf_dtype or args.dtype, torch.device("cpu"))
     model = tf.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
     start = time.perf_counter()
     tokens = 0
@@ -96,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: the same as --dtype)")
     p.add_argument("--json", dest="json_path", default=None)
 
 

@@ -76,10 +76,11 @@ class AsyncLLM:
         self._thread.join(timeout=10)
 
     # ---- asyncio side -------------------------------------------------------------
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 2) -> AsyncIterator[RequestOutput]:
-        """Yields a snapshot per step that produced tokens; the last one has finished=True.
-        Raises ValueError (nothing queued) on bad input. Leaving early aborts the request."""
+    def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                 priority: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Queues the request at once (so admission control counts it), then yields a
+        snapshot per step that produced tokens; the last one has finished=True. Iterating
+        raises ValueError on bad input (nothing queued). Leaving early aborts the request."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
@@ -88,9 +89,12 @@ class AsyncLLM:
         stream = _Stream(loop, asyncio.Queue())
         self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted)))
         self._wake.set()
-        await accepted  # raises the engine's ValueError
+        return self._stream(request_id, stream, accepted)
+
+    async def _stream(self, request_id: str, stream: _Stream, accepted: asyncio.Future) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
+            await accepted  # raises the engine's ValueError
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):

@@ -7,6 +7,7 @@ import time
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.queues import classify
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
@@ -34,10 +35,15 @@ class LLMEngine:
         self.eos_token_id = eos[0] if eos else None
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            config.max_prefix_tokens, config.min_match_length,
+            config.max_prefix_tokens, config.min_match_length, self.executor.num_host_blocks,
         )
+        swap_cost, recompute_cost = self.executor.preemption_costs()
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                config.scheduler_policy, config.queue_order, config.l2_min_share, config.max_preemptions,
+                config.preemption_mode, swap_cost, recompute_cost,
+            ),
             self.kv_manager, time.monotonic,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -59,8 +65,9 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 2) -> str:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+                    priority: int | None = None) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input.
+        `priority` 1/2/3 (interactive/standard/background); None: classified by length."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._children:
@@ -72,6 +79,9 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
                              f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if priority is None:
+            priority = classify(len(token_ids), params.max_tokens,
+                                self.config.l1_max_prompt_tokens, self.config.l1_max_tokens)
         children = []
         first = None
         for i in range(params.n):

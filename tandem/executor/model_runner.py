@@ -62,6 +62,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.num_host_blocks = config.swap_space // per_block
+        self._host_kv_cache: torch.Tensor | None = None  # allocated at the first swap-out
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
@@ -73,6 +75,22 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request resumes its random stream.
         self.generators: dict[str, torch.Generator | None] = {}
+
+    def preemption_costs(self) -> tuple[float, float]:
+        """Rough seconds per token to swap a request's KV out and back, and to prefill it
+        again: what the scheduler weighs when it picks swap or recompute for a victim."""
+        copy_bandwidth = 20e9  # host memcpy, or PCIe-class host<->device
+        prefill_rate = 50_000.0 if self.device.type == "cuda" else 1_500.0
+        kv_bytes = self.model_config.kv_bytes_per_token(self.dtype)
+        return 2 * kv_bytes / copy_bandwidth, 1.0 / prefill_rate
+
+    def _swap(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all layers, K and V) from src to dst."""
+        shape = lambda t: t.view(t.shape[0], 2, -1, self.block_size, *t.shape[3:])  # noqa: E731
+        src_ids = torch.tensor([a for a, _ in pairs], device=src.device)
+        dst_ids = torch.tensor([b for _, b in pairs], device=dst.device)
+        blocks = shape(src).index_select(2, src_ids).to(dst.device, non_blocking=True)
+        shape(dst).index_copy_(2, dst_ids, blocks)
 
     # ---- persistent batch -----------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -96,10 +114,25 @@ class ModelRunner:
         if new.req_id not in self.generators:
             self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
 
+    @property
+    def host_kv_cache(self) -> torch.Tensor:
+        """The host tier (pinned on GPU machines); zeros, like the device cache, so a
+        masked-out slot never holds NaN."""
+        if self._host_kv_cache is None:
+            _, _, _, heads, dim = self.kv_cache.shape
+            self._host_kv_cache = torch.zeros(
+                self.kv_cache.shape[0], 2, self.num_host_blocks * self.block_size, heads, dim,
+                dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+        return self._host_kv_cache
+
     # ---- one step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        if sched.blocks_to_swap_out:  # before anything can reuse the freed device blocks
+            self._swap(self.kv_cache, self.host_kv_cache, sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self._swap(self.host_kv_cache, self.kv_cache, sched.blocks_to_swap_in)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()

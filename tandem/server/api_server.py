@@ -102,12 +102,16 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def run(prompt_ids, params, priority, rid) -> AsyncIterator:
-        try:
-            async for out in llm.generate(prompt_ids, params, rid, priority):
-                yield out
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+    def run(prompt_ids, params, priority, rid) -> AsyncIterator:
+        stream = llm.generate(prompt_ids, params, rid, priority)  # queued now: counts for 429
+
+        async def outputs():
+            try:
+                async for out in stream:
+                    yield out
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+        return outputs()
 
     async def collect(request: Request, gens: list[AsyncIterator]) -> list:
         """Run to completion, aborting everything if the client goes away."""

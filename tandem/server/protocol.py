@@ -56,8 +56,9 @@ class _SamplingFields(_Base):
         )
 
     @property
-    def priority_level(self) -> int:
-        return PRIORITIES[self.priority] if self.priority is not None else 2
+    def priority_level(self) -> int | None:
+        """1/2/3, or None to let the engine classify the request by its length."""
+        return PRIORITIES[self.priority] if self.priority is not None else None
 
 
 class CompletionRequest(_SamplingFields):
