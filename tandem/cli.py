@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_arguments(p)
     p.set_defaults(func=offline.main)
 
+    from tandem.bench import scheduler as bench_scheduler
+    p = bench.add_parser("scheduler", help="scheduler cost per step with a null executor")
+    bench_scheduler.add_arguments(p)
+    p.set_defaults(func=bench_scheduler.main)
+
     from tandem.bench import serve as bench_serve
     p = bench.add_parser("serve", help="token-level load test of an OpenAI-compatible endpoint")
     bench_serve.add_arguments(p)

@@ -95,7 +95,9 @@ def test_models_tokenize_health_metrics(server):
     assert toks["count"] == len(toks["tokens"]) > 0
     assert httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "hello world"
     for name in ("tandem:time_to_first_token_seconds_count", "tandem:num_requests_running",
-                 "tandem:kv_cache_usage_perc", "tandem:prefix_cache_queries_total", "tandem:generation_tokens_total"):
+                 "tandem:kv_cache_usage_perc", "tandem:prefix_cache_queries_total", "tandem:generation_tokens_total",
+                 "tandem:num_requests_waiting_by_level", "tandem:preemptions_by_mode_total",
+                 "tandem:request_queue_time_seconds_count"):
         metric(url, name)
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
-from tandem.core.queues import WaitingQueues
+from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.request import Request, RequestStatus
 
 
@@ -48,6 +48,22 @@ class SchedulerConfig:
             raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")
 
 
+@dataclass(slots=True)
+class _Step:
+    """Token accounting of one schedule() call."""
+
+    out: SchedulerOutput
+    budget: int
+    l1_cap: int  # L1's tokens this step: the budget less L2's reserve
+    used: int = 0
+    l1_used: int = 0
+    admitted: list[Request] = field(default_factory=list)
+
+    def cap(self, level: int) -> int:
+        left = self.budget - self.used
+        return min(left, self.l1_cap - self.l1_used) if level == 1 else left
+
+
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float]
@@ -60,6 +76,7 @@ class Scheduler:
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
         self.multilevel = config.policy == "multilevel"
+        self._l2_floor = math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
         self.waiting = WaitingQueues(config.queue_order, clock)
         self.running: list[Request] = []  # by level, then admission order
         self.requests: dict[str, Request] = {}
@@ -104,81 +121,135 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Level by level (just one level under fcfs): running requests of the level catch
+        up, then its waiting requests are admitted. Requests admitted this step join the
+        running list at the end, so every victim picked during the step is unscheduled."""
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
-        budget = self.config.max_num_batched_tokens
-        running_levels = Counter(r.level for r in self.running) if self.multilevel else Counter()
-        l2_work = self.multilevel and (running_levels[2] > 0 or self.waiting.count(2) > 0)
-        reserve = int(self.config.l2_min_share * budget) if l2_work else 0
+        cfg, budget = self.config, self.config.max_num_batched_tokens
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
-            self._make_room(out, budget - reserve)
+        l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
+        reserve = int(cfg.l2_min_share * budget) if l2_work else 0
+        step = _Step(out, budget, budget - reserve)
+        i, blocked = 0, False
+        for level in LEVELS if self.multilevel else (2,):
+            i = self._schedule_running(level, i, step)
+            if not self.multilevel and out.preempted_req_ids:
+                break  # memory is short this step: admit nothing new
+            if level == 3 and (blocked or self.waiting.count(1) or self.waiting.count(2)):
+                break  # L3 only on capacity that L1 and L2 leave idle
+            blocked |= not self._admit_waiting(level, i, step)
+        self.running.extend(step.admitted)
+        return out
 
-        used = 0
-        l1_used = 0
-        i = 0
-        while i < len(self.running) and used < budget:
+    def _schedule_running(self, level: int, i: int, step: _Step) -> int:
+        """Catch up the running requests of `level` (from index i); returns the next index.
+        When blocks run short, the lowest-level, newest unscheduled request is preempted."""
+        floor = self._l2_floor if level == 1 else 0
+        while i < len(self.running) and self.running[i].level == level:
             req = self.running[i]
-            cap = budget - used if req.level > 1 else min(budget - used, budget - reserve - l1_used)
+            cap = step.cap(level)
             if cap <= 0:
                 i += 1
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
-            new_block_ids = self.kv.allocate_slots(req, num_new)
+            new_block_ids = self._allocate(req, num_new, step)
+            if new_block_ids is None and num_new > 1:  # a shorter prefill chunk may fit
+                held = self._held_for_l2(step)[1] if level == 1 else 0
+                room = (len(self.kv.req_to_blocks.get(req.request_id, ())) + self.kv.num_free_blocks - held) \
+                    * self.kv.block_size - req.num_computed_tokens
+                if room > 0:
+                    num_new = min(num_new, room)
+                    new_block_ids = self._allocate(req, num_new, step)
             while new_block_ids is None:
-                victim = self._victim(first=i + 1) or req
+                victim = self._victim(i + 1, step, keep_l2=floor, last_resort=True) or req
                 self.running.remove(victim)
-                self._preempt(victim, out)
+                self._preempt(victim, step.out)
                 if victim is req:
                     break
-                new_block_ids = self.kv.allocate_slots(req, num_new)
+                new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None:
                 continue  # req preempted itself; index i now holds the next request
-            out.scheduled_cached_reqs.append(
+            step.out.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
-            self._commit(req, num_new, out)
-            used += num_new
-            l1_used += num_new if req.level == 1 else 0
+            self._commit(req, num_new, step)
             i += 1
+        return i
 
-        if out.preempted_req_ids and not self.multilevel:
-            return out  # memory is short this step: admit nothing new
-        blocked = False  # L3 is admitted only when L1 and L2 have nothing left waiting
-        for level in (1, 2, 3):
-            if level == 3 and (blocked or self.waiting.count(1) or self.waiting.count(2)):
-                break
-            for req in self.waiting.in_order(level):
-                cap = budget - used if level > 1 else min(budget - used, budget - reserve - l1_used)
-                if cap <= 0 or len(self.running) >= self.config.max_num_seqs:
-                    blocked = True
-                    break
-                if req.prefill_after is not None and not self._prefix_ready(req):
-                    continue
-                num_new = self._admit(req, cap, out)
-                if num_new is None:
-                    blocked = True
-                    break
-                used += num_new
-                l1_used += num_new if level == 1 else 0
-        return out
+    def _admit_waiting(self, level: int, i: int, step: _Step) -> bool:
+        """Admit waiting requests of `level` in order; under multilevel, make room by
+        preempting unscheduled lower-level requests (running[i:]). L1 leaves L2 its
+        guaranteed seats and the blocks its running requests need to grow. False when a
+        request had to stay waiting."""
+        for req in self.waiting.in_order(level):
+            cap = step.cap(level)
+            if cap <= 0:
+                return False
+            if req.prefill_after is not None and not self._prefix_ready(req):
+                continue
+            while True:
+                seats_held, blocks_held = self._held_for_l2(step) if level == 1 else (0, 0)
+                if len(self.running) + len(step.admitted) + seats_held < self.config.max_num_seqs:
+                    if self._admit(req, cap, step, blocks_held):
+                        break
+                victim = self._victim(i, step, keep_l2=self._l2_floor if level == 1 else 0) \
+                    if self.multilevel else None
+                if victim is None:
+                    return False
+                self.running.remove(victim)
+                self._preempt(victim, step.out)
+        return True
 
-    def _admit(self, req: Request, cap: int, out: SchedulerOutput) -> int | None:
-        """Take a waiting request into the running batch; None when its blocks do not fit."""
+    def _allocate(self, req: Request, num_new: int, step: _Step) -> list[int] | None:
+        """allocate_slots, except that L1 may not take the blocks held for L2's share."""
+        if req.level == 1:
+            held = self._held_for_l2(step)[1]
+            need = cdiv(req.num_computed_tokens + num_new, self.kv.block_size) - len(self.kv.req_to_blocks.get(req.request_id, ()))
+            if need > self.kv.num_free_blocks - held:
+                return None
+        return self.kv.allocate_slots(req, num_new)
+
+    def _held_for_l2(self, step: _Step) -> tuple[int, int]:
+        """Seats and blocks L1 must leave this step: the blocks the running L2 requests of
+        the guaranteed seats need for their share of the tokens, and, while L2 runs below
+        its guaranteed seats, a seat and blocks for the first waiting L2."""
+        if not self.multilevel or step.l1_cap == step.budget:
+            return 0, 0
+        bs, tokens = self.kv.block_size, step.budget - step.l1_cap
+        l2 = [r for r in self.running if r.level == 2][: self._l2_floor]
+        blocks = 0
+        for r in l2:
+            chunk = max(1, min(r.num_tokens - r.num_computed_tokens, tokens))
+            tokens = max(tokens - chunk, 0)
+            blocks += max(cdiv(r.num_computed_tokens + chunk, bs) - len(self.kv.req_to_blocks.get(r.request_id, ())), 0)
+        if len(l2) >= self._l2_floor or not self.waiting.count(2):
+            return 0, blocks
+        head = self.waiting.in_order(2)[0]
+        return 1, blocks + cdiv(head.num_computed_tokens + max(1, min(head.num_tokens - head.num_computed_tokens, tokens)), bs)
+
+    def _admit(self, req: Request, cap: int, step: _Step, blocks_held: int) -> bool:
+        """Take a waiting request into this step's batch; False when its blocks do not fit."""
+        out, bs = step.out, self.kv.block_size
+        free = self.kv.num_free_blocks - blocks_held
         if req.swapped:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            if cdiv(req.num_computed_tokens + num_new, bs) > free:
+                return False
             swapped_in = self.kv.swap_in(req, num_new)
             if swapped_in is None:
-                return None
+                return False
             pairs, block_ids = swapped_in
             out.blocks_to_swap_in.extend(pairs)
             req.swapped = False
         else:
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, cap)
-            block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
+            need = cdiv(num_hit + num_new, bs) - len(computed_blocks) + sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            block_ids = self.kv.allocate_slots(req, num_new, computed_blocks) if need <= free else None
             if block_ids is None:
-                return None
+                return False
             if req.num_cached_tokens < 0:
                 self.kv.record_prefix_query(req, num_hit)
                 req.num_cached_tokens = num_hit
@@ -186,53 +257,35 @@ class Scheduler:
             req.num_computed_tokens = num_hit
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        step.admitted.append(req)
         out.scheduled_new_reqs.append(NewRequestData(
             req.request_id, list(req.prompt_token_ids), req.output_token_ids,
             req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id,
         ))
-        self._commit(req, num_new, out)
-        return num_new
+        self._commit(req, num_new, step)
+        return True
 
-    def _make_room(self, out: SchedulerOutput, l1_budget: int) -> None:
-        """Preempt lower levels so waiting L1 (then L2) requests fit this step: seats first,
-        then blocks. L1 never takes L2 below its guaranteed seats."""
-        cfg, bs = self.config, self.kv.block_size
-        l2_seats = math.ceil(cfg.l2_min_share * cfg.max_num_seqs)
-        seats = blocks = 0  # already promised to earlier waiting requests this step
-        growth = sum(1 for r in self.running if r.num_computed_tokens % bs == 0)
-        for level in (1, 2):
-            for req in self.waiting.in_order(level):
-                if req.prefill_after is not None and not self._prefix_ready(req):
-                    continue
-                need = cdiv(min(req.num_tokens - req.num_computed_tokens, l1_budget), bs)
-                while (len(self.running) + seats >= cfg.max_num_seqs
-                       or self.kv.num_free_blocks < blocks + need + growth):
-                    victim = self._victim(below=level, keep_l2=l2_seats if level == 1 else 0)
-                    if victim is None:
-                        return
-                    self.running.remove(victim)
-                    self._preempt(victim, out)
-                seats, blocks = seats + 1, blocks + need
-
-    def _victim(self, first: int = 0, below: int = 0, keep_l2: int = 0) -> Request | None:
-        """The lowest-level, most recently admitted running request (from index `first`, of a
-        level above `below` when given), preferring ones not preempted too often yet."""
-        l2_running = sum(1 for r in self.running if r.level == 2) if keep_l2 else 0
+    def _victim(self, first: int, step: _Step, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
+        """The lowest-level, most recently admitted unscheduled request (running[first:])
+        not preempted `max_preemptions` times yet (one that was only as a `last_resort`, when
+        memory must be found); never an L2 that would take L2 below `keep_l2` running."""
+        l2_running = sum(1 for r in self.running if r.level == 2) + sum(1 for r in step.admitted if r.level == 2) \
+            if keep_l2 else 0
         fallback = None
         for req in reversed(self.running[first:]):
-            if below and req.level <= below:
-                break
             if req.level == 2 and keep_l2 and l2_running <= keep_l2:
                 continue
             if req.num_preemptions < self.config.max_preemptions:
                 return req
             fallback = fallback or req
-        return fallback if not below else None
+        return fallback if last_resort else None
 
-    def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
-        out.num_scheduled_tokens[req.request_id] = num_new
-        out.total_num_scheduled_tokens += num_new
+    def _commit(self, req: Request, num_new: int, step: _Step) -> None:
+        step.out.num_scheduled_tokens[req.request_id] = num_new
+        step.out.total_num_scheduled_tokens += num_new
+        step.used += num_new
+        if req.level == 1:
+            step.l1_used += num_new
         req.num_computed_tokens += num_new
 
     def _prefix_ready(self, req: Request) -> bool:

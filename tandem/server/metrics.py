@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+import collections
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tandem.core.queues import LEVELS
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_processor import RequestOutput
 
@@ -49,11 +51,25 @@ class _EngineCollector:
         for name, doc, value in [
             ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.stats.queries),
             ("tandem:prefix_cache_hits", "Prompt tokens served from the prefix cache.", kv.stats.hits),
-            ("tandem:num_preemptions", "Requests preempted (recompute).", s.num_preemptions),
+            ("tandem:num_preemptions", "Requests preempted (swap or recompute).", s.num_preemptions),
         ]:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
             yield c
+        by_mode = CounterMetricFamily("tandem:preemptions_by_mode", "Preemptions by mode.", labels=labels + ["mode"])
+        for mode in ("swap", "recompute"):
+            by_mode.add_metric([self.model, mode], s.preemptions_by_mode[mode])
+        yield by_mode
+        running = collections.Counter(r.level for r in s.running)
+        for name, doc, counts in [
+            ("tandem:num_requests_running_by_level", "Running requests per queue level.", running),
+            ("tandem:num_requests_waiting_by_level", "Waiting requests per queue level.",
+             {level: s.waiting.count(level) for level in LEVELS}),
+        ]:
+            g = GaugeMetricFamily(name, doc, labels=labels + ["level"])
+            for level in LEVELS:
+                g.add_metric([self.model, f"L{level}"], counts.get(level, 0))
+            yield g
 
 
 class ServerMetrics:
@@ -61,11 +77,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model = model
         r, lbl = self.registry, ["model_name"]
-        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY, registry=r)
+        by_level = lbl + ["level"]
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", by_level, buckets=_LATENCY, registry=r)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens.", lbl, buckets=_ITL, registry=r)
         self.tpot = Histogram("tandem:time_per_output_token_seconds", "Decode time per output token.", lbl, buckets=_ITL, registry=r)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency.", lbl, buckets=_LATENCY, registry=r)
-        self.queue = Histogram("tandem:request_queue_time_seconds", "Arrival to first schedule.", lbl, buckets=_LATENCY, registry=r)
+        self.queue = Histogram("tandem:request_queue_time_seconds", "Arrival to first schedule.", by_level, buckets=_LATENCY, registry=r)
         self.prefill = Histogram("tandem:request_prefill_time_seconds", "First schedule to first token.", lbl, buckets=_LATENCY, registry=r)
         self.decode = Histogram("tandem:request_decode_time_seconds", "First token to finish.", lbl, buckets=_LATENCY, registry=r)
         self.step = Histogram("tandem:iteration_time_seconds", "Engine step (iteration) time.", lbl, buckets=_ITL, registry=r)
@@ -89,7 +106,8 @@ class ServerMetrics:
             last = self._last_token.get(out.request_id)
             if last is None:
                 if out.metrics.first_token_time is not None:
-                    self.ttft.labels(self.model).observe(out.metrics.first_token_time - out.metrics.arrival_time)
+                    self.ttft.labels(self.model, f"L{out.priority}").observe(
+                        out.metrics.first_token_time - out.metrics.arrival_time)
             elif new:
                 gap = (now - last) / new
                 for _ in range(new):
@@ -103,7 +121,7 @@ class ServerMetrics:
         t = request_timings(out)
         m = self.model
         self.e2e.labels(m).observe(t["e2e"])
-        self.queue.labels(m).observe(t["queue_time"])
+        self.queue.labels(m, f"L{out.priority}").observe(t["queue_time"])
         self.prefill.labels(m).observe(t["prefill_time"])
         self.decode.labels(m).observe(t["decode_time"])
         num_out = sum(len(o.token_ids) for o in out.outputs)

@@ -1,0 +1,78 @@
+"""`tandem bench scheduler`: scheduling plus bookkeeping cost per step, with no model.
+
+N requests of uneven prompt length are admitted and prefilled; then, in the steady decode
+state, each step is `schedule()` + `update_from_output()` with a null executor that samples
+one token per request. The executor's own cost is not counted."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.request import Request
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import Scheduler, SchedulerConfig
+
+
+def null_execute(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    result = ModelRunnerOutput()
+    for req_id in out.num_scheduled_tokens:
+        req = sched.requests.get(req_id)
+        if req is not None and req.num_computed_tokens == req.num_tokens:
+            result.sampled_token_ids[req_id] = [7]
+    return result
+
+
+def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size: int = 16) -> dict:
+    rng = random.Random(seed)
+    prompts = [rng.randint(16, 2048) for _ in range(num_running)]
+    max_len = 4096
+    blocks = sum(cdiv(p + steps + 8, block_size) for p in prompts) + 1
+    kv = KVCacheManager(max(blocks, cdiv(max_len, block_size)), block_size)
+    cfg = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(num_running, 8192),
+                          max_model_len=max_len, policy=policy)
+    sched = Scheduler(cfg, kv, clock=time.monotonic)
+    params = SamplingParams(max_tokens=steps + 1000, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", [rng.randrange(32000) for _ in range(p)], params,
+                                  priority=rng.choice((1, 2, 3)) if policy == "multilevel" else 2))
+    while len(sched.running) < num_running or any(r.num_output_tokens == 0 for r in sched.running):
+        out = sched.schedule()
+        sched.update_from_output(out, null_execute(sched, out))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        result = null_execute(sched, out)
+        t2 = time.perf_counter()
+        sched.update_from_output(out, result)
+        t3 = time.perf_counter()
+        times.append((t1 - t0) + (t3 - t2))
+    return {"running": num_running, "policy": policy, "steps": steps,
+            "ms_per_step_median": statistics.median(times) * 1e3,
+            "ms_per_step_mean": statistics.fmean(times) * 1e3,
+            "us_per_request": statistics.median(times) * 1e6 / num_running}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--running", default="64,256,1024,4096", help="comma-separated running request counts")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--policy", choices=["fcfs", "multilevel"], default="fcfs")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def main(args: argparse.Namespace) -> dict:
+    rows = [measure(int(n), args.steps, args.policy) for n in args.running.split(",")]
+    print(f"{'running':>8} {'ms/step (median)':>17} {'ms/step (mean)':>15} {'us/request':>11}")
+    for r in rows:
+        print(f"{r['running']:>8} {r['ms_per_step_median']:>17.3f} {r['ms_per_step_mean']:>15.3f} {r['us_per_request']:>11.2f}")
+    report = {"policy": args.policy, "results": rows}
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report

@@ -1,0 +1,1094 @@
+"""Multi-level queues (L1 interactive / L2 standard / L3 background), iteration-level
+preemption, and swap to the host block tier.
+
+Driven without a model, like tests/test_scheduler.py, by a fake executor that mirrors
+everything the executor is told (block tables, computed positions, and now a host tier).
+The "KV" of a device slot is modelled as the token id written there, so a block's content
+is the tuple of token ids in it: swap-outs copy device contents to the host map and swap-ins
+copy them back before the step runs, and after every step each request's blocks must hold
+exactly its tokens. That catches wrong swap pairs, a host block reused before it was read, a
+device block handed out twice, a wrong num_computed_tokens on resume, and bad prefix hits.
+
+Sampled tokens are a deterministic function of (request id, the sequence so far), so the
+outputs of a workload must not depend on the policy, the preemption mode or the pool size.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+from hypothesis import event, given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.request import Request, RequestStatus
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import Scheduler, SchedulerConfig
+
+EOS = 0
+VOCAB = 50
+
+
+def fake_token(req_id: str, tokens: list[int]) -> int:
+    """Deterministic in (id, sequence so far); EOS (0) now and then."""
+    return zlib.crc32(f"{req_id}/{','.join(map(str, tokens))}".encode()) % VOCAB
+
+
+class Clock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+               max_model_len=None, policy="multilevel", preemption_mode="recompute",
+               num_host_blocks=0, enable_caching=True, clock=None, **cfg_kw) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size=block_size, enable_caching=enable_caching,
+                        num_host_blocks=num_host_blocks)
+    max_model_len = max_model_len or min(128, num_blocks * block_size)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, policy=policy,
+                          preemption_mode=preemption_mode, **cfg_kw)
+    return Scheduler(cfg, kv, clock=clock or Clock())
+
+
+def make_req(rid, tokens, max_tokens=4, priority=2, eos=None, arrival=0.0) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), eos_token_id=eos,
+                   priority=priority, arrival_time=arrival)
+
+
+# =====================================================================================
+# Fake executor with a host tier
+# =====================================================================================
+
+class SwapExecutor:
+    """Mirrors block tables, positions, token lists and block *contents* (device and host)
+    from the SchedulerOutputs alone, and checks them against the scheduler."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.bs = sched.kv.block_size
+        self.dev: dict[int, list[int | None]] = {}
+        self.host: dict[int, list[int | None]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.pos: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.out_on_host: dict[str, tuple[list[int], int]] = {}  # rid -> (host blocks, computed)
+        self.num_swap_outs = self.num_swap_ins = 0
+
+    def _slot(self, table, store, p):
+        return store.setdefault(table[p // self.bs], [None] * self.bs)
+
+    def _check_content(self, rid: str, upto: int, what: str) -> None:
+        table, toks = self.tables[rid], self.tokens[rid]
+        assert len(table) * self.bs >= upto
+        for p in range(upto):
+            got = self._slot(table, self.dev, p)[p % self.bs]
+            assert got == toks[p], f"{what}: {rid} position {p} holds {got}, expected {toks[p]}"
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        s, bs = self.s, self.bs
+        ids_new = [r.req_id for r in out.scheduled_new_reqs]
+        ids_cached = [r.req_id for r in out.scheduled_cached_reqs]
+        assert len(set(ids_new + ids_cached)) == len(ids_new) + len(ids_cached)
+        assert set(ids_new + ids_cached) == set(out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        # A request preempted this step can only be scheduled again as a new request.
+        assert not set(ids_cached) & out.preempted_req_ids
+        for rid in out.finished_req_ids:
+            self.out_on_host.pop(rid, None)
+        held = {h for hosts, _ in self.out_on_host.values() for h in hosts}
+
+        # 1. swap-outs, before anything: each victim's whole table, in order.
+        pairs = list(out.blocks_to_swap_out)
+        assert len({h for _, h in pairs}) == len(pairs), "host block written twice in one step"
+        victims = [rid for rid in self.tables if rid in out.preempted_req_ids]
+        k = 0
+        while k < len(pairs):
+            match = next((rid for rid in victims
+                          if [d for d, _ in pairs[k:k + len(self.tables[rid])]] == self.tables[rid]),
+                         None)
+            assert match is not None, f"swap-out pairs {pairs[k:]} match no preempted table"
+            victims.remove(match)
+            hosts = [h for _, h in pairs[k:k + len(self.tables[match])]]
+            for d, h in pairs[k:k + len(self.tables[match])]:
+                assert h not in held, f"host block {h} still held by a swapped request"
+                self.host[h] = list(self.dev.setdefault(d, [None] * bs))
+            self.out_on_host[match] = (hosts, self.pos[match])
+            held |= set(hosts)
+            k += len(self.tables[match])
+            self.num_swap_outs += 1
+
+        # 2. swap-ins, then forget finished / preempted requests.
+        for h, d in out.blocks_to_swap_in:  # (host, device)
+            assert h in self.host, f"swap-in from host block {h}, never written"
+            self.dev[d] = list(self.host[h])
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tables.pop(rid, None)
+            self.pos.pop(rid, None)
+
+        expected_in = []
+        for r in out.scheduled_new_reqs:
+            assert r.req_id not in self.tables, "new request the executor already holds"
+            self.tables[r.req_id] = list(r.block_ids)
+            self.pos[r.req_id] = r.num_computed_tokens
+            self.tokens[r.req_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
+            if r.req_id in self.out_on_host:
+                hosts, computed = self.out_on_host.pop(r.req_id)
+                assert r.num_computed_tokens == computed, "swapped-in request lost progress"
+                expected_in += list(zip(hosts, r.block_ids[:len(hosts)]))
+                self.num_swap_ins += 1
+            # prefix hits and swapped-in blocks must already hold the request's tokens
+            self._check_content(r.req_id, r.num_computed_tokens, "resume")
+        assert expected_in == list(out.blocks_to_swap_in), "swap-in pairs differ from the swap-outs"
+        for r in out.scheduled_cached_reqs:
+            assert r.req_id in self.tables, "cached request the executor dropped"
+            assert self.pos[r.req_id] == r.num_computed_tokens, "gap or overlap in KV"
+            self.tables[r.req_id].extend(r.new_block_ids)
+
+        # 3. the step: write each scheduled token's "KV" into its slot.
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            table, toks, p0 = self.tables[rid], self.tokens[rid], self.pos[rid]
+            assert p0 + n <= len(toks)
+            for p in range(p0, p0 + n):
+                self._slot(table, self.dev, p)[p % bs] = toks[p]
+            self.pos[rid] = p0 + n
+            req = s.requests.get(rid)
+            if req is None:  # aborted between schedule and execute
+                continue
+            assert req.all_token_ids == toks, "executor and scheduler disagree on tokens"
+            assert self.pos[rid] == req.num_computed_tokens
+            assert table == s.kv.block_ids(req), "executor block table diverged"
+            if n > 0 and self.pos[rid] == len(toks):
+                sampled[rid] = [fake_token(rid, toks)]
+                toks.append(sampled[rid][0])
+        # every live request's blocks hold its tokens (not just the scheduled ones)
+        for rid in self.tables:
+            if rid in s.requests:
+                self._check_content(rid, self.pos[rid], "after step")
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+# =====================================================================================
+# Invariants
+# =====================================================================================
+
+def check_state(s: Scheduler) -> None:
+    kv, pool, cfg = s.kv, s.kv.pool, s.config
+    running_ids = [r.request_id for r in s.running]
+    waiting = list(s.waiting)
+    waiting_ids = [r.request_id for r in waiting]
+    assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
+    assert not set(running_ids) & set(waiting_ids)
+    assert set(running_ids) | set(waiting_ids) == set(s.requests)
+    assert len(s.running) <= cfg.max_num_seqs
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING and not r.swapped
+        assert len(kv.block_ids(r)) == cdiv(r.num_computed_tokens, kv.block_size)
+        assert 0 < r.num_computed_tokens <= r.num_tokens
+    for level in (1, 2, 3):
+        for r in s.waiting.queues[level]:
+            assert r.level == level
+    for r in list(s.running) + waiting:
+        assert r.level == (r.priority if cfg.policy == "multilevel" else 2)
+    for r in waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if r.swapped:
+            assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens > 0
+            hosts = kv.req_to_host_blocks[r.request_id]
+            assert len(hosts) == cdiv(r.num_computed_tokens, kv.block_size)
+        else:
+            assert r.num_computed_tokens == 0
+    # device: ref counts are the number of running requests holding each block
+    assert set(kv.req_to_blocks) <= set(running_ids)
+    refs = [0] * pool.num_blocks
+    for rid, blocks in kv.req_to_blocks.items():
+        ids = [b.block_id for b in blocks]
+        assert len(ids) == len(set(ids)), f"{rid} owns a block twice"
+        for i in ids:
+            refs[i] += 1
+    assert refs == [b.ref_cnt for b in pool.blocks]
+    assert kv.num_free_blocks + sum(1 for x in refs if x) == pool.num_blocks
+    # host: free + held by swapped + pending == all, nothing twice
+    swapped = {r.request_id for r in waiting if r.swapped}
+    assert swapped == set(kv.req_to_host_blocks), "swapped requests != holders of host blocks"
+    held = [h for hs in kv.req_to_host_blocks.values() for h in hs]
+    every = held + list(kv._host_free) + list(kv._host_pending)
+    assert len(every) == len(set(every)), "a host block is in two places"
+    assert sorted(every) == list(range(kv.num_host_blocks))
+
+
+def l1_limit(s: Scheduler) -> int:
+    b = s.config.max_num_batched_tokens
+    return b - int(s.config.l2_min_share * b)
+
+
+def l2_has_work(s: Scheduler) -> bool:
+    return any(r.level == 2 for r in s.running) or s.waiting.count(2) > 0
+
+
+# =====================================================================================
+# Driver
+# =====================================================================================
+
+class Driver:
+    def __init__(self, sched: Scheduler, clock: Clock | None = None, tick: float = 0.0) -> None:
+        self.s = sched
+        self.ex = SwapExecutor(sched)
+        self.clock, self.tick = clock, tick
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str | None] = {}
+        self.outputs: list[SchedulerOutput] = []
+        self.pending_finished: set[str] = set()
+        self.level_of: dict[str, int] = {}
+        self.readmitted_same_step = 0  # preempted and admitted again within one schedule()
+
+    def add(self, req: Request) -> Request:
+        self.s.add_request(req)
+        self.tokens[req.request_id] = []
+        self.level_of[req.request_id] = req.level
+        return req
+
+    def schedule(self) -> SchedulerOutput:
+        s = self.s
+        l2_work = s.config.policy == "multilevel" and l2_has_work(s)
+        before = {r.request_id: (r.num_computed_tokens, r.swapped) for r in s.waiting}
+        n_pre = s.num_preemptions
+        out = s.schedule()
+        assert out.finished_req_ids == self.pending_finished
+        self.pending_finished = set()
+        assert 0 <= out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        assert len(s.running) <= s.config.max_num_seqs
+        assert s.num_preemptions - n_pre == len(out.preempted_req_ids)
+        assert sum(s.preemptions_by_mode.values()) == s.num_preemptions
+        if l2_work:
+            l1 = sum(n for rid, n in out.num_scheduled_tokens.items() if self.level_of[rid] == 1)
+            assert l1 <= l1_limit(s), f"L1 took {l1} tokens of {s.config.max_num_batched_tokens}"
+        for rid in out.preempted_req_ids:
+            req = s.requests[rid]
+            if req.status == RequestStatus.RUNNING:  # preempted and re-admitted in one step
+                self.readmitted_same_step += 1
+                continue
+            assert req.status == RequestStatus.PREEMPTED and req in s.waiting
+            assert rid not in s.kv.req_to_blocks
+            if req.swapped:
+                assert s.config.preemption_mode != "recompute"
+                assert rid in s.kv.req_to_host_blocks
+            else:
+                assert req.num_computed_tokens == 0
+        for new in out.scheduled_new_reqs:  # a swapped request resumes where it was
+            if new.req_id in before and before[new.req_id][1]:
+                assert new.num_computed_tokens == before[new.req_id][0]
+        check_state(s)
+        self.outputs.append(out)
+        return out
+
+    def finish_step(self, out: SchedulerOutput):
+        res = self.ex.execute(out)
+        before = set(self.s.requests)
+        core = self.s.update_from_output(out, res)
+        for o in core:
+            self.tokens[o.req_id].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.finish[o.req_id] = o.finish_reason
+        self.pending_finished |= before - set(self.s.requests)
+        check_state(self.s)
+        if self.clock is not None:
+            self.clock.t += self.tick
+        return core
+
+    def step(self) -> SchedulerOutput:
+        out = self.schedule()
+        self.finish_step(out)
+        return out
+
+    def abort(self, rids):
+        before = set(self.s.requests)
+        self.s.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)
+        gone = before - set(self.s.requests)
+        for rid in gone:
+            self.finish[rid] = "abort"
+        self.pending_finished |= gone
+        check_state(self.s)
+
+    def run(self, max_steps=5_000) -> int:
+        steps = 0
+        while self.s.num_unfinished:
+            self.step()
+            steps += 1
+            assert steps < max_steps, "no progress"
+        return steps
+
+    def first_scheduled(self) -> dict[str, int]:
+        first = {}
+        for i, o in enumerate(self.outputs):
+            for r in o.scheduled_new_reqs:
+                first.setdefault(r.req_id, i)
+        return first
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+# =====================================================================================
+# Levels and config
+# =====================================================================================
+
+def test_level_is_priority_under_multilevel_and_2_under_fcfs():
+    for policy, want in (("multilevel", [1, 2, 3]), ("fcfs", [2, 2, 2])):
+        s = make_sched(policy=policy)
+        reqs = [make_req(f"p{p}", [1, 2], priority=p) for p in (1, 2, 3)]
+        for r in reqs:
+            s.add_request(r)
+        assert [r.level for r in reqs] == want
+        assert [s.waiting.count(level) for level in (1, 2, 3)] == [want.count(1), want.count(2), want.count(3)]
+
+
+def test_bad_config_and_priority_are_rejected():
+    for kw in (dict(policy="lifo"), dict(preemption_mode="disk"), dict(l2_min_share=1.0),
+               dict(l2_min_share=-0.1)):
+        with pytest.raises(ValueError):
+            SchedulerConfig(**kw)
+    s = make_sched()
+    with pytest.raises(ValueError):
+        s.add_request(make_req("x", [1], priority=0))
+    assert not s.requests
+
+
+# =====================================================================================
+# L1 admission: seats
+# =====================================================================================
+
+def _seats_full_of_l2_l3(mode="recompute", **kw):
+    """max_num_seqs=4: L2 a, b and L3 c, d decoding (c admitted before d)."""
+    s = make_sched(max_num_seqs=4, preemption_mode=mode, l2_min_share=0.2, **kw)  # L2 floor: 1 seat
+    d = Driver(s)
+    for rid, p in (("a", 2), ("b", 2), ("c", 3), ("d", 3)):
+        d.add(make_req(rid, [1, 2, 3], max_tokens=50, priority=p))
+    d.step()
+    d.step()
+    assert ids(s.running) == ["a", "b", "c", "d"]
+    return s, d
+
+
+def test_l1_takes_a_seat_from_the_newest_l3_then_l3_then_l2_down_to_the_floor():
+    s, d = _seats_full_of_l2_l3()
+    expect = [("e", {"d"}), ("f", {"c"}), ("g", {"b"})]
+    for rid, victims in expect:
+        d.add(make_req(rid, [7, 8, 9], max_tokens=50, priority=1))
+        out = d.step()
+        assert rid in {r.req_id for r in out.scheduled_new_reqs}, f"L1 {rid} did not enter at once"
+        assert out.preempted_req_ids == victims
+    # a is the last L2 and ceil(0.2 * 4) = 1 seat is kept for L2: h must wait
+    d.add(make_req("h", [7, 8, 9], max_tokens=50, priority=1))
+    out = d.step()
+    assert not out.preempted_req_ids and "h" not in out.num_scheduled_tokens
+    assert sorted(ids(s.running)) == ["a", "e", "f", "g"]
+    assert ids(s.waiting) == ["h", "b", "c", "d"]  # preempted L3s resume in admission order
+    assert s.preemptions_by_mode == {"recompute": 3}
+
+
+def test_l1_preempts_only_for_the_l1s_this_steps_budget_admits():
+    """4 L1s with 8-token prompts arrive at once and the budget is 8: one L1 gets in this
+    step, so only one L3 seat is taken (not four L3s preempted for L1s that wait anyway)."""
+    s = make_sched(max_num_seqs=4, max_num_batched_tokens=8)
+    d = Driver(s)
+    for rid in "wxyz":
+        d.add(make_req(rid, [1, 2], max_tokens=50, priority=3))
+    d.step()
+    for i in range(4):
+        d.add(make_req(f"q{i}", range(10, 18), max_tokens=2, priority=1))
+    out = d.step()
+    assert out.preempted_req_ids == {"z"}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["q0"]
+
+
+def test_l1_never_preempts_l1():
+    s = make_sched(max_num_seqs=2, num_blocks=64)
+    d = Driver(s)
+    for rid in "ab":
+        d.add(make_req(rid, [1, 2, 3], max_tokens=20, priority=1))
+    d.step()
+    d.add(make_req("c", [4, 5], max_tokens=2, priority=1))
+    for _ in range(5):
+        out = d.step()
+        assert not out.preempted_req_ids and "c" not in out.num_scheduled_tokens
+    assert s.num_preemptions == 0
+
+
+def test_seat_preemption_happens_under_fcfs_never():
+    s, d = _seats_full_of_l2_l3(policy="fcfs")
+    d.add(make_req("e", [7, 8, 9], max_tokens=50, priority=1))
+    out = d.step()
+    assert not out.preempted_req_ids and "e" not in out.num_scheduled_tokens
+
+
+def test_l2_waiting_takes_seats_from_l3_only():
+    s, d = _seats_full_of_l2_l3()
+    d.add(make_req("x", [7, 8], max_tokens=5, priority=2))
+    out = d.step()
+    assert out.preempted_req_ids == {"d"} and "x" in out.num_scheduled_tokens
+    d.add(make_req("y", [7, 8], max_tokens=5, priority=2))
+    out = d.step()
+    assert out.preempted_req_ids == {"c"} and "y" in out.num_scheduled_tokens
+    d.add(make_req("z", [7, 8], max_tokens=5, priority=2))
+    out = d.step()  # only L2 left running: z waits, no L2 is preempted for it
+    assert not out.preempted_req_ids and "z" not in out.num_scheduled_tokens
+
+
+# =====================================================================================
+# L1 admission: blocks
+# =====================================================================================
+
+def _blocks_full(l1_prompt_len):
+    """6 blocks of 4, all held: L2 a, L2 b, L3 c (2 blocks each, at 7 tokens, so no decode
+    needs a new block this step). An L1 arrives needing ceil(len/4) blocks."""
+    s = make_sched(num_blocks=6, block_size=4, max_model_len=24, max_num_seqs=8, l2_min_share=0.0)
+    d = Driver(s)
+    for rid, p in (("a", 2), ("b", 2), ("c", 3)):
+        d.add(make_req(rid, range(10 * ord(rid), 10 * ord(rid) + 7), max_tokens=10, priority=p))
+    d.step()
+    assert s.kv.num_free_blocks == 0
+    d.add(make_req("e", range(1, l1_prompt_len + 1), max_tokens=3, priority=1))
+    return s, d
+
+
+def test_l1_short_of_blocks_preempts_l3_first():
+    s, d = _blocks_full(8)  # 2 blocks: c is enough
+    out = d.step()
+    assert "e" in out.num_scheduled_tokens and out.preempted_req_ids == {"c"}
+
+
+def test_l1_short_of_blocks_preempts_l3_then_l2():
+    s, d = _blocks_full(12)  # 3 blocks: c, then the newest L2 (b)
+    out = d.step()
+    assert "e" in out.num_scheduled_tokens and out.preempted_req_ids == {"b", "c"}
+    assert sorted(ids(s.running)) == ["a", "e"]
+
+
+def test_l1_preempts_no_more_than_it_needs():
+    """pool 4 x 4: L2 a and L3 b hold 2 blocks each at 8 tokens, so each needs a new block
+    for its next decode. L1 e needs 1 block. Preempting b frees 2: e (1) and a's decode (1)
+    both fit, so a must not be preempted. _make_room counts `growth` once before the loop and
+    keeps counting b's growth after b is gone, so it also preempts a."""
+    s = make_sched(num_blocks=4, block_size=4, max_model_len=16, l2_min_share=0.0)
+    d = Driver(s)
+    d.add(make_req("a", range(1, 9), max_tokens=6, priority=2))
+    d.add(make_req("b", range(11, 19), max_tokens=6, priority=3))
+    d.step()
+    assert s.kv.num_free_blocks == 0
+    d.add(make_req("e", [5, 6, 7], max_tokens=2, priority=1))
+    out = d.step()
+    assert "e" in out.num_scheduled_tokens
+    assert out.preempted_req_ids == {"b"}, f"preempted {sorted(out.preempted_req_ids)}, only b was needed"
+    assert "a" in out.num_scheduled_tokens
+
+
+def test_l1_enters_next_step_while_l3_prefill_holds_the_token_budget():
+    """An L3 prefill chunk takes the whole budget in the running loop (it runs before
+    admission), so a newly arrived L1 gets cap 0 and waits until the L3 prompt is done."""
+    s = make_sched(num_blocks=64, max_num_batched_tokens=8, max_model_len=128)
+    d = Driver(s)
+    d.add(make_req("bg", range(1, 61), max_tokens=2, priority=3))  # 60 tokens: 8 chunks
+    d.step()
+    d.add(make_req("q", [5, 6, 7], max_tokens=2, priority=1))
+    out = d.step()
+    assert "q" in out.num_scheduled_tokens, (
+        f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}")
+
+
+def test_l1_enters_next_step_while_l3_prefill_needs_the_blocks():
+    """Same with memory: _make_room only counts one growth block per running request whose
+    num_computed_tokens is block-aligned, but the L3's next prefill chunk takes 4 blocks in
+    the running loop, leaving none for the L1 admitted after it."""
+    s = make_sched(num_blocks=8, block_size=4, max_num_batched_tokens=16, max_model_len=32)
+    d = Driver(s)
+    d.add(make_req("bg", range(1, 31), max_tokens=2, priority=3))  # 30 tokens: 16 + 14
+    d.step()
+    assert s.kv.num_free_blocks == 4
+    d.add(make_req("q", [5, 6], max_tokens=2, priority=1))  # 1 block, 2 tokens
+    out = d.step()
+    assert "q" in out.num_scheduled_tokens, (
+        f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}")
+
+
+def test_swapped_l1_resumes_next_step_by_preempting_l2():
+    """A swapped-out L1 needs cdiv(num_computed + 1, bs) device blocks to come back, but
+    _make_room asks only for cdiv(num_new_tokens, bs) (1 block for a decode), so it does not
+    preempt the running L2 and the L1 cannot be swapped in."""
+    s = make_sched(num_blocks=10, block_size=4, max_model_len=40, max_num_batched_tokens=64,
+                   preemption_mode="swap", num_host_blocks=10, l2_min_share=0.0)
+    d = Driver(s)
+    d.add(make_req("A", range(1, 13), max_tokens=2, priority=1))  # 3 blocks
+    d.add(make_req("B", range(21, 45), max_tokens=8, priority=1))  # 6 blocks
+    d.step()
+    assert s.kv.num_free_blocks == 1
+    d.add(make_req("X", range(51, 71), max_tokens=8, priority=2))  # 20 tokens: 5 blocks
+    out = d.step()  # A takes the last block; B has none: B swaps itself out, X gets in
+    assert out.preempted_req_ids == {"B"} and s.requests["B"].swapped
+    assert "X" in out.num_scheduled_tokens and "A" not in s.requests  # A finished
+    # Now: X holds 5 blocks, 5 free, B needs cdiv(25, 4) = 7: only preempting X lets B in.
+    assert s.kv.num_free_blocks == 5
+    out = d.step()
+    assert "B" in out.num_scheduled_tokens, "swapped L1 B not resumed though L2 X could be preempted"
+    assert out.preempted_req_ids == {"X"}
+
+
+# =====================================================================================
+# L2 share
+# =====================================================================================
+
+def test_l2_keeps_its_token_share_against_long_l1_prompts():
+    s = make_sched(max_num_batched_tokens=20, l2_min_share=0.25, num_blocks=256, max_model_len=256)
+    d = Driver(s)
+    d.add(make_req("l2run", [1, 2, 3], max_tokens=30, priority=2))
+    d.step()
+    for i in range(3):
+        d.add(make_req(f"l1_{i}", range(1, 101), max_tokens=2, priority=1))
+    d.add(make_req("l2wait", range(200, 260), max_tokens=2, priority=2))
+    for _ in range(6):
+        out = d.step()
+        l1 = sum(n for r, n in out.num_scheduled_tokens.items() if r.startswith("l1"))
+        l2 = sum(n for r, n in out.num_scheduled_tokens.items() if r.startswith("l2"))
+        assert l1 <= 20 - 5 and l1 > 0
+        assert l2 >= 5 and out.num_scheduled_tokens.get("l2run") == 1
+        assert out.total_num_scheduled_tokens == 20
+
+
+def test_l1_takes_the_whole_budget_when_l2_has_no_work():
+    s = make_sched(max_num_batched_tokens=20, l2_min_share=0.25, num_blocks=256, max_model_len=256)
+    d = Driver(s)
+    d.add(make_req("q", range(1, 101), max_tokens=2, priority=1))
+    d.add(make_req("bg", [1, 2, 3], max_tokens=30, priority=3))
+    for _ in range(4):
+        out = d.step()
+        assert out.num_scheduled_tokens == {"q": 20}  # nothing is reserved for L3
+
+
+def test_l2_is_not_starved_by_saturating_l1_traffic():
+    s = make_sched(max_num_batched_tokens=16, l2_min_share=0.25, max_num_seqs=8,
+                   num_blocks=2048, max_model_len=128)
+    d = Driver(s)
+    d.add(make_req("l2", range(1, 31), max_tokens=10, priority=2))
+    l2 = s.requests["l2"]
+    n = 0
+    for step in range(200):
+        for _ in range(2):
+            d.add(make_req(f"q{n}", range(1, 21), max_tokens=3, priority=1))
+            n += 1
+        before = l2.num_computed_tokens
+        out = d.step()
+        if "l2" not in s.requests:
+            break
+        assert l2.status == RequestStatus.RUNNING
+        assert l2.num_computed_tokens > before, f"L2 did not advance at step {step}"
+        assert sum(v for k, v in out.num_scheduled_tokens.items() if k != "l2") <= 12
+    assert d.finish["l2"] == "length" and step < 20
+
+
+def _l2_under_l1_flood_with_tight_memory(mode, steps=100):
+    """A 24-block pool that steady L1 traffic (2 arrivals a step, 20-token prompts) keeps
+    full, and one L2 (30-token prompt, 10 new tokens). Returns the steps where the L2 was
+    running when schedule() was called yet got no tokens, and whether it finished."""
+    s = make_sched(max_num_batched_tokens=16, l2_min_share=0.25, max_num_seqs=8, num_blocks=24,
+                   block_size=4, max_model_len=64, preemption_mode=mode, num_host_blocks=64)
+    d = Driver(s)
+    l2 = d.add(make_req("l2", range(1, 31), max_tokens=10, priority=2))
+    n, stalls = 0, []
+    for step in range(steps):
+        for _ in range(2):
+            if s.waiting.count(1) < 6:
+                d.add(make_req(f"q{n}", range(100 + n, 120 + n), max_tokens=6, priority=1))
+                n += 1
+        running = l2.status == RequestStatus.RUNNING
+        out = d.step()
+        if running and not out.num_scheduled_tokens.get("l2"):
+            stalls.append((step, sorted(out.preempted_req_ids)))
+        if "l2" not in s.requests:
+            break
+    return stalls, d.finish.get("l2"), l2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_l2_finishes_under_saturating_l1_traffic_when_memory_is_tight(mode):
+    """Swap mode: an L1 prefill chunk that needs blocks picks the running L2 as victim
+    (running-loop _victim ignores the L2 seat floor); swapped out, the L2 needs
+    cdiv(num_computed + 1, bs) blocks at once, L1 admissions (done before L2's) take every
+    block that frees up, and _make_room lets a waiting L2 preempt only L3. The L2 never
+    comes back: starved for good although it has work and a reserved token share."""
+    stalls, finish, l2 = _l2_under_l1_flood_with_tight_memory(mode)
+    assert finish == "length", (
+        f"L2 not done after 100 steps: {l2.num_computed_tokens} computed, swapped={l2.swapped}, "
+        f"{l2.num_preemptions} preemptions")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_running_l2_advances_every_step_when_memory_is_tight(mode):
+    """'Under saturating L1 traffic L2 still advances every step (if it has running
+    requests)': with a tight pool the running L2 is preempted by L1 growth instead (and the
+    blocks it frees admit new L1s in the same step)."""
+    stalls, finish, l2 = _l2_under_l1_flood_with_tight_memory(mode)
+    assert not stalls, f"running L2 got no tokens at (step, preempted): {stalls[:5]}"
+
+
+def test_l2_seat_share_holds_for_waiting_l2():
+    """The docstring promises L2 'a guaranteed share of the token budget and seats whenever
+    it has work'. With max_num_seqs=2 and l2_min_share=0.5 (1 seat), L1 admission fills
+    both seats while an L2 waits, and with steady L1 traffic the L2 never gets in."""
+    s = make_sched(max_num_seqs=2, l2_min_share=0.5, max_num_batched_tokens=32, num_blocks=256)
+    d = Driver(s)
+    d.add(make_req("l2", [1, 2, 3], max_tokens=2, priority=2))
+    n = 0
+    for _ in range(30):
+        while s.waiting.count(1) < 2:
+            d.add(make_req(f"q{n}", [4, 5, 6], max_tokens=4, priority=1))
+            n += 1
+        d.step()
+        if "l2" in d.finish:
+            break
+    assert "l2" in d.finish, "waiting L2 never got a seat under steady L1 traffic"
+
+
+# =====================================================================================
+# L3
+# =====================================================================================
+
+def test_l3_waits_while_an_l2_is_left_waiting():
+    s = make_sched(num_blocks=6, block_size=4, max_model_len=24)
+    d = Driver(s)
+    d.add(make_req("a", range(1, 17), max_tokens=3, priority=2))  # 4 blocks
+    d.add(make_req("b", range(21, 37), max_tokens=3, priority=2))  # 4 blocks: does not fit
+    d.add(make_req("c", [5, 6, 7], max_tokens=2, priority=3))  # 1 block: would fit
+    out = d.step()
+    assert set(out.num_scheduled_tokens) == {"a"}
+    while "b" not in s.running and s.num_unfinished:
+        out = d.step()
+        if "b" not in {r.request_id for r in s.running}:
+            assert "c" not in out.num_scheduled_tokens, "L3 admitted while L2 b waits"
+        else:
+            break
+    d.run()
+    first = d.first_scheduled()
+    assert first["c"] >= first["b"]
+
+
+def test_l3_is_admitted_on_idle_capacity_and_is_preempted_first_for_growth():
+    s = make_sched(num_blocks=5, block_size=2, max_model_len=10, l2_min_share=0.0)
+    d = Driver(s)
+    d.add(make_req("old3", [1, 2], max_tokens=8, priority=3))
+    d.step()  # alone: L3 runs on idle capacity
+    d.add(make_req("a", [3, 4], max_tokens=8, priority=2))
+    d.add(make_req("b", [5, 6], max_tokens=8, priority=1))
+    d.step()
+    assert {r.request_id for r in s.running} == {"old3", "a", "b"}
+    while not any(o.preempted_req_ids for o in d.outputs):
+        d.step()
+    first = next(o.preempted_req_ids for o in d.outputs if o.preempted_req_ids)
+    assert first == {"old3"}  # oldest of all, but the lowest level
+
+
+def test_fcfs_treats_priority_3_like_any_other():
+    s = make_sched(policy="fcfs", num_blocks=6, block_size=4, max_model_len=24)
+    d = Driver(s)
+    d.add(make_req("c", [5, 6, 7], max_tokens=2, priority=3))
+    d.add(make_req("a", [1, 2, 3], max_tokens=2, priority=1))
+    out = d.step()
+    assert set(out.num_scheduled_tokens) == {"a", "c"}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["c", "a"]
+
+
+# =====================================================================================
+# Resume order, max_preemptions
+# =====================================================================================
+
+def test_preempted_requests_resume_ahead_of_newer_requests_of_their_level():
+    s, d = _seats_full_of_l2_l3()
+    for rid in ("e", "f"):
+        d.add(make_req(rid, [7, 8, 9], max_tokens=3, priority=1))
+        d.step()
+    assert ids(s.waiting) == ["c", "d"]
+    d.add(make_req("late3", [1, 2], max_tokens=2, priority=3))
+    assert ids(s.waiting) == ["c", "d", "late3"]
+    d.run()
+    first = d.first_scheduled()
+    # the second admission of c and d (their resume) comes before late3's first
+    resumes = {}
+    for i, o in enumerate(d.outputs):
+        for r in o.scheduled_new_reqs:
+            resumes.setdefault(r.req_id, []).append(i)
+    assert resumes["c"][1] <= resumes["d"][1] <= first["late3"]
+    assert set(d.finish.values()) == {"length"}
+
+
+def test_max_preemptions_shields_a_request_from_l1_admission():
+    s = make_sched(max_num_seqs=2, max_preemptions=1, l2_min_share=0.0)
+    d = Driver(s)
+    d.add(make_req("x", [1, 2], max_tokens=40, priority=3))
+    d.add(make_req("y", [3, 4], max_tokens=40, priority=3))
+    d.step()
+    d.add(make_req("a", [5, 6], max_tokens=1, priority=1))
+    out = d.step()
+    assert out.preempted_req_ids == {"y"} and s.requests["y"].num_preemptions == 1
+    out = d.step()  # a finished: y comes back
+    assert "y" in {r.req_id for r in out.scheduled_new_reqs}
+    d.add(make_req("b", [5, 6], max_tokens=30, priority=1))
+    out = d.step()  # y is newest but used up its preemptions: x goes instead
+    assert out.preempted_req_ids == {"x"} and "b" in out.num_scheduled_tokens
+    d.add(make_req("c", [5, 6], max_tokens=2, priority=1))
+    out = d.step()  # only y is left to take: c waits
+    assert not out.preempted_req_ids and "c" not in out.num_scheduled_tokens
+    assert s.requests["y"].num_preemptions == 1
+
+
+def test_max_preemptions_victim_for_growth_only_as_last_resort():
+    def scenario(mark):
+        s = make_sched(policy="fcfs", num_blocks=5, block_size=4, max_model_len=20, max_preemptions=1)
+        d = Driver(s)
+        for i, r in enumerate("abcd"):  # a, b at 4 tokens need a block next step; c, d at 3 not
+            d.add(make_req(r, range(10 * i + 1, 10 * i + (5 if r in "ab" else 4)), max_tokens=6))
+        d.step()  # each holds 1 block, 1 free
+        for r in mark:  # as if preempted before
+            s.requests[r].num_preemptions = 1
+        return d.step().preempted_req_ids  # a takes the last block; b needs one
+
+    assert scenario("") == {"d"}
+    assert scenario("d") == {"c"}  # d is newest but at its bound: c goes
+    assert scenario("cd") == {"d"}  # nobody else: the newest goes after all
+
+
+# =====================================================================================
+# Order within a level: spf with aging
+# =====================================================================================
+
+def test_spf_orders_by_prompt_length_with_aging():
+    clock = Clock(1.0)
+    s = make_sched(max_num_seqs=1, queue_order="spf", clock=clock)
+    d = Driver(s)
+    # keys at time t: len - 100 * (t - arrival): a 12-100t, b 4+10-100t, c 8-100t
+    d.add(make_req("a", range(1, 13), max_tokens=1, arrival=0.0))
+    d.add(make_req("b", range(1, 5), max_tokens=1, arrival=0.1))  # shortest but 0.1 s late
+    d.add(make_req("c", range(1, 9), max_tokens=1, arrival=0.0))
+    d.run()
+    order = sorted(d.first_scheduled(), key=d.first_scheduled().get)
+    assert order == ["c", "a", "b"]
+
+
+def test_spf_without_aging_difference_is_shortest_first_and_preempted_go_first():
+    clock = Clock(5.0)
+    s = make_sched(max_num_seqs=2, queue_order="spf", clock=clock, l2_min_share=0.0)
+    d = Driver(s)
+    d.add(make_req("long3", range(1, 21), max_tokens=30, priority=3, arrival=0.0))
+    d.add(make_req("mid3", range(1, 11), max_tokens=30, priority=3, arrival=0.0))
+    d.step()
+    d.add(make_req("q", [1, 2], max_tokens=2, priority=1, arrival=5.0))
+    assert ids(s.running) == ["mid3", "long3"]  # same arrival: shorter prompt first
+    out = d.step()
+    assert out.preempted_req_ids == {"long3"}  # the newest L3
+    d.add(make_req("short3", [1, 2, 3], max_tokens=2, priority=3, arrival=5.0))
+    d.add(make_req("tiny3", [1], max_tokens=2, priority=3, arrival=5.0))
+    # the preempted one first although its prompt is the longest
+    assert [r.request_id for r in s.waiting.in_order(3)] == ["long3", "tiny3", "short3"]
+    d.run()
+    first = d.first_scheduled()
+    resumes = {}
+    for i, o in enumerate(d.outputs):
+        for r in o.scheduled_new_reqs:
+            resumes.setdefault(r.req_id, []).append(i)
+    assert resumes["long3"][1] <= first["tiny3"] <= first["short3"]
+
+
+# =====================================================================================
+# Swap
+# =====================================================================================
+
+def _l3_victim(mode="swap", num_host_blocks=8, **kw):
+    """max_num_seqs=1: L3 v (prompt 9 = 2 full blocks + 1) runs; then L1 q arrives."""
+    s = make_sched(max_num_seqs=1, block_size=4, num_blocks=16, max_model_len=64,
+                   preemption_mode=mode, num_host_blocks=num_host_blocks, **kw)
+    d = Driver(s)
+    v = d.add(make_req("v", range(1, 10), max_tokens=6, priority=3))
+    d.step()
+    d.step()
+    assert v.num_computed_tokens == 10 and len(s.kv.block_ids(v)) == 3
+    d.add(make_req("q", [40, 41], max_tokens=2, priority=1))
+    return s, d, v
+
+
+def test_swap_out_keeps_progress_and_swap_in_resumes_without_recompute():
+    s, d, v = _l3_victim()
+    dev = s.kv.block_ids(v)
+    out = d.schedule()
+    assert out.preempted_req_ids == {"v"} and "q" in out.num_scheduled_tokens
+    assert v.swapped and v.status == RequestStatus.PREEMPTED and v.num_computed_tokens == 10
+    host = s.kv.req_to_host_blocks["v"]
+    assert out.blocks_to_swap_out == list(zip(dev, host)) and not out.blocks_to_swap_in
+    assert s.preemptions_by_mode == {"swap": 1}
+    assert s.kv.num_free_host_blocks == 8 - 3
+    d.finish_step(out)
+    d.step()  # q finishes
+    out = d.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "v" and new.num_computed_tokens == 10 and not v.swapped
+    assert out.blocks_to_swap_in == list(zip(host, s.kv.block_ids(v)[:3]))
+    assert out.num_scheduled_tokens == {"v": 1}  # a decode, not a prefill
+    assert new.output_token_ids == d.tokens["v"]
+    assert s.kv.num_free_host_blocks == 5  # the 3 read now come back next step
+    d.finish_step(out)
+    d.run()
+    assert d.ex.num_swap_outs == d.ex.num_swap_ins == 1
+    assert s.kv.num_free_host_blocks == 8 and s.kv.num_free_blocks == 16
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_short():
+    s, d, v = _l3_victim(num_host_blocks=2)  # v holds 3 blocks
+    out = d.step()
+    assert out.preempted_req_ids == {"v"} and not out.blocks_to_swap_out
+    assert not v.swapped and v.num_computed_tokens == 0 and "v" not in s.kv.req_to_blocks
+    assert s.preemptions_by_mode == {"recompute": 1} and s.kv.num_free_host_blocks == 2
+    d.run()
+    assert d.finish["v"] == "length"
+
+
+def test_recompute_mode_never_swaps():
+    s, d, v = _l3_victim(mode="recompute")
+    out = d.step()
+    assert out.preempted_req_ids == {"v"} and not out.blocks_to_swap_out and not v.swapped
+    assert s.preemptions_by_mode == {"recompute": 1}
+    d.run()
+
+
+@pytest.mark.parametrize("caching,swap_cost,recompute_cost,want", [
+    (True, 2e-5, 1e-3, "swap"),  # 10 * 2e-5 < (10 - 8) * 1e-3
+    (True, 1e-4, 1e-4, "recompute"),  # 10 * 1e-4 > 2 * 1e-4: the cached blocks make it cheap
+    (False, 1e-4, 1e-4, "recompute"),  # tie: 10 * 1e-4 == 10 * 1e-4 -> not strictly cheaper
+    (False, 0.9e-4, 1e-4, "swap"),  # no cached blocks: 10 * 0.9e-4 < 10 * 1e-4
+    (True, 0.9e-4, 1e-4, "recompute"),  # same costs, but 8 of 10 tokens cached
+])
+def test_auto_mode_compares_swap_and_recompute_costs(caching, swap_cost, recompute_cost, want):
+    s, d, v = _l3_victim(mode="auto", enable_caching=caching, swap_cost_per_token=swap_cost,
+                         recompute_cost_per_token=recompute_cost)
+    assert s.kv.num_cached_blocks(v) == (2 if caching else 0)
+    out = d.step()
+    assert out.preempted_req_ids == {"v"}
+    assert s.preemptions_by_mode == {want: 1} and v.swapped == (want == "swap")
+    assert bool(out.blocks_to_swap_out) == (want == "swap")
+    d.run()
+
+
+def test_abort_swapped_request_frees_its_host_blocks():
+    s, d, v = _l3_victim()
+    d.step()
+    assert v.swapped and s.kv.num_free_host_blocks == 5
+    d.abort(["v"])
+    assert s.kv.num_free_host_blocks == 8 and "v" not in s.kv.req_to_host_blocks
+    d.run()
+    assert d.finish["v"] == "abort" and s.kv.num_free_blocks == 16
+
+
+def test_host_blocks_freed_by_swap_in_are_reusable_only_from_the_next_step():
+    kv = KVCacheManager(8, block_size=4, num_host_blocks=3)
+    a = make_req("a", range(1, 10))
+    kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    pairs = kv.swap_out(a)
+    assert [h for _, h in pairs] == kv.req_to_host_blocks["a"] and kv.num_free_host_blocks == 0
+    swapped_in = kv.swap_in(a, 1)
+    assert swapped_in is not None
+    assert kv.num_free_host_blocks == 0  # read by this step's copies: not free yet
+    b = make_req("b", range(1, 5))
+    kv.allocate_slots(b, 4)
+    b.num_computed_tokens = 4
+    assert kv.swap_out(b) is None  # in the same step: no host room
+    kv.release_pending_host_blocks()
+    assert kv.num_free_host_blocks == 3
+    assert kv.swap_out(b) is not None
+
+
+def test_swap_in_waits_for_device_blocks_and_keeps_its_place():
+    """fcfs + swap: a swapped request at the head of the queue blocks newer ones until its
+    blocks fit, and comes back with its progress."""
+    s = make_sched(policy="fcfs", num_blocks=4, block_size=4, max_model_len=16,
+                   preemption_mode="swap", num_host_blocks=4)
+    d = Driver(s)
+    for r in "abc":
+        d.add(make_req(r, [1, 2, 3, 4], max_tokens=6))
+    d.step()
+    d.add(make_req("d", [5, 6], max_tokens=1))
+    out = d.step()
+    assert out.preempted_req_ids == {"c"} and s.requests["c"].swapped
+    assert ids(s.waiting) == ["c", "d"]
+    d.run()
+    first = d.first_scheduled()
+    resumes = {}
+    for i, o in enumerate(d.outputs):
+        for r in o.scheduled_new_reqs:
+            resumes.setdefault(r.req_id, []).append(i)
+    assert resumes["c"][1] <= first["d"]
+    assert s.preemptions_by_mode["swap"] >= 1 and d.ex.num_swap_ins == d.ex.num_swap_outs
+    assert set(d.finish.values()) == {"length"}
+
+
+# =====================================================================================
+# State machine
+# =====================================================================================
+
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
+
+
+@st.composite
+def prompts(draw, max_len):
+    n = draw(st.integers(1, max_len - 1))
+    base = draw(st.sampled_from(BASES + [[]]))
+    k = draw(st.integers(0, min(n, len(base))))
+    rest = draw(st.lists(st.integers(1, 40), min_size=n - k, max_size=n - k))
+    return base[:k] + rest
+
+
+class MultilevelMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["fcfs", "multilevel", "multilevel"]),
+                mode=st.sampled_from(["swap", "recompute", "auto"]),
+                order=st.sampled_from(["fcfs", "spf"]),
+                block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 20),
+                extra_blocks=st.integers(0, 4), host_blocks=st.integers(0, 12),
+                budget=st.integers(1, 24), max_num_seqs=st.integers(1, 6),
+                share=st.sampled_from([0.0, 0.2, 0.5]), max_preemptions=st.integers(0, 3),
+                caching=st.booleans())
+    def setup(self, policy, mode, order, block_size, max_model_len, extra_blocks, host_blocks,
+              budget, max_num_seqs, share, max_preemptions, caching):
+        num_blocks = cdiv(max_model_len, block_size) + extra_blocks
+        self.clock = Clock()
+        self.sched = make_sched(num_blocks=num_blocks, block_size=block_size,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=max_model_len, policy=policy, preemption_mode=mode,
+                                num_host_blocks=host_blocks, enable_caching=caching,
+                                clock=self.clock, queue_order=order, l2_min_share=share,
+                                max_preemptions=max_preemptions,
+                                swap_cost_per_token=0.5e-3, recompute_cost_per_token=1e-3)
+        self.d = Driver(self.sched, self.clock, tick=0.01)
+        self.n = 0
+        self.swapped_aborts = 0
+
+    @rule(data=st.data(), priority=st.integers(1, 3), max_tokens=st.integers(1, 12),
+          eos=st.booleans())
+    def add_one(self, data, priority, max_tokens, eos):
+        self.add(data, priority, max_tokens, eos)
+
+    def add(self, data, priority, max_tokens, eos):
+        prompt = data.draw(prompts(self.sched.config.max_model_len))
+        self.n += 1
+        self.d.add(make_req(f"r{self.n}", prompt, max_tokens, priority, EOS if eos else None,
+                            arrival=self.clock.t))
+
+    @rule(data=st.data(), priorities=st.lists(st.integers(1, 3), min_size=2, max_size=5))
+    def add_burst(self, data, priorities):
+        for p in priorities:
+            self.add(data, p, data.draw(st.integers(1, 12)), data.draw(st.booleans()))
+
+    @rule(k=st.integers(1, 6))
+    def step(self, k):
+        for _ in range(k):
+            self.d.step()
+
+    @rule(data=st.data())
+    def step_with_abort_midway(self, data):
+        out = self.d.schedule()
+        if self.sched.requests:
+            rids = data.draw(st.sets(st.sampled_from(sorted(self.sched.requests)), max_size=2))
+            self.d.abort(rids)
+        self.d.finish_step(out)
+
+    @precondition(lambda self: bool(self.sched.requests))
+    @rule(data=st.data())
+    def abort(self, data):
+        self.d.abort([data.draw(st.sampled_from(sorted(self.sched.requests)))])
+
+    @precondition(lambda self: any(r.swapped for r in self.sched.waiting))
+    @rule(data=st.data())
+    def abort_swapped(self, data):
+        rid = data.draw(st.sampled_from(sorted(r.request_id for r in self.sched.waiting if r.swapped)))
+        self.swapped_aborts += 1
+        self.d.abort([rid])
+
+    @invariant()
+    def state(self):
+        check_state(self.sched)
+
+    def teardown(self):
+        if not hasattr(self, "d"):
+            return
+        self.d.run(max_steps=5_000)
+        s, kv = self.sched, self.sched.kv
+        assert not s.requests and not s.running and not s.waiting
+        assert kv.num_free_blocks == kv.pool.num_blocks and not kv.req_to_blocks
+        kv.release_pending_host_blocks()
+        assert kv.num_free_host_blocks == kv.num_host_blocks and not kv.req_to_host_blocks
+        assert set(self.d.finish) == set(self.d.tokens), "a request was lost"
+        for rid, toks in self.d.tokens.items():
+            if self.d.finish[rid] != "abort":
+                assert toks, f"{rid} finished without output"
+        assert self.d.ex.num_swap_outs == s.preemptions_by_mode["swap"]
+        event(f"swap: {s.preemptions_by_mode['swap'] > 0}")
+        event(f"recompute: {s.preemptions_by_mode['recompute'] > 0}")
+        event(f"swapped aborted: {self.swapped_aborts > 0}")
+        event(f"re-admitted in the step it was preempted: {self.d.readmitted_same_step > 0}")
+        assert self.d.schedule().is_empty
+
+
+MultilevelMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30,
+                                               deadline=None)
+TestMultilevelMachine = MultilevelMachine.TestCase
+
+
+# =====================================================================================
+# Property: outputs do not depend on the scheduling
+# =====================================================================================
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 8))
+    return [(draw(prompts(24)), draw(st.integers(1, 12)), draw(st.booleans()),
+             draw(st.integers(1, 3)), draw(st.integers(0, 3))) for _ in range(n)]
+
+
+def run_workload(reqs, policy, mode, small, bs, budget, seqs):
+    max_model_len = 24
+    if small:
+        kw = dict(num_blocks=cdiv(max_model_len, bs) + 2, num_host_blocks=cdiv(max_model_len, bs),
+                  max_num_batched_tokens=budget, max_num_seqs=seqs)
+    else:
+        kw = dict(num_blocks=1000, num_host_blocks=1000, max_num_batched_tokens=10_000,
+                  max_num_seqs=100)
+    s = make_sched(block_size=bs, max_model_len=max_model_len, policy=policy,
+                   preemption_mode=mode, **kw)
+    d = Driver(s)
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][4])
+    step = 0
+    while pending or s.num_unfinished:
+        while pending and pending[0][1][4] <= step:  # arrivals at their step
+            i, (prompt, max_tokens, eos, priority, _) = pending.pop(0)
+            d.add(make_req(f"w{i}", prompt, max_tokens, priority, EOS if eos else None))
+        d.step()
+        step += 1
+        assert step < 5_000
+    assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.requests
+    return d.tokens, d.finish, dict(s.preemptions_by_mode)
+
+
+@settings(max_examples=30, deadline=None)
+@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(1, 12), st.integers(1, 6))
+def test_outputs_do_not_depend_on_policy_mode_or_pool(wl, bs, budget, seqs):
+    ref = run_workload(wl, "fcfs", "recompute", False, bs, budget, seqs)
+    assert not ref[2]
+    for policy in ("fcfs", "multilevel"):
+        for mode in ("swap", "recompute"):
+            for small in (False, True):
+                got = run_workload(wl, policy, mode, small, bs, budget, seqs)
+                event(f"{policy}/{mode}/{'small' if small else 'large'} preempted: {bool(got[2])}")
+                assert got[0] == ref[0] and got[1] == ref[1], (policy, mode, small)
