@@ -30,13 +30,16 @@ def null_execute(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
 def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size: int = 16) -> dict:
     rng = random.Random(seed)
     prompts = [rng.randint(16, 2048) for _ in range(num_running)]
-    max_len = 4096
-    blocks = sum(cdiv(p + steps + 8, block_size) for p in prompts) + 1
+    max_len, budget = 4096, max(num_running, 8192)
+    # Early requests decode while later ones prefill: leave room for those tokens too, so
+    # the measurement sees no preemption.
+    extra = sum(prompts) // budget + steps + 8
+    blocks = sum(cdiv(p + extra, block_size) for p in prompts) + 1
     kv = KVCacheManager(max(blocks, cdiv(max_len, block_size)), block_size)
-    cfg = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(num_running, 8192),
+    cfg = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=budget,
                           max_model_len=max_len, policy=policy)
     sched = Scheduler(cfg, kv, clock=time.monotonic)
-    params = SamplingParams(max_tokens=steps + 1000, ignore_eos=True)
+    params = SamplingParams(max_tokens=extra + 1000, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add_request(Request(f"r{i}", [rng.randrange(32000) for _ in range(p)], params,
                                   priority=rng.choice((1, 2, 3)) if policy == "multilevel" else 2))
@@ -53,6 +56,7 @@ def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size
         sched.update_from_output(out, result)
         t3 = time.perf_counter()
         times.append((t1 - t0) + (t3 - t2))
+    assert sched.num_preemptions == 0, "the bench pool was sized to avoid preemption"
     return {"running": num_running, "policy": policy, "steps": steps,
             "ms_per_step_median": statistics.median(times) * 1e3,
             "ms_per_step_mean": statistics.fmean(times) * 1e3,

@@ -55,13 +55,22 @@ class _Step:
     out: SchedulerOutput
     budget: int
     l1_cap: int  # L1's tokens this step: the budget less L2's reserve
+    lower_prefill_cap: int  # L2 + L3 prompt tokens: their share only while L1 waits for a first token
     used: int = 0
     l1_used: int = 0
+    lower_prefill_used: int = 0
     admitted: list[Request] = field(default_factory=list)
+    l2_hold: tuple[int, int] | None = None  # seats and blocks L1 leaves L2, computed once
 
-    def cap(self, level: int) -> int:
+    def cap(self, level: int, pending: int) -> int:
+        """Tokens a request of `level` with `pending` uncomputed tokens may take now.
+        Lower-level decodes always fit the budget: they barely lengthen a step."""
         left = self.budget - self.used
-        return min(left, self.l1_cap - self.l1_used) if level == 1 else left
+        if level == 1:
+            return min(left, self.l1_cap - self.l1_used)
+        if pending <= 1:
+            return left
+        return min(left, self.lower_prefill_cap - self.lower_prefill_used)
 
 
 class Scheduler:
@@ -132,7 +141,12 @@ class Scheduler:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
         reserve = int(cfg.l2_min_share * budget) if l2_work else 0
-        step = _Step(out, budget, budget - reserve)
+        # While L1 requests wait for their first token, lower levels get only their share,
+        # so the step stays short and L1's TTFT is about one small step.
+        l1_urgent = self.multilevel and (self.waiting.count(1) > 0 or any(
+            r.level == 1 and r.num_output_tokens == 0 for r in self.running))
+        share = max(int(cfg.l2_min_share * budget), self.kv.block_size)
+        step = _Step(out, budget, budget - reserve, share if l1_urgent else budget)
         i, blocked = 0, False
         for level in LEVELS if self.multilevel else (2,):
             i = self._schedule_running(level, i, step)
@@ -141,6 +155,8 @@ class Scheduler:
             if level == 3 and (blocked or self.waiting.count(1) or self.waiting.count(2)):
                 break  # L3 only on capacity that L1 and L2 leave idle
             blocked |= not self._admit_waiting(level, i, step)
+            if level == 1 and blocked:
+                step.lower_prefill_cap = budget  # L1 cannot get in now: let the rest finish sooner
         self.running.extend(step.admitted)
         return out
 
@@ -150,7 +166,7 @@ class Scheduler:
         floor = self._l2_floor if level == 1 else 0
         while i < len(self.running) and self.running[i].level == level:
             req = self.running[i]
-            cap = step.cap(level)
+            cap = step.cap(level, req.num_tokens - req.num_computed_tokens)
             if cap <= 0:
                 i += 1
                 continue
@@ -184,7 +200,7 @@ class Scheduler:
         guaranteed seats and the blocks its running requests need to grow. False when a
         request had to stay waiting."""
         for req in self.waiting.in_order(level):
-            cap = step.cap(level)
+            cap = step.cap(level, req.num_tokens - req.num_computed_tokens)
             if cap <= 0:
                 return False
             if req.prefill_after is not None and not self._prefix_ready(req):
@@ -214,7 +230,13 @@ class Scheduler:
     def _held_for_l2(self, step: _Step) -> tuple[int, int]:
         """Seats and blocks L1 must leave this step: the blocks the running L2 requests of
         the guaranteed seats need for their share of the tokens, and, while L2 runs below
-        its guaranteed seats, a seat and blocks for the first waiting L2."""
+        its guaranteed seats, a seat and blocks for the first waiting L2. Computed once a
+        step (L1 work only shrinks what L2 holds, so the first figure is safe)."""
+        if step.l2_hold is None:
+            step.l2_hold = self._compute_l2_hold(step)
+        return step.l2_hold
+
+    def _compute_l2_hold(self, step: _Step) -> tuple[int, int]:
         if not self.multilevel or step.l1_cap == step.budget:
             return 0, 0
         bs, tokens = self.kv.block_size, step.budget - step.l1_cap
@@ -286,6 +308,8 @@ class Scheduler:
         step.used += num_new
         if req.level == 1:
             step.l1_used += num_new
+        elif num_new > 1:
+            step.lower_prefill_used += num_new
         req.num_computed_tokens += num_new
 
     def _prefix_ready(self, req: Request) -> bool:
