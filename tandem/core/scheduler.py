@@ -55,7 +55,7 @@ class _Step:
     out: SchedulerOutput
     budget: int
     l1_cap: int  # L1's tokens this step: the budget less L2's reserve
-    lower_prefill_cap: int  # L2 + L3 prompt tokens: their share only while L1 waits for a first token
+    lower_prefill_cap: int  # L2 + L3 prompt tokens: their share only while L1 traffic is present
     used: int = 0
     l1_used: int = 0
     lower_prefill_used: int = 0
@@ -141,12 +141,12 @@ class Scheduler:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
         reserve = int(cfg.l2_min_share * budget) if l2_work else 0
-        # While L1 requests wait for their first token, lower levels get only their share,
-        # so the step stays short and L1's TTFT is about one small step.
-        l1_urgent = self.multilevel and (self.waiting.count(1) > 0 or any(
-            r.level == 1 and r.num_output_tokens == 0 for r in self.running))
+        # While interactive (L1) traffic is present, lower levels prefill only their share
+        # per step: a step stays short, so an arriving L1 request waits at most one short
+        # step, and running L1 requests keep a steady ITL. Their decodes always fit.
+        l1_active = self.multilevel and (self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running))
         share = max(int(cfg.l2_min_share * budget), self.kv.block_size)
-        step = _Step(out, budget, budget - reserve, share if l1_urgent else budget)
+        step = _Step(out, budget, budget - reserve, share if l1_active else budget)
         i, blocked = 0, False
         for level in LEVELS if self.multilevel else (2,):
             i = self._schedule_running(level, i, step)

@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         kind = str if name in ("dtype", "device") else int
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--scheduler-policy", dest="scheduler_policy", choices=["fcfs", "multilevel"], default=None)
+    p.add_argument("--queue-order", dest="queue_order", choices=["fcfs", "spf"], default=None)
+    p.add_argument("--preemption-mode", dest="preemption_mode", choices=["auto", "swap", "recompute"], default=None)
+    p.add_argument("--l2-min-share", dest="l2_min_share", type=float, default=None)
+    p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
 
 
 def main(args: argparse.Namespace) -> None:
