@@ -4,7 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import logging
+
 import yaml
+
+log = logging.getLogger(__name__)
+KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server")
 
 
 @dataclass(slots=True)
@@ -67,6 +72,9 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     serving = doc.get("serving", doc)
     if not isinstance(serving, dict):
         raise ValueError(f"{path}: 'serving' must be a mapping")
+    for name in serving:
+        if name not in KNOWN_SECTIONS:
+            log.warning("%s: serving.%s is not supported yet and is ignored", path, name)
     if section != "engine":
         return dict(serving.get(section) or {})
     out = dict(serving.get("engine") or {})

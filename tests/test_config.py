@@ -1,0 +1,53 @@
+"""The YAML config with the mission's `serving:` shape maps onto engine and server options."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tandem.config import EngineConfig, load_yaml
+
+MISSION_YAML = """
+serving:
+  cache:
+    enabled: true
+    max_prefix_tokens: 4096
+    min_match_length: 64
+  scheduler:
+    policy: multilevel
+    l2_min_share: 0.25
+    preemption_mode: swap
+  engine:
+    block_size: 32
+  server:
+    api_key: sesame
+    max_waiting: 64
+  quantization:
+    default: int8
+    fallback: fp16
+"""
+
+
+def test_mission_shape_maps_to_options(tmp_path, caplog):
+    path = tmp_path / "serving.yaml"
+    path.write_text(MISSION_YAML)
+    with caplog.at_level(logging.WARNING):
+        engine = EngineConfig.from_dict(load_yaml(path))
+    assert (engine.enable_prefix_caching, engine.max_prefix_tokens, engine.min_match_length) == (True, 4096, 64)
+    assert (engine.scheduler_policy, engine.l2_min_share, engine.preemption_mode) == ("multilevel", 0.25, "swap")
+    assert engine.block_size == 32
+    assert load_yaml(path, section="server") == {"api_key": "sesame", "max_waiting": 64}
+    assert "serving.quantization is not supported yet" in caplog.text
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("serving:\n  engine:\n    block_sise: 16\n")
+    with pytest.raises(ValueError, match="block_sise"):
+        EngineConfig.from_dict(load_yaml(bad))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("serving: [unclosed\n")
+    with pytest.raises(ValueError, match="cannot read config"):
+        load_yaml(broken)
+    with pytest.raises(ValueError, match="cannot read config"):
+        load_yaml(tmp_path / "missing.yaml")
