@@ -19,6 +19,8 @@ def _tiny_config(kind: str):
         return tf.Qwen2Config(**TINY, tie_word_embeddings=False)
     if kind == "qwen3":
         return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    if kind == "mistral":
+        return tf.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
     raise ValueError(kind)
 
 
@@ -26,7 +28,7 @@ def _tiny_config(kind: str):
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     import transformers as tf
     out = {}
-    for kind in ("llama", "qwen2", "qwen3"):
+    for kind in ("llama", "qwen2", "qwen3", "mistral"):
         torch.manual_seed(0)
         model = tf.AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32)
         if kind == "qwen2":  # random biases, so the qkv bias path is really exercised

@@ -12,7 +12,7 @@ from tandem import LLM, SamplingParams
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
 
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral"]
 MAX_NEW = 12
 
 
