@@ -1,336 +1,34 @@
 """Multi-level queues (L1 interactive / L2 standard / L3 background), iteration-level
 preemption, and swap to the host block tier.
 
-Driven without a model, like tests/test_scheduler.py, by a fake executor that mirrors
-everything the executor is told (block tables, computed positions, and now a host tier).
-The "KV" of a device slot is modelled as the token id written there, so a block's content
-is the tuple of token ids in it: swap-outs copy device contents to the host map and swap-ins
-copy them back before the step runs, and after every step each request's blocks must hold
-exactly its tokens. That catches wrong swap pairs, a host block reused before it was read, a
-device block handed out twice, a wrong num_computed_tokens on resume, and bad prefix hits.
+Driven without a model, like tests/test_scheduler.py, by the fake executor of
+tests/sched_harness.py, which mirrors everything the executor is told (block tables,
+computed positions, and a host tier) and the *contents* of every device and host block, so
+wrong swap pairs, a host block reused before it was read, a device block handed out twice, a
+wrong num_computed_tokens on resume and bad prefix hits are all caught.
 
 Sampled tokens are a deterministic function of (request id, the sequence so far), so the
 outputs of a workload must not depend on the policy, the preemption mode or the pool size.
 """
 from __future__ import annotations
 
-import math
-import zlib
+import functools
 
 import pytest
 from hypothesis import event, given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
-from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tandem.core.request import Request, RequestStatus
-from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.request import RequestStatus
+from tandem.core.scheduler import SchedulerConfig
 
-EOS = 0
-VOCAB = 50
+import sched_harness
+from sched_harness import (EOS, Clock, Driver, DriverMachine, check_state, make_req,
+                           prompts)
 
-
-def fake_token(req_id: str, tokens: list[int]) -> int:
-    """Deterministic in (id, sequence so far); EOS (0) now and then."""
-    return zlib.crc32(f"{req_id}/{','.join(map(str, tokens))}".encode()) % VOCAB
-
-
-class Clock:
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=None, policy="multilevel", preemption_mode="recompute",
-               num_host_blocks=0, enable_caching=True, clock=None, **cfg_kw) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size=block_size, enable_caching=enable_caching,
-                        num_host_blocks=num_host_blocks)
-    max_model_len = max_model_len or min(128, num_blocks * block_size)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, policy=policy,
-                          preemption_mode=preemption_mode, **cfg_kw)
-    return Scheduler(cfg, kv, clock=clock or Clock())
-
-
-def make_req(rid, tokens, max_tokens=4, priority=2, eos=None, arrival=0.0) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), eos_token_id=eos,
-                   priority=priority, arrival_time=arrival)
-
-
-# =====================================================================================
-# Fake executor with a host tier
-# =====================================================================================
-
-class SwapExecutor:
-    """Mirrors block tables, positions, token lists and block *contents* (device and host)
-    from the SchedulerOutputs alone, and checks them against the scheduler."""
-
-    def __init__(self, sched: Scheduler) -> None:
-        self.s = sched
-        self.bs = sched.kv.block_size
-        self.dev: dict[int, list[int | None]] = {}
-        self.host: dict[int, list[int | None]] = {}
-        self.tables: dict[str, list[int]] = {}
-        self.pos: dict[str, int] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.out_on_host: dict[str, tuple[list[int], int]] = {}  # rid -> (host blocks, computed)
-        self.num_swap_outs = self.num_swap_ins = 0
-
-    def _slot(self, table, store, p):
-        return store.setdefault(table[p // self.bs], [None] * self.bs)
-
-    def _check_content(self, rid: str, upto: int, what: str) -> None:
-        table, toks = self.tables[rid], self.tokens[rid]
-        assert len(table) * self.bs >= upto
-        for p in range(upto):
-            got = self._slot(table, self.dev, p)[p % self.bs]
-            assert got == toks[p], f"{what}: {rid} position {p} holds {got}, expected {toks[p]}"
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        s, bs = self.s, self.bs
-        ids_new = [r.req_id for r in out.scheduled_new_reqs]
-        ids_cached = [r.req_id for r in out.scheduled_cached_reqs]
-        assert len(set(ids_new + ids_cached)) == len(ids_new) + len(ids_cached)
-        assert set(ids_new + ids_cached) == set(out.num_scheduled_tokens)
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        # A request preempted this step can only be scheduled again as a new request.
-        assert not set(ids_cached) & out.preempted_req_ids
-        for rid in out.finished_req_ids:
-            self.out_on_host.pop(rid, None)
-        held = {h for hosts, _ in self.out_on_host.values() for h in hosts}
-
-        # 1. swap-outs, before anything: each victim's whole table, in order.
-        pairs = list(out.blocks_to_swap_out)
-        assert len({h for _, h in pairs}) == len(pairs), "host block written twice in one step"
-        victims = [rid for rid in self.tables if rid in out.preempted_req_ids]
-        k = 0
-        while k < len(pairs):
-            match = next((rid for rid in victims
-                          if [d for d, _ in pairs[k:k + len(self.tables[rid])]] == self.tables[rid]),
-                         None)
-            assert match is not None, f"swap-out pairs {pairs[k:]} match no preempted table"
-            victims.remove(match)
-            hosts = [h for _, h in pairs[k:k + len(self.tables[match])]]
-            for d, h in pairs[k:k + len(self.tables[match])]:
-                assert h not in held, f"host block {h} still held by a swapped request"
-                self.host[h] = list(self.dev.setdefault(d, [None] * bs))
-            self.out_on_host[match] = (hosts, self.pos[match])
-            held |= set(hosts)
-            k += len(self.tables[match])
-            self.num_swap_outs += 1
-
-        # 2. swap-ins, then forget finished / preempted requests.
-        for h, d in out.blocks_to_swap_in:  # (host, device)
-            assert h in self.host, f"swap-in from host block {h}, never written"
-            self.dev[d] = list(self.host[h])
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(rid, None)
-            self.pos.pop(rid, None)
-
-        expected_in = []
-        for r in out.scheduled_new_reqs:
-            assert r.req_id not in self.tables, "new request the executor already holds"
-            self.tables[r.req_id] = list(r.block_ids)
-            self.pos[r.req_id] = r.num_computed_tokens
-            self.tokens[r.req_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
-            if r.req_id in self.out_on_host:
-                hosts, computed = self.out_on_host.pop(r.req_id)
-                assert r.num_computed_tokens == computed, "swapped-in request lost progress"
-                expected_in += list(zip(hosts, r.block_ids[:len(hosts)]))
-                self.num_swap_ins += 1
-            # prefix hits and swapped-in blocks must already hold the request's tokens
-            self._check_content(r.req_id, r.num_computed_tokens, "resume")
-        assert expected_in == list(out.blocks_to_swap_in), "swap-in pairs differ from the swap-outs"
-        for r in out.scheduled_cached_reqs:
-            assert r.req_id in self.tables, "cached request the executor dropped"
-            assert self.pos[r.req_id] == r.num_computed_tokens, "gap or overlap in KV"
-            self.tables[r.req_id].extend(r.new_block_ids)
-
-        # 3. the step: write each scheduled token's "KV" into its slot.
-        sampled = {}
-        for rid, n in out.num_scheduled_tokens.items():
-            table, toks, p0 = self.tables[rid], self.tokens[rid], self.pos[rid]
-            assert p0 + n <= len(toks)
-            for p in range(p0, p0 + n):
-                self._slot(table, self.dev, p)[p % bs] = toks[p]
-            self.pos[rid] = p0 + n
-            req = s.requests.get(rid)
-            if req is None:  # aborted between schedule and execute
-                continue
-            assert req.all_token_ids == toks, "executor and scheduler disagree on tokens"
-            assert self.pos[rid] == req.num_computed_tokens
-            assert table == s.kv.block_ids(req), "executor block table diverged"
-            if n > 0 and self.pos[rid] == len(toks):
-                sampled[rid] = [fake_token(rid, toks)]
-                toks.append(sampled[rid][0])
-        # every live request's blocks hold its tokens (not just the scheduled ones)
-        for rid in self.tables:
-            if rid in s.requests:
-                self._check_content(rid, self.pos[rid], "after step")
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-# =====================================================================================
-# Invariants
-# =====================================================================================
-
-def check_state(s: Scheduler) -> None:
-    kv, pool, cfg = s.kv, s.kv.pool, s.config
-    running_ids = [r.request_id for r in s.running]
-    waiting = list(s.waiting)
-    waiting_ids = [r.request_id for r in waiting]
-    assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
-    assert not set(running_ids) & set(waiting_ids)
-    assert set(running_ids) | set(waiting_ids) == set(s.requests)
-    assert len(s.running) <= cfg.max_num_seqs
-    for r in s.running:
-        assert r.status == RequestStatus.RUNNING and not r.swapped
-        assert len(kv.block_ids(r)) == cdiv(r.num_computed_tokens, kv.block_size)
-        assert 0 < r.num_computed_tokens <= r.num_tokens
-    for level in (1, 2, 3):
-        for r in s.waiting.queues[level]:
-            assert r.level == level
-    for r in list(s.running) + waiting:
-        assert r.level == (r.priority if cfg.policy == "multilevel" else 2)
-    for r in waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        if r.swapped:
-            assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens > 0
-            hosts = kv.req_to_host_blocks[r.request_id]
-            assert len(hosts) == cdiv(r.num_computed_tokens, kv.block_size)
-        else:
-            assert r.num_computed_tokens == 0
-    # device: ref counts are the number of running requests holding each block
-    assert set(kv.req_to_blocks) <= set(running_ids)
-    refs = [0] * pool.num_blocks
-    for rid, blocks in kv.req_to_blocks.items():
-        ids = [b.block_id for b in blocks]
-        assert len(ids) == len(set(ids)), f"{rid} owns a block twice"
-        for i in ids:
-            refs[i] += 1
-    assert refs == [b.ref_cnt for b in pool.blocks]
-    assert kv.num_free_blocks + sum(1 for x in refs if x) == pool.num_blocks
-    # host: free + held by swapped + pending == all, nothing twice
-    swapped = {r.request_id for r in waiting if r.swapped}
-    assert swapped == set(kv.req_to_host_blocks), "swapped requests != holders of host blocks"
-    held = [h for hs in kv.req_to_host_blocks.values() for h in hs]
-    every = held + list(kv._host_free) + list(kv._host_pending)
-    assert len(every) == len(set(every)), "a host block is in two places"
-    assert sorted(every) == list(range(kv.num_host_blocks))
-
-
-def l1_limit(s: Scheduler) -> int:
-    b = s.config.max_num_batched_tokens
-    return b - int(s.config.l2_min_share * b)
-
-
-def l2_has_work(s: Scheduler) -> bool:
-    return any(r.level == 2 for r in s.running) or s.waiting.count(2) > 0
-
-
-# =====================================================================================
-# Driver
-# =====================================================================================
-
-class Driver:
-    def __init__(self, sched: Scheduler, clock: Clock | None = None, tick: float = 0.0) -> None:
-        self.s = sched
-        self.ex = SwapExecutor(sched)
-        self.clock, self.tick = clock, tick
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, str | None] = {}
-        self.outputs: list[SchedulerOutput] = []
-        self.pending_finished: set[str] = set()
-        self.level_of: dict[str, int] = {}
-        self.readmitted_same_step = 0  # preempted and admitted again within one schedule()
-
-    def add(self, req: Request) -> Request:
-        self.s.add_request(req)
-        self.tokens[req.request_id] = []
-        self.level_of[req.request_id] = req.level
-        return req
-
-    def schedule(self) -> SchedulerOutput:
-        s = self.s
-        l2_work = s.config.policy == "multilevel" and l2_has_work(s)
-        before = {r.request_id: (r.num_computed_tokens, r.swapped) for r in s.waiting}
-        n_pre = s.num_preemptions
-        out = s.schedule()
-        assert out.finished_req_ids == self.pending_finished
-        self.pending_finished = set()
-        assert 0 <= out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
-        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
-        assert len(s.running) <= s.config.max_num_seqs
-        assert s.num_preemptions - n_pre == len(out.preempted_req_ids)
-        assert sum(s.preemptions_by_mode.values()) == s.num_preemptions
-        if l2_work:
-            l1 = sum(n for rid, n in out.num_scheduled_tokens.items() if self.level_of[rid] == 1)
-            assert l1 <= l1_limit(s), f"L1 took {l1} tokens of {s.config.max_num_batched_tokens}"
-        for rid in out.preempted_req_ids:
-            req = s.requests[rid]
-            if req.status == RequestStatus.RUNNING:  # preempted and re-admitted in one step
-                self.readmitted_same_step += 1
-                continue
-            assert req.status == RequestStatus.PREEMPTED and req in s.waiting
-            assert rid not in s.kv.req_to_blocks
-            if req.swapped:
-                assert s.config.preemption_mode != "recompute"
-                assert rid in s.kv.req_to_host_blocks
-            else:
-                assert req.num_computed_tokens == 0
-        for new in out.scheduled_new_reqs:  # a swapped request resumes where it was
-            if new.req_id in before and before[new.req_id][1]:
-                assert new.num_computed_tokens == before[new.req_id][0]
-        check_state(s)
-        self.outputs.append(out)
-        return out
-
-    def finish_step(self, out: SchedulerOutput):
-        res = self.ex.execute(out)
-        before = set(self.s.requests)
-        core = self.s.update_from_output(out, res)
-        for o in core:
-            self.tokens[o.req_id].extend(o.new_token_ids)
-            if o.finish_reason is not None:
-                self.finish[o.req_id] = o.finish_reason
-        self.pending_finished |= before - set(self.s.requests)
-        check_state(self.s)
-        if self.clock is not None:
-            self.clock.t += self.tick
-        return core
-
-    def step(self) -> SchedulerOutput:
-        out = self.schedule()
-        self.finish_step(out)
-        return out
-
-    def abort(self, rids):
-        before = set(self.s.requests)
-        self.s.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)
-        gone = before - set(self.s.requests)
-        for rid in gone:
-            self.finish[rid] = "abort"
-        self.pending_finished |= gone
-        check_state(self.s)
-
-    def run(self, max_steps=5_000) -> int:
-        steps = 0
-        while self.s.num_unfinished:
-            self.step()
-            steps += 1
-            assert steps < max_steps, "no progress"
-        return steps
-
-    def first_scheduled(self) -> dict[str, int]:
-        first = {}
-        for i, o in enumerate(self.outputs):
-            for r in o.scheduled_new_reqs:
-                first.setdefault(r.req_id, i)
-        return first
+# Multilevel queues and recompute-on-preemption unless a test says otherwise.
+make_sched = functools.partial(sched_harness.make_sched, policy="multilevel",
+                               preemption_mode="recompute")
 
 
 def ids(reqs) -> list[str]:
@@ -939,19 +637,11 @@ def test_swap_in_waits_for_device_blocks_and_keeps_its_place():
 # State machine
 # =====================================================================================
 
-BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
 
+class MultilevelMachine(DriverMachine):
+    """Random adds (bursts, priorities, arrivals) / step / abort (swapped ones too); the step
+    and abort rules come from DriverMachine."""
 
-@st.composite
-def prompts(draw, max_len):
-    n = draw(st.integers(1, max_len - 1))
-    base = draw(st.sampled_from(BASES + [[]]))
-    k = draw(st.integers(0, min(n, len(base))))
-    rest = draw(st.lists(st.integers(1, 40), min_size=n - k, max_size=n - k))
-    return base[:k] + rest
-
-
-class MultilevelMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["fcfs", "multilevel", "multilevel"]),
                 mode=st.sampled_from(["swap", "recompute", "auto"]),
                 order=st.sampled_from(["fcfs", "spf"]),
@@ -983,31 +673,13 @@ class MultilevelMachine(RuleBasedStateMachine):
     def add(self, data, priority, max_tokens, eos):
         prompt = data.draw(prompts(self.sched.config.max_model_len))
         self.n += 1
-        self.d.add(make_req(f"r{self.n}", prompt, max_tokens, priority, EOS if eos else None,
-                            arrival=self.clock.t))
+        self.d.add(make_req(f"r{self.n}", prompt, max_tokens, priority=priority,
+                            eos=EOS if eos else None, arrival=self.clock.t))
 
     @rule(data=st.data(), priorities=st.lists(st.integers(1, 3), min_size=2, max_size=5))
     def add_burst(self, data, priorities):
         for p in priorities:
             self.add(data, p, data.draw(st.integers(1, 12)), data.draw(st.booleans()))
-
-    @rule(k=st.integers(1, 6))
-    def step(self, k):
-        for _ in range(k):
-            self.d.step()
-
-    @rule(data=st.data())
-    def step_with_abort_midway(self, data):
-        out = self.d.schedule()
-        if self.sched.requests:
-            rids = data.draw(st.sets(st.sampled_from(sorted(self.sched.requests)), max_size=2))
-            self.d.abort(rids)
-        self.d.finish_step(out)
-
-    @precondition(lambda self: bool(self.sched.requests))
-    @rule(data=st.data())
-    def abort(self, data):
-        self.d.abort([data.draw(st.sampled_from(sorted(self.sched.requests)))])
 
     @precondition(lambda self: any(r.swapped for r in self.sched.waiting))
     @rule(data=st.data())
@@ -1073,7 +745,7 @@ def run_workload(reqs, policy, mode, small, bs, budget, seqs):
     while pending or s.num_unfinished:
         while pending and pending[0][1][4] <= step:  # arrivals at their step
             i, (prompt, max_tokens, eos, priority, _) = pending.pop(0)
-            d.add(make_req(f"w{i}", prompt, max_tokens, priority, EOS if eos else None))
+            d.add(make_req(f"w{i}", prompt, max_tokens, priority=priority, eos=EOS if eos else None))
         d.step()
         step += 1
         assert step < 5_000

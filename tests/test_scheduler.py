@@ -1,186 +1,28 @@
 """Scheduler: continuous batching, chunked prefill, preemption, prefix reuse, aborts.
 
-Driven without a model: a fake executor samples one token for every scheduled request
-whose prefill has caught up (num_computed_tokens == num_tokens after schedule). The token
-is a deterministic function of the request id and its length, so runs can be compared.
+Driven without a model by the fake executor of tests/sched_harness.py, which samples one
+token for every scheduled request whose prefill has caught up (num_computed_tokens ==
+num_tokens after schedule). Here the token is a deterministic function of the request id and
+its length (fake_token_from_length), so runs can be compared.
 """
 from __future__ import annotations
 
-import zlib
+import functools
 
 import pytest
 from hypothesis import event, given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, rule
 
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
-from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tandem.core.request import Request, RequestStatus
-from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.kv_cache_manager import cdiv
+from tandem.core.request import RequestStatus
 
-EOS = 0
+import sched_harness
+from sched_harness import (EOS, DriverMachine, check_state, fake_token_from_length, make_req,
+                           make_sched, prompts, sample_from_length)
 
-
-def fake_token(req_id: str, length: int, vocab: int = 50) -> int:
-    """Deterministic in (id, length); EOS (0) now and then."""
-    return zlib.crc32(f"{req_id}/{length}".encode()) % vocab
-
-
-def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=None, **kv_kw) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size=block_size, **kv_kw)
-    max_model_len = max_model_len or min(128, num_blocks * block_size)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len)
-    return Scheduler(cfg, kv, clock=lambda: 0.0)
-
-
-def make_req(rid, tokens, max_tokens=4, eos=None, **kw) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), eos_token_id=eos, **kw)
-
-
-class FakeExecutor:
-    """Mirrors the executor's view (block tables, computed positions) from the scheduler
-    outputs alone, checks them against the scheduler, and samples fake tokens."""
-
-    def __init__(self, sched: Scheduler, vocab: int = 50) -> None:
-        self.sched = sched
-        self.vocab = vocab
-        self.tables: dict[str, list[int]] = {}
-        self.positions: dict[str, int] = {}
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        s = self.sched
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(rid, None)
-            self.positions.pop(rid, None)
-        ids_new = [r.req_id for r in out.scheduled_new_reqs]
-        ids_cached = [r.req_id for r in out.scheduled_cached_reqs]
-        assert len(set(ids_new + ids_cached)) == len(ids_new) + len(ids_cached)
-        assert set(ids_new + ids_cached) == set(out.num_scheduled_tokens)
-        assert not set(out.num_scheduled_tokens) & out.preempted_req_ids
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        for r in out.scheduled_new_reqs:
-            assert r.req_id not in self.tables, "new request the executor already holds"
-            self.tables[r.req_id] = list(r.block_ids)
-            self.positions[r.req_id] = r.num_computed_tokens
-        for r in out.scheduled_cached_reqs:
-            assert r.req_id in self.tables, "cached request the executor dropped"
-            assert self.positions[r.req_id] == r.num_computed_tokens, "gap or overlap in KV"
-            self.tables[r.req_id].extend(r.new_block_ids)
-        sampled = {}
-        for rid, n in out.num_scheduled_tokens.items():
-            self.positions[rid] += n
-            req = s.requests.get(rid)
-            if req is None:  # aborted between schedule and execute
-                continue
-            assert self.positions[rid] == req.num_computed_tokens
-            assert self.tables[rid] == s.kv.block_ids(req), "executor block table diverged"
-            assert len(self.tables[rid]) * s.kv.block_size >= req.num_computed_tokens
-            if n > 0 and req.num_computed_tokens == req.num_tokens:
-                sampled[rid] = [fake_token(rid, req.num_tokens, self.vocab)]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-class Driver:
-    def __init__(self, sched: Scheduler, vocab: int = 50) -> None:
-        self.sched = sched
-        self.ex = FakeExecutor(sched, vocab)
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, str | None] = {}
-        self.outputs: list[SchedulerOutput] = []
-        self.pending_finished: set[str] = set()
-
-    def add(self, req: Request) -> Request:
-        self.sched.add_request(req)
-        self.tokens[req.request_id] = []
-        return req
-
-    def schedule(self) -> SchedulerOutput:
-        out = self.sched.schedule()
-        check_step(self.sched, out)
-        assert out.finished_req_ids == self.pending_finished
-        self.pending_finished = set()
-        self.outputs.append(out)
-        return out
-
-    def finish_step(self, out: SchedulerOutput):
-        res = self.ex.execute(out)
-        before = set(self.sched.requests)
-        core = self.sched.update_from_output(out, res)
-        for o in core:
-            self.tokens[o.req_id].extend(o.new_token_ids)
-            if o.finish_reason is not None:
-                self.finish[o.req_id] = o.finish_reason
-        self.pending_finished |= before - set(self.sched.requests)
-        check_ownership(self.sched)
-        return core
-
-    def step(self) -> SchedulerOutput:
-        out = self.schedule()
-        self.finish_step(out)
-        return out
-
-    def abort(self, rids):
-        before = set(self.sched.requests)
-        self.sched.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)
-        gone = before - set(self.sched.requests)
-        for rid in gone:
-            self.finish[rid] = "abort"
-        self.pending_finished |= gone
-        check_ownership(self.sched)
-
-    def run(self, max_steps=10_000) -> int:
-        steps = 0
-        while self.sched.num_unfinished:
-            self.step()
-            steps += 1
-            assert steps < max_steps, "no progress"
-        return steps
-
-
-def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    cfg = sched.config
-    assert 0 <= out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
-    assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
-    assert len(sched.running) <= cfg.max_num_seqs
-    for rid in out.preempted_req_ids:
-        req = sched.requests[rid]
-        assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
-        assert req in sched.waiting and rid not in sched.kv.req_to_blocks
-    check_ownership(sched)
-
-
-def check_ownership(sched: Scheduler) -> None:
-    kv, pool = sched.kv, sched.kv.pool
-    running_ids = {r.request_id for r in sched.running}
-    assert len(running_ids) == len(sched.running)
-    waiting_ids = {r.request_id for r in sched.waiting}
-    assert len(waiting_ids) == len(sched.waiting)
-    assert not running_ids & waiting_ids
-    assert running_ids | waiting_ids == set(sched.requests)
-    assert all(r.status == RequestStatus.RUNNING for r in sched.running)
-    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in sched.waiting)
-    # only running requests own blocks
-    assert set(kv.req_to_blocks) <= running_ids
-    refs = [0] * pool.num_blocks
-    for rid, blocks in kv.req_to_blocks.items():
-        ids = [b.block_id for b in blocks]
-        assert len(ids) == len(set(ids)), f"{rid} owns a block twice"
-        for i in ids:
-            refs[i] += 1
-    assert refs == [b.ref_cnt for b in pool.blocks]
-    for r in sched.running:
-        assert len(kv.block_ids(r)) == cdiv(r.num_computed_tokens, kv.block_size)
-        assert r.num_computed_tokens <= r.num_tokens
-    owned = sum(1 for x in refs if x)
-    assert kv.num_free_blocks + owned == pool.num_blocks
-    assert sorted(pool._free) == sorted(set(pool._free))
-    for b in pool.blocks:
-        if b.ref_cnt == 0:  # free: either plain or cached-and-evictable
-            assert (b.block_id in pool._evictable) == (b.block_hash is not None)
-            assert (b.block_id in pool._free) == (b.block_hash is None)
-    assert 0.0 <= kv.usage <= 1.0 and 0.0 <= kv.utilization <= 1.0
+# Tokens by (id, length); a preempted request must stay out for the rest of its step.
+Driver = functools.partial(sched_harness.Driver, sample=sample_from_length,
+                           strict_preemption=True, max_steps=10_000)
 
 
 # =====================================================================================
@@ -291,7 +133,7 @@ def test_finished_request_frees_blocks_at_once():
 def test_eos_stops_a_request():
     s = make_sched()
     d = Driver(s)
-    rid = next(f"r{i}" for i in range(1000) if fake_token(f"r{i}", 3) == EOS)
+    rid = next(f"r{i}" for i in range(1000) if fake_token_from_length(f"r{i}", 3) == EOS)
     d.add(make_req(rid, [1, 2, 3], max_tokens=10, eos=EOS))
     d.run()
     assert d.tokens[rid] == [EOS] and d.finish[rid] == "stop"
@@ -517,7 +359,7 @@ def test_abort_while_the_step_runs_is_ignored_by_update():
     core = s.update_from_output(out, res)
     assert [o.req_id for o in core] == ["b"]
     assert s.kv.num_free_blocks == s.kv.pool.num_blocks - 1
-    check_ownership(s)
+    check_state(s)
 
 
 def test_abort_preempted_request():
@@ -538,19 +380,10 @@ def test_abort_preempted_request():
 # State machine: random add / step / abort
 # =====================================================================================
 
-BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
 
+class SchedulerMachine(DriverMachine):
+    """Random add / step / abort; the step and abort rules come from DriverMachine."""
 
-@st.composite
-def prompts(draw, max_len):
-    n = draw(st.integers(1, max_len - 1))
-    base = draw(st.sampled_from(BASES + [[]]))
-    k = draw(st.integers(0, min(n, len(base))))
-    rest = draw(st.lists(st.integers(1, 40), min_size=n - k, max_size=n - k))
-    return base[:k] + rest
-
-
-class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 24),
                 extra_blocks=st.integers(0, 6), budget=st.integers(1, 24),
                 max_num_seqs=st.integers(1, 6), caching=st.booleans())
@@ -570,7 +403,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), max_tokens=st.integers(1, 12), eos=st.booleans())
     def add(self, data, max_tokens, eos):
         prompt = data.draw(prompts(self.sched.config.max_model_len))
-        self.d.add(make_req(self._new_id(), prompt, max_tokens, EOS if eos else None))
+        self.d.add(make_req(self._new_id(), prompt, max_tokens, eos=EOS if eos else None))
 
     @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 8))
     def add_siblings(self, data, n, max_tokens):
@@ -579,29 +412,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(n):
             self.d.add(make_req(self._new_id(), prompt, max_tokens, prefill_after=src))
 
-    @rule(k=st.integers(1, 6))
-    def step(self, k):
-        for _ in range(k):
-            self.d.step()
-
-    @rule(data=st.data())
-    def step_with_abort_midway(self, data):
-        """Abort some requests between schedule() and update_from_output()."""
-        out = self.d.schedule()
-        if self.sched.requests:
-            rids = data.draw(st.sets(st.sampled_from(sorted(self.sched.requests)), max_size=2))
-            self.d.abort(rids)
-        self.d.finish_step(out)
-
-    @precondition(lambda self: bool(self.sched.requests))
-    @rule(data=st.data())
-    def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        self.d.abort([rid])
-
     @invariant()
     def ownership(self):
-        check_ownership(self.sched)
+        check_state(self.sched)
 
     def teardown(self):
         if not hasattr(self, "d"):  # setup itself failed
@@ -644,7 +457,7 @@ def run_workload(reqs, max_model_len, **cfg):
     s = make_sched(max_model_len=max_model_len, **cfg)
     d = Driver(s)
     for i, (prompt, max_tokens, eos) in enumerate(reqs):
-        d.add(make_req(f"w{i}", prompt, max_tokens, EOS if eos else None))
+        d.add(make_req(f"w{i}", prompt, max_tokens, eos=EOS if eos else None))
     d.run(max_steps=5_000)
     assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.requests
     return d.tokens, d.finish, s.num_preemptions
