@@ -48,6 +48,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}
+        # Seconds spent per phase over all steps: the CPU-side gap between executions.
+        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+        self.num_steps = 0
         self._ids = itertools.count()
 
     # ---- admission ----------------------------------------------------------------
@@ -111,6 +114,7 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return []
@@ -118,7 +122,9 @@ class LLMEngine:
             req = self.scheduler.requests[new.req_id]
             self.output_processor.on_scheduled(new.req_id, req.first_scheduled_time,
                                                req.num_cached_tokens, req.num_preemptions)
+        t1 = time.perf_counter()
         result = self.executor.execute_model(sched)
+        t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(sched, result)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
@@ -126,4 +132,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
+        t3 = time.perf_counter()
+        self.num_steps += 1
+        for phase, seconds in (("schedule", t1 - t0), ("execute", t2 - t1), ("update", t3 - t2)):
+            self.phase_times[phase] += seconds
         return outputs
