@@ -12,8 +12,10 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.executor.base import Executor
 from tandem.executor.model_runner import ModelRunner
-from tandem.models.loader import load_tokenizer, resolve_model
+from tandem.models.llama import ModelConfig
+from tandem.models.loader import load_config, load_tokenizer, resolve_model
 
 PromptType = str | list[int]
 
@@ -23,8 +25,8 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.executor = ModelRunner(config, self.model_dir)
-        mcfg = self.executor.model_config
+        self.executor: Executor = ModelRunner(config, self.model_dir)
+        mcfg = ModelConfig.from_hf(load_config(self.model_dir))
         self.vocab_size = mcfg.vocab_size
         capacity = self.executor.num_kv_blocks * self.executor.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
