@@ -249,7 +249,16 @@ def test_gguf_change_means_new_conversion(tmp_path: Path, fresh_cache: Path) -> 
     _write_gguf(_tiny_llama(), path, "llama")
     first = resolve_model(str(path))
     assert resolve_model(str(path)) == first
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    # The same bytes elsewhere, touched later (a new venv), reuse the conversion.
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+    assert resolve_model(str(copy)) == first
+    # Different bytes mean a new conversion.
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
     assert resolve_model(str(path)) != first
 
 

@@ -118,10 +118,21 @@ def _alias_path(alias: str) -> Path:
     return path
 
 
+def _content_key(path: Path, edge: int = 1 << 20) -> str:
+    """Size plus the first and last MiB (GGUF metadata sits at the head, tensors after): the
+    same file installed again (a new venv, a fresh CI clone) hits the same cached folder."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}:{CONVERTER_VERSION}:".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(edge))
+        f.seek(max(size - edge, 0))
+        digest.update(f.read(edge))
+    return digest.hexdigest()[:12]
+
+
 def _converted(gguf_path: Path) -> Path:
     """Cached HF folder for a GGUF; converted into a temp dir and renamed, so a folder that exists is complete."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()[:12]
+    key = _content_key(gguf_path)
     root = cache_root()
     target = root / f"{gguf_path.stem}-{key}"
     if target.is_dir():
