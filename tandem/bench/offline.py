@@ -29,17 +29,19 @@ def run_tandem(args, requests) -> dict:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
-    llm.engine.phase_times = dict.fromkeys(llm.engine.phase_times, 0.0)
-    llm.engine.num_steps = 0
+    engine = llm.engine
+    engine.phase_times = dict.fromkeys(engine.phase_times, 0.0)
+    engine.num_steps, engine.kv_utilization_sum, engine.kv_usage_peak = 0, 0.0, 0.0
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    engine = llm.engine
     per_step_ms = {k: v / max(engine.num_steps, 1) * 1e3 for k, v in engine.phase_times.items()}
     return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
             "steps": engine.num_steps, "ms_per_step": per_step_ms,
+            "kv_utilization_mean": engine.kv_utilization_sum / max(engine.num_steps, 1),
+            "kv_usage_peak": engine.kv_usage_peak,
             "dtype": str(llm.engine.executor.dtype).removeprefix("torch."),
             "preemptions": llm.engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb()}
 
@@ -118,6 +120,8 @@ def main(args: argparse.Namespace) -> dict:
     ms = t["ms_per_step"]
     print(f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.1f} ms, "
           f"update {ms['update']:.2f} ms")
+    print(f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
+          f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions")
     if args.compare == "hf":
         h = report["hf"] = _in_process(run_hf, args, requests)
         report["ratio"] = t["output_throughput"] / h["output_throughput"]

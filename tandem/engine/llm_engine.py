@@ -53,6 +53,10 @@ class LLMEngine:
         # Seconds spent per phase over all steps: the CPU-side gap between executions.
         self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
         self.num_steps = 0
+        # KV pool figures after each step: utilisation (tokens stored / capacity of the blocks
+        # held; 1 - internal fragmentation), summed to give a mean, and peak usage of the pool.
+        self.kv_utilization_sum = 0.0
+        self.kv_usage_peak = 0.0
         self._ids = itertools.count()
 
     # ---- admission ----------------------------------------------------------------
@@ -136,6 +140,8 @@ class LLMEngine:
                 self._children.pop(out.request_id, None)
         t3 = time.perf_counter()
         self.num_steps += 1
+        self.kv_utilization_sum += self.kv_manager.utilization
+        self.kv_usage_peak = max(self.kv_usage_peak, self.kv_manager.usage)
         for phase, seconds in (("schedule", t1 - t0), ("execute", t2 - t1), ("update", t3 - t2)):
             self.phase_times[phase] += seconds
         return outputs
