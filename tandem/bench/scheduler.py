@@ -34,7 +34,8 @@ def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size
     # Early requests decode while later ones prefill: leave room for those tokens too, so
     # the measurement sees no preemption.
     extra = sum(prompts) // budget + steps + 8
-    blocks = sum(cdiv(p + extra, block_size) for p in prompts) + 1
+    # A quarter more: multilevel holds blocks back for L2's share, which is not a shortage.
+    blocks = sum(cdiv(p + extra, block_size) for p in prompts) * 5 // 4 + 64
     kv = KVCacheManager(max(blocks, cdiv(max_len, block_size)), block_size)
     cfg = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=budget,
                           max_model_len=max_len, policy=policy)

@@ -16,13 +16,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
+from tandem.core.preemption import l2_hold, pick_victim, preemption_mode
 from tandem.core.queues import LEVELS, WaitingQueues
+from tandem.core.step_budget import StepBudget
 from tandem.core.request import Request, RequestStatus
 
 
@@ -46,31 +48,6 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if not 0.0 <= self.l2_min_share < 1.0:
             raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")
-
-
-@dataclass(slots=True)
-class _Step:
-    """Token accounting of one schedule() call."""
-
-    out: SchedulerOutput
-    budget: int
-    l1_cap: int  # L1's tokens this step: the budget less L2's reserve
-    lower_prefill_cap: int  # L2 + L3 prompt tokens: their share only while L1 traffic is present
-    used: int = 0
-    l1_used: int = 0
-    lower_prefill_used: int = 0
-    admitted: list[Request] = field(default_factory=list)
-    l2_hold: tuple[int, int] | None = None  # seats and blocks L1 leaves L2, computed once
-
-    def cap(self, level: int, pending: int) -> int:
-        """Tokens a request of `level` with `pending` uncomputed tokens may take now.
-        Lower-level decodes always fit the budget: they barely lengthen a step."""
-        left = self.budget - self.used
-        if level == 1:
-            return min(left, self.l1_cap - self.l1_used)
-        if pending <= 1:
-            return left
-        return min(left, self.lower_prefill_cap - self.lower_prefill_used)
 
 
 class Scheduler:
@@ -146,7 +123,7 @@ class Scheduler:
         # step, and running L1 requests keep a steady ITL. Their decodes always fit.
         l1_active = self.multilevel and (self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running))
         share = max(int(cfg.l2_min_share * budget), self.kv.block_size)
-        step = _Step(out, budget, budget - reserve, share if l1_active else budget)
+        step = StepBudget(out, budget, budget - reserve, share if l1_active else budget)
         i, blocked = 0, False
         for level in LEVELS if self.multilevel else (2,):
             i = self._schedule_running(level, i, step)
@@ -160,7 +137,7 @@ class Scheduler:
         self.running.extend(step.admitted)
         return out
 
-    def _schedule_running(self, level: int, i: int, step: _Step) -> int:
+    def _schedule_running(self, level: int, i: int, step: StepBudget) -> int:
         """Catch up the running requests of `level` (from index i); returns the next index.
         When blocks run short, the lowest-level, newest unscheduled request is preempted."""
         floor = self._l2_floor if level == 1 else 0
@@ -194,7 +171,7 @@ class Scheduler:
             i += 1
         return i
 
-    def _admit_waiting(self, level: int, i: int, step: _Step) -> bool:
+    def _admit_waiting(self, level: int, i: int, step: StepBudget) -> bool:
         """Admit waiting requests of `level` in order; under multilevel, make room by
         preempting unscheduled lower-level requests (running[i:]). L1 leaves L2 its
         guaranteed seats and the blocks its running requests need to grow. False when a
@@ -218,7 +195,7 @@ class Scheduler:
                 self._preempt(victim, step.out)
         return True
 
-    def _allocate(self, req: Request, num_new: int, step: _Step) -> list[int] | None:
+    def _allocate(self, req: Request, num_new: int, step: StepBudget) -> list[int] | None:
         """allocate_slots, except that L1 may not take the blocks held for L2's share."""
         if req.level == 1:
             held = self._held_for_l2(step)[1]
@@ -227,31 +204,18 @@ class Scheduler:
                 return None
         return self.kv.allocate_slots(req, num_new)
 
-    def _held_for_l2(self, step: _Step) -> tuple[int, int]:
-        """Seats and blocks L1 must leave this step: the blocks the running L2 requests of
-        the guaranteed seats need for their share of the tokens, and, while L2 runs below
-        its guaranteed seats, a seat and blocks for the first waiting L2. Computed once a
-        step (L1 work only shrinks what L2 holds, so the first figure is safe)."""
+    def _held_for_l2(self, step: StepBudget) -> tuple[int, int]:
+        """Seats and blocks L1 must leave L2 this step (see preemption.l2_hold). Computed once
+        a step: L1 work only shrinks what L2 needs, so the first figure is safe."""
         if step.l2_hold is None:
-            step.l2_hold = self._compute_l2_hold(step)
+            step.l2_hold = (0, 0)
+            if self.multilevel and step.l1_cap < step.budget:
+                l2 = [r for r in self.running if r.level == 2]
+                head = self.waiting.in_order(2)[0] if self.waiting.count(2) else None
+                step.l2_hold = l2_hold(l2, head, self.kv, self._l2_floor, step.budget - step.l1_cap)
         return step.l2_hold
 
-    def _compute_l2_hold(self, step: _Step) -> tuple[int, int]:
-        if not self.multilevel or step.l1_cap == step.budget:
-            return 0, 0
-        bs, tokens = self.kv.block_size, step.budget - step.l1_cap
-        l2 = [r for r in self.running if r.level == 2][: self._l2_floor]
-        blocks = 0
-        for r in l2:
-            chunk = max(1, min(r.num_tokens - r.num_computed_tokens, tokens))
-            tokens = max(tokens - chunk, 0)
-            blocks += max(cdiv(r.num_computed_tokens + chunk, bs) - len(self.kv.req_to_blocks.get(r.request_id, ())), 0)
-        if len(l2) >= self._l2_floor or not self.waiting.count(2):
-            return 0, blocks
-        head = self.waiting.in_order(2)[0]
-        return 1, blocks + cdiv(head.num_computed_tokens + max(1, min(head.num_tokens - head.num_computed_tokens, tokens)), bs)
-
-    def _admit(self, req: Request, cap: int, step: _Step, blocks_held: int) -> bool:
+    def _admit(self, req: Request, cap: int, step: StepBudget, blocks_held: int) -> bool:
         """Take a waiting request into this step's batch; False when its blocks do not fit."""
         out, bs = step.out, self.kv.block_size
         free = self.kv.num_free_blocks - blocks_held
@@ -287,22 +251,11 @@ class Scheduler:
         self._commit(req, num_new, step)
         return True
 
-    def _victim(self, first: int, step: _Step, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
-        """The lowest-level, most recently admitted unscheduled request (running[first:])
-        not preempted `max_preemptions` times yet (one that was only as a `last_resort`, when
-        memory must be found); never an L2 that would take L2 below `keep_l2` running."""
-        l2_running = sum(1 for r in self.running if r.level == 2) + sum(1 for r in step.admitted if r.level == 2) \
-            if keep_l2 else 0
-        fallback = None
-        for req in reversed(self.running[first:]):
-            if req.level == 2 and keep_l2 and l2_running <= keep_l2:
-                continue
-            if req.num_preemptions < self.config.max_preemptions:
-                return req
-            fallback = fallback or req
-        return fallback if last_resort else None
+    def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
+        return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,
+                           self.config.max_preemptions, last_resort)
 
-    def _commit(self, req: Request, num_new: int, step: _Step) -> None:
+    def _commit(self, req: Request, num_new: int, step: StepBudget) -> None:
         step.out.num_scheduled_tokens[req.request_id] = num_new
         step.out.total_num_scheduled_tokens += num_new
         step.used += num_new
@@ -323,11 +276,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the victim's KV to the host tier or drop it for recompute, whichever is
         cheaper (blocks still in the prefix cache make recompute cheap)."""
-        cfg, mode = self.config, self.config.preemption_mode
-        if mode == "auto":
-            to_recompute = req.num_computed_tokens - self.kv.num_cached_blocks(req) * self.kv.block_size
-            swap_cost = req.num_computed_tokens * cfg.swap_cost_per_token
-            mode = "swap" if swap_cost < to_recompute * cfg.recompute_cost_per_token else "recompute"
+        mode = preemption_mode(req, self.kv, self.config)
         pairs = self.kv.swap_out(req) if mode == "swap" else None
         if pairs is not None:
             out.blocks_to_swap_out.extend(pairs)

@@ -1,0 +1,55 @@
+"""Who is preempted, how, and what L1 must leave to L2: the scheduler's pure helpers."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.request import Request
+
+if TYPE_CHECKING:
+    from tandem.core.scheduler import SchedulerConfig
+
+
+def pick_victim(candidates: list[Request], running: list[Request], admitted: list[Request], keep_l2: int,
+                max_preemptions: int, last_resort: bool) -> Request | None:
+    """The lowest-level, most recently admitted of `candidates` (running requests not yet
+    scheduled this step, in level-then-admission order) that was not preempted
+    `max_preemptions` times yet (one that was, only as a `last_resort`, when memory must be
+    found); never an L2 that would take L2 below `keep_l2` running."""
+    l2_running = sum(1 for r in running if r.level == 2) + sum(1 for r in admitted if r.level == 2) \
+        if keep_l2 else 0
+    fallback = None
+    for req in reversed(candidates):
+        if req.level == 2 and keep_l2 and l2_running <= keep_l2:
+            continue
+        if req.num_preemptions < max_preemptions:
+            return req
+        fallback = fallback or req
+    return fallback if last_resort else None
+
+
+def preemption_mode(req: Request, kv: KVCacheManager, config: SchedulerConfig) -> str:
+    """swap or recompute, whichever costs less for this victim ("auto"); blocks still in
+    the prefix cache make recompute cheap."""
+    if config.preemption_mode != "auto":
+        return config.preemption_mode
+    to_recompute = req.num_computed_tokens - kv.num_cached_blocks(req) * kv.block_size
+    swap_cost = req.num_computed_tokens * config.swap_cost_per_token
+    return "swap" if swap_cost < to_recompute * config.recompute_cost_per_token else "recompute"
+
+
+def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCacheManager,
+            l2_floor: int, tokens: int) -> tuple[int, int]:
+    """Seats and blocks L1 must leave this step: the blocks the running L2 requests of the
+    guaranteed seats need for their `tokens` share, and, while L2 runs below its guaranteed
+    seats, a seat and blocks for the first waiting L2."""
+    bs, blocks = kv.block_size, 0
+    guaranteed = l2_running[:l2_floor]
+    for r in guaranteed:
+        chunk = max(1, min(r.num_tokens - r.num_computed_tokens, tokens))
+        tokens = max(tokens - chunk, 0)
+        blocks += max(cdiv(r.num_computed_tokens + chunk, bs) - len(kv.req_to_blocks.get(r.request_id, ())), 0)
+    if len(guaranteed) >= l2_floor or l2_waiting_head is None:
+        return 0, blocks
+    head = l2_waiting_head
+    return 1, blocks + cdiv(head.num_computed_tokens + max(1, min(head.num_tokens - head.num_computed_tokens, tokens)), bs)
