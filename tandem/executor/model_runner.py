@@ -149,8 +149,11 @@ class ModelRunner:
             rows = [states[i] for i in logits_rows]
             logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][logits_rows] - 1])
             sampling = SamplingMetadata.build(
-                [SamplingRow(s.params, s.token_ids[:s.prompt_len], s.token_ids[s.prompt_len:],
-                             self.generators[s.req_id], s.eos_token_id) for s in rows],
+                [SamplingRow(s.params,
+                             # the prompt is only read by the repetition penalty: skip the copy
+                             s.token_ids[:s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
+                             s.token_ids[s.prompt_len:], self.generators[s.req_id], s.eos_token_id)
+                 for s in rows],
                 logits.shape[-1], self.device)
             result = self.sampler(logits, sampling)
             for i, (s, token_id) in enumerate(zip(rows, result.sampled_token_ids)):
