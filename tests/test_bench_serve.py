@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.bench import serve
-from tandem.bench.traces import read_azure, read_mooncake, trace_workload
+from tandem.bench.traces import trace_workload
+from tandem.workload.traces import read_azure, read_mooncake
 from tandem.bench.workloads import PromptSynth, arrivals
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"

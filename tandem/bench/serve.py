@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tandem.bench import report
-from tandem.bench.traces import DEFAULT_TRACES
+from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
 
 FALLBACK_TOKENIZER = "smollm2-135m"
