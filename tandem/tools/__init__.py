@@ -1,0 +1,1 @@
+"""Command-line tools over traces and measurements: `tandem analyze`."""
