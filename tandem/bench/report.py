@@ -103,7 +103,7 @@ def build_run(url: str, results: list[dict], duration: float, slo: dict) -> dict
             "requests": [{k: r[k] for k in slim} for r in results], "_raw": results}
 
 
-def _fmt(v, digits: int = 2) -> str:
+def fmt(v, digits: int = 2) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -111,7 +111,7 @@ def _fmt(v, digits: int = 2) -> str:
     return str(v)
 
 
-def _table(rows: list[list[str]]) -> str:
+def table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows)
@@ -122,7 +122,7 @@ def format_run(run: dict, workload: dict) -> str:
     lines = [f"==== tandem bench serve: {run['base_url']} ====", f"workload:  {workload['description']}",
              f"tokenizer: {workload['tokenizer']}{workload.get('tokenizer_note', '')}; prompts with the exact token count: {pt['exact']}/{pt['prompts']}"
              + (f" ({pt['off']} off by up to {pt['max_abs_diff']} tokens)" if pt["off"] else "")]
-    lines.append(_table([[k, _fmt(v)] for k, v in (
+    lines.append(table([[k, fmt(v)] for k, v in (
         ("completed", s["completed"]), ("failed", s["failed"]), ("duration (s)", s["duration_s"]),
         ("request throughput (req/s)", s["request_throughput"]),
         ("input throughput (tok/s)", s["input_throughput"]), ("output throughput (tok/s)", s["output_throughput"]),
@@ -131,13 +131,13 @@ def format_run(run: dict, workload: dict) -> str:
         lines.append("failures by status: " + ", ".join(f"{k}: {v}" for k, v in s["failures_by_status"].items()))
         lines.append(f"first error: {s['errors'][0]['error'][:200]}")
     head = ["latency (ms)", "mean"] + [f"p{p}" for p in PCTS]
-    rows = [[name] + [_fmt(s[key][c]) for c in ["mean"] + [f"p{p}" for p in PCTS]]
+    rows = [[name] + [fmt(s[key][c]) for c in ["mean"] + [f"p{p}" for p in PCTS]]
             for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))]
     split = s["latency_split"]
     if split:
-        rows += [[f"server {k}"] + [_fmt(split[f"{k}_ms"][c]) for c in ["mean"] + [f"p{p}" for p in PCTS]]
+        rows += [[f"server {k}"] + [fmt(split[f"{k}_ms"][c]) for c in ["mean"] + [f"p{p}" for p in PCTS]]
                  for k in ("queue", "prefill", "decode")]
-    lines.append(_table([head] + rows))
+    lines.append(table([head] + rows))
     for note in (s["itl_note"], s["usage_note"]):
         if note:
             lines.append(f"note: {note}")
@@ -154,10 +154,10 @@ def format_run(run: dict, workload: dict) -> str:
     if run["per_class"]:
         rows = [["class", "done", "failed", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99", "out tok/s"]]
         for c, cs in run["per_class"].items():
-            rows.append([c, str(cs["completed"]), str(cs["failed"]), _fmt(cs["ttft_ms"]["p50"]),
-                         _fmt(cs["ttft_ms"]["p99"]), _fmt(cs["tpot_ms"]["p50"]), _fmt(cs["tpot_ms"]["p99"]),
-                         _fmt(cs["e2e_ms"]["p99"]), _fmt(cs["output_throughput"])])
-        lines.append(_table(rows))
+            rows.append([c, str(cs["completed"]), str(cs["failed"]), fmt(cs["ttft_ms"]["p50"]),
+                         fmt(cs["ttft_ms"]["p99"]), fmt(cs["tpot_ms"]["p50"]), fmt(cs["tpot_ms"]["p99"]),
+                         fmt(cs["e2e_ms"]["p99"]), fmt(cs["output_throughput"])])
+        lines.append(table(rows))
     return "\n".join(lines)
 
 
@@ -186,8 +186,8 @@ _SHOWN = re.compile(r"(completed|failed|duration_s|\w+_throughput|total_\w+_toke
 def format_compare(run1: dict, run2: dict, r: dict) -> str:
     a, b = _flat(run1["summary"]), _flat(run2["summary"])
     rows = [["figure", run1["base_url"], run2["base_url"], "ratio 2/1"]]
-    rows += [[k, _fmt(a[k]), _fmt(b.get(k)), _fmt(r[k], 3)] for k in a if _SHOWN.fullmatch(k)]
-    return "==== comparison (every figure's ratio is in --json) ====\n" + _table(rows)
+    rows += [[k, fmt(a[k]), fmt(b.get(k)), fmt(r[k], 3)] for k in a if _SHOWN.fullmatch(k)]
+    return "==== comparison (every figure's ratio is in --json) ====\n" + table(rows)
 
 
 def write_plots(folder: Path, runs: list[dict]) -> list[str]:

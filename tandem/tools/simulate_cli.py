@@ -1,0 +1,183 @@
+"""`tandem simulate`: replay a workload on a simulated cluster (the real scheduler, KV pool and
+cluster policies over a cost model) and report what `tandem bench serve` reports, for one
+configuration or a grid of instance counts, modes and scheduling policies."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from tqdm import tqdm
+
+from tandem.bench.report import fmt, jsonable, parse_slo, summarize, table
+from tandem.cluster.elastic import ElasticConfig, TimeSchedule
+from tandem.config import EngineConfig, load_yaml
+from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
+from tandem.sim.cost_model import load_cost_model
+from tandem.sim import workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", default="azure", help="azure | mooncake | a trace path (CSV, JSONL, request log)")
+    src.add_argument("--replay", metavar="BENCH_JSON", help="the exact requests of a `tandem bench serve --json` run")
+    src.add_argument("--mixed", action="store_true", help="synthetic long + short mix (see --long-*, --short-*)")
+    g = p.add_argument_group("trace window")
+    g.add_argument("--window-start", type=float, default=0.0)
+    g.add_argument("--window-seconds", type=float, default=None)
+    g.add_argument("--max-requests", type=int, default=None)
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival gaps (0.5 = twice the rate)")
+    g.add_argument("--length-scale", type=float, default=1.0)
+    g.add_argument("--strict", action="store_true", help="reject a malformed trace line instead of skipping it")
+    g = p.add_argument_group("mixed workload")
+    g.add_argument("--num-requests", type=int, default=2000)
+    g.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
+    g.add_argument("--long-fraction", type=float, default=0.05)
+    g.add_argument("--long", type=int, nargs=2, default=(8000, 256), metavar=("PROMPT", "OUTPUT"))
+    g.add_argument("--short", type=int, nargs=2, default=(30, 30), metavar=("PROMPT", "OUTPUT"))
+    g.add_argument("--priority-by-class", action="store_true", help="short -> L1, long -> L2 (else by length)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--profile", default="h100:llama-3-8b",
+                   help="a profile JSON from `tandem profile`, or accelerator:model-shape for a roofline")
+    g.add_argument("--instances", default="1", help="comma list, e.g. 8,16,32")
+    g.add_argument("--mode", default="colocated", help=f"comma list of {', '.join(MODES)}")
+    g.add_argument("--prefill", type=int, default=None,
+                   help="P/D prefill instances at the start (default: search for the best by goodput)")
+    g.add_argument("--policy", default="fcfs", help="comma list of fcfs, multilevel")
+    g.add_argument("--elastic-schedule", default=None, help='time schedule "HH:P,HH:P", e.g. "8:2,20:4"')
+    g.add_argument("--no-coalesce", action="store_true", help="step every decode step (slower; same results)")
+    g = p.add_argument_group("engine (each instance)")
+    g.add_argument("--config", default=None, help="serving YAML (its engine/cache/scheduler sections)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the profile's step size")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--l2-min-share", type=float, default=0.2)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--slo", default="ttft=2,tpot=0.1", help="goodput SLOs in seconds: ttft=..,tpot=..,e2e=..")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def _requests(args):
+    if args.replay:
+        return workload.from_bench_run(args.replay)
+    if args.mixed:
+        return workload.mixed(args.num_requests, args.rate, args.long_fraction, tuple(args.long),
+                              tuple(args.short), args.seed, args.priority_by_class)
+    return workload.from_trace(args.trace, args.window_start, args.window_seconds, args.max_requests,
+                               args.time_scale, args.length_scale, args.strict)
+
+
+def _engine(args, cost, policy: str) -> EngineConfig:
+    values = {"max_num_seqs": args.max_num_seqs, "l2_min_share": args.l2_min_share,
+              "max_num_batched_tokens": args.max_num_batched_tokens or cost.max_num_batched_tokens,
+              "max_model_len": args.max_model_len, "enable_prefix_caching": not args.no_prefix_caching}
+    if args.config:
+        values.update(load_yaml(args.config, "engine"))
+    return EngineConfig.from_dict({**values, "scheduler_policy": policy})
+
+
+def _schedule(text: str | None) -> TimeSchedule | None:
+    if not text:
+        return None
+    try:
+        return TimeSchedule(tuple((float(h) * 3600, int(n)) for h, n in (e.split(":") for e in text.split(","))))
+    except ValueError:
+        raise ValueError(f"--elastic-schedule: expected HH:P pairs like 8:2,20:4, got {text!r}") from None
+
+
+def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, slo: dict) -> dict:
+    reqs, _ = _requests(args)
+    cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(), schedule=_schedule(args.elastic_schedule),
+                        coalesce=not args.no_coalesce)
+    sim = ClusterSim(cost, engine, cfg)
+    t0 = time.perf_counter()
+    sim.run(reqs)
+    wall = time.perf_counter() - t0
+    span = max((r.finished or r.arrival) for r in reqs)
+    summary = summarize([r.record() for r in reqs], span, slo)
+    classes = sorted({r.cls for r in reqs})
+    busy = sum(i.busy_time for i in sim.instances)
+    return {"instances": n, "mode": mode, "prefill": prefill if mode != "colocated" else None,
+            "policy": engine.scheduler_policy, "summary": summary,
+            "per_class": {c: summarize([r.record() for r in reqs if r.cls == c], span, slo) for c in classes}
+            if len(classes) > 1 else {},
+            "kv_usage_mean": sum(i.usage_time for i in sim.instances) / max(busy, 1e-12),
+            "kv_usage_peak": max(i.usage_peak for i in sim.instances),
+            "busy_share": busy / (n * span) if span else 0.0, "steps": sum(i.num_steps for i in sim.instances),
+            "coalesced_steps": sum(i.num_coalesced for i in sim.instances),
+            "transfer_gb": sim.transfer_bytes / 1e9, "role_switches": sim.role_switches, "sim_wall_s": wall}
+
+
+def _goodput(r: dict) -> float:
+    g = r["summary"]["goodput"]
+    return g["rate"] if g else r["summary"]["request_throughput"]
+
+
+def _search_pd(args, cost, engine, n: int, mode: str, slo: dict, bar) -> tuple[dict, list[dict]]:
+    """Best initial prefill count by goodput: a coarse grid over P/N, then the neighbours of the best."""
+    tried: dict[int, dict] = {}
+
+    def run(p: int) -> None:
+        if 1 <= p < n and p not in tried:
+            tried[p] = run_one(args, cost, engine, n, mode, p, slo)
+            bar.update(1)
+    for f in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75):
+        run(max(1, min(n - 1, round(n * f))))
+    best = max(tried, key=lambda p: _goodput(tried[p]))
+    for d in (-2, -1, 1, 2):
+        run(best + d)
+    best = max(tried, key=lambda p: _goodput(tried[p]))
+    return tried[best], [tried[p] for p in sorted(tried)]
+
+
+def _row(r: dict) -> list[str]:
+    s, g = r["summary"], r["summary"]["goodput"]
+    split = s["latency_split"] or {}
+    pd = f"{r['prefill']}:{r['instances'] - r['prefill']}" if r["prefill"] else "-"
+    return [str(r["instances"]), r["mode"], pd, r["policy"], str(s["completed"]), str(s["failed"]),
+            fmt(s["ttft_ms"]["p50"]), fmt(s["ttft_ms"]["p90"]), fmt(s["ttft_ms"]["p99"]),
+            fmt(s["itl_ms"]["p50"]), fmt(s["itl_ms"]["p99"]), fmt(s["e2e_ms"]["p50"]), fmt(s["e2e_ms"]["p90"]),
+            fmt(g["rate"] if g else None), f"{g['share']:.1%}" if g else "-",
+            f"{split.get('queue_share', 0):.1%}", f"{r['kv_usage_mean']:.1%}", f"{r['sim_wall_s']:.1f}"]
+
+
+HEAD = ["N", "mode", "P:D", "policy", "done", "failed", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p99",
+        "E2E p50", "E2E p90", "goodput/s", "good %", "queue", "KV use", "sim s"]
+
+
+def main(args: argparse.Namespace) -> dict:
+    slo = parse_slo(args.slo)
+    cost = load_cost_model(args.profile)
+    _, desc = _requests(args)  # validates the workload before any run
+    grid = [(int(n), m.strip(), pol.strip()) for n in args.instances.split(",") for m in args.mode.split(",")
+            for pol in args.policy.split(",")]
+    for n, m, _ in grid:
+        if m not in MODES or n < 1 or (m != "colocated" and n < 2):
+            raise ValueError(f"bad configuration: {n} instances in mode {m!r} (P/D needs at least 2)")
+    print(f"workload: {json.dumps(desc)[:400]}\ncost model: {args.profile} ({cost.kind})")
+    results, searched = [], []
+    with tqdm(desc="simulate", unit="run", disable=None) as bar:
+        for n, mode, policy in grid:
+            engine = _engine(args, cost, policy)
+            if mode == "colocated" or args.prefill is not None:
+                results.append(run_one(args, cost, engine, n, mode, args.prefill or 1, slo))
+                bar.update(1)
+            else:
+                best, tried = _search_pd(args, cost, engine, n, mode, slo, bar)
+                results.append(best)
+                searched += tried
+    print(table([HEAD] + [_row(r) for r in results]))
+    if searched:
+        print("P:D search (goodput/s by initial prefill count):")
+        print(table([HEAD] + [_row(r) for r in searched]))
+    for r in results:
+        for c, cs in r["per_class"].items():
+            print(f"  N={r['instances']} {r['mode']} {r['policy']} class {c}: TTFT p50/p99 "
+                  f"{fmt(cs['ttft_ms']['p50'])}/{fmt(cs['ttft_ms']['p99'])} ms, TPOT p50 "
+                  f"{fmt(cs['tpot_ms']['p50'])} ms, output {fmt(cs['output_throughput'])} tok/s")
+    out = {"workload": desc, "profile": args.profile, "slo": slo, "results": results, "pd_search": searched}
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(jsonable(out), f, indent=1)
+    return out
