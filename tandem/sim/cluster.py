@@ -15,7 +15,6 @@ from tandem.sim.cost_model import CostModel
 from tandem.sim.executor import SIM_TOKEN
 from tandem.sim.instance import SimInstance
 from tandem.sim.request import SimRequest
-from tandem.sim.transfer import import_prompt_blocks
 
 MODES = ("colocated", "pd", "elastic")
 _STEP, _TRANSFER, _TICK, _RETRY = 0, 1, 2, 3
@@ -233,15 +232,25 @@ class ClusterSim:
             sim.decode_target.reserved_tokens -= sim.prompt_len + sim.output_len
             sim.finished = now
             return
-        moved = import_prompt_blocks(sim.decode_target.kv, sim.prompt_token_ids(), dry_run=True)
+        # As the real decode instance does just before the transfer: hold blocks for the
+        # prompt's whole blocks (pinning those it caches already); only the rest move.
+        sim.kv_reservation = sim.decode_target.kv.reserve(sim.prompt_token_ids())
+        res = sim.kv_reservation
+        moved = len(res.fresh) * self.cost.block_size if res is not None else 0
         seconds = self.cost.kv_transfer_time(moved)
         sim.transfer_s += seconds
         self.transfer_bytes += moved * self.cost.kv_bytes_per_token
         self._push(now + seconds, _TRANSFER, sim)
 
     def _transfer_done(self, sim: SimRequest) -> None:
+        """The KV has landed: index it, and queue the continuation (prompt + first token),
+        which the prefix lookup finds; the pin is dropped once it is admitted. With no
+        reservation (the pool was short) the decode side recomputes the prompt."""
         target = sim.decode_target
         target.reserved_tokens -= sim.prompt_len + sim.output_len
-        prompt = sim.prompt_token_ids()
-        import_prompt_blocks(target.kv, prompt)
-        self._add(target.state(self.cfg.model), sim, prompt + [SIM_TOKEN], sim.output_len - 1, f"d:{sim.index}")
+        if sim.kv_reservation is not None:
+            target.kv.commit(sim.kv_reservation, len(sim.kv_reservation.blocks))
+        if not self._add(target.state(self.cfg.model), sim, sim.prompt_token_ids() + [SIM_TOKEN],
+                         sim.output_len - 1, f"d:{sim.index}") and sim.kv_reservation is not None:
+            target.kv.release(sim.kv_reservation)
+            sim.kv_reservation = None

@@ -82,6 +82,9 @@ class SimInstance:
             sim = self.sim_reqs[new.req_id]
             if sim.first_scheduled is None:
                 sim.first_scheduled = now
+            if sim.kv_reservation is not None and new.req_id.startswith("d:"):
+                self.kv.release(sim.kv_reservation)  # admitted: it holds its own references now
+                sim.kv_reservation = None
         if so.is_empty:
             self.busy = False
             return None

@@ -30,6 +30,7 @@ class SimRequest:
     instances: list[str] = field(default_factory=list)  # where it ran (prefill first under P/D)
     transfer_s: float = 0.0
     decode_target: Any = None  # P/D: the decode instance holding this request's KV quota
+    kv_reservation: Any = None  # P/D: blocks reserved on it for the transferred KV
     error: str | None = None
 
     def prompt_token_ids(self) -> list[int]:

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival gaps (0.5 = twice the rate)")
     g.add_argument("--length-scale", type=float, default=1.0)
     g.add_argument("--strict", action="store_true", help="reject a malformed trace line instead of skipping it")
+    g.add_argument("--rate-per-instance", type=float, default=None,
+                   help="rescale arrivals to this many requests/s per instance (trace or mixed), so every "
+                        "cluster size sees the same load per instance")
     g = p.add_argument_group("mixed workload")
     g.add_argument("--num-requests", type=int, default=2000)
     g.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
@@ -43,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--instances", default="1", help="comma list, e.g. 8,16,32")
     g.add_argument("--mode", default="colocated", help=f"comma list of {', '.join(MODES)}")
     g.add_argument("--prefill", type=int, default=None,
-                   help="P/D prefill instances at the start (default: search for the best by goodput)")
+                   help="P/D prefill instances at the start (default: pd searches for the best by goodput; elastic starts at N/4)")
     g.add_argument("--policy", default="fcfs", help="comma list of fcfs, multilevel")
     g.add_argument("--elastic-schedule", default=None, help='time schedule "HH:P,HH:P", e.g. "8:2,20:4"')
     g.add_argument("--no-coalesce", action="store_true", help="step every decode step (slower; same results)")
@@ -58,14 +61,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None)
 
 
-def _requests(args):
+def _requests(args, instances: int = 1):
     if args.replay:
-        return workload.from_bench_run(args.replay)
-    if args.mixed:
-        return workload.mixed(args.num_requests, args.rate, args.long_fraction, tuple(args.long),
-                              tuple(args.short), args.seed, args.priority_by_class)
-    return workload.from_trace(args.trace, args.window_start, args.window_seconds, args.max_requests,
-                               args.time_scale, args.length_scale, args.strict)
+        reqs, desc = workload.from_bench_run(args.replay)
+    elif args.mixed:
+        rate = args.rate_per_instance * instances if args.rate_per_instance else args.rate
+        reqs, desc = workload.mixed(args.num_requests, rate, args.long_fraction, tuple(args.long),
+                                    tuple(args.short), args.seed, args.priority_by_class)
+    else:
+        reqs, desc = workload.from_trace(args.trace, args.window_start, args.window_seconds, args.max_requests,
+                                         args.time_scale, args.length_scale, args.strict)
+    if args.rate_per_instance and not args.mixed:
+        if args.rate_per_instance <= 0:
+            raise ValueError("--rate-per-instance must be positive")
+        span = max(r.arrival for r in reqs) or 1.0
+        scale = (len(reqs) / span) / (args.rate_per_instance * instances)
+        for r in reqs:
+            r.arrival *= scale
+        desc["rate_per_instance"] = args.rate_per_instance
+    return reqs, desc
 
 
 def _engine(args, cost, policy: str) -> EngineConfig:
@@ -87,7 +101,7 @@ def _schedule(text: str | None) -> TimeSchedule | None:
 
 
 def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, slo: dict) -> dict:
-    reqs, _ = _requests(args)
+    reqs, _ = _requests(args, n)
     cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(), schedule=_schedule(args.elastic_schedule),
                         coalesce=not args.no_coalesce)
     sim = ClusterSim(cost, engine, cfg)
@@ -122,10 +136,10 @@ def _search_pd(args, cost, engine, n: int, mode: str, slo: dict, bar) -> tuple[d
         if 1 <= p < n and p not in tried:
             tried[p] = run_one(args, cost, engine, n, mode, p, slo)
             bar.update(1)
-    for f in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75):
+    for f in (0.25, 0.375, 0.5, 0.625):
         run(max(1, min(n - 1, round(n * f))))
     best = max(tried, key=lambda p: _goodput(tried[p]))
-    for d in (-2, -1, 1, 2):
+    for d in (-1, 1):
         run(best + d)
     best = max(tried, key=lambda p: _goodput(tried[p]))
     return tried[best], [tried[p] for p in sorted(tried)]
@@ -160,8 +174,8 @@ def main(args: argparse.Namespace) -> dict:
     with tqdm(desc="simulate", unit="run", disable=None) as bar:
         for n, mode, policy in grid:
             engine = _engine(args, cost, policy)
-            if mode == "colocated" or args.prefill is not None:
-                results.append(run_one(args, cost, engine, n, mode, args.prefill or 1, slo))
+            if mode != "pd" or args.prefill is not None:  # elastic finds its own split from P = N/4
+                results.append(run_one(args, cost, engine, n, mode, args.prefill or max(1, n // 4), slo))
                 bar.update(1)
             else:
                 best, tried = _search_pd(args, cost, engine, n, mode, slo, bar)
