@@ -36,6 +36,9 @@ class EngineConfig:
     swap_space: int = 512 << 20  # bytes of host memory for swapped-out KV blocks
     l1_max_prompt_tokens: int = 256  # unlabelled requests this short (prompt and max_tokens) go to L1
     l1_max_tokens: int = 256
+    # Overlap: schedule step N+1 (and process step N-1's outputs) while step N runs on a
+    # worker thread; see engine/step_pipeline.py.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

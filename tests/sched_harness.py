@@ -198,11 +198,15 @@ class FakeExecutor:
             req = s.requests.get(rid)
             if req is None:  # aborted between schedule and execute
                 continue
-            assert req.all_token_ids == toks, "executor and scheduler disagree on tokens"
+            # The scheduler may not know yet the token the step before sampled (async
+            # scheduling), but it counts it, and the one this step samples, as placeholders.
+            samples = n > 0 and self.pos[rid] == len(toks)
+            assert toks[:req.num_tokens] == req.all_token_ids, "executor and scheduler disagree on tokens"
+            assert len(toks) + samples == req.num_tokens_with_placeholders
             assert self.pos[rid] == req.num_computed_tokens
             assert table == s.kv.block_ids(req), "executor block table diverged"
             assert len(table) * bs >= req.num_computed_tokens
-            if n > 0 and self.pos[rid] == len(toks):
+            if samples:
                 sampled[rid] = [self.sample(rid, toks)]
                 toks.append(sampled[rid][0])
         # every live request's blocks hold its tokens (not just the scheduled ones)
@@ -230,7 +234,8 @@ def check_state(s: Scheduler) -> None:
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
         assert len(kv.block_ids(r)) == cdiv(r.num_computed_tokens, kv.block_size)
-        assert 0 < r.num_computed_tokens <= r.num_tokens
+        assert 0 < r.num_computed_tokens <= r.num_tokens_with_placeholders
+        assert r.num_output_placeholders <= 2  # the step in flight's and the one just scheduled
     for level in (1, 2, 3):
         for r in s.waiting.queues[level]:
             assert r.level == level
@@ -305,6 +310,7 @@ class Driver:
         self.pending_finished: set[str] = set()
         self.level_of: dict[str, int] = {}
         self.readmitted_same_step = 0  # preempted and admitted again within one schedule()
+        self.preempted_in_flight = 0  # preempted while a token of theirs was in flight (async)
 
     def add(self, req: Request) -> Request:
         self.s.add_request(req)
@@ -330,6 +336,7 @@ class Driver:
             assert l1 <= l1_limit(s), f"L1 took {l1} tokens of {s.config.max_num_batched_tokens}"
         for rid in out.preempted_req_ids:
             req = s.requests[rid]
+            self.preempted_in_flight += req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0
             if req.status == RequestStatus.RUNNING and not self.strict_preemption:
                 self.readmitted_same_step += 1  # preempted and re-admitted in one step
                 continue
@@ -348,7 +355,9 @@ class Driver:
         return out
 
     def finish_step(self, out: SchedulerOutput):
-        res = self.ex.execute(out)
+        return self.update(out, self.ex.execute(out))
+
+    def update(self, out: SchedulerOutput, res: ModelRunnerOutput):
         before = set(self.s.requests)
         core = self.s.update_from_output(out, res)
         for o in core:
@@ -390,6 +399,34 @@ class Driver:
             for r in o.scheduled_new_reqs:
                 first.setdefault(r.req_id, i)
         return first
+
+
+class PipelinedDriver(Driver):
+    """Async scheduling, as LLMEngine runs it: step N+1 is scheduled (and handed to the
+    executor, which runs steps in order) before step N's tokens reach the scheduler. A step
+    that schedules nothing drains the pipeline."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def finish_step(self, out: SchedulerOutput):
+        res = self.ex.execute(out)
+        prev, self.in_flight = self.in_flight, (out, res)
+        core = self.update(*prev) if prev is not None else []
+        if out.is_empty:
+            core += self.update(*self.in_flight)
+            self.in_flight = None
+        return core
+
+    def run(self, max_steps: int | None = None) -> int:
+        max_steps = self.max_steps if max_steps is None else max_steps
+        steps = 0
+        while self.s.num_unfinished or self.in_flight is not None:
+            self.step()
+            steps += 1
+            assert steps < max_steps, "no progress"
+        return steps
 
 
 class DriverMachine(RuleBasedStateMachine):

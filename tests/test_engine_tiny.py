@@ -1,5 +1,6 @@
 """Greedy output equals Hugging Face transformers on tiny random Llama / Qwen2 / Qwen3 models,
-in every batching situation: mixed lengths, chunked prefill, preemption, prefix hits, n > 1."""
+in every batching situation: mixed lengths, chunked prefill, preemption, prefix hits, n > 1,
+aborts and stops; with async scheduling (step N+1 scheduled while step N runs) and without."""
 from __future__ import annotations
 
 import random
@@ -37,48 +38,69 @@ def _llm(path: str, **kw) -> LLM:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_mixed_batch_matches_hf(kind, tiny_model_dirs, references):
-    prompts, ref, _, _ = references[kind]
-    outs = _llm(tiny_model_dirs[kind]).generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_chunked_prefill_matches_hf(kind, tiny_model_dirs, references):
-    prompts, ref, _, _ = references[kind]
-    llm = _llm(tiny_model_dirs[kind], max_num_batched_tokens=16, block_size=8)
-    outs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_preemption_matches_hf(kind, mode, tiny_model_dirs, references):
-    prompts, ref, _, _ = references[kind]
-    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs[kind])).kv_bytes_per_token(torch.float32)
-    # Room for the longest request alone (~82 tokens), far less than all six at once.
-    llm = _llm(tiny_model_dirs[kind], block_size=4, kv_cache_memory=per_token * 4 * 24,
-               enable_prefix_caching=False, preemption_mode=mode)
-    outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.preemptions_by_mode[mode] > 0
-    assert [o.outputs[0].token_ids for o in outs] == ref
+def _assert_all_blocks_free(llm: LLM) -> None:
     kv = llm.engine.kv_manager
-    assert kv.num_free_blocks == llm.engine.executor.num_kv_blocks
+    assert kv.num_free_blocks == llm.engine.executor.num_kv_blocks and not kv.req_to_blocks
     kv.release_pending_host_blocks()
     assert kv.num_free_host_blocks == kv.num_host_blocks
 
 
+def _run(engine) -> dict[str, list[int]]:
+    """Step until done; the token ids of each finished request."""
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    return results
+
+
+@ASYNC
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_batch_matches_hf(kind, async_scheduling, tiny_model_dirs, references):
+    prompts, ref, _, _ = references[kind]
+    llm = _llm(tiny_model_dirs[kind], async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    _assert_all_blocks_free(llm)
+
+
+@ASYNC
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_matches_hf(kind, async_scheduling, tiny_model_dirs, references):
+    prompts, ref, _, _ = references[kind]
+    llm = _llm(tiny_model_dirs[kind], max_num_batched_tokens=16, block_size=8, async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+@ASYNC
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_preemption_matches_hf(kind, mode, async_scheduling, tiny_model_dirs, references):
+    prompts, ref, _, _ = references[kind]
+    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs[kind])).kv_bytes_per_token(torch.float32)
+    # Room for the longest request alone (~82 tokens), far less than all six at once.
+    llm = _llm(tiny_model_dirs[kind], block_size=4, kv_cache_memory=per_token * 4 * 24,
+               enable_prefix_caching=False, preemption_mode=mode, async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.preemptions_by_mode[mode] > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    _assert_all_blocks_free(llm)
+
+
+@ASYNC
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_multilevel_preemption_matches_hf(mode, tiny_model_dirs, references):
+def test_multilevel_preemption_matches_hf(mode, async_scheduling, tiny_model_dirs, references):
     """Interactive requests arriving while the batch is full preempt standard/background
     ones; every request still gets exactly its single-request greedy tokens."""
     prompts, ref, _, _ = references["llama"]
     per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(torch.float32)
     llm = _llm(tiny_model_dirs["llama"], block_size=4, kv_cache_memory=per_token * 4 * 30, max_num_seqs=3,
-               scheduler_policy="multilevel", preemption_mode=mode)
+               scheduler_policy="multilevel", preemption_mode=mode, async_scheduling=async_scheduling)
     engine = llm.engine
     for i, p in enumerate(prompts[:3]):
         engine.add_request(p, GREEDY, request_id=f"bg{i}", priority=3 if i else 2)
@@ -86,20 +108,17 @@ def test_multilevel_preemption_matches_hf(mode, tiny_model_dirs, references):
         engine.step()
     for i, p in enumerate(prompts[3:]):
         engine.add_request(p, GREEDY, request_id=f"chat{i}", priority=1)
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
+    results = _run(engine)
     assert engine.scheduler.num_preemptions > 0
     assert [results[f"bg{i}"] for i in range(3)] + [results[f"chat{i}"] for i in range(3)] == ref
-    assert engine.kv_manager.num_free_blocks == engine.executor.num_kv_blocks
+    _assert_all_blocks_free(llm)
 
 
+@ASYNC
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefix_cache_hits_match_hf(kind, tiny_model_dirs, references):
+def test_prefix_cache_hits_match_hf(kind, async_scheduling, tiny_model_dirs, references):
     _, _, prefixed, ref = references[kind]
-    llm = _llm(tiny_model_dirs[kind], block_size=8)
+    llm = _llm(tiny_model_dirs[kind], block_size=8, async_scheduling=async_scheduling)
     first = llm.generate(prefixed[:1], GREEDY)
     rest = llm.generate(prefixed[1:], GREEDY)
     stats = llm.engine.kv_manager.stats
@@ -108,15 +127,52 @@ def test_prefix_cache_hits_match_hf(kind, tiny_model_dirs, references):
     assert all(o.metrics.num_cached_tokens >= 0 for o in rest)
 
 
+@ASYNC
 @pytest.mark.parametrize("kind", ["llama"])
-def test_n_greater_than_one_shares_prompt(kind, tiny_model_dirs, references):
+def test_n_greater_than_one_shares_prompt(kind, async_scheduling, tiny_model_dirs, references):
     prompts, ref, _, _ = references[kind]
-    llm = _llm(tiny_model_dirs[kind], block_size=4)
+    llm = _llm(tiny_model_dirs[kind], block_size=4, async_scheduling=async_scheduling)
     params = SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompts[:2], params)
     for out, r in zip(outs, ref[:2]):
         assert [c.token_ids for c in out.outputs] == [r] * 3
     assert llm.engine.kv_manager.stats.hits > 0
+    _assert_all_blocks_free(llm)
+
+
+@ASYNC
+def test_abort_mid_flight_leaves_the_rest_intact(async_scheduling, tiny_model_dirs, references):
+    """Aborting requests while steps run (one is in flight under async scheduling): the
+    others keep their greedy tokens and every block comes back."""
+    prompts, ref, _, _ = references["llama"]
+    llm = _llm(tiny_model_dirs["llama"], block_size=4, async_scheduling=async_scheduling)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(p, GREEDY, request_id=f"r{i}")
+    for _ in range(4):
+        engine.step()
+    aborted = engine.abort_request("r1")
+    engine.step()
+    engine.abort_request("r4")
+    results = _run(engine)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert results == {f"r{i}": ref[i] for i in (0, 2, 3, 5)}
+    _assert_all_blocks_free(llm)
+
+
+@ASYNC
+def test_stops_drop_the_token_after_them(async_scheduling, tiny_model_dirs, references):
+    """A stop token (like EOS) ends a request in the step that samples it; under async
+    scheduling the request is already in the next step, whose token must not show."""
+    prompts, ref, _, _ = references["llama"]
+    llm = _llm(tiny_model_dirs["llama"], block_size=4, async_scheduling=async_scheduling)
+    stops = [SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[r[3]]) for r in ref]
+    outs = llm.generate(prompts, stops)
+    for out, r in zip(outs, ref):
+        assert out.outputs[0].token_ids == r[:r.index(r[3]) + 1]
+        assert out.outputs[0].finish_reason == "stop"
+    _assert_all_blocks_free(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref  # and it serves on
 
 
 def test_seeded_sampling_reproducible_across_batches(tiny_model_dirs):
@@ -129,3 +185,25 @@ def test_seeded_sampling_reproducible_across_batches(tiny_model_dirs):
     assert mixed[2].outputs[0].token_ids != [] and llm.generate(prompts[2], seeded)[0].outputs[0].token_ids == mixed[2].outputs[0].token_ids
     again = llm.generate([prompts[1], prompts[0]], [other, seeded])
     assert again[1].outputs[0].token_ids == alone
+
+
+def test_failed_step_drops_the_steps_planned_on_it():
+    from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+    from tandem.engine.step_pipeline import StepPipeline
+    ran = []
+
+    def execute(sched):
+        ran.append(sched)
+        if len(ran) == 1:
+            raise RuntimeError("step failed")
+        return ModelRunnerOutput()
+
+    pipeline = StepPipeline(execute, overlap=True)
+    pipeline.submit(SchedulerOutput())
+    pipeline.submit(SchedulerOutput())
+    with pytest.raises(RuntimeError, match="step failed"):
+        pipeline.pop()
+    assert len(pipeline) == 0 and len(ran) == 2  # the second ran, and was dropped
+    pipeline.submit(SchedulerOutput())
+    assert pipeline.pop().result == ModelRunnerOutput()
+    pipeline.shutdown()

@@ -23,8 +23,8 @@ from tandem.core.request import RequestStatus
 from tandem.core.scheduler import SchedulerConfig
 
 import sched_harness
-from sched_harness import (EOS, Clock, Driver, DriverMachine, check_state, make_req,
-                           prompts)
+from sched_harness import (EOS, Clock, Driver, DriverMachine, PipelinedDriver, check_state,
+                           make_req, prompts)
 
 # Multilevel queues and recompute-on-preemption unless a test says otherwise.
 make_sched = functools.partial(sched_harness.make_sched, policy="multilevel",
@@ -642,6 +642,8 @@ class MultilevelMachine(DriverMachine):
     """Random adds (bursts, priorities, arrivals) / step / abort (swapped ones too); the step
     and abort rules come from DriverMachine."""
 
+    driver = Driver
+
     @initialize(policy=st.sampled_from(["fcfs", "multilevel", "multilevel"]),
                 mode=st.sampled_from(["swap", "recompute", "auto"]),
                 order=st.sampled_from(["fcfs", "spf"]),
@@ -661,7 +663,7 @@ class MultilevelMachine(DriverMachine):
                                 clock=self.clock, queue_order=order, l2_min_share=share,
                                 max_preemptions=max_preemptions,
                                 swap_cost_per_token=0.5e-3, recompute_cost_per_token=1e-3)
-        self.d = Driver(self.sched, self.clock, tick=0.01)
+        self.d = self.driver(self.sched, self.clock, tick=0.01)
         self.n = 0
         self.swapped_aborts = 0
 
@@ -710,12 +712,23 @@ class MultilevelMachine(DriverMachine):
         event(f"recompute: {s.preemptions_by_mode['recompute'] > 0}")
         event(f"swapped aborted: {self.swapped_aborts > 0}")
         event(f"re-admitted in the step it was preempted: {self.d.readmitted_same_step > 0}")
+        event(f"preempted with a token in flight: {self.d.preempted_in_flight > 0}")
         assert self.d.schedule().is_empty
 
 
 MultilevelMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30,
                                                deadline=None)
 TestMultilevelMachine = MultilevelMachine.TestCase
+
+
+class PipelinedMultilevelMachine(MultilevelMachine):
+    """The same under async scheduling: step N+1 scheduled before step N's tokens are known."""
+
+    driver = PipelinedDriver
+
+
+PipelinedMultilevelMachine.TestCase.settings = MultilevelMachine.TestCase.settings
+TestPipelinedMultilevelMachine = PipelinedMultilevelMachine.TestCase
 
 
 # =====================================================================================
@@ -729,7 +742,7 @@ def workloads(draw):
              draw(st.integers(1, 3)), draw(st.integers(0, 3))) for _ in range(n)]
 
 
-def run_workload(reqs, policy, mode, small, bs, budget, seqs):
+def run_workload(reqs, policy, mode, small, bs, budget, seqs, pipelined=False):
     max_model_len = 24
     if small:
         kw = dict(num_blocks=cdiv(max_model_len, bs) + 2, num_host_blocks=cdiv(max_model_len, bs),
@@ -739,10 +752,10 @@ def run_workload(reqs, policy, mode, small, bs, budget, seqs):
                   max_num_seqs=100)
     s = make_sched(block_size=bs, max_model_len=max_model_len, policy=policy,
                    preemption_mode=mode, **kw)
-    d = Driver(s)
+    d = (PipelinedDriver if pipelined else Driver)(s)
     pending = sorted(enumerate(reqs), key=lambda x: x[1][4])
     step = 0
-    while pending or s.num_unfinished:
+    while pending or s.num_unfinished or getattr(d, "in_flight", None):
         while pending and pending[0][1][4] <= step:  # arrivals at their step
             i, (prompt, max_tokens, eos, priority, _) = pending.pop(0)
             d.add(make_req(f"w{i}", prompt, max_tokens, priority=priority, eos=EOS if eos else None))
@@ -760,7 +773,7 @@ def test_outputs_do_not_depend_on_policy_mode_or_pool(wl, bs, budget, seqs):
     assert not ref[2]
     for policy in ("fcfs", "multilevel"):
         for mode in ("swap", "recompute"):
-            for small in (False, True):
-                got = run_workload(wl, policy, mode, small, bs, budget, seqs)
+            for small, pipelined in ((False, False), (True, False), (True, True)):
+                got = run_workload(wl, policy, mode, small, bs, budget, seqs, pipelined)
                 event(f"{policy}/{mode}/{'small' if small else 'large'} preempted: {bool(got[2])}")
-                assert got[0] == ref[0] and got[1] == ref[1], (policy, mode, small)
+                assert got[0] == ref[0] and got[1] == ref[1], (policy, mode, small, pipelined)

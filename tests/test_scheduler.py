@@ -23,6 +23,9 @@ from sched_harness import (EOS, DriverMachine, check_state, fake_token_from_leng
 # Tokens by (id, length); a preempted request must stay out for the rest of its step.
 Driver = functools.partial(sched_harness.Driver, sample=sample_from_length,
                            strict_preemption=True, max_steps=10_000)
+# Async scheduling: step N+1 is scheduled before step N's tokens are known.
+PipelinedDriver = functools.partial(sched_harness.PipelinedDriver, sample=sample_from_length,
+                                    strict_preemption=True, max_steps=10_000)
 
 
 # =====================================================================================
@@ -384,6 +387,8 @@ def test_abort_preempted_request():
 class SchedulerMachine(DriverMachine):
     """Random add / step / abort; the step and abort rules come from DriverMachine."""
 
+    driver = Driver
+
     @initialize(block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 24),
                 extra_blocks=st.integers(0, 6), budget=st.integers(1, 24),
                 max_num_seqs=st.integers(1, 6), caching=st.booleans())
@@ -393,7 +398,7 @@ class SchedulerMachine(DriverMachine):
         self.sched = make_sched(num_blocks=num_blocks, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_caching=caching)
-        self.d = Driver(self.sched)
+        self.d = self.driver(self.sched)
         self.n = 0
 
     def _new_id(self):
@@ -431,6 +436,7 @@ class SchedulerMachine(DriverMachine):
         event(f"preempted: {s.num_preemptions > 0}")
         event(f"prefix hits: {s.kv.stats.hits > 0}")
         event(f"aborted: {'abort' in self.d.finish.values()}")
+        event(f"preempted with a token in flight: {self.d.preempted_in_flight > 0}")
         # the last finishes are reported on the next schedule
         out = self.d.schedule()
         assert out.is_empty
@@ -439,6 +445,14 @@ class SchedulerMachine(DriverMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30,
                                               deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+class PipelinedSchedulerMachine(SchedulerMachine):
+    driver = PipelinedDriver
+
+
+PipelinedSchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
+TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
 
 
 # =====================================================================================
@@ -453,9 +467,9 @@ def workloads(draw):
             for _ in range(n)], max_model_len
 
 
-def run_workload(reqs, max_model_len, **cfg):
+def run_workload(reqs, max_model_len, pipelined=False, **cfg):
     s = make_sched(max_model_len=max_model_len, **cfg)
-    d = Driver(s)
+    d = (PipelinedDriver if pipelined else Driver)(s)
     for i, (prompt, max_tokens, eos) in enumerate(reqs):
         d.add(make_req(f"w{i}", prompt, max_tokens, eos=EOS if eos else None))
     d.run(max_steps=5_000)
@@ -476,6 +490,73 @@ def test_outputs_independent_of_preemption_and_chunking(wl, bs, extra, budget, s
                          enable_caching=caching)
     event(f"preempted: {small[2] > 0}")
     assert small[0] == ref[0] and small[1] == ref[1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
+       st.integers(1, 6), st.booleans())
+def test_pipelined_outputs_match_serial(wl, bs, extra, budget, seqs, caching):
+    """Async scheduling (optimistic placeholders, a step in flight while the next is
+    scheduled) gives the same tokens and finish reasons, under preemption and chunking."""
+    reqs, max_model_len = wl
+    ref = run_workload(reqs, max_model_len, num_blocks=1000, block_size=bs,
+                       max_num_batched_tokens=10_000, max_num_seqs=100)
+    small = run_workload(reqs, max_model_len, pipelined=True,
+                         num_blocks=cdiv(max_model_len, bs) + extra, block_size=bs,
+                         max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching)
+    event(f"preempted: {small[2] > 0}")
+    assert small[0] == ref[0] and small[1] == ref[1]
+
+
+# =====================================================================================
+# Async scheduling: placeholders for tokens in flight
+# =====================================================================================
+
+def test_pipelined_never_schedules_past_max_tokens():
+    s = make_sched()
+    d = PipelinedDriver(s)
+    d.add(make_req("a", [1, 2, 3], max_tokens=2))
+    a = s.requests["a"]
+    assert d.step().num_scheduled_tokens == {"a": 3}  # prefill; its token is in flight
+    assert a.num_output_placeholders == 1 and a.num_output_tokens == 0
+    out = d.step()  # the decode of token 2 is scheduled before token 1 is known
+    assert out.num_scheduled_tokens == {"a": 1} and len(d.tokens["a"]) == 1
+    assert d.step().num_scheduled_tokens == {}  # token 2 is the last: nothing more to run
+    assert d.finish["a"] == "length" and len(d.tokens["a"]) == 2
+    assert s.kv.num_free_blocks == s.kv.pool.num_blocks and d.in_flight is None
+
+
+def test_pipelined_drops_the_token_after_eos_and_frees_blocks():
+    s = make_sched()
+    d = PipelinedDriver(s)
+    rid = next(f"r{i}" for i in range(1000) if fake_token_from_length(f"r{i}", 3) == EOS)
+    d.add(make_req(rid, [1, 2, 3], max_tokens=10, eos=EOS))
+    d.step()
+    out = d.step()  # scheduled optimistically: the EOS is not known yet
+    assert out.num_scheduled_tokens == {rid: 1}
+    assert d.tokens[rid] == [EOS] and d.finish[rid] == "stop" and rid not in s.requests
+    assert s.kv.num_free_blocks == s.kv.pool.num_blocks  # freed while its last step runs
+    d.run()
+    assert d.tokens[rid] == [EOS]  # the extra token never reaches the output
+
+
+def test_pipelined_preempted_request_keeps_its_token_in_flight():
+    """c is preempted while its first token is in flight: the token still counts, and c
+    comes back only once it is known."""
+    s = make_sched(num_blocks=4, block_size=4)
+    d = PipelinedDriver(s)
+    for r in "abc":
+        d.add(make_req(r, [1, 2, 3, 4], max_tokens=6))
+    d.step()  # each holds 1 block, 1 left; all three tokens in flight
+    out = d.schedule()
+    assert out.preempted_req_ids == {"c"} and s.requests["c"].num_output_placeholders == 1
+    d.finish_step(out)  # the prefill's results arrive: c's token is appended while it waits
+    c = s.requests["c"]
+    assert c.status == RequestStatus.PREEMPTED and len(d.tokens["c"]) == 1
+    assert c.num_output_placeholders == 0 and c.output_token_ids == d.tokens["c"]
+    d.run()
+    assert d.finish == {r: "length" for r in "abc"} and all(len(d.tokens[r]) == 6 for r in "abc")
+    assert s.kv.num_free_blocks == 4 and not s.requests
 
 
 def test_pool_smaller_than_one_full_request_is_rejected():

@@ -1,6 +1,8 @@
 """`tandem bench offline`: N requests with random prompt and output lengths (ignore_eos),
-output tokens/s and peak memory; `--compare hf` runs transformers' batched generate on the
-same requests in the same run. Each side runs in its own process, so peak RSS is its own."""
+output tokens/s, peak memory, time per step phase and the gap between steps (the executor
+idle while the engine schedules and processes outputs). `--compare hf` runs transformers'
+batched generate on the same requests in the same run; `--compare-async` runs tandem with and
+without async scheduling (overlap). Each run has its own process, so peak RSS is its own."""
 from __future__ import annotations
 
 import argparse
@@ -26,24 +28,31 @@ def _peak_rss_mb() -> float:
 
 def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
-    llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up
+    opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+              **opts)
+    llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
-    engine.phase_times = dict.fromkeys(engine.phase_times, 0.0)
-    engine.num_steps, engine.kv_utilization_sum, engine.kv_usage_peak = 0, 0.0, 0.0
+    engine.reset_stats()
+    prepare_before = getattr(engine.executor, "prepare_time", 0.0)
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
     start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params, use_tqdm=True)
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=args.progress)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    per_step_ms = {k: v / max(engine.num_steps, 1) * 1e3 for k, v in engine.phase_times.items()}
+    steps = max(engine.num_steps, 1)
+    times = dict(engine.phase_times, prepare=getattr(engine.executor, "prepare_time", 0.0) - prepare_before)
+    per_step_ms = {k: v / steps * 1e3 for k, v in times.items() if k != "gap"}
+    per_step_ms["gap"] = times["gap"] / max(engine.num_gaps, 1) * 1e3
     return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
+            "async_scheduling": engine.config.async_scheduling,
             "steps": engine.num_steps, "ms_per_step": per_step_ms,
-            "kv_utilization_mean": engine.kv_utilization_sum / max(engine.num_steps, 1),
+            "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
+            "kv_utilization_mean": engine.kv_utilization_sum / steps,
             "kv_usage_peak": engine.kv_usage_peak,
-            "dtype": str(llm.engine.executor.dtype).removeprefix("torch."),
-            "preemptions": llm.engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb()}
+            "dtype": str(engine.executor.dtype).removeprefix("torch."),
+            "preemptions": engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb()}
 
 
 def run_hf(args, requests) -> dict:
@@ -75,6 +84,39 @@ def run_hf(args, requests) -> dict:
             "peak_rss_mb": _peak_rss_mb()}
 
 
+def _print_run(t: dict) -> None:
+    print(f"tandem (async scheduling {'on' if t['async_scheduling'] else 'off'}): {t['output_tokens']} tokens "
+          f"in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s ({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)")
+    ms = t["ms_per_step"]
+    print(f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.2f} ms "
+          f"(input building {ms['prepare']:.2f} ms), update {ms['update']:.2f} ms; "
+          f"gap between steps {ms['gap']:.3f} ms ({t['gap_share_of_execute']:.2%} of execute)")
+    print(f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
+          f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions")
+
+
+def _print_async_table(off: dict, on: dict) -> None:
+    rows = [("output tok/s", "output_throughput", None, ".1f"), ("steps", "steps", None, "d"),
+            ("execute ms/step", "ms_per_step", "execute", ".2f"),
+            ("input building ms/step", "ms_per_step", "prepare", ".2f"),
+            ("schedule ms/step", "ms_per_step", "schedule", ".3f"),
+            ("update ms/step", "ms_per_step", "update", ".3f"),
+            ("gap ms/step", "ms_per_step", "gap", ".3f"),
+            ("gap % of execute", "gap_share_of_execute", None, ".2%"),
+            ("peak RSS MiB", "peak_rss_mb", None, ".0f")]
+    print(f"{'':24} {'sync':>10} {'async':>10} {'async/sync':>11}")
+    for label, key, sub, fmt in rows:
+        a, b = off[key], on[key]
+        if sub:
+            a, b = a[sub], b[sub]
+        ratio = f"{b / a:.2f}x" if a else "-"
+        print(f"{label:24} {a:>10{fmt}} {b:>10{fmt}} {ratio:>11}")
+
+
+def _replace(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
 def _child(fn, args, requests, queue) -> None:
     queue.put(fn(args, requests))
 
@@ -100,6 +142,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling with execution (default: the engine's default)")
+    p.add_argument("--compare-async", action="store_true",
+                   help="run tandem with and without async scheduling, side by side")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-batch-size", type=int, default=32)
@@ -112,16 +160,16 @@ def main(args: argparse.Namespace) -> dict:
     from tandem.models.loader import load_config, resolve_model
     vocab = ModelConfig.from_hf(load_config(resolve_model(args.model))).vocab_size
     requests = make_requests(args, vocab)
-    report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},
-              "tandem": _in_process(run_tandem, args, requests)}
-    t = report["tandem"]
-    print(f"tandem: {t['output_tokens']} tokens in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s "
-          f"({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)")
-    ms = t["ms_per_step"]
-    print(f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.1f} ms, "
-          f"update {ms['update']:.2f} ms")
-    print(f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
-          f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions")
+    report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")}}
+    if args.compare_async:  # without overlap first, then with it ("tandem")
+        off = report["tandem_sync"] = _in_process(run_tandem, _replace(args, async_scheduling=False), requests)
+        _print_run(off)
+        args = _replace(args, async_scheduling=True)
+    t = report["tandem"] = _in_process(run_tandem, args, requests)
+    _print_run(t)
+    if args.compare_async:
+        report["ratio_async"] = t["output_throughput"] / off["output_throughput"]
+        _print_async_table(off, t)
     if args.compare == "hf":
         h = report["hf"] = _in_process(run_hf, args, requests)
         report["ratio"] = t["output_throughput"] / h["output_throughput"]

@@ -1,6 +1,7 @@
 """Per-request block tables over the block pool, prefix-cache lookups, and usage figures."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tandem.core.block_pool import BlockPool, KVBlock, hash_block
@@ -9,6 +10,18 @@ from tandem.core.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(slots=True, eq=False)
+class KVReservation:
+    """Blocks held for KV computed on another instance (P/D): the request's quota here,
+    taken before the transfer. `blocks[i]` holds block i of `token_ids`; those listed in
+    `fresh` are to be written, the rest were already cached here and are only pinned."""
+
+    token_ids: list[int]
+    hashes: list[int]
+    blocks: list[KVBlock]
+    fresh: list[int]
 
 
 @dataclass(slots=True)
@@ -97,6 +110,56 @@ class KVCacheManager:
             h = hash_block(hashes[-1] if hashes else None, chunk)
             hashes.append(h)
             self.pool.cache_block(blocks[i], h, chunk)
+
+    # ---- KV computed elsewhere (P/D) ----------------------------------------------
+    def _chunks(self, token_ids: list[int]) -> Iterator[tuple[int, tuple[int, ...]]]:
+        """(chained hash, token ids) of each whole block of `token_ids` a prefix lookup may reach."""
+        bs, parent = self.block_size, None
+        limit = len(token_ids) if self.max_prefix_tokens is None else min(len(token_ids), self.max_prefix_tokens)
+        for i in range(limit // bs):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, chunk)
+            yield parent, chunk
+
+    def cached_prefix(self, token_ids: list[int]) -> list[KVBlock]:
+        """The longest run of whole blocks of `token_ids` in the prefix cache (nothing taken)."""
+        blocks = []
+        for h, chunk in self._chunks(token_ids):
+            block = self.pool.lookup(h, chunk)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def reserve(self, token_ids: list[int]) -> KVReservation | None:
+        """Hold a block for each whole block of `token_ids` a later prefix lookup would reach,
+        pinning those cached here already. None when blocks are short (nothing changed then)."""
+        chunks = list(self._chunks(token_ids))
+        hits = [self.pool.lookup(h, chunk) for h, chunk in chunks]
+        fresh = [i for i, b in enumerate(hits) if b is None]
+        pinned = [b for b in hits if b is not None]
+        if len(fresh) > self.pool.num_free_blocks - sum(1 for b in pinned if b.ref_cnt == 0):
+            return None
+        self.pool.touch(pinned)
+        new = iter(self.pool.get_new_blocks(len(fresh)))
+        blocks = [b if b is not None else next(new) for b in hits]
+        return KVReservation(list(token_ids[:len(chunks) * self.block_size]), [h for h, _ in chunks], blocks, fresh)
+
+    def commit(self, res: KVReservation, num_blocks: int) -> None:
+        """Index the first `num_blocks` blocks, now written, in the prefix cache, and give
+        back the rest (the sender had fewer). The reservation still pins what it keeps."""
+        bs = self.block_size
+        for i in res.fresh:
+            if i < num_blocks:
+                self.pool.cache_block(res.blocks[i], res.hashes[i], tuple(res.token_ids[i * bs:(i + 1) * bs]))
+        self.pool.free_blocks(list(reversed(res.blocks[num_blocks:])))
+        del res.blocks[num_blocks:], res.hashes[num_blocks:], res.token_ids[num_blocks * bs:]
+        res.fresh = [i for i in res.fresh if i < num_blocks]
+
+    def release(self, res: KVReservation) -> None:
+        """Drop the reservation's pins (tail first); committed blocks stay cached, evictable."""
+        self.pool.free_blocks(list(reversed(res.blocks)))
+        res.blocks.clear()
 
     # ---- allocation ---------------------------------------------------------------
     def allocate_slots(

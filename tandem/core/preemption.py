@@ -7,7 +7,7 @@ from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.request import Request
 
 if TYPE_CHECKING:
-    from tandem.core.scheduler import SchedulerConfig
+    from tandem.core.scheduler_config import SchedulerConfig
 
 
 def pick_victim(candidates: list[Request], running: list[Request], admitted: list[Request], keep_l2: int,
@@ -46,10 +46,10 @@ def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCa
     bs, blocks = kv.block_size, 0
     guaranteed = l2_running[:l2_floor]
     for r in guaranteed:
-        chunk = max(1, min(r.num_tokens - r.num_computed_tokens, tokens))
+        chunk = max(1, min(r.num_tokens_with_placeholders - r.num_computed_tokens, tokens))
         tokens = max(tokens - chunk, 0)
         blocks += max(cdiv(r.num_computed_tokens + chunk, bs) - len(kv.req_to_blocks.get(r.request_id, ())), 0)
     if len(guaranteed) >= l2_floor or l2_waiting_head is None:
         return 0, blocks
     head = l2_waiting_head
-    return 1, blocks + cdiv(head.num_computed_tokens + max(1, min(head.num_tokens - head.num_computed_tokens, tokens)), bs)
+    return 1, blocks + cdiv(head.num_computed_tokens + max(1, min(head.num_tokens_with_placeholders - head.num_computed_tokens, tokens)), bs)

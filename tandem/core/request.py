@@ -46,6 +46,9 @@ class Request:
     prefill_after: Request | None = None
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose ids are not known yet: at most the one of the step
+    # in flight under async scheduling (the scheduler plans the next step as if it were there).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
     swapped: bool = False  # preempted with its KV in the host pool (num_computed_tokens kept)
@@ -64,6 +67,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """What the KV must cover before the request samples again: known and in-flight tokens."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

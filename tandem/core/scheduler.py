@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
@@ -26,28 +25,7 @@ from tandem.core.preemption import l2_hold, pick_victim, preemption_mode
 from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget
 from tandem.core.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    policy: str = "fcfs"  # fcfs | multilevel
-    queue_order: str = "fcfs"  # within a level: fcfs | spf (shortest prompt first, with aging)
-    l2_min_share: float = 0.2  # of the token budget and the seats, whenever L2 has work
-    max_preemptions: int = 4  # per request, before it stops being chosen as a victim
-    preemption_mode: str = "auto"  # auto | swap | recompute
-    swap_cost_per_token: float = 2e-5  # s to move one token's KV out and back (auto mode)
-    recompute_cost_per_token: float = 1e-3  # s to prefill one token again (auto mode)
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "multilevel"):
-            raise ValueError(f"scheduler policy must be fcfs or multilevel, got {self.policy!r}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
-        if not 0.0 <= self.l2_min_share < 1.0:
-            raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")
+from tandem.core.scheduler_config import SchedulerConfig
 
 
 class Scheduler:
@@ -143,11 +121,13 @@ class Scheduler:
         floor = self._l2_floor if level == 1 else 0
         while i < len(self.running) and self.running[i].level == level:
             req = self.running[i]
-            cap = step.cap(level, req.num_tokens - req.num_computed_tokens)
-            if cap <= 0:
-                i += 1
+            pending = req.num_tokens_with_placeholders - req.num_computed_tokens
+            cap = step.cap(level, pending)
+            if cap <= 0 or (req.num_output_placeholders
+                            and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens):
+                i += 1  # no budget left, or its last token is already in flight
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            num_new = min(pending, cap)
             new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None and num_new > 1:  # a shorter prefill chunk may fit
                 held = self._held_for_l2(step)[1] if level == 1 else 0
@@ -182,6 +162,8 @@ class Scheduler:
                 return False
             if req.prefill_after is not None and not self._prefix_ready(req):
                 continue
+            if req.num_output_placeholders:
+                continue  # preempted with a token in flight: it resumes once that token is known
             while True:
                 seats_held, blocks_held = self._held_for_l2(step) if level == 1 else (0, 0)
                 if len(self.running) + len(step.admitted) + seats_held < self.config.max_num_seqs:
@@ -264,6 +246,8 @@ class Scheduler:
         elif num_new > 1:
             step.lower_prefill_used += num_new
         req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens_with_placeholders:
+            req.num_output_placeholders += 1  # this step samples a token, known only after it ran
 
     def _prefix_ready(self, req: Request) -> bool:
         src = req.prefill_after
@@ -296,18 +280,27 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        """Under async scheduling the next step is already scheduled (and may hold requests
+        this one finishes: their extra token is dropped) and a request may have been
+        preempted since this step was scheduled: its token still counts."""
         outputs, finished = [], False
         for req_id in sched.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
-            self.kv.cache_blocks(req)
+            if req is None:
+                continue  # finished (aborted, stopped) while the step ran
+            was_running = req.status == RequestStatus.RUNNING
+            sampled = result.sampled_token_ids.get(req_id, ())
+            if sampled:
+                req.num_output_placeholders -= 1  # one per step that samples, however many tokens
             new_ids = []
-            for token_id in result.sampled_token_ids.get(req_id, ()):
+            for token_id in sampled:
                 req.append_token(token_id)
                 new_ids.append(token_id)
                 if req.check_stop():
                     break
+            # After the append: a block may end in the token just sampled, whose KV the step
+            # in flight computes (it runs before any step that could hit the block).
+            self.kv.cache_blocks(req)
             if not new_ids:
                 continue
             lps = result.logprobs.get(req_id)
@@ -317,6 +310,8 @@ class Scheduler:
             ))
             if req.status.finished:
                 finished = True
+                if not was_running:
+                    self.waiting.remove(req)
                 self._free(req)
         if finished:
             self.running = [r for r in self.running if not r.status.finished]

@@ -74,6 +74,7 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.pipeline.shutdown()
 
     # ---- asyncio side -------------------------------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,

@@ -1,4 +1,5 @@
-"""The step loop: schedule -> execute -> update, plus request admission and abort."""
+"""The step loop: schedule -> execute -> update (overlapped with async scheduling, see
+step_pipeline.py), plus request admission and abort."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +8,15 @@ import time
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.queues import classify
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.executor.base import Executor
+from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.executor.model_runner import ModelRunner
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config, load_tokenizer, resolve_model
@@ -25,7 +29,10 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.executor: Executor = ModelRunner(config, self.model_dir)
+        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), config.async_scheduling)
+        # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
+        # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
+        self.executor: Executor = self.pipeline.call(ModelRunner, config, self.model_dir)
         mcfg = ModelConfig.from_hf(load_config(self.model_dir))
         self.vocab_size = mcfg.vocab_size
         capacity = self.executor.num_kv_blocks * self.executor.block_size
@@ -39,6 +46,8 @@ class LLMEngine:
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             config.max_prefix_tokens, config.min_match_length, self.executor.num_host_blocks,
         )
+        # P/D export / import of KV blocks; a write waits for the steps in flight
+        self.kv_handoff = KVHandoff(self.kv_manager, self.executor, lambda: self.pipeline.in_flight())
         swap_cost, recompute_cost = self.executor.preemption_costs()
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -50,14 +59,21 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}
-        # Seconds spent per phase over all steps: the CPU-side gap between executions.
-        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
-        self.num_steps = 0
-        # KV pool figures after each step: utilisation (tokens stored / capacity of the blocks
-        # held; 1 - internal fragmentation), summed to give a mean, and peak usage of the pool.
+        self._ids = itertools.count()
+        self._busy_since = 0.0  # perf_counter when the engine last got work after being empty
+        self._last_execute_end: float | None = None
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Seconds per phase over all steps: schedule and update (engine thread), execute
+        (the executor busy) and gap (the executor idle between two steps while the engine had
+        work: what overlap removes). KV pool figures after each step: utilisation (tokens
+        stored / capacity of the blocks held; 1 - internal fragmentation), summed to give a
+        mean, and peak usage of the pool."""
+        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "gap": 0.0}
+        self.num_steps = self.num_gaps = 0
         self.kv_utilization_sum = 0.0
         self.kv_usage_peak = 0.0
-        self._ids = itertools.count()
 
     # ---- admission ----------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -88,6 +104,8 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
                              f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if not self._children:
+            self._busy_since = time.perf_counter()
         if priority is None:
             priority = classify(len(token_ids), params.max_tokens,
                                 self.config.l1_max_prompt_tokens, self.config.l1_max_tokens)
@@ -112,25 +130,41 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         child_ids = self._children.pop(request_id, [])
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self.kv_handoff.release_admitted(self.scheduler.requests)
         outs = self.output_processor.abort(child_ids)
         return outs[0] if outs else None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._children)
+        """Requests not finished, or a step still to hand back (async scheduling)."""
+        return bool(self._children) or len(self.pipeline) > 0
 
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule a step and return the outputs of one executed step. Without async
+        scheduling that is the step just scheduled. With it, the step just scheduled runs
+        while the one before it is processed: the first call returns [] and each later one
+        the outputs of the step before."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
-            return []
-        for new in sched.scheduled_new_reqs:
-            req = self.scheduler.requests[new.req_id]
-            self.output_processor.on_scheduled(new.req_id, req.first_scheduled_time,
-                                               req.num_cached_tokens, req.num_preemptions)
+        self.kv_handoff.release_admitted(self.scheduler.requests)  # P/D: admitted requests hold their blocks now
+        has_work = not sched.is_empty
+        if has_work or sched.finished_req_ids or sched.preempted_req_ids:
+            for new in sched.scheduled_new_reqs:
+                req = self.scheduler.requests[new.req_id]
+                self.output_processor.on_scheduled(new.req_id, req.first_scheduled_time,
+                                                   req.num_cached_tokens, req.num_preemptions)
+            self.phase_times["schedule"] += time.perf_counter() - t0
+            self.pipeline.submit(sched)
+        if len(self.pipeline) == 0 or (has_work and not self.pipeline.full):
+            return []  # idle, or the pipeline is filling: that step runs while the caller returns
+        done = self.pipeline.pop()
         t1 = time.perf_counter()
-        result = self.executor.execute_model(sched)
-        t2 = time.perf_counter()
+        outputs = self._update(done.sched, done.result)
+        self.phase_times["update"] += time.perf_counter() - t1
+        self._record(done)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         core_outputs = self.scheduler.update_from_output(sched, result)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
@@ -138,10 +172,15 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
-        t3 = time.perf_counter()
+        return outputs
+
+    def _record(self, done: ExecutedStep) -> None:
         self.num_steps += 1
         self.kv_utilization_sum += self.kv_manager.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, self.kv_manager.usage)
-        for phase, seconds in (("schedule", t1 - t0), ("execute", t2 - t1), ("update", t3 - t2)):
-            self.phase_times[phase] += seconds
-        return outputs
+        self.phase_times["execute"] += done.end - done.start
+        # Idle time before the first step after the engine got work is not a gap.
+        if self._last_execute_end is not None and self._last_execute_end >= self._busy_since:
+            self.phase_times["gap"] += done.start - self._last_execute_end
+            self.num_gaps += 1
+        self._last_execute_end = done.end

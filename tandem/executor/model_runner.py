@@ -72,6 +72,9 @@ class ModelRunner:
             ext = cpu_paged_attention()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
         self.sampler = Sampler()
+        # Host-side seconds per step before the model runs (swap copies, state update, inputs),
+        # summed: the part of a step the accelerator waits for.
+        self.prepare_time = 0.0
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request resumes its random stream.
         self.generators: dict[str, torch.Generator | None] = {}
@@ -91,6 +94,22 @@ class ModelRunner:
         dst_ids = torch.tensor([b for _, b in pairs], device=dst.device)
         blocks = shape(src).index_select(2, src_ids).to(dst.device, non_blocking=True)
         shape(dst).index_copy_(2, dst_ids, blocks)
+
+    # ---- KV transfer (P/D) ----------------------------------------------------------
+    def _kv_blocks(self) -> torch.Tensor:
+        """The KV cache as [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (a view)."""
+        c = self.kv_cache
+        return c.view(c.shape[0], 2, -1, self.block_size, *c.shape[3:])
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of the blocks' K/V, all layers, on the cache's device."""
+        return self._kv_blocks().index_select(2, torch.tensor(block_ids, dtype=torch.long, device=self.device))
+
+    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None) -> None:
+        """Place [num_layers, 2, n, ...] blocks, or one layer's [2, n, ...] when `layer` is given."""
+        dst = self._kv_blocks() if layer is None else self._kv_blocks()[layer]
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        dst.index_copy_(dst.dim() - 4, ids, kv.to(self.device, self.dtype))
 
     # ---- persistent batch -----------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -142,6 +161,7 @@ class ModelRunner:
         states = [self.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
         input_ids, positions, meta, logits_rows = self._prepare_inputs(states, counts)
+        self.prepare_time += time.perf_counter() - start
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         out = ModelRunnerOutput()

@@ -1,0 +1,26 @@
+"""What the scheduler is told: budgets, policy and preemption settings, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"  # fcfs | multilevel
+    queue_order: str = "fcfs"  # within a level: fcfs | spf (shortest prompt first, with aging)
+    l2_min_share: float = 0.2  # of the token budget and the seats, whenever L2 has work
+    max_preemptions: int = 4  # per request, before it stops being chosen as a victim
+    preemption_mode: str = "auto"  # auto | swap | recompute
+    swap_cost_per_token: float = 2e-5  # s to move one token's KV out and back (auto mode)
+    recompute_cost_per_token: float = 1e-3  # s to prefill one token again (auto mode)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "multilevel"):
+            raise ValueError(f"scheduler policy must be fcfs or multilevel, got {self.policy!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if not 0.0 <= self.l2_min_share < 1.0:
+            raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")
