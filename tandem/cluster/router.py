@@ -1,0 +1,151 @@
+"""The cluster's one entry point: the OpenAI API of `tandem serve`, routed by `model` to that
+model's instances; among them, by prefix-cache affinity and load (`routing.choose_instance`),
+or prefill + decode for a disaggregated group (`pd.py`). Instances are polled for state;
+failures are retried elsewhere (`proxy.py`); /metrics aggregates the whole cluster."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.cluster.config import ClusterConfig, ModelGroup
+from tandem.cluster.pd import PDHandoff
+from tandem.cluster.pool import Instance, InstancePool
+from tandem.cluster.prefix import PromptTokenizer, prefix_hashes
+from tandem.cluster.proxy import Proxy, json_error
+from tandem.cluster.roles import RoleLoop
+from tandem.cluster.router_metrics import RouterMetrics
+from tandem.server.middleware import BodySizeLimit
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """State shared by the routes: instances, their poller, the HTTP client, metrics."""
+
+    def __init__(self, cfg: ClusterConfig, instances: list[Instance],
+                 tokenizers: dict[str, PromptTokenizer] | None = None) -> None:
+        self.cfg, self.rcfg = cfg, cfg.router
+        self.groups: dict[str, ModelGroup] = {g.name: g for g in cfg.models}
+        self.tokenizers = tokenizers if tokenizers is not None else {}
+        timeout = httpx.Timeout(self.rcfg.request_timeout_s, connect=self.rcfg.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout, trust_env=False,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.pool = InstancePool(instances, self.rcfg.weights, self.client, self.rcfg.poll_interval_s,
+                                 self.rcfg.poll_timeout_s)
+        self.metrics = RouterMetrics(self.pool)
+        self.proxy = Proxy(self.pool, self.client, self.metrics)
+        # Both act only on groups whose instances report prefill/decode (or elastic) roles.
+        self.pd = PDHandoff(self)
+        self.roles = RoleLoop(self)
+
+    def default_model(self, kind: str) -> str | None:
+        return next((g.name for g in self.groups.values() if g.kind == kind), None)
+
+    def tokenizer(self, model: str) -> PromptTokenizer:
+        if model not in self.tokenizers:  # loaded once, on first use (cheap after that)
+            group = self.groups[model]
+            self.tokenizers[model] = PromptTokenizer(group.model if group.kind == "chat" else None)
+        return self.tokenizers[model]
+
+    async def route(self, request: Request, kind: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            return json_error(400, f"body: invalid JSON ({e})")
+        model = body.get("model") or self.default_model(kind)
+        group = self.groups.get(model) if isinstance(model, str) else None
+        if group is None:
+            self.metrics.failures.labels(str(model), "unknown_model").inc()
+            return json_error(404, f"The model `{model}` does not exist; this cluster serves "
+                                   f"{', '.join(f'`{m}`' for m in self.groups)}.")
+        if group.kind != kind:
+            return json_error(400, f"model `{model}` is a {group.kind} model; it does not serve {request.url.path}")
+        path = request.url.path
+        stream = bool(body.get("stream")) and kind == "chat"
+        ids = await asyncio.to_thread(self.tokenizer(model).token_ids, path, body) if kind == "chat" else None
+        block_size = next((i.block_size for i in self.pool.group(model) if i.block_size), 0)
+        hashes = prefix_hashes(ids, block_size) if ids and block_size else []
+        num_tokens = len(ids) if ids else len(raw) // 4  # a rough token count when not tokenized
+        if self.pd.applies(model):
+            return await self.pd.handle(model, path, body, stream, ids, hashes)
+        return await self.proxy.forward(model, path, raw, stream, hashes, num_tokens, self.rcfg.max_attempts)
+
+    def cluster_state(self) -> dict:
+        return {i.id: {"url": i.url, "model": i.model, "kind": i.kind, "healthy": i.state.healthy,
+                       "draining": i.state.draining, "role": i.state.role, "elastic": i.state.elastic,
+                       "inflight": i.inflight, "num_running": i.state.num_running,
+                       "num_waiting": i.state.num_waiting, "kv_usage": i.state.kv_usage,
+                       "cached_prefixes": len(i.state.cached_prefixes), "last_error": i.last_error}
+                for i in self.pool.instances.values()}
+
+    def health(self) -> tuple[bool, dict]:
+        models = {m: sum(i.state.available for i in self.pool.group(m)) for m in self.groups}
+        return all(models.values()), {"status": "ok" if all(models.values()) else "degraded",
+                                      "available_instances": models}
+
+
+def build_router(cfg: ClusterConfig, instances: list[Instance],
+                 tokenizers: dict[str, PromptTokenizer] | None = None) -> FastAPI:
+    router = Router(cfg, instances, tokenizers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.pool.poll_once()  # route from real state from the first request on
+        tasks = [asyncio.create_task(router.pool.run()), asyncio.create_task(router.roles.run())]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await router.client.aclose()
+
+    app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.router = router
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.router.max_body_bytes)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        return json_error(e.status_code, str(e.detail))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await router.route(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.route(request, "chat")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await router.route(request, "embedding")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": g.name, "object": "model", "created": 0, "owned_by": "tandem",
+                                            "kind": g.kind} for g in router.groups.values()]}
+
+    @app.get("/health")
+    async def health():
+        ok, body = router.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/cluster/state")
+    async def cluster_state():
+        return router.cluster_state()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await router.metrics.exposition(router.client), media_type=CONTENT_TYPE_LATEST)
+
+    return app

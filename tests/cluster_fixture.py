@@ -1,0 +1,67 @@
+"""Clusters for tests: instances (tiny engines, each with its own KV pool) and the router, all
+served by uvicorn on loopback from background threads of the test process."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+
+import uvicorn
+
+from server_fixture import free_port
+from tandem.cluster.config import parse_cluster_config
+from tandem.cluster.launcher import external_instances
+from tandem.cluster.router import build_router
+from tandem.config import EngineConfig
+from tandem.cluster.pd_instance import ClusterLLM
+from tandem.server.api_server import ServerConfig, build_app
+
+
+@contextmanager
+def serving(app):
+    """Serve an ASGI app on a free loopback port; yields (url, uvicorn.Server)."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", srv
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextmanager
+def tiny_instance(model_dir: str, name: str = "tiny", role: str = "colocated", elastic: bool = False, **engine):
+    opts = dict(model=model_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1) | engine
+    llm = ClusterLLM(EngineConfig(**opts))
+    try:
+        with serving(build_app(llm, ServerConfig(model_name=name, role=role, elastic=elastic))) as (url, srv):
+            yield url, llm, srv
+    finally:
+        llm.shutdown()
+
+
+@contextmanager
+def router_for(groups: list[dict], router: dict | None = None):
+    """A router over instances given by URL: groups are cluster.yaml `models` entries with `urls`.
+    Yields (router url, Router)."""
+    cfg = parse_cluster_config({"models": groups, "router": {"poll_interval_s": 0.2, **(router or {})}})
+    app = build_router(cfg, external_instances(cfg))
+    with serving(app) as (url, _):
+        yield url, app.state.router
+
+
+@contextmanager
+def tiny_cluster(model_dir: str, n: int = 3, router: dict | None = None, roles: list[str] | None = None,
+                 **engine):
+    """n tiny instances of model `tiny` behind a router. Yields (router url, Router, [(url, llm, server)])."""
+    with ExitStack() as stack:
+        roles = roles or ["colocated"] * n
+        insts = [stack.enter_context(tiny_instance(model_dir, role=r, **engine)) for r in roles]
+        group = {"name": "tiny", "model": model_dir, "urls": [u for u, _, _ in insts]}
+        url, r = stack.enter_context(router_for([group], router))
+        yield url, r, insts
