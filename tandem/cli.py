@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -23,6 +24,21 @@ def _prepare(args: argparse.Namespace) -> None:
     print(resolve_model(args.model))
 
 
+# (group, name, module with add_arguments/main, help): `tandem [group] name ...`
+COMMANDS = [
+    (None, "serve", "tandem.server.launch", "the OpenAI-compatible server"),
+    ("cluster", "up", "tandem.cluster.launcher", "start the instances of a cluster.yaml and serve the router"),
+    ("bench", "offline", "tandem.bench.offline", "offline throughput, optionally against transformers"),
+    ("bench", "scheduler", "tandem.bench.scheduler", "scheduler cost per step with a null executor"),
+    ("bench", "serve", "tandem.bench.serve", "token-level load test of an OpenAI-compatible endpoint"),
+    ("bench", "kv-transfer", "tandem.bench.kv_transfer", "KV transfer latency and bandwidth between two processes (P/D)"),
+    (None, "analyze", "tandem.tools.analyze_cli", "workload analysis of a trace or request log"),
+    (None, "profile", "tandem.tools.profile_cli", "measure the executor (or a roofline) into a cost model for plan / simulate"),
+    (None, "plan", "tandem.tools.plan_cli", "prefill / decode instance counts and the elastic schedule for a traffic"),
+    (None, "simulate", "tandem.tools.simulate_cli", "discrete-event cluster simulator driven by the real scheduling code"),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,26 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=_generate)
 
-    from tandem.server import launch
-    p = sub.add_parser("serve", help="the OpenAI-compatible server")
-    launch.add_arguments(p)
-    p.set_defaults(func=launch.main)
-
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from tandem.bench import offline
-    p = bench.add_parser("offline", help="offline throughput, optionally against transformers")
-    offline.add_arguments(p)
-    p.set_defaults(func=offline.main)
-
-    from tandem.bench import scheduler as bench_scheduler
-    p = bench.add_parser("scheduler", help="scheduler cost per step with a null executor")
-    bench_scheduler.add_arguments(p)
-    p.set_defaults(func=bench_scheduler.main)
-
-    from tandem.bench import serve as bench_serve
-    p = bench.add_parser("serve", help="token-level load test of an OpenAI-compatible endpoint")
-    bench_serve.add_arguments(p)
-    p.set_defaults(func=bench_serve.main)
+    groups = {None: sub,
+              "cluster": sub.add_parser("cluster", help="a router and N instances")
+              .add_subparsers(dest="cluster", required=True),
+              "bench": sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)}
+    for group, name, module, text in COMMANDS:
+        mod = importlib.import_module(module)
+        p = groups[group].add_parser(name, help=text)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.main)
     return parser
 
 

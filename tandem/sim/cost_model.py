@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +63,17 @@ class CostModel:
         return self.overhead + sum(max(sum(c * v for c, v in zip(t["compute"], x)),
                                        sum(m * v for m, v in zip(t["memory"], x)))
                                    for t in self.terms.values())
+
+    def calibrated(self, factor: float = 1.0, extra: float = 0.0) -> "CostModel":
+        """Every step `factor` times longer plus `extra` seconds: what serving adds on top of
+        the profiled executor (front-end threads sharing the CPU and the GIL, per-step engine
+        work), calibrated from a served run of another workload."""
+        if factor <= 0 or extra < 0:
+            raise ValueError(f"step scale must be positive and step overhead >= 0, got {factor}, {extra}")
+        terms = {k: {part: tuple(c * factor for c in coefs) for part, coefs in t.items()}
+                 for k, t in self.terms.items()}
+        return replace(self, overhead=self.overhead * factor + extra, terms=terms,
+                       info={**self.info, "step_scale": factor, "step_overhead_s": extra})
 
     def kv_transfer_time(self, num_tokens: int) -> float:
         return self.link_latency + num_tokens * self.kv_bytes_per_token / self.link_bandwidth

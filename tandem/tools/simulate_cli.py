@@ -43,12 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--profile", default="h100:llama-3-8b",
                    help="a profile JSON from `tandem profile`, or accelerator:model-shape for a roofline")
+    g.add_argument("--step-scale", type=float, default=1.0,
+                   help="multiply every step time (serving overhead over the profiled executor, "
+                        "calibrated from a served run of another workload)")
+    g.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="add to every step time (calibrated like --step-scale)")
     g.add_argument("--instances", default="1", help="comma list, e.g. 8,16,32")
     g.add_argument("--mode", default="colocated", help=f"comma list of {', '.join(MODES)}")
     g.add_argument("--prefill", type=int, default=None,
-                   help="P/D prefill instances at the start (default: pd searches for the best by goodput; elastic starts at N/4)")
+                   help="P/D prefill instances at the start (default: pd searches for the best by goodput; elastic starts at N/2)")
     g.add_argument("--policy", default="fcfs", help="comma list of fcfs, multilevel")
     g.add_argument("--elastic-schedule", default=None, help='time schedule "HH:P,HH:P", e.g. "8:2,20:4"')
+    g.add_argument("--elastic-cooldown", type=float, default=10.0, help="seconds between two role switches")
     g.add_argument("--no-coalesce", action="store_true", help="step every decode step (slower; same results)")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--config", default=None, help="serving YAML (its engine/cache/scheduler sections)")
@@ -102,7 +108,8 @@ def _schedule(text: str | None) -> TimeSchedule | None:
 
 def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, slo: dict) -> dict:
     reqs, _ = _requests(args, n)
-    cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(), schedule=_schedule(args.elastic_schedule),
+    cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(cooldown_s=args.elastic_cooldown),
+                        schedule=_schedule(args.elastic_schedule), controller_interval=1.0,
                         coalesce=not args.no_coalesce)
     sim = ClusterSim(cost, engine, cfg)
     t0 = time.perf_counter()
@@ -123,13 +130,15 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
             "transfer_gb": sim.transfer_bytes / 1e9, "role_switches": sim.role_switches, "sim_wall_s": wall}
 
 
-def _goodput(r: dict) -> float:
-    g = r["summary"]["goodput"]
-    return g["rate"] if g else r["summary"]["request_throughput"]
+def _rank(r: dict) -> tuple[float, float]:
+    """Share of requests within the SLOs, then the lower E2E p90 (ties are common when every
+    split meets the SLOs)."""
+    s = r["summary"]
+    return (s["goodput"]["share"] if s["goodput"] else 0.0, -(s["e2e_ms"]["p90"] or float("inf")))
 
 
 def _search_pd(args, cost, engine, n: int, mode: str, slo: dict, bar) -> tuple[dict, list[dict]]:
-    """Best initial prefill count by goodput: a coarse grid over P/N, then the neighbours of the best."""
+    """Best initial prefill count by goodput (see _rank): a coarse grid over P/N, then the best one's neighbours."""
     tried: dict[int, dict] = {}
 
     def run(p: int) -> None:
@@ -138,10 +147,10 @@ def _search_pd(args, cost, engine, n: int, mode: str, slo: dict, bar) -> tuple[d
             bar.update(1)
     for f in (0.25, 0.375, 0.5, 0.625):
         run(max(1, min(n - 1, round(n * f))))
-    best = max(tried, key=lambda p: _goodput(tried[p]))
+    best = max(tried, key=lambda p: _rank(tried[p]))
     for d in (-1, 1):
         run(best + d)
-    best = max(tried, key=lambda p: _goodput(tried[p]))
+    best = max(tried, key=lambda p: _rank(tried[p]))
     return tried[best], [tried[p] for p in sorted(tried)]
 
 
@@ -163,6 +172,8 @@ HEAD = ["N", "mode", "P:D", "policy", "done", "failed", "TTFT p50", "TTFT p90", 
 def main(args: argparse.Namespace) -> dict:
     slo = parse_slo(args.slo)
     cost = load_cost_model(args.profile)
+    if args.step_scale != 1.0 or args.step_overhead_ms:
+        cost = cost.calibrated(args.step_scale, args.step_overhead_ms / 1000)
     _, desc = _requests(args)  # validates the workload before any run
     grid = [(int(n), m.strip(), pol.strip()) for n in args.instances.split(",") for m in args.mode.split(",")
             for pol in args.policy.split(",")]
@@ -174,8 +185,8 @@ def main(args: argparse.Namespace) -> dict:
     with tqdm(desc="simulate", unit="run", disable=None) as bar:
         for n, mode, policy in grid:
             engine = _engine(args, cost, policy)
-            if mode != "pd" or args.prefill is not None:  # elastic finds its own split from P = N/4
-                results.append(run_one(args, cost, engine, n, mode, args.prefill or max(1, n // 4), slo))
+            if mode != "pd" or args.prefill is not None:  # elastic finds its own split from P = N/2
+                results.append(run_one(args, cost, engine, n, mode, args.prefill or max(1, n // 2), slo))
                 bar.update(1)
             else:
                 best, tried = _search_pd(args, cost, engine, n, mode, slo, bar)
