@@ -38,7 +38,7 @@ class EngineConfig:
     l1_max_tokens: int = 256
     # Overlap: schedule step N+1 (and process step N-1's outputs) while step N runs on a
     # worker thread; see engine/step_pipeline.py.
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
