@@ -8,6 +8,8 @@ import logging
 
 import yaml
 
+from tandem.core.scheduler_config import SchedulerConfig
+
 log = logging.getLogger(__name__)
 KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server")
 
@@ -36,6 +38,7 @@ class EngineConfig:
     swap_space: int = 512 << 20  # bytes of host memory for swapped-out KV blocks
     l1_max_prompt_tokens: int = 256  # unlabelled requests this short (prompt and max_tokens) go to L1
     l1_max_tokens: int = 256
+    l1_hold_s: float = 2.0  # lower levels stay throttled this long after L1 traffic was seen
     # Overlap: schedule step N+1 (and process step N-1's outputs) while step N runs on a
     # worker thread; see engine/step_pipeline.py.
     async_scheduling: bool = True
@@ -59,6 +62,14 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return cls(**values)
+
+    def scheduler_config(self, max_model_len: int, swap_cost: float, recompute_cost: float) -> SchedulerConfig:
+        """The scheduler's part of this config (the engine and the simulator build it alike)."""
+        return SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, max_model_len, self.scheduler_policy,
+            self.queue_order, self.l2_min_share, self.max_preemptions, self.preemption_mode,
+            swap_cost, recompute_cost, self.l1_hold_s,
+        )
 
 
 def load_yaml(path: str | Path, section: str = "engine") -> dict:

@@ -270,6 +270,22 @@ def test_l1_takes_the_whole_budget_when_l2_has_no_work():
         assert out.num_scheduled_tokens == {"q": 20}  # nothing is reserved for L3
 
 
+def test_lower_prefill_stays_throttled_for_l1_hold_s_after_l1_traffic():
+    """After the last L1 request leaves, L2 prefills only its share for l1_hold_s more, so an
+    L1 request arriving in a lull waits behind a short step; then it gets the whole budget."""
+    clock = Clock()
+    s = make_sched(max_num_batched_tokens=40, l2_min_share=0.25, num_blocks=256, max_model_len=512,
+                   l1_hold_s=2.0, clock=clock)
+    d = Driver(s)
+    d.add(make_req("chat", [1, 2, 3], max_tokens=1, priority=1))
+    d.add(make_req("doc", range(1, 301), max_tokens=2, priority=2))
+    assert d.step().num_scheduled_tokens == {"chat": 3, "doc": 10}  # L1 present: L2 gets its share
+    clock.t = 1.0
+    assert d.step().num_scheduled_tokens == {"doc": 10}  # L1 gone, within the hold
+    clock.t = 3.5
+    assert d.step().num_scheduled_tokens == {"doc": 40}  # hold over: the whole budget
+
+
 def test_l2_is_not_starved_by_saturating_l1_traffic():
     s = make_sched(max_num_batched_tokens=16, l2_min_share=0.25, max_num_seqs=8,
                    num_blocks=2048, max_model_len=128)

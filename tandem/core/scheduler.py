@@ -42,6 +42,7 @@ class Scheduler:
         self.multilevel = config.policy == "multilevel"
         self._l2_floor = math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
         self.waiting = WaitingQueues(config.queue_order, clock)
+        self._l1_seen = -math.inf  # when L1 work was last present (see SchedulerConfig.l1_hold_s)
         self.running: list[Request] = []  # by level, then admission order
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
@@ -99,7 +100,9 @@ class Scheduler:
         # While interactive (L1) traffic is present, lower levels prefill only their share
         # per step: a step stays short, so an arriving L1 request waits at most one short
         # step, and running L1 requests keep a steady ITL. Their decodes always fit.
-        l1_active = self.multilevel and (self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running))
+        if self.multilevel and (self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running)):
+            self._l1_seen = self.clock()
+        l1_active = self.multilevel and self.clock() - self._l1_seen <= cfg.l1_hold_s
         share = max(int(cfg.l2_min_share * budget), self.kv.block_size)
         step = StepBudget(out, budget, budget - reserve, share if l1_active else budget)
         i, blocked = 0, False

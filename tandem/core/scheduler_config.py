@@ -16,11 +16,17 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # auto | swap | recompute
     swap_cost_per_token: float = 2e-5  # s to move one token's KV out and back (auto mode)
     recompute_cost_per_token: float = 1e-3  # s to prefill one token again (auto mode)
+    # Lower levels keep prefilling only their share for this long after interactive (L1)
+    # traffic was last seen, so an L1 request arriving in a lull does not wait behind a
+    # full-budget prefill step.
+    l1_hold_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "multilevel"):
             raise ValueError(f"scheduler policy must be fcfs or multilevel, got {self.policy!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.l1_hold_s < 0:
+            raise ValueError(f"l1_hold_s must be >= 0, got {self.l1_hold_s}")
         if not 0.0 <= self.l2_min_share < 1.0:
             raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")

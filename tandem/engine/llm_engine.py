@@ -12,7 +12,7 @@ from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.queues import classify
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.scheduler import Scheduler
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.executor.base import Executor
@@ -50,11 +50,7 @@ class LLMEngine:
         self.kv_handoff = KVHandoff(self.kv_manager, self.executor, lambda: self.pipeline.in_flight())
         swap_cost, recompute_cost = self.executor.preemption_costs()
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                config.scheduler_policy, config.queue_order, config.l2_min_share, config.max_preemptions,
-                config.preemption_mode, swap_cost, recompute_cost,
-            ),
+            config.scheduler_config(self.max_model_len, swap_cost, recompute_cost),
             self.kv_manager, time.monotonic,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-order", dest="queue_order", choices=["fcfs", "spf"], default=None)
     p.add_argument("--preemption-mode", dest="preemption_mode", choices=["auto", "swap", "recompute"], default=None)
     p.add_argument("--l2-min-share", dest="l2_min_share", type=float, default=None)
+    p.add_argument("--l1-hold-s", dest="l1_hold_s", type=float, default=None,
+                   help="multilevel: lower levels stay throttled this long after L1 traffic was seen")
     p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")

@@ -12,7 +12,7 @@ from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.queues import classify
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.scheduler import Scheduler
 from tandem.sim.cost_model import CostModel
 from tandem.sim.executor import SimulatedExecutor
 from tandem.sim.fast_forward import fast_forward
@@ -31,10 +31,7 @@ class SimInstance:
         capacity = self.executor.num_kv_blocks * bs
         self.max_model_len = min(cfg.max_model_len or capacity, capacity)
         swap, recompute = self.executor.preemption_costs()
-        self.scheduler = Scheduler(SchedulerConfig(
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.scheduler_policy,
-            cfg.queue_order, cfg.l2_min_share, cfg.max_preemptions, cfg.preemption_mode, swap, recompute,
-        ), self.kv, clock)
+        self.scheduler = Scheduler(cfg.scheduler_config(self.max_model_len, swap, recompute), self.kv, clock)
         self.sim_reqs: dict[str, SimRequest] = {}
         self.on_finish: Callable[[SimRequest, str, float], None] = lambda r, rid, t: None
         self.busy = False
