@@ -2,36 +2,15 @@
 served by uvicorn on loopback from background threads of the test process."""
 from __future__ import annotations
 
-import threading
-import time
 from contextlib import ExitStack, contextmanager
 
-import uvicorn
-
-from server_fixture import free_port
+from server_fixture import serving
 from tandem.cluster.config import parse_cluster_config
 from tandem.cluster.launcher import external_instances
 from tandem.cluster.router import build_router
 from tandem.config import EngineConfig
 from tandem.cluster.pd_instance import ClusterLLM
 from tandem.server.api_server import ServerConfig, build_app
-
-
-@contextmanager
-def serving(app):
-    """Serve an ASGI app on a free loopback port; yields (url, uvicorn.Server)."""
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", srv
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
 
 
 @contextmanager

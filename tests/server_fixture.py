@@ -20,19 +20,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(engine: EngineConfig, server: ServerConfig):
-    llm = AsyncLLM(engine)
-    app = build_app(llm, server)
+def serving(app):
+    """Serve an ASGI app on a free loopback port; yields (url, uvicorn.Server)."""
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
+    deadline = time.time() + 60
     while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", llm
+        yield f"http://127.0.0.1:{port}", srv
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def running_server(engine: EngineConfig, server: ServerConfig):
+    llm = AsyncLLM(engine)
+    try:
+        with serving(build_app(llm, server)) as (url, _):
+            yield url, llm
+    finally:
         llm.shutdown()
