@@ -134,3 +134,12 @@ def test_policy_core_and_simulator_import_without_torch():
     code = ("import sys, tandem.sim.cluster, tandem.cluster.routing, tandem.cluster.elastic, "
             "tandem.tools.simulate_cli; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_frontend_delay_adds_to_each_isolated_requests_ttft_and_e2e():
+    base, delayed = ([SimRequest(i, i * 10.0, 500, 20) for i in range(3)] for _ in range(2))
+    simulate(ClusterConfig(1), base)
+    simulate(ClusterConfig(1, frontend_delay=0.035), delayed)
+    for a, b in zip(base, delayed):
+        assert b.first_token - b.arrival == pytest.approx(a.first_token - a.arrival + 0.035)
+        assert b.finished - b.arrival == pytest.approx(a.finished - a.arrival + 0.035)

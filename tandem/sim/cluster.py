@@ -31,6 +31,7 @@ class ClusterConfig:
     controller_interval: float = 5.0  # s between role-controller decisions
     pending_retry: float = 0.05  # s between placement retries while no decode instance has room
     coalesce: bool = True  # fast-forward pure-decode runs (same results, much faster)
+    frontend_delay: float = 0.0  # s from a client's send to the engine's queue (HTTP, tokenising)
     model: str = "model"
 
     def __post_init__(self) -> None:
@@ -76,7 +77,7 @@ class ClusterSim:
         if self.controller is not None:
             self._push(self.cfg.controller_interval, _TICK, None)
         while i < n or self._busy():
-            t_arr = arrivals[i].arrival if i < n else float("inf")
+            t_arr = arrivals[i].arrival + self.cfg.frontend_delay if i < n else float("inf")
             if self._events and self._events[0][0] < t_arr:
                 self.now, _, kind, obj = heapq.heappop(self._events)
                 {_STEP: self._step_done, _TRANSFER: self._transfer_done, _TICK: self._tick,
@@ -88,7 +89,7 @@ class ClusterSim:
                 self._arrivals_left = n - i
                 if progress is not None:
                     progress.update(1)
-            self._kick(arrivals[i].arrival if i < n else float("inf"))
+            self._kick(arrivals[i].arrival + self.cfg.frontend_delay if i < n else float("inf"))
         return requests
 
     def _busy(self) -> bool:

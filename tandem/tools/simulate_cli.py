@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "calibrated from a served run of another workload)")
     g.add_argument("--step-overhead-ms", type=float, default=0.0,
                    help="add to every step time (calibrated like --step-scale)")
+    g.add_argument("--frontend-ms", type=float, default=0.0,
+                   help="client send -> engine queue per request (HTTP, tokenising), counted in TTFT and E2E")
     g.add_argument("--instances", default="1", help="comma list, e.g. 8,16,32")
     g.add_argument("--mode", default="colocated", help=f"comma list of {', '.join(MODES)}")
     g.add_argument("--prefill", type=int, default=None,
@@ -110,7 +112,7 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
     reqs, _ = _requests(args, n)
     cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(cooldown_s=args.elastic_cooldown),
                         schedule=_schedule(args.elastic_schedule), controller_interval=1.0,
-                        coalesce=not args.no_coalesce)
+                        coalesce=not args.no_coalesce, frontend_delay=args.frontend_ms / 1000)
     sim = ClusterSim(cost, engine, cfg)
     t0 = time.perf_counter()
     sim.run(reqs)
@@ -171,6 +173,8 @@ HEAD = ["N", "mode", "P:D", "policy", "done", "failed", "TTFT p50", "TTFT p90", 
 
 def main(args: argparse.Namespace) -> dict:
     slo = parse_slo(args.slo)
+    if args.frontend_ms < 0:
+        raise ValueError("--frontend-ms must be >= 0")
     cost = load_cost_model(args.profile)
     if args.step_scale != 1.0 or args.step_overhead_ms:
         cost = cost.calibrated(args.step_scale, args.step_overhead_ms / 1000)
