@@ -38,7 +38,7 @@ class EngineConfig:
     swap_space: int = 512 << 20  # bytes of host memory for swapped-out KV blocks
     l1_max_prompt_tokens: int = 256  # unlabelled requests this short (prompt and max_tokens) go to L1
     l1_max_tokens: int = 256
-    l1_hold_s: float = 2.0  # lower levels stay throttled this long after L1 traffic was seen
+    l1_hold_s: float = 2.0  # multilevel: lower levels stay throttled this long after L1 traffic was seen
     # Overlap: schedule step N+1 (and process step N-1's outputs) while step N runs on a
     # worker thread; see engine/step_pipeline.py.
     async_scheduling: bool = True
