@@ -96,7 +96,9 @@ class Scheduler:
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
-        reserve = int(cfg.l2_min_share * budget) if l2_work else 0
+        # At least one token: a running L2 that the seat floor shields from preemption must also
+        # advance, or an L1 short of blocks preempts itself, step after step, forever.
+        reserve = min(max(1, int(cfg.l2_min_share * budget)), budget - 1) if l2_work and cfg.l2_min_share > 0 else 0
         # While interactive (L1) traffic is present, lower levels prefill only their share
         # per step: a step stays short, so an arriving L1 request waits at most one short
         # step, and running L1 requests keep a steady ITL. Their decodes always fit.
