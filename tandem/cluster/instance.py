@@ -49,8 +49,8 @@ class InstanceSnapshot:
             self._last_full = now
             self._backlog = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
                 max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in s.running)
-            cached = kv.pool._cached  # hash -> block, in caching order: the newest are last
-            self._prefixes = list(itertools.islice(reversed(cached), MAX_PREFIXES))
+            # newest first: the index keeps caching order
+            self._prefixes = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
         self.data = {
             "model": self.model, "role": self.role, "elastic": self.elastic,
             "num_waiting": len(s.waiting), "num_running": len(s.running),

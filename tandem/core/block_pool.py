@@ -8,6 +8,7 @@ and are evicted LRU, and only when no plain free block is left.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import KeysView
 from dataclasses import dataclass
 
 
@@ -47,6 +48,11 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def cached_hashes(self) -> KeysView[int]:
+        """The prefix index's block hashes, oldest first (a live view: what routers match)."""
+        return self._cached.keys()
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         if n > self.num_free_blocks:

@@ -61,7 +61,7 @@ class SimInstance:
         free = self.kv.num_free_blocks * self.kv.block_size - self.reserved_tokens
         return InstanceState(self.instance_id, model, self.role, self.elastic, True, self.draining,
                              len(self.scheduler.waiting), len(self.scheduler.running), waiting,
-                             self.kv.usage, max(free, 0), self.kv.pool._cached.keys())
+                             self.kv.usage, max(free, 0), self.kv.pool.cached_hashes)
 
     # ---- stepping -----------------------------------------------------------------
     def start_step(self, now: float, horizon: float, coalesce: bool = True) -> float | None:
