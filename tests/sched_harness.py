@@ -354,6 +354,18 @@ class Driver:
         self.outputs.append(out)
         return out
 
+    def top_up(self, out: SchedulerOutput) -> None:
+        """Scheduler.top_up between schedule() and the step's start: admissions only."""
+        s = self.s
+        n_pre, preempted, tokens = s.num_preemptions, set(out.preempted_req_ids), dict(out.num_scheduled_tokens)
+        s.top_up(out)
+        assert s.num_preemptions == n_pre and out.preempted_req_ids == preempted
+        assert all(out.num_scheduled_tokens[rid] == n for rid, n in tokens.items()), "top_up changed a scheduled request"
+        assert 0 <= out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        assert len(s.running) <= s.config.max_num_seqs
+        check_state(s)
+
     def finish_step(self, out: SchedulerOutput):
         return self.update(out, self.ex.execute(out))
 
@@ -447,6 +459,18 @@ class DriverMachine(RuleBasedStateMachine):
             rids = data.draw(st.sets(st.sampled_from(sorted(self.sched.requests)), max_size=2))
             self.d.abort(rids)
         self.d.finish_step(out)
+
+    @rule(data=st.data())
+    def step_with_arrivals_midway(self, data):
+        """Requests that arrive between schedule() and the step's start join it (top_up)."""
+        out = self.d.schedule()
+        for _ in range(data.draw(st.integers(1, 3))):
+            self.add_arrival(data)
+        self.d.top_up(out)
+        self.d.finish_step(out)
+
+    def add_arrival(self, data) -> None:
+        raise NotImplementedError
 
     @precondition(lambda self: bool(self.sched.requests))
     @rule(data=st.data())

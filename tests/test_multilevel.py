@@ -217,6 +217,40 @@ def test_l1_enters_next_step_while_l3_prefill_needs_the_blocks():
         f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}")
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "multilevel"])
+def test_top_up_admits_arrivals_into_the_step_planned_within_its_budget(policy):
+    """Async scheduling plans a step while the one before runs; requests that arrive before
+    it starts join it (top_up) as far as its budget and seats allow, preempting nothing."""
+    s = make_sched(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16, policy=policy)
+    d = Driver(s)
+    d.add(make_req("a", range(1, 11), max_tokens=3))  # 10 of 16 tokens
+    out = d.schedule()
+    d.add(make_req("q", [5, 6, 7], max_tokens=2, priority=1))
+    d.add(make_req("r", [8, 9, 10, 11, 12], max_tokens=2, priority=1))
+    d.top_up(out)
+    assert out.num_scheduled_tokens == {"a": 10, "q": 3, "r": 3}  # r: a chunk of what is left
+    d.finish_step(out)
+    d.add(make_req("late", [1, 2], max_tokens=2, priority=1))
+    out = d.schedule()
+    d.add(make_req("later", [3, 4], max_tokens=2, priority=1))
+    d.top_up(out)  # the three seats are taken: later waits, and nobody is preempted for it
+    assert "later" not in out.num_scheduled_tokens and not out.preempted_req_ids
+    d.finish_step(out)
+    d.run()
+    assert all(len(d.tokens[r]) == 2 for r in ("q", "r", "late", "later"))
+
+
+def test_top_up_takes_only_the_step_just_planned():
+    s = make_sched(policy="multilevel")
+    d = Driver(s)
+    d.add(make_req("a", [1, 2, 3]))
+    first = d.schedule()
+    d.finish_step(first)
+    d.schedule()
+    with pytest.raises(ValueError, match="top_up takes the step"):
+        s.top_up(first)
+
+
 def test_swapped_l1_resumes_next_step_by_preempting_l2():
     """A swapped-out L1 needs cdiv(num_computed + 1, bs) device blocks to come back, but
     _make_room asks only for cdiv(num_new_tokens, bs) (1 block for a decode), so it does not
@@ -687,6 +721,9 @@ class MultilevelMachine(DriverMachine):
           eos=st.booleans())
     def add_one(self, data, priority, max_tokens, eos):
         self.add(data, priority, max_tokens, eos)
+
+    def add_arrival(self, data):
+        self.add(data, data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12)), data.draw(st.booleans()))
 
     def add(self, data, priority, max_tokens, eos):
         prompt = data.draw(prompts(self.sched.config.max_model_len))

@@ -410,6 +410,9 @@ class SchedulerMachine(DriverMachine):
         prompt = data.draw(prompts(self.sched.config.max_model_len))
         self.d.add(make_req(self._new_id(), prompt, max_tokens, eos=EOS if eos else None))
 
+    def add_arrival(self, data):
+        self.add(data, data.draw(st.integers(1, 12)), data.draw(st.booleans()))
+
     @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 8))
     def add_siblings(self, data, n, max_tokens):
         prompt = data.draw(prompts(self.sched.config.max_model_len))

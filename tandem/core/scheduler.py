@@ -46,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []  # by level, then admission order
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
+        self._step: StepBudget | None = None  # the last step planned, for top_up
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
 
@@ -118,7 +119,28 @@ class Scheduler:
             if level == 1 and blocked:
                 step.lower_prefill_cap = budget  # L1 cannot get in now: let the rest finish sooner
         self.running.extend(step.admitted)
+        step.admitted.clear()
+        self._step = step
         return out
+
+    def top_up(self, out: SchedulerOutput) -> None:
+        """Admit, into the step just planned (`out`, not yet run), requests that arrived since
+        it was planned, within what is left of its budget, seats and blocks. Under async
+        scheduling the engine plans a step while the one before runs and tops it up when that
+        one ends, so an arrival waits for the step in flight, not also for the step planned
+        behind it. Nothing is preempted here: running requests not in the step keep theirs."""
+        step = self._step
+        if step is None or step.out is not out:
+            raise ValueError("top_up takes the step schedule() returned last")
+        if not self.multilevel and out.preempted_req_ids:
+            return  # fcfs: memory is short this step, admit nothing new
+        for level in LEVELS if self.multilevel else (2,):
+            if level == 3 and (self.waiting.count(1) or self.waiting.count(2)):
+                break
+            if not self._admit_waiting(level, len(self.running), step):
+                break
+        self.running.extend(step.admitted)
+        step.admitted.clear()
 
     def _schedule_running(self, level: int, i: int, step: StepBudget) -> int:
         """Catch up the running requests of `level` (from index i); returns the next index.

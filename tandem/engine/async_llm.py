@@ -10,8 +10,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
+        self.engine.on_step_boundary = self._admit_arrivals
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -78,17 +80,20 @@ class AsyncLLM:
 
     # ---- asyncio side -------------------------------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                 priority: int | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int | None = None, on_added: Callable[[LLMEngine], None] | None = None,
+                 ) -> AsyncIterator[RequestOutput]:
         """Queues the request at once (so admission control counts it), then yields a
         snapshot per step that produced tokens; the last one has finished=True. Iterating
-        raises ValueError on bad input (nothing queued). Leaving early aborts the request."""
+        raises ValueError on bad input (nothing queued). Leaving early aborts the request.
+        `on_added(engine)` runs on the engine thread right after the add, before any step can
+        schedule the request (P/D: index its received KV); its errors are logged."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
         accepted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted)))
+        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted, on_added)))
         self._wake.set()
         return self._stream(request_id, stream, accepted)
 
@@ -138,26 +143,50 @@ class AsyncLLM:
                     if out.finished:
                         del self._streams[out.request_id]
 
-    def _drain_commands(self) -> None:
+    def _pending_commands(self) -> Iterator[tuple[str, Any]]:
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for kind, arg in self._pending_commands():
             if kind == "add":
-                prompt, params, request_id, priority, stream, accepted = arg
-                try:
-                    self.engine.add_request(prompt, params, request_id, priority=priority)
-                except Exception as e:
-                    stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
-                    continue
-                self._streams[request_id] = stream
-                stream.loop.call_soon_threadsafe(_set_result, accepted)
+                self._add(*arg)
             else:
                 self._streams.pop(arg, None)
                 out = self.engine.abort_request(arg)
                 if out is not None and self.on_step is not None:
                     self.on_step(self.engine, None, [out])
+
+    def _admit_arrivals(self) -> None:
+        """Between two overlapped steps: take in new requests only. Aborts wait for the next
+        drain, since a block freed now could be handed to an arrival within the step that
+        still reads it."""
+        deferred = []
+        for kind, arg in self._pending_commands():
+            if kind == "add":
+                self._add(*arg)
+            else:
+                deferred.append((kind, arg))
+        for command in deferred:
+            self._commands.put(command)
+
+    def _add(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int | None,
+             stream: _Stream, accepted: asyncio.Future, on_added: Callable[[LLMEngine], None] | None) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id, priority=priority)
+        except Exception as e:
+            stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+            return
+        if on_added is not None:
+            try:
+                on_added(self.engine)
+            except Exception:
+                log.warning("on_added hook of %s failed; the request goes on without it", request_id, exc_info=True)
+        self._streams[request_id] = stream
+        stream.loop.call_soon_threadsafe(_set_result, accepted)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache_manager import KVCacheManager
@@ -58,6 +59,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._busy_since = 0.0  # perf_counter when the engine last got work after being empty
         self._last_execute_end: float | None = None
+        # Called between two overlapped steps, before the later one is topped up: the server
+        # passes in the requests that arrived while the earlier one ran.
+        self.on_step_boundary: Callable[[], None] | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -139,21 +143,32 @@ class LLMEngine:
         """Schedule a step and return the outputs of one executed step. Without async
         scheduling that is the step just scheduled. With it, the step just scheduled runs
         while the one before it is processed: the first call returns [] and each later one
-        the outputs of the step before."""
+        the outputs of the step before, and the step just scheduled waits for that one to
+        end and is topped up with what arrived meanwhile (Scheduler.top_up)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.kv_handoff.release_admitted(self.scheduler.requests)  # P/D: admitted requests hold their blocks now
-        has_work = not sched.is_empty
-        if has_work or sched.finished_req_ids or sched.preempted_req_ids:
+        self.phase_times["schedule"] += time.perf_counter() - t0
+        done = None
+        if not sched.is_empty or sched.finished_req_ids or sched.preempted_req_ids:
+            if self.pipeline.overlap and len(self.pipeline):
+                # Overlap: the step just planned waits for the one in flight, then takes in
+                # what arrived meanwhile, so an arrival waits for one step, not two.
+                done = self.pipeline.pop()
+                t0 = time.perf_counter()
+                if self.on_step_boundary is not None:
+                    self.on_step_boundary()
+                self.scheduler.top_up(sched)
+                self.phase_times["schedule"] += time.perf_counter() - t0
+            self.kv_handoff.release_admitted(self.scheduler.requests)  # P/D: admitted requests hold their blocks now
             for new in sched.scheduled_new_reqs:
                 req = self.scheduler.requests[new.req_id]
                 self.output_processor.on_scheduled(new.req_id, req.first_scheduled_time,
                                                    req.num_cached_tokens, req.num_preemptions)
-            self.phase_times["schedule"] += time.perf_counter() - t0
             self.pipeline.submit(sched)
-        if len(self.pipeline) == 0 or (has_work and not self.pipeline.full):
-            return []  # idle, or the pipeline is filling: that step runs while the caller returns
-        done = self.pipeline.pop()
+        if done is None:
+            if len(self.pipeline) == 0 or (self.pipeline.overlap and not sched.is_empty):
+                return []  # idle, or the first step of a busy spell: it runs while the caller returns
+            done = self.pipeline.pop()
         t1 = time.perf_counter()
         outputs = self._update(done.sched, done.result)
         self.phase_times["update"] += time.perf_counter() - t1

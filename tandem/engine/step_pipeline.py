@@ -1,9 +1,10 @@
 """Hands scheduled steps to the executor: inline (one step at a time), or, with async
 scheduling, on a worker thread one step ahead of the engine thread.
 
-With overlap the engine thread schedules step N+1 and submits it while step N runs, then
-waits for step N and turns its tokens into outputs while step N+1 runs; so the executor
-finds its next step queued when it finishes one. Step N+1 is planned before step N's tokens
+With overlap the engine thread schedules step N+1 while step N runs, waits for step N,
+tops step N+1 up with the requests that arrived meanwhile (a few admissions: the executor
+idles for that long only), submits it, and turns step N's tokens into outputs while step N+1
+runs. Step N+1 is planned before step N's tokens
 are known: the scheduler counts each of them as a placeholder (core/request.py), and the
 model runner reads the real token from its own state when it builds step N+1's inputs. The
 executor runs steps strictly in order, so a block that the engine thread frees or caches
@@ -34,18 +35,12 @@ class ExecutedStep:
 class StepPipeline:
     def __init__(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput], overlap: bool) -> None:
         self._execute = execute
-        # Steps submitted and not yet handed back: one, or with overlap the one running and
-        # the one queued behind it.
-        self.depth = 2 if overlap else 1
+        self.overlap = overlap
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-execute") if overlap else None
         self._in_flight: deque[Future] = deque()
 
     def __len__(self) -> int:
         return len(self._in_flight)
-
-    @property
-    def full(self) -> bool:
-        return len(self._in_flight) >= self.depth
 
     def in_flight(self) -> list[Future]:
         """The steps submitted and not handed back. Once they are done, no running step can
