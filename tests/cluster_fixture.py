@@ -2,7 +2,9 @@
 served by uvicorn on loopback from background threads of the test process."""
 from __future__ import annotations
 
+import shutil
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 from server_fixture import serving
 from tandem.cluster.config import parse_cluster_config
@@ -44,3 +46,35 @@ def tiny_cluster(model_dir: str, n: int = 3, router: dict | None = None, roles: 
         group = {"name": "tiny", "model": model_dir, "urls": [u for u, _, _ in insts]}
         url, r = stack.enter_context(router_for([group], router))
         yield url, r, insts
+
+
+@contextmanager
+def launched_cluster(doc: dict, timeout: float = 120.0):
+    """A cluster.yaml document launched as `tandem cluster up` does (local processes, the KV
+    transfer group when configured) behind an in-process router. Yields (router url, Router)."""
+    from tandem.cluster.kv_group import join_kv_group
+    from tandem.cluster.launcher import LocalBackend
+    cfg = parse_cluster_config({"router": {"poll_interval_s": 0.2}, **doc})
+    backend = LocalBackend(cfg)
+    instances = backend.start(timeout)
+    try:
+        store = join_kv_group(cfg, instances, backend.rendezvous_host())
+        app = build_router(cfg, instances)
+        with serving(app) as (url, _):
+            yield url, app.state.router
+        del store
+    finally:
+        backend.stop()
+
+
+def with_word_tokenizer(model_dir: str, dst: Path) -> str:
+    """A copy of a tiny checkpoint with a tokenizer whose every id decodes to its own word
+    (`<id>`): equal texts then mean equal token ids, over the HTTP API."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+    shutil.copytree(model_dir, dst)
+    vocab = {f"<{i}>": i for i in range(AutoConfig.from_pretrained(model_dir).vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(dst)
+    return str(dst)

@@ -44,6 +44,9 @@ def test_instance_command(tmp_path):
     ({"models": [{"name": "a"}], "backend": "k8s"}, "local or ray"),
     ({"models": [{"name": "a"}], "router": {"wieghts": {}}}, "unknown option"),
     ({"models": [{"name": "e", "kind": "embedding", "roles": {"decode": 1}}]}, "no prefill/decode"),
+    ({"models": [{"name": "a"}], "kv_transfer": {"connector": "rdma"}}, "shm or torch_dist"),
+    ({"models": [{"name": "a"}], "kv_transfer": {"connector": "torch_dist", "backend": "mpi"}}, "gloo or nccl"),
+    ({"models": [{"name": "a"}], "kv_transfer": {"conector": "shm"}}, "unknown option"),
 ])
 def test_bad_configs(doc, error):
     with pytest.raises(ValueError, match=error):

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from cluster_fixture import router_for, tiny_cluster, tiny_instance
+from cluster_fixture import launched_cluster, router_for, tiny_cluster, tiny_instance, with_word_tokenizer
+from tandem.executor.kv_transfer import ShmConnector
 
 
 def body(prompt, max_tokens=6, **kw):
@@ -53,6 +54,31 @@ def test_pd_stream_has_one_id_and_every_token(pd):
     steps = [c for c in chunks if c["choices"]]
     assert len(steps) == 5 and steps[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert set(chunks[-1]["metrics"]) == {"queue_time", "prefill_time", "decode_time"}  # as co-located
+
+
+def test_refused_decode_leg_still_takes_its_transfer(pd):
+    """The prefill side sends once its first token is out; a decode leg refused before its
+    receive still takes the transfer off the link (no file left, the send completes) and
+    holds no block."""
+    _, _, insts = pd
+    (pre, _, _), (dec, llm, _) = insts[0], insts[1]
+    prompt, greedy = list(range(1, 100)), {"temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", pre + "/tandem/prefill", timeout=60,
+                      json={"prompt": prompt, "transfer_id": "refused", "sampling": greedy}) as s:
+        lines = s.iter_lines()
+        first = json.loads(next(lines))
+        r = httpx.post(dec + "/tandem/decode", timeout=60, json={
+            "prompt": prompt + first["token_ids"], "transfer_id": "refused", "sampling": {"temperature": -1}})
+        assert r.status_code == 400 and "temperature" in r.text
+        sent = json.loads(next(lines))
+    assert first["kv_blocks"] == len(prompt) // 16 and sent["kv_bytes"] > 0 and "error" not in sent
+    assert wait_for(lambda: not ShmConnector().path("refused").exists())
+    assert llm.engine.kv_handoff.num_pinned_blocks == 0
+    for url in (pre, dec):  # not in a torch.distributed group: a peer rank is a clear 400
+        r = httpx.post(url + f"/tandem/{'prefill' if url == pre else 'decode'}", timeout=60,
+                       json={"prompt": prompt, "transfer_id": "x", "kv_peer": 3})
+        assert r.status_code == 400 and "in no group" in r.json()["error"]["message"]
 
 
 def test_pd_burst_all_complete(pd):
@@ -63,6 +89,36 @@ def test_pd_burst_all_complete(pd):
     rs = asyncio.run(burst())
     assert [r.status_code for r in rs] == [200] * 8
     assert all(r.json()["usage"]["completion_tokens"] == 10 for r in rs)
+
+
+@pytest.mark.slow  # two `tandem serve` processes: about 10 s here
+def test_pd_over_torch_dist_equals_colocated(tiny_model_dirs, tmp_path):
+    """Prefill and decode in two processes joined by gloo: the KV moves point-to-point (as it
+    would between hosts) and the greedy tokens are those of a co-located run."""
+    engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
+    doc = {"log_dir": str(tmp_path), "kv_transfer": {"connector": "torch_dist", "backend": "gloo"},
+           "models": [{"name": "tiny", "model": with_word_tokenizer(tiny_model_dirs["llama"], tmp_path / "m"),
+                       "roles": {"prefill": 1, "decode": 1},
+                       "engine": engine}]}
+    prompts = [list(range(1, 300)), [5, 9] * 150 + [3]]  # over short_prefill_tokens: never decode-only
+    greedy = {"temperature": 0}
+    with launched_cluster(doc) as (url, router):
+        assert sorted(i.kv_rank for i in router.pool.instances.values()) == [0, 1]
+        dec = router.pool.instances["tiny-1"].url
+        for prompt in prompts:
+            r = httpx.post(url + "/v1/completions", json=body(prompt, 12, **greedy), timeout=60)
+            assert r.headers["x-tandem-instance"] == "tiny-0+tiny-1"
+            plain = httpx.post(dec + "/v1/completions", json=body(prompt, 12, **greedy), timeout=60)
+            assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+            assert r.json()["choices"][0]["text"].count("<") == 12
+        with httpx.stream("POST", url + "/v1/completions", json=body(prompts[0], 12, stream=True, **greedy),
+                          timeout=60) as s:
+            text = "".join(c["choices"][0]["text"] for c in map(json.loads, (
+                x[6:] for x in s.iter_lines() if x.startswith("data: ") and x != "data: [DONE]")) if c["choices"])
+        plain = httpx.post(dec + "/v1/completions", json=body(prompts[0], 12, **greedy), timeout=60)
+        assert text == plain.json()["choices"][0]["text"]
+        assert wait_for(lambda: metric_sum(url, "tandem_router:kv_transfer_seconds_count") == 3)
+        assert metric_sum(url, "tandem_router:kv_transfer_bytes_total") > 0
 
 
 def test_prefill_gone_falls_back_to_the_plain_way(tiny_model_dirs):
@@ -104,3 +160,53 @@ def wait_for(cond, timeout=5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def stream_tokens(url: str, req: dict, during=None) -> tuple[str, list[dict]]:
+    """Stream a completion; `during(response id)` runs once after the third token."""
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json={**req, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+                if during is not None and len(chunks) == 3:
+                    during(chunks[0]["id"])
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks
+
+
+@pytest.fixture(scope="module")
+def pd_words(tiny_model_dirs, tmp_path_factory):
+    """P/D with a tokenizer whose text shows every token id: 1 prefill, 2 decode."""
+    model = with_word_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("words") / "m")
+    with tiny_cluster(model, roles=["prefill", "decode", "decode"]) as c:
+        yield c
+
+
+def test_migration_keeps_the_stream_whole(pd_words):
+    """A decoding request moved to the other decode instance mid-stream (the operator's POST
+    /tandem/migrate): one stream, every token once, the tokens of an unmoved run; the final
+    chunk carries the latency split; no KV block is left held on either decode instance."""
+    url, router, insts = pd_words
+    req = body(list(range(1, 300)), 120, temperature=0, stream_options={"include_usage": True})
+    reference = httpx.post(insts[1][0] + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+    moves = []
+    text, chunks = stream_tokens(url, req, lambda rid: moves.append(
+        httpx.post(url + "/tandem/migrate", json={"request_id": rid}, timeout=10)))
+    assert moves[0].status_code == 200, moves[0].text
+    assert {moves[0].json()["from"], moves[0].json()["to"]} == {"tiny-url1", "tiny-url2"}
+    assert text == reference and text.count("<") == 120
+    assert chunks[-1]["usage"]["completion_tokens"] == 120
+    assert set(chunks[-1]["metrics"]) == {"queue_time", "prefill_time", "decode_time"}
+    assert metric_sum(url, "tandem_router:migrations_total") == 1
+    # two KV transfers: the prefill side's and the move's
+    assert wait_for(lambda: metric_sum(url, "tandem_router:kv_transfer_seconds_count") == 2)
+    for _, llm, _ in insts[1:]:
+        assert wait_for(lambda: llm.engine.kv_manager.num_free_blocks == llm.engine.executor.num_kv_blocks)
+        assert llm.engine.kv_handoff.num_pinned_blocks == 0
+
+
+def test_migrate_bad_input(pd_words):
+    url = pd_words[0]
+    r = httpx.post(url + "/tandem/migrate", json={"request_id": "cmpl-nope"})
+    assert r.status_code == 404 and "is decoding" in r.json()["error"]["message"]
+    assert httpx.post(url + "/tandem/migrate", json={}).status_code == 422

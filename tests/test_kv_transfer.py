@@ -267,12 +267,12 @@ def test_reservations_and_requests_never_leak(ops):
     assert kv.num_free_blocks == 10
 
 
-def test_shm_timeout_and_discard(tmp_path):
+def test_shm_timeout_and_no_file_left(tmp_path):
     conn = ShmConnector(tmp_path)
     with pytest.raises(TimeoutError):
         conn.recv("missing", timeout=0.05)
     conn.send("t", KVPayload([], 4, torch.zeros(1, 2, 0, 4, 1, 2)))
-    assert conn.discard("t") and not conn.discard("t")
+    conn.recv("t", timeout=1)  # a receiver that drops the payload (a refused decode leg) still takes it
     assert list(tmp_path.iterdir()) == []
 
 

@@ -6,6 +6,7 @@ at `tandem cluster up` and not minutes later on the first request.
 backend: local            # local | ray
 ray: {address: null}      # null/"local": start a one-node Ray here; "auto" or host:port: join
 router: {host: 127.0.0.1, port: 8000, weights: {prefix: 1.0, load: 1.0}}
+kv_transfer: {connector: shm}  # shm (one host) | torch_dist (gloo / NCCL point-to-point, across hosts)
 models:
   - name: smollm2-135m
     model: smollm2-135m   # alias, .gguf file or Hugging Face folder
@@ -71,12 +72,31 @@ class RouterConfig:
 
 
 @dataclass(slots=True)
+class KVTransferConfig:
+    """How P/D moves KV. torch_dist: every chat instance joins one torch.distributed group at
+    startup; `tandem cluster up` serves its rendezvous store, which instances reach at host:port."""
+
+    connector: str = "shm"  # shm: shared memory, one host | torch_dist: point-to-point, any hosts
+    backend: str | None = None  # gloo | nccl; None: nccl where the KV cache is on a GPU, else gloo
+    host: str | None = None  # the store's address as instances see it; None: 127.0.0.1, or this node's IP on Ray
+    port: int = 0  # 0: a free port
+    timeout_s: float = 120.0  # for every instance to join
+
+    def __post_init__(self) -> None:
+        if self.connector not in ("shm", "torch_dist"):
+            raise ValueError(f"kv_transfer.connector: shm or torch_dist, got {self.connector!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"kv_transfer.backend: gloo or nccl, got {self.backend!r}")
+
+
+@dataclass(slots=True)
 class ClusterConfig:
     models: list[ModelGroup]
     router: RouterConfig = field(default_factory=RouterConfig)
     backend: str = "local"  # local | ray
     ray_address: str | None = None
     log_dir: str = "logs/cluster"
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 def _dataclass(cls, values: dict, where: str):
@@ -132,10 +152,11 @@ def parse_cluster_config(doc: dict, where: str = "cluster config") -> ClusterCon
     if backend not in ("local", "ray"):
         raise ValueError(f"{where}: backend is local or ray, got {backend!r}")
     ray = doc.get("ray") or {}
-    unknown = set(doc) - {"models", "router", "backend", "ray", "log_dir"}
+    kv_transfer = _dataclass(KVTransferConfig, dict(doc.get("kv_transfer") or {}), "kv_transfer")
+    unknown = set(doc) - {"models", "router", "backend", "ray", "log_dir", "kv_transfer"}
     if unknown:
         raise ValueError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
-    return ClusterConfig(models, router, backend, ray.get("address"), doc.get("log_dir", "logs/cluster"))
+    return ClusterConfig(models, router, backend, ray.get("address"), doc.get("log_dir", "logs/cluster"), kv_transfer)
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:

@@ -20,6 +20,12 @@ class ElasticConfig:
     itl_slo: float | None = None  # s; a recent p90 above it adds decode pressure
     hysteresis: float = 1.5  # one side's pressure must exceed the other's by this factor
     cooldown_s: float = 30.0  # between two switches
+    persist_checks: int = 3  # a pressure signal must hold for this many checks in a row before a switch
+    min_dwell_s: float = 60.0  # an instance stays at least this long in the role it was switched to
+
+    def __post_init__(self) -> None:
+        if self.persist_checks < 1 or self.min_dwell_s < 0 or self.cooldown_s < 0:
+            raise ValueError("elastic: persist_checks >= 1, min_dwell_s >= 0 and cooldown_s >= 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,39 +56,49 @@ def pressures(instances: Sequence[InstanceState], cfg: ElasticConfig, ttft_p90: 
 
 
 class RoleController:
-    """Decides at most one switch per call and none within the cooldown of the last one."""
+    """Decides at most one switch per call, none within the cooldown of the last one, and -
+    against flip-flopping within a burst - only on a pressure signal seen `persist_checks` calls
+    in a row, moving only an instance that has been `min_dwell_s` in its role. A time schedule
+    is followed as written (no persistence needed)."""
 
     def __init__(self, cfg: ElasticConfig = ElasticConfig(), schedule: TimeSchedule | None = None) -> None:
         self.cfg, self.schedule = cfg, schedule
         self.last_switch = float("-inf")
         self.switches: list[tuple[float, str, str]] = []  # (time, instance, new role)
+        self._streak = (0, 0)  # (direction wanted: +1 more prefill, -1 more decode, calls in a row)
+        self._switched_at: dict[str, float] = {}  # instance -> when it last switched
 
     def decide(self, now: float, instances: Sequence[InstanceState], ttft_p90: float | None = None,
                itl_p90: float | None = None) -> tuple[str, str] | None:
         """(instance_id, new role) or None. Only healthy, non-draining elastic instances move."""
-        if now - self.last_switch < self.cfg.cooldown_s:
-            return None
         live = [i for i in instances if i.healthy and i.role in ("prefill", "decode")]
         # A draining instance is on its way to the other role: count it there.
         num_p = sum((i.role == "prefill") != i.draining for i in live)
         num_d = len(live) - num_p
         if self.schedule is not None:
-            want = self.schedule.num_prefill(now) - num_p
+            want, persisted = self.schedule.num_prefill(now) - num_p, True
         else:
             pp, dp = pressures(live, self.cfg, ttft_p90, itl_p90)
             want = 1 if pp > 1.0 and pp > dp * self.cfg.hysteresis else \
                 -1 if dp > 1.0 and dp > pp * self.cfg.hysteresis else 0
+            same = want != 0 and self._streak[0] == want
+            self._streak = (want, self._streak[1] + 1 if same else int(want != 0))
+            persisted = self._streak[1] >= self.cfg.persist_checks
+        if now - self.last_switch < self.cfg.cooldown_s or not persisted:
+            return None
         if want > 0 and num_d > self.cfg.min_decode:
             src, dst = "decode", "prefill"
         elif want < 0 and num_p > self.cfg.min_prefill:
             src, dst = "prefill", "decode"
         else:
             return None
-        movable = [i for i in live if i.elastic and i.role == src and not i.draining]
+        movable = [i for i in live if i.elastic and i.role == src and not i.draining
+                   and now - self._switched_at.get(i.instance_id, float("-inf")) >= self.cfg.min_dwell_s]
         if not movable:
             return None
         # The least busy one drains fastest.
         inst = min(movable, key=lambda i: (i.num_running + i.num_waiting, i.kv_usage))
-        self.last_switch = now
+        self.last_switch = self._switched_at[inst.instance_id] = now
+        self._streak = (0, 0)
         self.switches.append((now, inst.instance_id, dst))
         return inst.instance_id, dst

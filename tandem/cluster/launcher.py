@@ -119,6 +119,10 @@ class LocalBackend:
             raise
         return out + external_instances(self.cfg)
 
+    def rendezvous_host(self) -> str:
+        """Where instances reach a store this process serves (torch_dist KV transfer)."""
+        return "127.0.0.1"
+
     def _exited(self, iid: str) -> str | None:
         code = self.procs[iid].poll()
         if code is None:
@@ -156,6 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from tandem.cluster.kv_group import join_kv_group
     from tandem.cluster.router import build_router
     cfg = load_cluster_config(args.config)
     cfg.router.host = args.host or cfg.router.host
@@ -163,6 +168,7 @@ def main(args: argparse.Namespace) -> None:
     backend = make_backend(cfg)
     instances = backend.start()
     try:
+        kv_store = join_kv_group(cfg, instances, backend.rendezvous_host())  # noqa: F841 - lives with the group
         for inst in instances:
             log.info("instance %s (%s, %s) at %s", inst.id, inst.model, inst.kind, inst.url)
         log.info("router on http://%s:%d", cfg.router.host, cfg.router.port)

@@ -1,18 +1,21 @@
 """The instance side of P/D disaggregation, over the engine's `kv_handoff` (export / reserve /
-commit) and the shared-memory connector (both instances on one host).
+commit) and the instance's KV links (shared memory on one host; torch.distributed point-to-point
+to a peer rank once POST /tandem/kv_group has joined the group).
 
-POST /tandem/prefill runs a prompt to its first token, exports the KV of its whole blocks and
-sends it; POST /tandem/decode reserves blocks for that KV, receives it into them layer by
-layer, adds the request (prompt + first token) and commits the blocks to its prefix cache, so
+POST /tandem/prefill runs a prompt to its first token, answers it, and sends the KV of its whole
+blocks while the router starts the decode leg (a point-to-point send completes only once the
+receiver takes it); POST /tandem/decode reserves blocks for that KV, receives it into them layer
+by layer, adds the request (prompt + first token) and commits the blocks to its prefix cache, so
 the request finds them by the ordinary prefix lookup and recomputes less than a block; it
-answers with a completions-format SSE stream. Handoff methods must run on the engine thread
-between steps: `ClusterLLM.call` runs a function there."""
+answers with a completions-format SSE stream. A decode leg that fails before receiving still
+drains its transfer. Handoff methods must run on the engine thread between steps:
+`ClusterLLM.call` runs a function there."""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -21,11 +24,15 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from tandem.cluster.background import Background
+from tandem.cluster.decode_stream import DecodeLegs, send_outcome
 from tandem.engine.async_llm import AsyncLLM
-from tandem.server import responses as R
 from tandem.server.protocol import CompletionRequest
+from tandem.server.responses import latency_split
 
+log = logging.getLogger(__name__)
 RECV_TIMEOUT_S = 30.0
+NDJSON = "application/x-ndjson"
 
 
 class ClusterLLM(AsyncLLM):
@@ -68,10 +75,27 @@ class PrefillRequest(BaseModel):
     prompt: list[int]
     transfer_id: str
     sampling: dict = {}
+    kv_peer: int | None = None  # the other side's rank in the KV transfer group; None: shared memory
 
 
 class DecodeRequest(PrefillRequest):
     stream_usage: bool = True
+    request_id: str | None = None  # the router's id for this leg, for POST /tandem/migrate
+
+
+class MigrateRequest(BaseModel):
+    request_id: str
+    transfer_id: str
+    kv_peer: int | None = None
+
+
+class KVGroupRequest(BaseModel):
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    backend: str | None = None
+    timeout_s: float = 120.0
 
 
 def _params(sampling: dict, prompt: list[int], max_tokens: int | None):
@@ -83,60 +107,91 @@ def _params(sampling: dict, prompt: list[int], max_tokens: int | None):
 
 
 def add_pd_routes(app: FastAPI, llm: ClusterLLM, model_name: str) -> None:
-    from tandem.executor.kv_transfer import KVPoolFullError, ShmConnector
-    connector = ShmConnector()
+    from tandem.executor.kv_transfer import KVLinks, KVPoolFullError
+    links = KVLinks()
+    spawn = Background().spawn
+    legs = DecodeLegs(llm, links, model_name, spawn)
+
+    async def drain(req: DecodeRequest) -> None:
+        """A decode leg that will not take its transfer still receives it: the sender's
+        point-to-point send (or its shm file) would otherwise be left waiting."""
+        try:
+            await links.recv(req.kv_peer, req.transfer_id, RECV_TIMEOUT_S)
+        except Exception as e:  # nothing waits on this; the log says why
+            log.warning("KV transfer %s not drained: %s", req.transfer_id, e)
+
+    @app.post("/tandem/kv_group")
+    async def kv_group(req: KVGroupRequest):
+        device = llm.engine.kv_handoff.runner.kv_cache.device
+        try:
+            await asyncio.to_thread(links.join, req.rank, req.world_size, req.host, req.port, req.backend,
+                                    req.timeout_s, device)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        except (RuntimeError, TimeoutError) as e:  # the store is unreachable or a rank never came
+            raise HTTPException(503, f"joining the KV transfer group failed: {e}") from None
+        return {"rank": links.rank}
 
     @app.post("/tandem/prefill")
     async def prefill(req: PrefillRequest):
+        """NDJSON: the first token, then (unless it already finished the request) the stats of
+        the KV send, which starts now and completes once the decode side receives it."""
         params, priority = _params(req.sampling, req.prompt, 1)
         final = None
         try:
             async for out in llm.generate(req.prompt, params, f"prefill-{req.transfer_id}", priority):
                 final = out
+            o = final.outputs[0]
+            head = {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+                    "cached_tokens": final.metrics.num_cached_tokens, "metrics": latency_split([final])}
+            if o.finish_reason != "length":  # stopped at its first token: nothing to hand off
+                return StreamingResponse(_ndjson(head), media_type=NDJSON)
+            links.connector(req.kv_peer)  # a bad peer fails here, as a 400
             payload = await llm.call(lambda e: e.kv_handoff.export(req.prompt))
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        stats = await asyncio.to_thread(connector.send, req.transfer_id, payload)
-        o = final.outputs[0]
-        return {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                "cached_tokens": final.metrics.num_cached_tokens, "kv_blocks": payload.num_blocks,
-                "kv_bytes": stats.num_bytes, "kv_seconds": stats.seconds}
+        sending = spawn(links.send(req.kv_peer, req.transfer_id, payload))
+        return StreamingResponse(_ndjson({**head, "kv_blocks": payload.num_blocks}, sending), media_type=NDJSON)
 
     @app.post("/tandem/decode")
     async def decode(req: DecodeRequest):
-        params, priority = _params(req.sampling, req.prompt, req.sampling.get("max_tokens"))
         kv_tokens = req.prompt[:-1]  # the prefill side's prompt; the last token is its first output
         try:
+            params, priority = _params(req.sampling, req.prompt, req.sampling.get("max_tokens"))
+            links.connector(req.kv_peer)
             res = await llm.call(lambda e: e.kv_handoff.reserve(kv_tokens))
-        except KVPoolFullError as e:
-            connector.discard(req.transfer_id)
-            raise HTTPException(503, str(e)) from None
+        except (HTTPException, KVPoolFullError, ValueError) as e:
+            spawn(drain(req))
+            if isinstance(e, HTTPException):
+                raise
+            raise HTTPException(503 if isinstance(e, KVPoolFullError) else 400, str(e)) from None
         handoff = llm.engine.kv_handoff
         try:
-            payload, _ = await asyncio.to_thread(connector.recv, req.transfer_id, RECV_TIMEOUT_S, handoff.writer(res))
-        except (TimeoutError, RuntimeError, ValueError) as e:
+            payload, _ = await links.recv(req.kv_peer, req.transfer_id, RECV_TIMEOUT_S, handoff.writer(res))
+        except Exception as e:  # timed out, peer gone, or a payload that does not fit: nothing is kept
             await llm.call(lambda e_: e_.kv_handoff.release(res))
-            raise HTTPException(502, f"KV transfer {req.transfer_id} failed: {e}") from None
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = llm.generate(req.prompt, params, rid, priority)  # queued now; the commit follows it
+            raise HTTPException(502, f"KV transfer {req.transfer_id} failed: {type(e).__name__}: {e}") from None
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        # The commit runs with the add, before a step can schedule the request. Not the reserved
+        # tokens (or a reused id): released, and the request recomputes its prompt.
+        gen = llm.generate(req.prompt, params, rid, priority,
+                           on_added=lambda e: e.kv_handoff.commit(res, payload, rid))
+        return StreamingResponse(legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream")
+
+    @app.post("/tandem/migrate")
+    async def migrate(req: MigrateRequest):
+        """Move a streaming decode leg: its stream ends with the tokens so far, its KV goes to
+        `kv_peer` under `transfer_id`, where the router continues it."""
         try:
-            await llm.call(lambda e: e.kv_handoff.commit(res, payload, rid))
-        except ValueError:
-            pass  # not the reserved tokens: released; the request recomputes its prompt
-        return StreamingResponse(_sse(gen, rid, model_name, llm.tokenizer, req.stream_usage),
-                                 media_type="text/event-stream")
+            moving = legs.migrate(req.request_id, req.transfer_id, req.kv_peer)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        if not moving:
+            raise HTTPException(404, f"no decode leg {req.request_id!r} is streaming here")
+        return {"request_id": req.request_id, "migrating": True}
 
 
-async def _sse(gen, rid: str, model: str, tokenizer, usage: bool):
-    created, final, finish_sent = int(time.time()), None, set()
-    try:
-        async for out in gen:
-            final = out
-            chunk = R.completion_chunk(rid, model, created, 0, 1, out, finish_sent, False, tokenizer)
-            if chunk:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        if usage:
-            yield f"data: {json.dumps({'id': rid, 'choices': [], 'usage': R.usage([final])})}\n\n"
-    except (ValueError, RuntimeError) as e:
-        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
-    yield "data: [DONE]\n\n"
+async def _ndjson(head: dict, sending: asyncio.Future | None = None):
+    yield json.dumps(head) + "\n"
+    if sending is not None:
+        yield json.dumps(await send_outcome(sending)) + "\n"

@@ -27,6 +27,7 @@ class Instance:
     block_size: int = 0  # 0: no prefix hashing (embedding instances)
     inflight: int = 0  # requests the router has open on it
     pending: dict[int, int] = field(default_factory=dict)  # sent, first token not seen: key -> prompt tokens
+    kv_rank: int | None = None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
     last_error: str | None = None
 
     def __post_init__(self) -> None:

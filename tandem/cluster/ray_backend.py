@@ -86,6 +86,14 @@ class RayBackend:
         by_id = {s.id: s for s in specs}
         return [by_id[i].instance(u) for i, u in urls.items()] + external_instances(self.cfg)
 
+    def rendezvous_host(self) -> str:
+        """Where actors reach a store this (driver) process serves: loopback on a one-node Ray
+        started here, else this node's IP (the head's, when `tandem cluster up` runs there)."""
+        if self.cfg.ray_address in LOCAL:
+            return "127.0.0.1"
+        import ray
+        return ray.util.get_node_ip_address()
+
     def kill(self, instance_id: str) -> None:
         """Kill one instance's actor at once (fault injection)."""
         import ray

@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.cluster.config import ClusterConfig, ModelGroup
@@ -25,6 +26,11 @@ from tandem.cluster.router_metrics import RouterMetrics
 from tandem.server.middleware import BodySizeLimit
 
 log = logging.getLogger(__name__)
+
+
+class MigrateRequest(BaseModel):
+    request_id: str
+    to: str | None = None  # an instance id; None: the decode instance with the most free KV
 
 
 class Router:
@@ -139,6 +145,11 @@ def build_router(cfg: ClusterConfig, instances: list[Instance],
     async def health():
         ok, body = router.health()
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/tandem/migrate")
+    async def migrate(body: MigrateRequest):
+        """Operator: move a decoding P/D request (by its response `id`) to another decode instance."""
+        return await router.pd.chain.migrate(body.request_id, body.to)
 
     @app.get("/cluster/state")
     async def cluster_state():

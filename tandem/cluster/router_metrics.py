@@ -55,7 +55,9 @@ class RouterMetrics:
                                 ["model_name", "kind"], registry=r)
         self.role_switches = Counter("tandem_router:role_switches", "Elastic role switches completed.",
                                      ["model_name", "role"], registry=r)
-        self.kv_bytes = Counter("tandem_router:kv_transfer_bytes", "KV bytes moved prefill -> decode.",
+        self.migrations = Counter("tandem_router:migrations", "Decoding requests moved to another decode instance.",
+                                  ["model_name", "instance"], registry=r)
+        self.kv_bytes = Counter("tandem_router:kv_transfer_bytes", "KV bytes moved prefill -> decode (and by migrations).",
                                 ["model_name"], registry=r)
         self.kv_seconds = Histogram("tandem_router:kv_transfer_seconds", "Time of one P/D KV handoff.",
                                     ["model_name"], registry=r,

@@ -40,8 +40,11 @@ class KVHandoff:
     # ---- prefill side -------------------------------------------------------------
     def export(self, token_ids: list[int]) -> KVPayload:
         """A copy of the KV of the longest run of whole blocks of `token_ids` cached here. Call
-        right after the prefill request finished, before a later step can evict its blocks."""
+        right after the request finished (prefill) or was aborted (a decode leg migrating),
+        before a later step can evict its blocks. Waits for the steps in flight first: under
+        async scheduling one may still write the last block the prefix cache indexed."""
         self._need_caching()
+        wait(self._in_flight())
         blocks = self.kv.cached_prefix(token_ids)
         kv = self.runner.read_kv_blocks([b.block_id for b in blocks])
         return KVPayload(list(token_ids[:len(blocks) * self.kv.block_size]), self.kv.block_size, kv)

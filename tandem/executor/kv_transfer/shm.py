@@ -97,11 +97,3 @@ class ShmConnector:
         log.debug("kv recv %s via shm: %d bytes in %.2f ms (%.2f GB/s)", transfer_id, stats.num_bytes,
                   stats.seconds * 1e3, stats.gbps)
         return payload, stats
-
-    def discard(self, transfer_id: str) -> bool:
-        """Drop a transfer no receiver will take (the decode side gave up); True if one was there."""
-        try:
-            os.unlink(self.path(transfer_id))
-            return True
-        except FileNotFoundError:
-            return False
