@@ -39,6 +39,7 @@ class EngineConfig:
     l1_max_prompt_tokens: int = 256  # unlabelled requests this short (prompt and max_tokens) go to L1
     l1_max_tokens: int = 256
     l1_hold_s: float = 2.0  # multilevel: lower levels stay throttled this long after L1 traffic was seen
+    l1_step_time: float | None = None  # multilevel: s per step the throttle aims at; None: the share
     # Overlap: schedule step N+1 (and process step N-1's outputs) while step N runs on a
     # worker thread; see engine/step_pipeline.py.
     async_scheduling: bool = True
@@ -68,7 +69,7 @@ class EngineConfig:
         return SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens, max_model_len, self.scheduler_policy,
             self.queue_order, self.l2_min_share, self.max_preemptions, self.preemption_mode,
-            swap_cost, recompute_cost, self.l1_hold_s,
+            swap_cost, recompute_cost, self.l1_hold_s, self.l1_step_time,
         )
 
 

@@ -51,9 +51,11 @@ def test_level_is_priority_under_multilevel_and_2_under_fcfs():
 
 def test_bad_config_and_priority_are_rejected():
     for kw in (dict(policy="lifo"), dict(preemption_mode="disk"), dict(l2_min_share=1.0),
-               dict(l2_min_share=-0.1)):
+               dict(l2_min_share=-0.1), dict(l1_step_time=0.0), dict(l1_hold_s=-1.0)):
         with pytest.raises(ValueError):
             SchedulerConfig(**kw)
+    from tandem.config import EngineConfig
+    assert EngineConfig(l1_step_time=0.1).scheduler_config(64, 1e-5, 1e-3).l1_step_time == 0.1
     s = make_sched()
     with pytest.raises(ValueError):
         s.add_request(make_req("x", [1], priority=0))
@@ -318,6 +320,40 @@ def test_lower_prefill_stays_throttled_for_l1_hold_s_after_l1_traffic():
     assert d.step().num_scheduled_tokens == {"doc": 10}  # L1 gone, within the hold
     clock.t = 3.5
     assert d.step().num_scheduled_tokens == {"doc": 40}  # hold over: the whole budget
+
+
+@pytest.mark.parametrize("tokens,used,seconds,want", [
+    (32, 32, 0.2, 16),   # twice the target: half
+    (32, 32, 0.125, 25),  # over it: in proportion
+    (32, 20, 0.4, 10),   # over it, the throttle not reached: from what the step held, at most halved
+    (10, 10, 1.0, 8),    # never below the floor (the share)
+    (16, 16, 0.05, 32),  # under it and bounded by the throttle: more, at most 2x
+    (48, 48, 0.01, 64),  # never above the ceiling (the budget)
+    (32, 5, 0.05, 32),   # under it but not bounded: no evidence, unchanged
+])
+def test_adapt_throttle(tokens, used, seconds, want):
+    from tandem.core.step_budget import adapt_throttle
+    assert adapt_throttle(tokens, used, seconds, 0.1, 8, 64) == want
+
+
+def test_l1_step_time_sizes_lower_prefill_from_measured_steps():
+    """Under the L1 throttle an L2 prompt gets its share at first; steps under l1_step_time let
+    it grow, steps over it shrink it back, never below the share. Without l1_step_time the
+    measured times change nothing."""
+    for step_time, want in ((0.1, [8, 16, 32, 16]), (None, [8, 8, 8, 8])):
+        s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512, policy="multilevel",
+                       l2_min_share=0.125, l1_step_time=step_time)
+        d = Driver(s)
+        d.add(make_req("long", range(1, 401), max_tokens=2))
+        d.add(make_req("chat", [5, 6, 7], max_tokens=50, priority=1))
+        got = []
+        for seconds in (0.05, 0.05, 0.2, 0.05):
+            out = d.schedule()
+            got.append(out.num_scheduled_tokens["long"])
+            assert out.num_throttled_prefill_tokens == got[-1]
+            s.observe_step(out, seconds)
+            d.finish_step(out)
+        assert got == want
 
 
 def test_l2_is_not_starved_by_saturating_l1_traffic():

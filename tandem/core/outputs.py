@@ -41,6 +41,9 @@ class SchedulerOutput:
     # (device block, host block) and (host block, device block) pairs.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Lower-level prompt tokens this step holds under the L1 throttle (multilevel): the
+    # scheduler adapts the throttle from this step's measured time (Scheduler.observe_step).
+    num_throttled_prefill_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -23,7 +23,7 @@ from tandem.core.outputs import (
 )
 from tandem.core.preemption import l2_hold, pick_victim, preemption_mode
 from tandem.core.queues import LEVELS, WaitingQueues
-from tandem.core.step_budget import StepBudget
+from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_config import SchedulerConfig
 
@@ -47,6 +47,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
         self._step: StepBudget | None = None  # the last step planned, for top_up
+        # Lower-level prompt tokens per step while L1 traffic is present (see observe_step)
+        self._floor_tokens = max(int(config.l2_min_share * config.max_num_batched_tokens), kv_manager.block_size)
+        self.lower_prefill_tokens = self._floor_tokens
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
 
@@ -100,14 +103,15 @@ class Scheduler:
         # At least one token: a running L2 that the seat floor shields from preemption must also
         # advance, or an L1 short of blocks preempts itself, step after step, forever.
         reserve = min(max(1, int(cfg.l2_min_share * budget)), budget - 1) if l2_work and cfg.l2_min_share > 0 else 0
-        # While interactive (L1) traffic is present, lower levels prefill only their share
-        # per step: a step stays short, so an arriving L1 request waits at most one short
-        # step, and running L1 requests keep a steady ITL. Their decodes always fit.
+        # While interactive (L1) traffic is present, lower levels prefill only
+        # lower_prefill_tokens per step (their share, or what keeps a step near l1_step_time):
+        # a step stays short, so an arriving L1 request waits at most one short step, and
+        # running L1 requests keep a steady ITL. Their decodes always fit.
         if self.multilevel and (self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running)):
             self._l1_seen = self.clock()
         l1_active = self.multilevel and self.clock() - self._l1_seen <= cfg.l1_hold_s
-        share = max(int(cfg.l2_min_share * budget), self.kv.block_size)
-        step = StepBudget(out, budget, budget - reserve, share if l1_active else budget)
+        step = StepBudget(out, budget, budget - reserve, self.lower_prefill_tokens if l1_active else budget,
+                          throttled=l1_active)
         i, blocked = 0, False
         for level in LEVELS if self.multilevel else (2,):
             i = self._schedule_running(level, i, step)
@@ -117,10 +121,8 @@ class Scheduler:
                 break  # L3 only on capacity that L1 and L2 leave idle
             blocked |= not self._admit_waiting(level, i, step)
             if level == 1 and blocked:
-                step.lower_prefill_cap = budget  # L1 cannot get in now: let the rest finish sooner
-        self.running.extend(step.admitted)
-        step.admitted.clear()
-        self._step = step
+                step.lower_prefill_cap, step.throttled = budget, False  # L1 cannot get in now: let the rest finish sooner
+        self._end_step(step)
         return out
 
     def top_up(self, out: SchedulerOutput) -> None:
@@ -139,8 +141,22 @@ class Scheduler:
                 break
             if not self._admit_waiting(level, len(self.running), step):
                 break
+        self._end_step(step)
+
+    def _end_step(self, step: StepBudget) -> None:
         self.running.extend(step.admitted)
         step.admitted.clear()
+        self._step = step
+        if step.throttled:
+            step.out.num_throttled_prefill_tokens = step.lower_prefill_used
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step that ran took `seconds`: adapt the L1 throttle to `l1_step_time` (the engine
+        and the simulator call this after each step)."""
+        if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
+            self.lower_prefill_tokens = adapt_throttle(
+                self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
+                self._floor_tokens, self.config.max_num_batched_tokens)
 
     def _schedule_running(self, level: int, i: int, step: StepBudget) -> int:
         """Catch up the running requests of `level` (from index i); returns the next index.

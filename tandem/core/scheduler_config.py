@@ -20,6 +20,10 @@ class SchedulerConfig:
     # traffic was last seen, so an L1 request arriving in a lull does not wait behind a
     # full-budget prefill step.
     l1_hold_s: float = 2.0
+    # While L1 traffic is present, lower levels prefill per step only as many tokens as keep a
+    # step about this long (seconds), adapted from measured step times (Scheduler.observe_step),
+    # and never fewer than their share. None: exactly their share of the token budget.
+    l1_step_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "multilevel"):
@@ -28,5 +32,7 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.l1_hold_s < 0:
             raise ValueError(f"l1_hold_s must be >= 0, got {self.l1_hold_s}")
+        if self.l1_step_time is not None and self.l1_step_time <= 0:
+            raise ValueError(f"l1_step_time must be > 0 seconds, got {self.l1_step_time}")
         if not 0.0 <= self.l2_min_share < 1.0:
             raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")

@@ -1,4 +1,4 @@
-"""Token accounting of one schedule() call, per level."""
+"""Token accounting of one schedule() call, per level, and the L1 throttle's adaptation."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +14,8 @@ class StepBudget:
     out: SchedulerOutput
     budget: int
     l1_cap: int  # L1's tokens this step: the budget less L2's reserve
-    lower_prefill_cap: int  # L2 + L3 prompt tokens: their share only while L1 traffic is present
+    lower_prefill_cap: int  # L2 + L3 prompt tokens: throttled while L1 traffic is present
+    throttled: bool = False  # lower_prefill_cap is the L1 throttle (Scheduler.observe_step)
     used: int = 0
     l1_used: int = 0
     lower_prefill_used: int = 0
@@ -30,3 +31,20 @@ class StepBudget:
         if pending <= 1:
             return left
         return min(left, self.lower_prefill_cap - self.lower_prefill_used)
+
+
+def adapt_throttle(tokens: int, used: int, seconds: float, target: float, floor: int, ceiling: int) -> int:
+    """Lower-level prompt tokens per step under the L1 throttle, after a step that held `used`
+    of them under a throttle of `tokens` and took `seconds` against a `target`. Over the target:
+    fewer, in proportion (decodes may be what made it long: L1 comes first). Under it: more,
+    but only if the throttle bounded the step. A chunk late in a long prompt costs more (its
+    attention reads the whole prefix), so it gets fewer tokens, which a fixed share cannot do.
+    Within [floor, ceiling], at most 2x per step."""
+    ratio = min(2.0, max(0.5, target / seconds))
+    if ratio < 1.0:
+        base = min(used, tokens)
+    elif used >= tokens:
+        base = tokens
+    else:
+        return tokens  # under the target, and the throttle did not bound the step: no evidence
+    return min(ceiling, max(floor, int(base * ratio)))

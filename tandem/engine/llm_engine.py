@@ -186,6 +186,7 @@ class LLMEngine:
         return outputs
 
     def _record(self, done: ExecutedStep) -> None:
+        self.scheduler.observe_step(done.sched, done.end - done.start)
         self.num_steps += 1
         self.kv_utilization_sum += self.kv_manager.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, self.kv_manager.usage)

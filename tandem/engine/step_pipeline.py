@@ -55,6 +55,9 @@ class StepPipeline:
         """Queue a step; without overlap it runs now (and its errors raise here)."""
         if self._worker is not None:
             self._in_flight.append(self._worker.submit(self._run, sched))
+            # Let the worker take the GIL and start the step now: the engine thread goes on
+            # with Python work (outputs of the step before) that would hold the worker back.
+            time.sleep(0)
             return
         done: Future = Future()
         done.set_result(self._run(sched))

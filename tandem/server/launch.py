@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l2-min-share", dest="l2_min_share", type=float, default=None)
     p.add_argument("--l1-hold-s", dest="l1_hold_s", type=float, default=None,
                    help="multilevel: lower levels stay throttled this long after L1 traffic was seen")
+    p.add_argument("--l1-step-time", dest="l1_step_time", type=float, default=None,
+                   help="multilevel: while L1 traffic is present, size lower-level prefill so a step "
+                        "takes about this many seconds (adapted from measured steps; default: their share)")
     p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")

@@ -104,6 +104,7 @@ class SimInstance:
             return  # a coalesced run: applied when it began
         so, result = self._step
         self._step = None
+        self.scheduler.observe_step(so, result.execute_time)
         for out in self.scheduler.update_from_output(so, result):
             sim = self.sim_reqs[out.req_id]
             for _ in out.new_token_ids:

@@ -64,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the profile's step size")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--l2-min-share", type=float, default=0.2)
+    g.add_argument("--l1-step-time", type=float, default=None, help="multilevel: seconds per step the L1 throttle aims at")
     g.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--slo", default="ttft=2,tpot=0.1", help="goodput SLOs in seconds: ttft=..,tpot=..,e2e=..")
     p.add_argument("--json", dest="json_path", default=None)
@@ -91,7 +92,7 @@ def _requests(args, instances: int = 1):
 
 
 def _engine(args, cost, policy: str) -> EngineConfig:
-    values = {"max_num_seqs": args.max_num_seqs, "l2_min_share": args.l2_min_share,
+    values = {"max_num_seqs": args.max_num_seqs, "l2_min_share": args.l2_min_share, "l1_step_time": args.l1_step_time,
               "max_num_batched_tokens": args.max_num_batched_tokens or cost.max_num_batched_tokens,
               "max_model_len": args.max_model_len, "enable_prefix_caching": not args.no_prefix_caching}
     if args.config:
