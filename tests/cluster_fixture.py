@@ -50,12 +50,13 @@ def tiny_cluster(model_dir: str, n: int = 3, router: dict | None = None, roles: 
 
 @contextmanager
 def launched_cluster(doc: dict, timeout: float = 120.0):
-    """A cluster.yaml document launched as `tandem cluster up` does (local processes, the KV
-    transfer group when configured) behind an in-process router. Yields (router url, Router)."""
+    """A cluster.yaml document launched as `tandem cluster up` does (local processes or Ray
+    actors, the KV transfer group when configured) behind an in-process router. Yields
+    (router url, Router)."""
     from tandem.cluster.kv_group import join_kv_group
-    from tandem.cluster.launcher import LocalBackend
+    from tandem.cluster.launcher import make_backend
     cfg = parse_cluster_config({"router": {"poll_interval_s": 0.2}, **doc})
-    backend = LocalBackend(cfg)
+    backend = make_backend(cfg)
     instances = backend.start(timeout)
     try:
         store = join_kv_group(cfg, instances, backend.rendezvous_host())

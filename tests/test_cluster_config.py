@@ -22,6 +22,10 @@ def test_examples():
     assert len({s.id for s in specs}) == 4 and all(s.num_threads >= 1 for s in specs)
     pd = load_cluster_config(EXAMPLES / "cluster-pd.yaml")
     assert [s.role for s in plan(pd)] == ["prefill", "decode", "decode"]
+    assert pd.kv_transfer.connector == "shm" and pd.router.migration.kv_usage == 0.9
+    gloo = load_cluster_config(EXAMPLES / "cluster-pd-gloo.yaml")
+    assert [s.role for s in plan(gloo)] == ["prefill", "decode", "decode"]
+    assert (gloo.kv_transfer.connector, gloo.kv_transfer.backend) == ("torch_dist", "gloo")
 
 
 def test_instance_command(tmp_path):
@@ -47,6 +51,10 @@ def test_instance_command(tmp_path):
     ({"models": [{"name": "a"}], "kv_transfer": {"connector": "rdma"}}, "shm or torch_dist"),
     ({"models": [{"name": "a"}], "kv_transfer": {"connector": "torch_dist", "backend": "mpi"}}, "gloo or nccl"),
     ({"models": [{"name": "a"}], "kv_transfer": {"conector": "shm"}}, "unknown option"),
+    ({"models": [{"name": "a"}], "router": {"migration": {"kv_usage": 0.7}}}, "target_kv_usage < kv_usage"),
+    ({"models": [{"name": "a"}], "router": {"migration": {"cooldown_s": -1}}}, "cooldown_s >= 0"),
+    ({"models": [{"name": "a"}], "router": {"migration": False}}, "router.migration: a mapping"),
+    ({"models": [{"name": "a"}], "router": {"migration": {"kv_use": 0.9}}}, "unknown option"),
 ])
 def test_bad_configs(doc, error):
     with pytest.raises(ValueError, match=error):

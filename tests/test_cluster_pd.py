@@ -91,19 +91,22 @@ def test_pd_burst_all_complete(pd):
     assert all(r.json()["usage"]["completion_tokens"] == 10 for r in rs)
 
 
-@pytest.mark.slow  # two `tandem serve` processes: about 10 s here
-def test_pd_over_torch_dist_equals_colocated(tiny_model_dirs, tmp_path):
-    """Prefill and decode in two processes joined by gloo: the KV moves point-to-point (as it
-    would between hosts) and the greedy tokens are those of a co-located run."""
+@pytest.mark.slow  # two `tandem serve` processes, or two Ray actors: 5-10 s each here
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_pd_over_torch_dist_equals_colocated(tiny_model_dirs, tmp_path, backend):
+    """Prefill and decode in two processes (or two Ray actors on a one-node Ray head started
+    here) joined by gloo: the KV moves point-to-point (as it would between hosts) and the
+    greedy tokens are those of a co-located run."""
+    ray = pytest.importorskip("ray") if backend == "ray" else None
     engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
-    doc = {"log_dir": str(tmp_path), "kv_transfer": {"connector": "torch_dist", "backend": "gloo"},
+    doc = {"log_dir": str(tmp_path), "backend": backend, "kv_transfer": {"connector": "torch_dist", "backend": "gloo"},
            "models": [{"name": "tiny", "model": with_word_tokenizer(tiny_model_dirs["llama"], tmp_path / "m"),
-                       "roles": {"prefill": 1, "decode": 1},
-                       "engine": engine}]}
+                       "roles": {"prefill": 1, "decode": 1}, "engine": engine, "resources": {"num_cpus": 1}}]}
     prompts = [list(range(1, 300)), [5, 9] * 150 + [3]]  # over short_prefill_tokens: never decode-only
     greedy = {"temperature": 0}
     with launched_cluster(doc) as (url, router):
         assert sorted(i.kv_rank for i in router.pool.instances.values()) == [0, 1]
+        assert ray is None or ray.is_initialized()  # the instances are Ray actors
         dec = router.pool.instances["tiny-1"].url
         for prompt in prompts:
             r = httpx.post(url + "/v1/completions", json=body(prompt, 12, **greedy), timeout=60)
@@ -119,6 +122,7 @@ def test_pd_over_torch_dist_equals_colocated(tiny_model_dirs, tmp_path):
         assert text == plain.json()["choices"][0]["text"]
         assert wait_for(lambda: metric_sum(url, "tandem_router:kv_transfer_seconds_count") == 3)
         assert metric_sum(url, "tandem_router:kv_transfer_bytes_total") > 0
+    assert ray is None or not ray.is_initialized()  # the head started here is stopped
 
 
 def test_prefill_gone_falls_back_to_the_plain_way(tiny_model_dirs):
@@ -210,3 +214,34 @@ def test_migrate_bad_input(pd_words):
     r = httpx.post(url + "/tandem/migrate", json={"request_id": "cmpl-nope"})
     assert r.status_code == 404 and "is decoding" in r.json()["error"]["message"]
     assert httpx.post(url + "/tandem/migrate", json={}).status_code == 422
+
+
+def test_a_decode_instance_short_of_kv_sheds_a_request(tiny_model_dirs, tmp_path):
+    """The router moves a request by itself: it lands on a decode instance with a small KV
+    pool (the roomy one is draining then), which runs short as the output grows; once the
+    roomy one takes work again, the request moves there. The stream stays whole (the tokens
+    of an unmoved run), the move is counted as `kv_short`, and no block is left held. The
+    shortage mark is low, so the move comes early in a request that takes well under a second."""
+    model = with_word_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
+    opts = {"poll_interval_s": 0.05, "migration": {"interval_s": 0.05, "kv_usage": 0.35, "target_kv_usage": 0.3}}
+    with tiny_instance(model, role="prefill") as (u0, _, _), \
+            tiny_instance(model, role="decode", kv_cache_memory=60 * 16 * 512) as (u1, small, _), \
+            tiny_instance(model, role="decode") as (u2, roomy, _), \
+            router_for([{"name": "tiny", "model": model, "urls": [u0, u1, u2]}], opts) as (url, router):
+        assert small.engine.executor.num_kv_blocks == 60
+        req = body(list(range(1, 300)), 600, temperature=0)  # 19 blocks of 60 at first, 57 at the end
+        reference = httpx.post(u2 + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+        roomy_inst = router.pool.instances["tiny-url2"]
+        roomy_inst.state.draining = True
+
+        def undrain(rid: str) -> None:
+            assert router.pd.chain.live[rid].dec.id == "tiny-url1"
+            roomy_inst.state.draining = False
+        text, _ = stream_tokens(url, req, undrain)
+        assert text == reference and text.count("<") == 600
+        moves = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                 if line.startswith("tandem_router:migrations_total{")]
+        assert moves == ['tandem_router:migrations_total{instance="tiny-url1",model_name="tiny",reason="kv_short"} 1.0']
+        for llm in (small, roomy):
+            assert wait_for(lambda: llm.engine.kv_manager.num_free_blocks == llm.engine.executor.num_kv_blocks)
+            assert llm.engine.kv_handoff.num_pinned_blocks == 0

@@ -1,5 +1,6 @@
 """The Ray backend on a one-node Ray head started (and stopped) by the test: instances are Ray
-actors placed by resources; the router is the same and only sees their URLs."""
+actors placed by resources; the router is the same and only sees their URLs. P/D between Ray
+actors over torch_dist: `test_cluster_pd.py::test_pd_over_torch_dist_equals_colocated[ray]`."""
 from __future__ import annotations
 
 import httpx

@@ -5,7 +5,7 @@ at `tandem cluster up` and not minutes later on the first request.
 ```yaml
 backend: local            # local | ray
 ray: {address: null}      # null/"local": start a one-node Ray here; "auto" or host:port: join
-router: {host: 127.0.0.1, port: 8000, weights: {prefix: 1.0, load: 1.0}}
+router: {host: 127.0.0.1, port: 8000, weights: {prefix: 1.0, load: 1.0}, migration: {kv_usage: 0.9}}
 kv_transfer: {connector: shm}  # shm (one host) | torch_dist (gloo / NCCL point-to-point, across hosts)
 models:
   - name: smollm2-135m
@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from tandem.cluster.elastic import ElasticConfig, TimeSchedule
+from tandem.cluster.migration import MigrationConfig
 from tandem.cluster.routing import RoutingWeights
 from tandem.config import EngineConfig
 
@@ -69,6 +70,7 @@ class RouterConfig:
     elastic_interval_s: float = 2.0
     elastic_schedule: TimeSchedule | None = None  # [(local seconds since midnight, prefill instances)]
     drain_timeout_s: float = 120.0
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # P/D: decoding requests off short instances
 
 
 @dataclass(slots=True)
@@ -100,6 +102,8 @@ class ClusterConfig:
 
 
 def _dataclass(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: a mapping of options, got {values!r}")
     known = {f.name for f in fields(cls)}
     unknown = set(values) - known
     if unknown:
@@ -142,9 +146,11 @@ def parse_cluster_config(doc: dict, where: str = "cluster config") -> ClusterCon
         raise ValueError(f"{where}: model names must be unique, got {names}")
     r = dict(doc.get("router") or {})
     if "weights" in r:
-        r["weights"] = _dataclass(RoutingWeights, dict(r["weights"]), "router.weights")
+        r["weights"] = _dataclass(RoutingWeights, r["weights"], "router.weights")
     if "elastic" in r:
-        r["elastic"] = _dataclass(ElasticConfig, dict(r["elastic"]), "router.elastic")
+        r["elastic"] = _dataclass(ElasticConfig, r["elastic"], "router.elastic")
+    if "migration" in r:
+        r["migration"] = _dataclass(MigrationConfig, r["migration"], "router.migration")
     if r.get("elastic_schedule"):
         r["elastic_schedule"] = TimeSchedule(tuple((float(t), int(n)) for t, n in r["elastic_schedule"]))
     router = _dataclass(RouterConfig, r, "router")

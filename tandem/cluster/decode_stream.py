@@ -57,8 +57,8 @@ class DecodeLegs:
                 final = nxt.result()
                 chunk = R.completion_chunk(rid, self.model, created, 0, 1, final, finish_sent, False,
                                            self.llm.tokenizer)
-                if chunk:
-                    yield sse(chunk)
+                if chunk:  # with the leg's token count: the router weighs what a move would free
+                    yield sse({**chunk, "num_tokens": len(final.outputs[0].token_ids)})
                 if final.finished:
                     if usage:
                         yield sse({"id": rid, "choices": [], "usage": R.usage([final])})

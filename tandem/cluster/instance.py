@@ -2,10 +2,11 @@
 
 The snapshot is taken on the engine thread after each step (the `on_step` hook), so the HTTP
 side never reads engine structures the loop is mutating: queue counts and KV figures every
-step (O(1)), the per-request prefill backlog and the cached-prefix summary at most every
-`full_interval` seconds, and always when the engine goes idle, so an idle instance never
-reports stale load. GET /tandem/state serves the latest snapshot as JSON whose keys are
-`tandem.cluster.routing.InstanceState`'s fields plus a few extras (block size, per level).
+step (O(1)); the per-request prefill backlog, the preempted requests waiting and the
+cached-prefix summary at most every `full_interval` seconds, and always when the engine goes
+idle, so an idle instance never reports stale load. GET /tandem/state serves the latest
+snapshot as JSON whose keys are `tandem.cluster.routing.InstanceState`'s fields plus a few
+extras (block size, per level).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class InstanceSnapshot:
         self.model, self.role, self.elastic = model, role, elastic
         self.full_interval = full_interval
         self._last_full = float("-inf")
-        self._backlog, self._prefixes = 0, []
+        self._backlog, self._preempted, self._prefixes = 0, 0, []
         self.data: dict = {}
         self.update(engine)  # the loop is idle before the first request: safe to read here
 
@@ -49,13 +50,14 @@ class InstanceSnapshot:
             self._last_full = now
             self._backlog = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
                 max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in s.running)
+            self._preempted = sum(1 for r in s.waiting if r.num_preemptions)
             # newest first: the index keeps caching order
             self._prefixes = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
         self.data = {
             "model": self.model, "role": self.role, "elastic": self.elastic,
             "num_waiting": len(s.waiting), "num_running": len(s.running),
             "waiting_by_level": {f"L{lv}": s.waiting.count(lv) for lv in LEVELS},
-            "waiting_prefill_tokens": self._backlog,
+            "waiting_prefill_tokens": self._backlog, "num_preempted": self._preempted,
             "kv_usage": kv.usage, "kv_free_tokens": kv.num_free_blocks * kv.block_size,
             "block_size": kv.block_size, "max_model_len": engine.max_model_len,
             "cached_prefixes": self._prefixes,

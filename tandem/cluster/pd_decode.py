@@ -1,8 +1,9 @@
 """The decode side of a P/D request in the router: a chain of decode legs. The first continues
 from the prefill side's first token; a migration (POST /tandem/migrate on the router, by the
-response's id) ends the leg on one decode instance, which sends the request's KV to another,
-and the next leg continues there from exactly the tokens streamed so far. The client's stream
-goes on with no token twice and none missing; greedy output is that of an unmoved run."""
+response's id, or `migrate_loop.py` when a decode instance runs short of KV) ends the leg on
+one decode instance, which sends the request's KV to another, and the next leg continues
+there from exactly the tokens streamed so far. The client's stream goes on with no token
+twice and none missing; greedy output is that of an unmoved run."""
 from __future__ import annotations
 
 import json
@@ -29,15 +30,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class DecodeLeg:
-    """A P/D request while it decodes: where, under which id there, and where a migration
-    asked for takes it next."""
+    """A P/D request while it decodes: where, under which id there, how much KV it holds, and
+    where a migration asked for takes it next (`move_to` is set until the next leg is up)."""
 
     id: str  # the client's response id
     model: str
     dec: Instance
     kv_tokens: int  # prompt + max_tokens: the room a new home must have
+    num_tokens: int = 0  # prompt + tokens out so far: the KV it holds
     n: int = 0  # legs before this one
     move_to: Instance | None = None
+    move_reason: str = ""  # operator | kv_short
     transfer_id: str = ""
 
     @property
@@ -107,6 +110,9 @@ class DecodeChain:
                         raise httpx.RemoteProtocolError(f"decode instance {dec.id} answered {resp.status_code}: "
                                                         f"{(await resp.aread())[:300]!r}")
                     dec.first_token(key)
+                    if leg.move_to is dec:  # the move has landed (a new one may be asked for now)
+                        leg.move_to = None
+                    leg.num_tokens = len(tokens)
                     if head is not None:
                         yield head
                         head = None
@@ -120,6 +126,8 @@ class DecodeChain:
                             break
                         if ev.get("usage"):  # the leg counts its own tokens
                             ev["usage"]["completion_tokens"] += done
+                        if "num_tokens" in ev:  # the leg's tokens so far (not the client's to see)
+                            leg.num_tokens = len(tokens) + ev.pop("num_tokens")
                         yield ev
                 finally:
                     if moved is None:
@@ -131,14 +139,14 @@ class DecodeChain:
                 if leg.move_to is None:
                     raise RuntimeError(f"decode instance {dec.id} moved the request, but not at the router's asking")
                 self.background.spawn(kv_sent(r.metrics, dec, key, resp, lines))
-                r.metrics.migrations.labels(leg.model, dec.id).inc()
+                r.metrics.migrations.labels(leg.model, dec.id, leg.move_reason).inc()
                 tokens, done = tokens + moved["token_ids"], done + len(moved["token_ids"])
                 src, tid = dec, leg.transfer_id
-                leg.dec, leg.move_to, leg.n = leg.move_to, None, leg.n + 1
+                leg.dec, leg.n = leg.move_to, leg.n + 1
         finally:
             self.live.pop(leg.id, None)
 
-    async def migrate(self, request_id: str, to: str | None = None) -> Response:
+    async def migrate(self, request_id: str, to: str | None = None, reason: str = "operator") -> Response:
         """Move a decoding P/D request to another decode instance (`to`, or the one with the
         most free KV that has room for it)."""
         r = self.router
@@ -155,7 +163,7 @@ class DecodeChain:
         if dst is None:
             return json_error(503, f"no {'' if to is None else to + ' as '}other decode instance with room for "
                                    f"{leg.kv_tokens} KV tokens")
-        leg.move_to, leg.transfer_id = r.pool.instances[dst.instance_id], uuid.uuid4().hex
+        leg.move_to, leg.move_reason, leg.transfer_id = r.pool.instances[dst.instance_id], reason, uuid.uuid4().hex
         dst_inst = leg.move_to
         try:
             resp = await r.client.post(src.url + "/tandem/migrate", json={

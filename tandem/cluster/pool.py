@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -64,6 +65,7 @@ class InstancePool:
         self.instances = {i.id: i for i in instances}
         self.weights, self.client = weights, client
         self.poll_interval_s, self.poll_timeout_s = poll_interval_s, poll_timeout_s
+        self.polled_at = float("-inf")  # when the last full poll began: every state is at least that fresh
 
     def group(self, model: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.model == model]
@@ -88,7 +90,9 @@ class InstancePool:
         inst.state.healthy, inst.last_error = False, error
 
     async def poll_once(self) -> None:
+        started = time.monotonic()
         await asyncio.gather(*(self._poll(i) for i in self.instances.values()))
+        self.polled_at = started
 
     async def run(self) -> None:
         while True:
@@ -108,7 +112,8 @@ class InstancePool:
             log.info("instance %s (%s) is healthy", inst.id, inst.url)
         s.healthy, inst.last_error = True, None
         s.role, s.elastic = data.get("role", s.role), bool(data.get("elastic", False))
-        for name in ("num_waiting", "num_running", "waiting_prefill_tokens", "kv_usage", "kv_free_tokens"):
+        for name in ("num_waiting", "num_running", "waiting_prefill_tokens", "kv_usage", "kv_free_tokens",
+                     "num_preempted"):
             setattr(s, name, data.get(name, 0))
         s.cached_prefixes = frozenset(data.get("cached_prefixes") or ())
         inst.block_size = int(data.get("block_size") or 0)

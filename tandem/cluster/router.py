@@ -1,7 +1,9 @@
 """The cluster's one entry point: the OpenAI API of `tandem serve`, routed by `model` to that
 model's instances; among them, by prefix-cache affinity and load (`routing.choose_instance`),
 or prefill + decode for a disaggregated group (`pd.py`). Instances are polled for state;
-failures are retried elsewhere (`proxy.py`); /metrics aggregates the whole cluster."""
+failures are retried elsewhere (`proxy.py`); /metrics aggregates the whole cluster. Background
+loops switch elastic roles (`roles.py`) and move decoding requests off decode instances short
+of KV (`migrate_loop.py`)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +19,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.cluster.config import ClusterConfig, ModelGroup
+from tandem.cluster.migrate_loop import MigrationLoop
 from tandem.cluster.pd import PDHandoff
 from tandem.cluster.pool import Instance, InstancePool
 from tandem.cluster.prefix import PromptTokenizer, prefix_hashes
@@ -48,9 +51,10 @@ class Router:
                                  self.rcfg.poll_timeout_s)
         self.metrics = RouterMetrics(self.pool)
         self.proxy = Proxy(self.pool, self.client, self.metrics)
-        # Both act only on groups whose instances report prefill/decode (or elastic) roles.
+        # These act only on groups whose instances report prefill/decode (or elastic) roles.
         self.pd = PDHandoff(self)
         self.roles = RoleLoop(self)
+        self.migration = MigrationLoop(self)
 
     def default_model(self, kind: str) -> str | None:
         return next((g.name for g in self.groups.values() if g.kind == kind), None)
@@ -91,7 +95,8 @@ class Router:
         return {i.id: {"url": i.url, "model": i.model, "kind": i.kind, "healthy": i.state.healthy,
                        "draining": i.state.draining, "role": i.state.role, "elastic": i.state.elastic,
                        "inflight": i.inflight, "num_running": i.state.num_running,
-                       "num_waiting": i.state.num_waiting, "kv_usage": i.state.kv_usage,
+                       "num_waiting": i.state.num_waiting, "num_preempted": i.state.num_preempted,
+                       "kv_usage": i.state.kv_usage,
                        "cached_prefixes": len(i.state.cached_prefixes), "last_error": i.last_error}
                 for i in self.pool.instances.values()}
 
@@ -108,7 +113,7 @@ def build_router(cfg: ClusterConfig, instances: list[Instance],
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await router.pool.poll_once()  # route from real state from the first request on
-        tasks = [asyncio.create_task(router.pool.run()), asyncio.create_task(router.roles.run())]
+        tasks = [asyncio.create_task(loop.run()) for loop in (router.pool, router.roles, router.migration)]
         try:
             yield
         finally:

@@ -55,8 +55,9 @@ class RouterMetrics:
                                 ["model_name", "kind"], registry=r)
         self.role_switches = Counter("tandem_router:role_switches", "Elastic role switches completed.",
                                      ["model_name", "role"], registry=r)
-        self.migrations = Counter("tandem_router:migrations", "Decoding requests moved to another decode instance.",
-                                  ["model_name", "instance"], registry=r)
+        self.migrations = Counter("tandem_router:migrations", "Decoding requests moved off a decode instance, "
+                                  "by trigger (operator: POST /tandem/migrate; kv_short: the router's policy).",
+                                  ["model_name", "instance", "reason"], registry=r)
         self.kv_bytes = Counter("tandem_router:kv_transfer_bytes", "KV bytes moved prefill -> decode (and by migrations).",
                                 ["model_name"], registry=r)
         self.kv_seconds = Histogram("tandem_router:kv_transfer_seconds", "Time of one P/D KV handoff.",

@@ -26,6 +26,7 @@ class InstanceState:
     kv_usage: float = 0.0  # share of the KV pool in use
     kv_free_tokens: int = 0
     cached_prefixes: frozenset[int] = field(default_factory=frozenset)  # hashes of cached prompt blocks
+    num_preempted: int = 0  # waiting requests that were preempted (they lost their seat or KV)
 
     @property
     def available(self) -> bool:
