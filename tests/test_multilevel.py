@@ -51,7 +51,8 @@ def test_level_is_priority_under_multilevel_and_2_under_fcfs():
 
 def test_bad_config_and_priority_are_rejected():
     for kw in (dict(policy="lifo"), dict(preemption_mode="disk"), dict(l2_min_share=1.0),
-               dict(l2_min_share=-0.1), dict(l1_step_time=0.0), dict(l1_hold_s=-1.0)):
+               dict(l2_min_share=-0.1), dict(l1_step_time=0.0), dict(l1_hold_s=-1.0),
+               dict(policy="multilevel", max_num_batched_tokens=1)):
         with pytest.raises(ValueError):
             SchedulerConfig(**kw)
     from tandem.config import EngineConfig
@@ -735,7 +736,7 @@ class MultilevelMachine(DriverMachine):
                 order=st.sampled_from(["fcfs", "spf"]),
                 block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 20),
                 extra_blocks=st.integers(0, 4), host_blocks=st.integers(0, 12),
-                budget=st.integers(1, 24), max_num_seqs=st.integers(1, 6),
+                budget=st.integers(2, 24), max_num_seqs=st.integers(1, 6),
                 share=st.sampled_from([0.0, 0.2, 0.5]), max_preemptions=st.integers(0, 3),
                 caching=st.booleans())
     def setup(self, policy, mode, order, block_size, max_model_len, extra_blocks, host_blocks,
@@ -856,7 +857,7 @@ def run_workload(reqs, policy, mode, small, bs, budget, seqs, pipelined=False):
 
 
 @settings(max_examples=30, deadline=None)
-@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(1, 12), st.integers(1, 6))
+@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(2, 12), st.integers(1, 6))
 def test_outputs_do_not_depend_on_policy_mode_or_pool(wl, bs, budget, seqs):
     ref = run_workload(wl, "fcfs", "recompute", False, bs, budget, seqs)
     assert not ref[2]

@@ -36,3 +36,7 @@ class SchedulerConfig:
             raise ValueError(f"l1_step_time must be > 0 seconds, got {self.l1_step_time}")
         if not 0.0 <= self.l2_min_share < 1.0:
             raise ValueError(f"l2_min_share must be in [0, 1), got {self.l2_min_share}")
+        if self.policy == "multilevel" and self.l2_min_share > 0 and self.max_num_batched_tokens < 2:
+            # L2's reserve must be at least one token beside L1's, or an L1 short of blocks
+            # can preempt itself forever behind an L2 that never advances.
+            raise ValueError("the multilevel policy with l2_min_share > 0 needs max_num_batched_tokens >= 2")
