@@ -55,6 +55,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

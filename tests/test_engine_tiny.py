@@ -207,3 +207,60 @@ def test_failed_step_drops_the_steps_planned_on_it():
     pipeline.submit(SchedulerOutput())
     assert pipeline.pop().result == ModelRunnerOutput()
     pipeline.shutdown()
+
+
+class _RecordingEngine:
+    """Stands in for LLMEngine under AsyncLLM's command handling: records the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def add_request(self, prompt, params, request_id, priority=None):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.calls.append(("add", request_id))
+
+    def abort_request(self, request_id):
+        self.calls.append(("abort", request_id))
+
+
+def _command_handler():
+    import asyncio
+    import queue
+
+    from tandem.engine.async_llm import AsyncLLM, _Stream
+    llm = AsyncLLM.__new__(AsyncLLM)  # no engine thread: the handlers are called by hand
+    llm.engine, llm.on_step, llm._streams = _RecordingEngine(), None, {}
+    llm._commands, llm._held = queue.SimpleQueue(), []
+    loop = asyncio.new_event_loop()
+
+    def add(rid, prompt=(1, 2), after_add=None):
+        llm._commands.put(("add", (list(prompt), SamplingParams(), rid, None, _Stream(loop, None),
+                                   loop.create_future(), after_add)))
+    return llm, add, loop
+
+
+def test_arrivals_between_steps_keep_command_order():
+    """Between overlapped steps only adds are taken, up to the first abort; the abort and
+    everything behind it (even an add) run at the next drain, in order."""
+    llm, add, loop = _command_handler()
+    add("a")
+    llm._commands.put(("abort", "x"))
+    add("b")
+    llm._admit_arrivals()
+    assert llm.engine.calls == [("add", "a")]
+    llm._drain_commands()
+    assert llm.engine.calls == [("add", "a"), ("abort", "x"), ("add", "b")]
+    loop.close()
+
+
+def test_after_add_runs_also_when_the_add_is_refused():
+    """P/D commits received KV in after_add; a refused add must still let it run, or the
+    reservation it holds is never released."""
+    llm, add, loop = _command_handler()
+    seen = []
+    add("bad", prompt=(), after_add=lambda engine: seen.append("bad"))
+    add("ok", after_add=lambda engine: seen.append("ok"))
+    llm._drain_commands()
+    assert seen == ["bad", "ok"] and llm.engine.calls == [("add", "ok")]
+    loop.close()

@@ -327,6 +327,8 @@ def test_lower_prefill_stays_throttled_for_l1_hold_s_after_l1_traffic():
     (32, 32, 0.2, 16),   # twice the target: half
     (32, 32, 0.125, 25),  # over it: in proportion
     (32, 20, 0.4, 10),   # over it, the throttle not reached: from what the step held, at most halved
+    (16, 32, 0.2, 16),   # a step planned before the throttle shrank to 16: not shrunk twice
+    (8, 32, 0.125, 8),   # ... nor raised back by it
     (10, 10, 1.0, 8),    # never below the floor (the share)
     (16, 16, 0.05, 32),  # under it and bounded by the throttle: more, at most 2x
     (48, 48, 0.01, 64),  # never above the ceiling (the budget)
@@ -335,6 +337,21 @@ def test_lower_prefill_stays_throttled_for_l1_hold_s_after_l1_traffic():
 def test_adapt_throttle(tokens, used, seconds, want):
     from tandem.core.step_budget import adapt_throttle
     assert adapt_throttle(tokens, used, seconds, 0.1, 8, 64) == want
+
+
+def test_one_token_prompt_chunks_count_against_the_throttle():
+    """A prompt chunk cut to one token by the throttle is still prefill: it counts, so the
+    lower levels cannot slip whole prompts in one token at a time past the throttle."""
+    s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512, policy="multilevel",
+                   l2_min_share=0.125, l1_step_time=0.1)  # throttle 8 tokens
+    d = Driver(s)
+    d.add(make_req("chat", [5, 6, 7], max_tokens=50, priority=1))
+    d.add(make_req("a", range(1, 8), max_tokens=2))  # 7 tokens
+    for i in range(6):
+        d.add(make_req(f"b{i}", range(10 + i, 30 + i), max_tokens=2))
+    out = d.schedule()
+    lower = sum(n for rid, n in out.num_scheduled_tokens.items() if rid != "chat")
+    assert lower == out.num_throttled_prefill_tokens == 8
 
 
 def test_l1_step_time_sizes_lower_prefill_from_measured_steps():

@@ -37,8 +37,9 @@ NDJSON = "application/x-ndjson"
 
 class ClusterLLM(AsyncLLM):
     """AsyncLLM that can also run `fn(engine)` on the engine thread, after the adds and aborts
-    of a command drain and before the next step (so a commit queued right after a request's
-    add lands before that request is scheduled)."""
+    of a command drain and before the next step. A call queued after an add may run after a
+    topped-up step has scheduled that request: what must come first goes in
+    `generate(after_add=...)`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # before the loop thread starts
@@ -175,7 +176,7 @@ def add_pd_routes(app: FastAPI, llm: ClusterLLM, model_name: str) -> None:
         # The commit runs with the add, before a step can schedule the request. Not the reserved
         # tokens (or a reused id): released, and the request recomputes its prompt.
         gen = llm.generate(req.prompt, params, rid, priority,
-                           on_added=lambda e: e.kv_handoff.commit(res, payload, rid))
+                           after_add=lambda e: e.kv_handoff.commit(res, payload, rid))
         return StreamingResponse(legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream")
 
     @app.post("/tandem/migrate")

@@ -150,6 +150,11 @@ class Scheduler:
         if step.throttled:
             step.out.num_throttled_prefill_tokens = step.lower_prefill_used
 
+    def requeue_finished(self, req_ids: set[str]) -> None:
+        """Report these finished requests again with the next step: the step that carried
+        them was planned but never ran, so the executor still holds their state."""
+        self._finished_ids |= req_ids
+
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step that ran took `seconds`: adapt the L1 throttle to `l1_step_time` (the engine
         and the simulator call this after each step)."""
@@ -286,7 +291,7 @@ class Scheduler:
         step.used += num_new
         if req.level == 1:
             step.l1_used += num_new
-        elif num_new > 1:
+        elif req.num_tokens_with_placeholders - req.num_computed_tokens > 1:  # a prompt chunk, even of one token
             step.lower_prefill_used += num_new
         req.num_computed_tokens += num_new
         if req.num_computed_tokens == req.num_tokens_with_placeholders:

@@ -42,9 +42,11 @@ def adapt_throttle(tokens: int, used: int, seconds: float, target: float, floor:
     Within [floor, ceiling], at most 2x per step."""
     ratio = min(2.0, max(0.5, target / seconds))
     if ratio < 1.0:
-        base = min(used, tokens)
+        # From what the step held: under async scheduling it was planned before the last
+        # adaptation, which may have shrunk the throttle already.
+        new = min(tokens, int(used * ratio))
     elif used >= tokens:
-        base = tokens
+        new = int(tokens * ratio)
     else:
         return tokens  # under the target, and the throttle did not bound the step: no evidence
-    return min(ceiling, max(floor, int(base * ratio)))
+    return min(ceiling, max(floor, new))

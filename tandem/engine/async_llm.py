@@ -52,6 +52,7 @@ class AsyncLLM:
         # None for requests that ended outside a step (aborted).
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list[tuple[str, Any]] = []  # commands _admit_arrivals left for the next drain
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -80,20 +81,21 @@ class AsyncLLM:
 
     # ---- asyncio side -------------------------------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                 priority: int | None = None, on_added: Callable[[LLMEngine], None] | None = None,
+                 priority: int | None = None, after_add: Callable[[LLMEngine], None] | None = None,
                  ) -> AsyncIterator[RequestOutput]:
         """Queues the request at once (so admission control counts it), then yields a
         snapshot per step that produced tokens; the last one has finished=True. Iterating
         raises ValueError on bad input (nothing queued). Leaving early aborts the request.
-        `on_added(engine)` runs on the engine thread right after the add, before any step can
-        schedule the request (P/D: index its received KV); its errors are logged."""
+        `after_add(engine)` runs on the engine thread right after the add is tried, accepted
+        or not, before any step can schedule the request (P/D: index its received KV, which is
+        released the usual way if the request never runs); its errors are logged."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
         accepted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted, on_added)))
+        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted, after_add)))
         self._wake.set()
         return self._stream(request_id, stream, accepted)
 
@@ -151,7 +153,8 @@ class AsyncLLM:
                 return
 
     def _drain_commands(self) -> None:
-        for kind, arg in self._pending_commands():
+        held, self._held = self._held, []
+        for kind, arg in [*held, *self._pending_commands()]:
             if kind == "add":
                 self._add(*arg)
             else:
@@ -161,32 +164,29 @@ class AsyncLLM:
                     self.on_step(self.engine, None, [out])
 
     def _admit_arrivals(self) -> None:
-        """Between two overlapped steps: take in new requests only. Aborts wait for the next
-        drain, since a block freed now could be handed to an arrival within the step that
-        still reads it."""
-        deferred = []
-        for kind, arg in self._pending_commands():
-            if kind == "add":
-                self._add(*arg)
+        """Between two overlapped steps: take in new requests, up to the first abort. That
+        abort and all behind it wait for the next drain, in order, since a block freed now
+        could be handed to an arrival within the step that still reads it."""
+        for command in self._pending_commands():
+            if command[0] == "add" and not self._held:
+                self._add(*command[1])
             else:
-                deferred.append((kind, arg))
-        for command in deferred:
-            self._commands.put(command)
+                self._held.append(command)
 
     def _add(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int | None,
-             stream: _Stream, accepted: asyncio.Future, on_added: Callable[[LLMEngine], None] | None) -> None:
+             stream: _Stream, accepted: asyncio.Future, after_add: Callable[[LLMEngine], None] | None) -> None:
         try:
             self.engine.add_request(prompt, params, request_id, priority=priority)
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
-            return
-        if on_added is not None:
+        else:
+            self._streams[request_id] = stream
+            stream.loop.call_soon_threadsafe(_set_result, accepted)
+        if after_add is not None:
             try:
-                on_added(self.engine)
+                after_add(self.engine)
             except Exception:
-                log.warning("on_added hook of %s failed; the request goes on without it", request_id, exc_info=True)
-        self._streams[request_id] = stream
-        stream.loop.call_soon_threadsafe(_set_result, accepted)
+                log.warning("after_add hook of %s failed; the request goes on without it", request_id, exc_info=True)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -153,7 +153,11 @@ class LLMEngine:
             if self.pipeline.overlap and len(self.pipeline):
                 # Overlap: the step just planned waits for the one in flight, then takes in
                 # what arrived meanwhile, so an arrival waits for one step, not two.
-                done = self.pipeline.pop()
+                try:
+                    done = self.pipeline.pop()
+                except BaseException:
+                    self.scheduler.requeue_finished(sched.finished_req_ids)  # the planned step never runs
+                    raise
                 t0 = time.perf_counter()
                 if self.on_step_boundary is not None:
                     self.on_step_boundary()
