@@ -37,3 +37,29 @@ def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim):
     out = ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, head_dim ** -0.5)
     ref = _reference(q, k_cache, v_cache, block_tables, seq_lens, bs)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
+    """Two checkouts of the same kernel source share one build; a lock left by an interrupted
+    build (a server killed on its first start) is removed instead of blocking every later
+    start forever, while a fresh one (a build under way) is kept."""
+    import os
+    import time
+
+    from tandem.kernels import STALE_LOCK_S, build_dir
+    a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_text("int x;\n")
+    build, src = build_dir(a, tmp_path / "kernels")
+    assert build_dir(b, tmp_path / "kernels") == (build, src) and src.read_text() == "int x;\n"
+    lock = build / "lock"
+    lock.touch()
+    build_dir(a, tmp_path / "kernels")
+    assert lock.exists()  # fresh: another process may be building
+    old = time.time() - STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    build_dir(a, tmp_path / "kernels")
+    assert not lock.exists()
+    b.write_text("int y;\n")
+    assert build_dir(b, tmp_path / "kernels")[0] != build  # other source, other build

@@ -2,11 +2,40 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# A build takes about 20 s here. A build lock older than this was left by a build that was
+# interrupted (a server killed on its first start); torch would wait on it forever.
+STALE_LOCK_S = 300.0
+
+
+def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
+    """The build folder for `source`, named by its content, with the source copied in: every
+    checkout of the same kernel shares one build (torch rebuilds when the source's path
+    changes). A stale build lock there is removed."""
+    text = source.read_bytes()
+    build = root / hashlib.sha256(text).hexdigest()[:16]
+    build.mkdir(parents=True, exist_ok=True)
+    src = build / source.name
+    if not src.exists() or src.read_bytes() != text:
+        tmp = build / f"{source.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(text)
+        tmp.replace(src)
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return build, src
+    if age > STALE_LOCK_S:
+        log.warning("removing a kernel build lock left %.0f s ago by an interrupted build", age)
+        lock.unlink(missing_ok=True)
+    return build, src
 
 
 @functools.cache
@@ -19,10 +48,8 @@ def cpu_paged_attention():
         from torch.utils.cpp_extension import load
 
         from tandem.models.loader import cache_root
-        build = cache_root().parent / "kernels"
-        build.mkdir(parents=True, exist_ok=True)
-        return load(name="tandem_cpu_paged_attention",
-                    sources=[str(Path(__file__).with_name("cpu_paged_attention.cpp"))],
+        build, src = build_dir(Path(__file__).with_name("cpu_paged_attention.cpp"), cache_root().parent / "kernels")
+        return load(name="tandem_cpu_paged_attention", sources=[str(src)],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     build_directory=str(build), verbose=False)
     except Exception as e:  # a missing toolchain must not stop serving
