@@ -42,8 +42,9 @@ def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim):
 def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     """Two checkouts of the same kernel source share one build; a lock left by an interrupted
     build (a server killed on its first start) is removed instead of blocking every later
-    start forever, while a fresh one (a build under way) is kept."""
+    start forever, and a fresh one (a build under way) is waited for."""
     import os
+    import threading
     import time
 
     from tandem.kernels import STALE_LOCK_S, build_dir
@@ -54,12 +55,15 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     build, src = build_dir(a, tmp_path / "kernels")
     assert build_dir(b, tmp_path / "kernels") == (build, src) and src.read_text() == "int x;\n"
     lock = build / "lock"
-    lock.touch()
-    build_dir(a, tmp_path / "kernels")
-    assert lock.exists()  # fresh: another process may be building
     old = time.time() - STALE_LOCK_S - 1
+    lock.touch()
     os.utime(lock, (old, old))
     build_dir(a, tmp_path / "kernels")
     assert not lock.exists()
+    lock.touch()  # fresh: another process is building; its lock goes when it is done
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.monotonic()
+    build_dir(a, tmp_path / "kernels")
+    assert 0.25 < time.monotonic() - t0 < 5 and not lock.exists()
     b.write_text("int y;\n")
     assert build_dir(b, tmp_path / "kernels")[0] != build  # other source, other build

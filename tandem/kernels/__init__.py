@@ -12,13 +12,14 @@ log = logging.getLogger(__name__)
 
 # A build takes about 20 s here. A build lock older than this was left by a build that was
 # interrupted (a server killed on its first start); torch would wait on it forever.
-STALE_LOCK_S = 300.0
+STALE_LOCK_S = 120.0
 
 
 def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
     """The build folder for `source`, named by its content, with the source copied in: every
     checkout of the same kernel shares one build (torch rebuilds when the source's path
-    changes). A stale build lock there is removed."""
+    changes). While another process holds the build lock this waits for it, and removes it
+    once it is stale."""
     text = source.read_bytes()
     build = root / hashlib.sha256(text).hexdigest()[:16]
     build.mkdir(parents=True, exist_ok=True)
@@ -27,15 +28,20 @@ def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
         tmp = build / f"{source.name}.{os.getpid()}.tmp"
         tmp.write_bytes(text)
         tmp.replace(src)
-    lock = build / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return build, src
-    if age > STALE_LOCK_S:
-        log.warning("removing a kernel build lock left %.0f s ago by an interrupted build", age)
-        lock.unlink(missing_ok=True)
-    return build, src
+    lock, waiting = build / "lock", False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return build, src
+        if age > STALE_LOCK_S:
+            log.warning("removing a kernel build lock left %.0f s ago by an interrupted build", age)
+            lock.unlink(missing_ok=True)
+            return build, src
+        if not waiting:
+            log.info("waiting for another process's kernel build (%s)", lock)
+            waiting = True
+        time.sleep(0.5)
 
 
 @functools.cache
