@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -17,13 +16,6 @@ from tandem.server import responses as R
 
 if TYPE_CHECKING:
     from tandem.executor.kv_transfer import KVLinks
-
-DONE = "data: [DONE]\n\n"
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
 
 class DecodeLegs:
     """The decode legs streaming on this instance, by request id."""
@@ -58,17 +50,17 @@ class DecodeLegs:
                 chunk = R.completion_chunk(rid, self.model, created, 0, 1, final, finish_sent, False,
                                            self.llm.tokenizer)
                 if chunk:  # with the leg's token count: the router weighs what a move would free
-                    yield sse({**chunk, "num_tokens": len(final.outputs[0].token_ids)})
+                    yield R.sse_event({**chunk, "num_tokens": len(final.outputs[0].token_ids)})
                 if final.finished:
                     if usage:
-                        yield sse({"id": rid, "choices": [], "usage": R.usage([final])})
-                    yield DONE
+                        yield R.sse_event({"id": rid, "choices": [], "usage": R.usage([final])})
+                    yield R.SSE_DONE
                     return
             async for line in self._move_out(rid, prompt, final, *move.result()):
                 yield line
         except (ValueError, RuntimeError) as e:
-            yield sse({"error": {"message": str(e), "type": "server_error", "code": 500}})
-            yield DONE
+            yield R.error_event(str(e))
+            yield R.SSE_DONE
         finally:
             self._moves.pop(rid, None)
             if nxt is not None and not nxt.done():  # this stream was cancelled mid-wait
@@ -89,9 +81,9 @@ class DecodeLegs:
             return engine.kv_handoff.export(tokens)
         payload = await self.llm.call(export)
         sending = self.spawn(self.links.send(peer, transfer_id, payload))
-        yield sse({"migrate": {"token_ids": generated, "kv_blocks": payload.num_blocks}})
-        yield sse(await send_outcome(sending))
-        yield DONE
+        yield R.sse_event({"migrate": {"token_ids": generated, "kv_blocks": payload.num_blocks}})
+        yield R.sse_event(await send_outcome(sending))
+        yield R.SSE_DONE
 
 
 async def send_outcome(sending: asyncio.Future) -> dict:

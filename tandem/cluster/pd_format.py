@@ -2,12 +2,13 @@
 completion chunks, reassembled into one ordinary OpenAI response (chat or completions), one id."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import httpx
+
+from tandem.server import responses as R
 
 
 class PDFormat:
@@ -59,18 +60,18 @@ class PDFormat:
         if self.chat:
             role = self.chunk("", None)
             role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield f"data: {json.dumps(role)}\n\n"
+            yield R.sse_event(role)
         try:
             async for text, finish in self.pieces(head, events):
-                yield f"data: {json.dumps(self.chunk(text, finish))}\n\n"
+                yield R.sse_event(self.chunk(text, finish))
             if self.usage:
                 last = {**self.chunk("", None), "choices": [], "usage": self.usage_body(),
                         "metrics": self.latency_split()}
-                yield f"data: {json.dumps(last)}\n\n"
+                yield R.sse_event(last)
         except (httpx.HTTPError, RuntimeError) as e:
             msg = f"decode side failed mid-stream ({type(e).__name__}: {e}); the response is incomplete"
-            yield f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error', 'code': 502}})}\n\n"
-        yield "data: [DONE]\n\n"
+            yield R.error_event(msg, 502)
+        yield R.SSE_DONE
 
     async def body(self, head: dict, events: AsyncIterator[dict]) -> dict:
         text, finish = "", None

@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.cluster.pool import Instance, InstancePool
 from tandem.cluster.router_metrics import RouterMetrics
+from tandem.server import responses as R
 
 RETRY_STATUS = (429, 502, 503)  # overloaded or engine down: another instance may serve it
 
@@ -27,10 +28,6 @@ class Retry:
 
 def error_body(status: int, message: str, type_: str = "server_error") -> dict:
     return {"error": {"message": message, "type": type_, "param": None, "code": status}}
-
-
-def sse_error(message: str, status: int = 502) -> str:
-    return f"data: {json.dumps(error_body(status, message))}\n\n"
 
 
 def is_progress(line: str) -> bool:
@@ -118,9 +115,9 @@ class Proxy:
         except httpx.HTTPError as e:
             self.pool.mark_failed(inst, f"{type(e).__name__}: {e}")
             self.metrics.failures.labels(inst.model, "stream_broken").inc()
-            yield sse_error(f"instance {inst.id} failed mid-stream ({type(e).__name__}: {e}); "
-                            "the response is incomplete")
-            yield "data: [DONE]\n\n"
+            yield R.error_event(f"instance {inst.id} failed mid-stream ({type(e).__name__}: {e}); "
+                                "the response is incomplete", 502)
+            yield R.SSE_DONE
         finally:
             await resp.aclose()
             inst.finish(key)

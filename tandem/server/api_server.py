@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -148,12 +147,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         async def body():
             try:
                 async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield R.sse_event(chunk)
             except APIError as e:
-                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.type, 'code': e.status}})}\n\n"
+                yield R.error_event(e.message, e.status, e.type)
             except RuntimeError as e:
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
-            yield "data: [DONE]\n\n"
+                yield R.error_event(str(e))
+            yield R.SSE_DONE
         return StreamingResponse(body(), media_type="text/event-stream")
 
     @app.post("/v1/completions")

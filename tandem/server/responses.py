@@ -1,8 +1,23 @@
 """OpenAI-shaped response bodies and stream chunks built from RequestOutputs."""
 from __future__ import annotations
 
+import json
+
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server.metrics import request_timings
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(obj: dict) -> str:
+    """One server-sent event carrying `obj` as JSON (stream chunks, and errors mid-stream)."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def error_event(message: str, code: int = 500, type_: str = "server_error") -> str:
+    """The OpenAI-style error object as the last event of a stream that could not finish."""
+    return sse_event({"error": {"message": message, "type": type_, "param": None, "code": code}})
 
 
 def usage(outs: list[RequestOutput]) -> dict:
