@@ -3,6 +3,7 @@ served by uvicorn on loopback from background threads of the test process."""
 from __future__ import annotations
 
 import shutil
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -79,3 +80,13 @@ def with_word_tokenizer(model_dir: str, dst: Path) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(dst)
     return str(dst)
+
+
+def wait_for(cond, timeout: float = 5.0) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from cluster_fixture import launched_cluster, router_for, tiny_cluster, tiny_instance, with_word_tokenizer
+from cluster_fixture import (launched_cluster, router_for, tiny_cluster, tiny_instance, wait_for,
+                             with_word_tokenizer)
 from tandem.executor.kv_transfer import ShmConnector
 
 
@@ -155,15 +156,6 @@ def test_elastic_switch_drains_then_switches(tiny_model_dirs):
             assert wait_for(lambda: inst.state.role == "prefill" and not inst.state.draining, 10)
             assert httpx.get(u2 + "/tandem/state").json()["role"] == "prefill"
             assert metric_sum(url, "tandem_router:role_switches_total") == 1
-
-
-def wait_for(cond, timeout=5.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def stream_tokens(url: str, req: dict, during=None) -> tuple[str, list[dict]]:

@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_fixture import router_for, tiny_cluster, tiny_instance
+from cluster_fixture import router_for, tiny_cluster, tiny_instance, wait_for
 from server_fixture import free_port
 from tandem.cluster.prefix import prefix_hashes
 
 
 def body(prompt, max_tokens=4, **kw):
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **kw}
-
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")

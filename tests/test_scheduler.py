@@ -133,11 +133,17 @@ def test_finished_request_frees_blocks_at_once():
     assert d.schedule().finished_req_ids == {"a"}
 
 
+def add_request_sampling_eos_first(d) -> str:
+    """A 3-token request whose first sampled token is EOS (the fake executor's choice)."""
+    rid = next(f"r{i}" for i in range(1000) if fake_token_from_length(f"r{i}", 3) == EOS)
+    d.add(make_req(rid, [1, 2, 3], max_tokens=10, eos=EOS))
+    return rid
+
+
 def test_eos_stops_a_request():
     s = make_sched()
     d = Driver(s)
-    rid = next(f"r{i}" for i in range(1000) if fake_token_from_length(f"r{i}", 3) == EOS)
-    d.add(make_req(rid, [1, 2, 3], max_tokens=10, eos=EOS))
+    rid = add_request_sampling_eos_first(d)
     d.run()
     assert d.tokens[rid] == [EOS] and d.finish[rid] == "stop"
 
@@ -532,8 +538,7 @@ def test_pipelined_never_schedules_past_max_tokens():
 def test_pipelined_drops_the_token_after_eos_and_frees_blocks():
     s = make_sched()
     d = PipelinedDriver(s)
-    rid = next(f"r{i}" for i in range(1000) if fake_token_from_length(f"r{i}", 3) == EOS)
-    d.add(make_req(rid, [1, 2, 3], max_tokens=10, eos=EOS))
+    rid = add_request_sampling_eos_first(d)
     d.step()
     out = d.step()  # scheduled optimistically: the EOS is not known yet
     assert out.num_scheduled_tokens == {rid: 1}

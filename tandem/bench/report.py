@@ -192,9 +192,8 @@ def format_compare(run1: dict, run2: dict, r: dict) -> str:
 
 def write_plots(folder: Path, runs: list[dict]) -> list[str]:
     """TTFT CDF, ITL CDF, output tokens/s over time, requests in flight over time (one line per run)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tandem.workload.plots import pyplot, save_figure
+    plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
 
@@ -205,9 +204,7 @@ def write_plots(folder: Path, runs: list[dict]) -> list[str]:
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(folder / name, dpi=100)
-        plt.close(fig)
+        save_figure(fig, folder / name, 100)
         paths.append(str(folder / name))
 
     def cdf(values):

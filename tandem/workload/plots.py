@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a clear error when the plot extra is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -16,10 +17,16 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path: Path, dpi: int) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def write_plots(report: dict, prompts: np.ndarray, outputs: np.ndarray, out_dir: Path, prefix: str,
                 dpi: int = 80) -> list[Path]:
     """<prefix>lengths.png, <prefix>rps.png and <prefix>in_flight.png under out_dir."""
-    plt = _pyplot()
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{prefix}{name}.png" for name in ("lengths", "rps", "in_flight")]
 
@@ -32,9 +39,7 @@ def write_plots(report: dict, prompts: np.ndarray, outputs: np.ndarray, out_dir:
             ax.axvline(report[key][q], color="tab:red", linestyle=style, label=f"{q} {report[key][q]:.0f}")
         ax.set(title=key.replace("_", " "), xlabel="tokens (log)", ylabel="requests")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=dpi)
-    plt.close(fig)
+    save_figure(fig, paths[0], dpi)
 
     rate = report["rate"]
     fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -44,9 +49,7 @@ def write_plots(report: dict, prompts: np.ndarray, outputs: np.ndarray, out_dir:
     ax.axhline(rate["trough_rps"], color="tab:green", linestyle="--", label=f"trough {rate['trough_rps']:.2f}")
     ax.set(title=f"requests/s per {rate['bin_seconds']:g} s", xlabel="minutes", ylabel="requests/s")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=dpi)
-    plt.close(fig)
+    save_figure(fig, paths[1], dpi)
 
     flight = report["in_flight"]
     fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -56,7 +59,5 @@ def write_plots(report: dict, prompts: np.ndarray, outputs: np.ndarray, out_dir:
     kv_gib = flight["kv_bytes_per_token"] / 2**30
     right = ax.secondary_yaxis("right", functions=(lambda t: t * kv_gib, lambda g: g / kv_gib))
     right.set_ylabel("KV GiB")
-    fig.tight_layout()
-    fig.savefig(paths[2], dpi=dpi)
-    plt.close(fig)
+    save_figure(fig, paths[2], dpi)
     return paths
