@@ -43,6 +43,7 @@ class EngineConfig:
     # Overlap: schedule step N+1 (and process step N-1's outputs) while step N runs on a
     # worker thread; see engine/step_pipeline.py.
     async_scheduling: bool = True
+    step_trace: str | None = None  # append one JSON line per executed step to this file
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -264,3 +264,27 @@ def test_after_add_runs_also_when_the_add_is_refused():
     llm._drain_commands()
     assert seen == ["bad", "ok"] and llm.engine.calls == [("add", "ok")]
     loop.close()
+
+
+def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs, capsys):
+    import argparse
+    import json
+
+    from tandem.bench import steps as bench_steps
+    path = tmp_path / "steps.jsonl"
+    llm = _llm(tiny_model_dirs["llama"], step_trace=str(path), max_num_batched_tokens=16)
+    prompts = _prompts(3, 3, 20, 30)
+    llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == llm.engine.num_steps and all(s["seconds"] > 0 for s in lines)
+    # every prompt token once, then one token per step for each of the 4 later outputs
+    assert sum(s["tokens"] for s in lines) == sum(map(len, prompts)) + 3 * 4
+    assert max(s["tokens"] for s in lines) <= 16
+    summary = bench_steps.summarize(lines)
+    assert summary["other prefill"]["steps"] + summary["decode only"]["steps"] == len(lines)
+    assert abs(sum(s["busy_share"] for s in summary.values()) - 1) < 1e-9
+    bench_steps.main(argparse.Namespace(trace=path))
+    assert "decode only" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="cannot read the step trace"):
+        bench_steps.main(argparse.Namespace(trace=tmp_path / "bad.jsonl"))

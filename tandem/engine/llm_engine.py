@@ -16,6 +16,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
+from tandem.engine.step_trace import StepTrace
 from tandem.executor.base import Executor
 from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.executor.model_runner import ModelRunner
@@ -62,6 +63,7 @@ class LLMEngine:
         # Called between two overlapped steps, before the later one is topped up: the server
         # passes in the requests that arrived while the earlier one ran.
         self.on_step_boundary: Callable[[], None] | None = None
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -191,6 +193,8 @@ class LLMEngine:
 
     def _record(self, done: ExecutedStep) -> None:
         self.scheduler.observe_step(done.sched, done.end - done.start)
+        if self.step_trace is not None:
+            self.step_trace.write(done, self.scheduler)
         self.num_steps += 1
         self.kv_utilization_sum += self.kv_manager.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, self.kv_manager.usage)

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l1-step-time", dest="l1_step_time", type=float, default=None,
                    help="multilevel: while L1 traffic is present, size lower-level prefill so a step "
                         "takes about this many seconds (adapted from measured steps; default: their share)")
+    p.add_argument("--step-trace", dest="step_trace", default=None,
+                   help="append one JSON line per executed step (summarise: tandem bench steps FILE)")
     p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")
