@@ -18,7 +18,7 @@ def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
     return [
         ([rng.randrange(vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
          rng.randint(args.min_output, args.max_output))
-        for _ in range(args.num_requests)
+        for _ in range(args.num_prompts)
     ]
 
 
@@ -134,7 +134,8 @@ def _in_process(fn, args, requests) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=64,
+                   help="requests to run (vLLM's name; --num-requests is kept as an alias)")
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=64)

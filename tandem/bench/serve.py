@@ -4,7 +4,9 @@ Builds a workload (random, mixed, or a replayed Azure / Mooncake trace) of promp
 token counts, sends it on its arrival schedule as streaming requests, measures TTFT, ITL,
 TPOT and E2E per request from the SSE stream, and reports percentiles, throughput, SLO
 goodput and (when the server sends a `metrics` object) the queue / prefill / decode split.
-`--compare URL2` replays the same requests and schedule against a second server."""
+The server's own counters (`/metrics` before and after: prefix-cache hit ratio, preemptions,
+P/D transfers) are reported for the run. `--compare URL2` replays the same requests and
+schedule against a second server."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 from tandem.bench import report
+from tandem.bench.scrape import format_counters, run_counters, scrape
 from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
 
@@ -202,11 +205,14 @@ def main(args: argparse.Namespace) -> dict:
     urls = [args.base_url] + ([args.compare] if args.compare else [])
     runs = []
     for url in urls:
+        before = scrape(url, args.api_key)
         results, duration = asyncio.run(_run(args, url.rstrip("/"), requests))
         runs.append(report.build_run(url, results, duration, slo))
+        runs[-1]["server_counters"] = run_counters(before, scrape(url, args.api_key))
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("func",)},
            "workload": workload, "results": runs[0]}
     print(report.format_run(runs[0], workload))
+    print(format_counters(runs[0]["server_counters"]))
     if len(runs) == 2:
         out["compare"], out["ratios"] = runs[1], report.ratios(runs[0]["summary"], runs[1]["summary"])
         print(report.format_compare(runs[0], runs[1], out["ratios"]))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tandem.sim.cost_model import CostModel, load_cost_model
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
+from tandem.tools.machine import provenance_lines
 
 
 def traffic_of(rows: list, rate_scale: float = 1.0, span: float | None = None) -> Traffic:
@@ -143,6 +144,7 @@ def main(args: argparse.Namespace) -> dict:
     print(f"cost model: {cm.describe()}" + (f"; trace {args.trace} ({skipped} malformed lines skipped)"
                                                         if args.trace else "")
           + (f"; rates x {args.rate_scale}" if args.rate_scale != 1 else ""))
+    print("\n".join(provenance_lines(cm.info, cm.kind)))
     print("\n".join(explain(result, cm)))
     print(f"=> disaggregated P = {result.num_prefill}, D = {result.num_decode}; co-located {result.num_colocated}")
     report = {"cost_model": {k: v for k, v in cm.to_json().items() if k != "info"}

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from tandem.sim.cost_model import FEATURES, BatchShape, CostModel, measured
+from tandem.tools.machine import describe, machine_info
 
 # (requests, chunk, tokens before the chunk); (batch, context); (chunk, batch, context)
 GRID = {
@@ -120,8 +121,11 @@ def measure(args: argparse.Namespace) -> CostModel:
         samples.append([s.num_prefill_tokens, s.prefill_attention, s.num_decode_seqs, s.decode_context, t])
     kv_bytes = runner.model_config.kv_bytes_per_token(runner.dtype)
     bw = host_copy_bandwidth(runner.device)
-    info = {"model": args.model, "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+    dtype = str(runner.dtype).removeprefix("torch.")
+    gpu = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None
+    info = {"model": args.model, "device": str(runner.device), "dtype": dtype,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": machine_info(torch.get_num_threads(), dtype, gpu),
             "load_average": [load_before, os.getloadavg()[0]],
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "repeats": args.repeats,
             "features": list(FEATURES), "skipped_for_kv_capacity": skipped, "host_copy_bandwidth": bw,
@@ -139,6 +143,8 @@ def measure(args: argparse.Namespace) -> CostModel:
 def report(cm: CostModel) -> None:
     i = cm.info
     print(f"cost model: {cm.describe()}")
+    if "machine" in i:
+        print(f"  measured on: {describe(i['machine'])}")
     print(f"  KV: {cm.kv_bytes_per_token} B/token, {cm.kv_capacity_tokens:,} tokens on device, "
           f"{cm.host_kv_capacity_tokens:,} on host; host link {cm.host_bandwidth / 1e9:.1f} GB/s")
     print(f"  step = {cm.overhead * 1e3:.3f} ms + sum over terms of max(compute, memory), per unit of:")

@@ -11,10 +11,13 @@ from tqdm import tqdm
 
 from tandem.bench.report import fmt, jsonable, parse_slo, summarize, table
 from tandem.cluster.elastic import ElasticConfig, TimeSchedule
+from tandem.cluster.routing import RoutingWeights
 from tandem.config import EngineConfig, load_yaml
 from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
 from tandem.sim.cost_model import load_cost_model
 from tandem.sim import workload
+from tandem.tools.machine import provenance_lines
+from tandem.workload.prefix_ideal import ideal_prefix_hits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-schedule", default=None, help='time schedule "HH:P,HH:P", e.g. "8:2,20:4"')
     g.add_argument("--elastic-cooldown", type=float, default=10.0, help="seconds between two role switches")
     g.add_argument("--no-coalesce", action="store_true", help="step every decode step (slower; same results)")
+    g.add_argument("--no-prefix-routing", action="store_true",
+                   help="route by load alone (prefix-cache affinity weight 0)")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--config", default=None, help="serving YAML (its engine/cache/scheduler sections)")
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -113,11 +118,13 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
     reqs, _ = _requests(args, n)
     cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(cooldown_s=args.elastic_cooldown),
                         schedule=_schedule(args.elastic_schedule), controller_interval=1.0,
-                        coalesce=not args.no_coalesce, frontend_delay=args.frontend_ms / 1000)
+                        coalesce=not args.no_coalesce, frontend_delay=args.frontend_ms / 1000,
+                        weights=RoutingWeights(prefix=0.0) if args.no_prefix_routing else RoutingWeights())
     sim = ClusterSim(cost, engine, cfg)
     t0 = time.perf_counter()
     sim.run(reqs)
     wall = time.perf_counter() - t0
+    prefix = _prefix_figures(sim, reqs, engine) if mode == "colocated" else None
     span = max((r.finished or r.arrival) for r in reqs)
     summary = summarize([r.record() for r in reqs], span, slo)
     classes = sorted({r.cls for r in reqs})
@@ -130,7 +137,25 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
             "kv_usage_peak": max(i.usage_peak for i in sim.instances),
             "busy_share": busy / (n * span) if span else 0.0, "steps": sum(i.num_steps for i in sim.instances),
             "coalesced_steps": sum(i.num_coalesced for i in sim.instances),
-            "transfer_gb": sim.transfer_bytes / 1e9, "role_switches": sim.role_switches, "sim_wall_s": wall}
+            "transfer_gb": sim.transfer_bytes / 1e9, "role_switches": sim.role_switches, "sim_wall_s": wall,
+            "prefix_cache": prefix}
+
+
+def _prefix_figures(sim: ClusterSim, reqs, engine: EngineConfig) -> dict | None:
+    """The cache's hit ratio over all instances against the ideal on the same prompts and block
+    size: unbounded, and bounded by the instances' KV blocks taken together. Co-located only:
+    under P/D a decode instance's lookups hit the KV it was sent, which is no reuse."""
+    if not engine.enable_prefix_caching:
+        return None
+    queries = sum(i.kv.stats.queries for i in sim.instances)
+    hits = sum(i.kv.stats.hits for i in sim.instances)
+    prompts = [r.prompt_token_ids() for r in sorted(reqs, key=lambda r: r.arrival)]
+    bs, blocks = sim.instances[0].kv.block_size, sum(i.kv.pool.num_blocks for i in sim.instances)
+    ideal, bounded = ideal_prefix_hits(prompts, bs), ideal_prefix_hits(prompts, bs, blocks)
+    ratio = hits / queries if queries else 0.0
+    return {"hit_ratio": ratio, "ideal": ideal["token_ratio"], "ideal_cache_size": bounded["token_ratio"],
+            "share_of_ideal": ratio / bounded["token_ratio"] if bounded["token_ratio"] else None,
+            "block_size": bs, "cache_blocks": blocks}
 
 
 def _rank(r: dict) -> tuple[float, float]:
@@ -158,18 +183,21 @@ def _search_pd(args, cost, engine, n: int, mode: str, slo: dict, bar) -> tuple[d
 
 
 def _row(r: dict) -> list[str]:
-    s, g = r["summary"], r["summary"]["goodput"]
+    s, g, p = r["summary"], r["summary"]["goodput"], r["prefix_cache"]
     split = s["latency_split"] or {}
     pd = f"{r['prefill']}:{r['instances'] - r['prefill']}" if r["prefill"] else "-"
     return [str(r["instances"]), r["mode"], pd, r["policy"], str(s["completed"]), str(s["failed"]),
             fmt(s["ttft_ms"]["p50"]), fmt(s["ttft_ms"]["p90"]), fmt(s["ttft_ms"]["p99"]),
             fmt(s["itl_ms"]["p50"]), fmt(s["itl_ms"]["p99"]), fmt(s["e2e_ms"]["p50"]), fmt(s["e2e_ms"]["p90"]),
             fmt(g["rate"] if g else None), f"{g['share']:.1%}" if g else "-",
-            f"{split.get('queue_share', 0):.1%}", f"{r['kv_usage_mean']:.1%}", f"{r['sim_wall_s']:.1f}"]
+            f"{split.get('queue_share', 0):.1%}", f"{r['kv_usage_mean']:.1%}",
+            *([f"{p['hit_ratio']:.1%}", f"{p['ideal']:.1%}", f"{p['ideal_cache_size']:.1%}"] if p else ["-"] * 3),
+            f"{r['sim_wall_s']:.1f}"]
 
 
 HEAD = ["N", "mode", "P:D", "policy", "done", "failed", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p99",
-        "E2E p50", "E2E p90", "goodput/s", "good %", "queue", "KV use", "sim s"]
+        "E2E p50", "E2E p90", "goodput/s", "good %", "queue", "KV use", "prefix hit", "ideal", "ideal @size",
+        "sim s"]
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -186,6 +214,7 @@ def main(args: argparse.Namespace) -> dict:
         if m not in MODES or n < 1 or (m != "colocated" and n < 2):
             raise ValueError(f"bad configuration: {n} instances in mode {m!r} (P/D needs at least 2)")
     print(f"workload: {json.dumps(desc)[:400]}\ncost model: {args.profile} ({cost.kind})")
+    print("\n".join(provenance_lines(cost.info, cost.kind)))
     results, searched = [], []
     with tqdm(desc="simulate", unit="run", disable=None) as bar:
         for n, mode, policy in grid:
@@ -198,6 +227,8 @@ def main(args: argparse.Namespace) -> dict:
                 results.append(best)
                 searched += tried
     print(table([HEAD] + [_row(r) for r in results]))
+    print("prefix hit: share of prompt tokens the instances' caches served; ideal: an unbounded cache on the "
+          "same prompts and block size; ideal @size: one LRU cache as large as all instances' KV pools")
     if searched:
         print("P:D search (goodput/s by initial prefill count):")
         print(table([HEAD] + [_row(r) for r in searched]))
