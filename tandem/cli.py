@@ -37,6 +37,7 @@ COMMANDS = [
     (None, "profile", "tandem.tools.profile_cli", "measure the executor (or a roofline) into a cost model for plan / simulate"),
     (None, "plan", "tandem.tools.plan_cli", "prefill / decode instance counts and the elastic schedule for a traffic"),
     (None, "simulate", "tandem.tools.simulate_cli", "discrete-event cluster simulator driven by the real scheduling code"),
+    (None, "diagnose", "tandem.tools.diagnose_cli", "tail latency in three layers and fragmentation, from a run's records"),
 ]
 
 

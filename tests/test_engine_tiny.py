@@ -286,5 +286,5 @@ def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs
     bench_steps.main(argparse.Namespace(trace=path))
     assert "decode only" in capsys.readouterr().out
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match="cannot read the step trace"):
+    with pytest.raises(ValueError, match="bad.jsonl:1: not JSON"):
         bench_steps.main(argparse.Namespace(trace=tmp_path / "bad.jsonl"))

@@ -11,6 +11,33 @@ from pathlib import Path
 from tandem.bench.report import table
 
 
+STEP_FIELDS = ("start", "seconds", "tokens", "prefill_tokens", "throttled_prefill_tokens", "waiting", "running")
+
+
+def read_steps(path: Path) -> list[dict]:
+    """The steps of a `--step-trace` file; a line that is not a step is an error naming it."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the step trace {path}: {e}") from None
+    steps = []
+    for line, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line}: not JSON ({e}); a truncated step trace?") from None
+        missing = [k for k in STEP_FIELDS if k not in rec] if isinstance(rec, dict) else list(STEP_FIELDS)
+        if missing:
+            raise ValueError(f"{path}:{line}: not a step trace line (missing {', '.join(missing)}); "
+                             f"the file of `tandem serve --step-trace`?")
+        steps.append(rec)
+    if not steps:
+        raise ValueError(f"{path}: holds no steps (empty)")
+    return steps
+
+
 def summarize(steps: list[dict]) -> dict:
     kinds = {"throttled prefill": [s for s in steps if s["throttled_prefill_tokens"]],
              "other prefill": [s for s in steps if s["prefill_tokens"] and not s["throttled_prefill_tokens"]],
@@ -32,12 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    try:
-        steps = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the step trace {args.trace}: {e}") from None
-    if not steps:
-        raise ValueError(f"{args.trace} holds no steps")
+    steps = read_steps(args.trace)
     rows = [["steps", "count", "p50 ms", "p90 ms", "busy share", "prompt tokens p50"]]
     for kind, s in summarize(steps).items():
         rows.append([kind, str(s["steps"]), f"{s['p50_ms']:.1f}", f"{s['p90_ms']:.1f}", f"{s['busy_share']:.0%}",

@@ -1,10 +1,13 @@
 """`step_trace`: one JSON line per executed step, for diagnosing tail latency (which steps
-were long, what they carried, and whether the L1 throttle shaped them). `tandem bench steps`
-summarises a trace."""
+were long, what they carried, and whether the L1 throttle shaped them) and fragmentation
+(free KV while requests wait: the seat cap, the token budget, the host tier). `tandem bench
+steps` summarises a trace; `tandem diagnose --steps` gives verdicts from it."""
 from __future__ import annotations
 
 import json
 from typing import IO
+
+from tandem.core.queues import LEVELS
 
 from tandem.core.scheduler import Scheduler
 from tandem.engine.step_pipeline import ExecutedStep
@@ -15,12 +18,19 @@ class StepTrace:
         self._file: IO[str] = open(path, "a", buffering=1)  # a line at a time: readable while serving
 
     def write(self, done: ExecutedStep, scheduler: Scheduler) -> None:
-        sched = done.sched
+        sched, kv, cfg = done.sched, scheduler.kv, scheduler.config
         self._file.write(json.dumps({
             "start": done.start, "seconds": done.end - done.start,
             "tokens": sched.total_num_scheduled_tokens, "seqs": len(sched.num_scheduled_tokens),
             "prefill_tokens": sum(n for n in sched.num_scheduled_tokens.values() if n > 1),
+            "decodes": sum(1 for n in sched.num_scheduled_tokens.values() if n == 1),
             "throttled_prefill_tokens": sched.num_throttled_prefill_tokens,
             "throttle": scheduler.lower_prefill_tokens,
+            "swap_out_blocks": len(sched.blocks_to_swap_out), "swap_in_blocks": len(sched.blocks_to_swap_in),
             "waiting": len(scheduler.waiting), "running": len(scheduler.running),
+            "waiting_by_level": {f"L{lv}": scheduler.waiting.count(lv) for lv in LEVELS},
+            "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.pool.num_blocks,
+            "host_free_blocks": kv.num_free_host_blocks, "host_total_blocks": kv.num_host_blocks,
+            "swapped": len(kv.req_to_host_blocks), "preemptions": scheduler.num_preemptions,
+            "max_num_seqs": cfg.max_num_seqs, "token_budget": cfg.max_num_batched_tokens,
         }) + "\n")

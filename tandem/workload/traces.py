@@ -26,6 +26,7 @@ class Row:
     output_len: int
     hash_ids: list[int] = field(default_factory=list)
     e2e: float | None = None  # measured end-to-end latency (request log only)
+    queue_time: float | None = None  # arrival to first schedule (request log only)
 
 
 class _Lines:
@@ -127,17 +128,17 @@ def read_mooncake(path: Path, strict: bool = False) -> tuple[list[Row], list[dic
 
 def read_request_log(path: Path, strict: bool = False) -> tuple[list[Row], list[dict]]:
     """The server's request log (one JSON line per finished request, in finish order);
-    arrival = offset from the earliest arrival_time, e2e from e2e_latency when present."""
+    arrival = offset from the earliest arrival_time, e2e and queue_time when present."""
     lines, rows = _Lines(path, strict), []
     for line, rec in _json_objects(path, lines, REQUEST_LOG_FIELDS):
         try:
             ts = _number(rec["arrival_time"], "arrival_time")
             inp, out = _count(rec["prompt_tokens"], "prompt_tokens"), _count(rec["output_tokens"], "output_tokens")
-            e2e = _number(rec["e2e_latency"], "e2e_latency") if rec.get("e2e_latency") is not None else None
+            e2e, queue = (_number(rec[k], k) if rec.get(k) is not None else None for k in ("e2e_latency", "queue_time"))
         except ValueError as e:
             lines.bad(line, str(e))
             continue
-        rows.append(Row(line, ts, inp, out, e2e=e2e))
+        rows.append(Row(line, ts, inp, out, e2e=e2e, queue_time=queue))
     first = min((r.arrival for r in rows), default=0.0)
     return [replace(r, arrival=r.arrival - first) for r in rows], lines.skipped
 
