@@ -26,6 +26,7 @@ from tandem.cluster.prefix import PromptTokenizer, prefix_hashes
 from tandem.cluster.proxy import Proxy, json_error
 from tandem.cluster.roles import RoleLoop
 from tandem.cluster.router_metrics import RouterMetrics
+from tandem.server.dashboard import add_router_dashboard
 from tandem.server.middleware import BodySizeLimit
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ def build_router(cfg: ClusterConfig, instances: list[Instance],
     app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodySizeLimit, max_bytes=cfg.router.max_body_bytes)
+    add_router_dashboard(app, router)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):

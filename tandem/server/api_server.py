@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.cluster.instance import InstanceSnapshot, add_instance_routes
 from tandem.engine.async_llm import AsyncLLM
 from tandem.server import responses as R
+from tandem.server.dashboard import add_server_dashboard
 from tandem.server.metrics import ServerMetrics
 from tandem.server.middleware import BodySizeLimit
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -56,6 +57,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         snapshot.update(engine)
     llm.on_step = on_step
     add_instance_routes(app, snapshot)
+    add_server_dashboard(app, metrics.registry, config.api_key, config.model_name)
     if hasattr(llm, "call"):  # a ClusterLLM: can run the P/D handoff on the engine thread
         from tandem.cluster.pd_instance import add_pd_routes
         add_pd_routes(app, llm, config.model_name)

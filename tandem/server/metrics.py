@@ -44,6 +44,9 @@ class _EngineCollector:
             ("tandem:kv_cache_free_blocks", "KV blocks free (including evictable cached ones).", kv.num_free_blocks),
             ("tandem:kv_cache_total_blocks", "KV blocks in the pool.", kv.pool.num_blocks),
             ("tandem:kv_cache_utilization", "Tokens stored / capacity of owned blocks.", kv.utilization),
+            ("tandem:kv_host_free_blocks", "Host-tier (swap) KV blocks free.", kv.num_free_host_blocks),
+            ("tandem:kv_host_total_blocks", "Host-tier (swap) KV blocks (0: no swap space).", kv.num_host_blocks),
+            ("tandem:num_requests_swapped", "Preempted requests whose KV is in the host tier.", len(kv.req_to_host_blocks)),
         ]:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self.model], value)
