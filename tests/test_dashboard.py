@@ -114,7 +114,7 @@ def test_dashboard_with_an_api_key_asks_for_it_and_serves_nothing_without(tiny_m
 @needs_chromium
 def test_router_dashboard_shows_instances_and_pd_transfers(tiny_model_dirs):
     with tiny_cluster(tiny_model_dirs["llama"], roles=["prefill", "decode"]) as (url, _, _insts), \
-            load(url, lambda i: list(range(1, 200)) + [300 + i]) as sent:
+            load(url, lambda i: list(range(1, 300)) + [300 + i]) as sent:  # over 256 tokens: a P/D handoff each
         dom = chromium(url + "/dashboard", budget_ms=6000)
         screenshot(url + "/dashboard", "dashboard_router.png")
     assert sent and all(s == 200 for s in sent)
