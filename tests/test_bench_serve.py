@@ -176,8 +176,9 @@ def test_json_and_plots(server_url, tmp_path):
     data = json.loads(path.read_text())
     assert {"config", "workload", "results", "plots"} <= data.keys()
     assert data["config"]["request_rate"] == 200
-    assert {"base_url", "summary", "per_class", "requests", "server_counters"} == data["results"].keys()
-    assert data["results"]["server_counters"] is None  # the fake server serves no tandem /metrics
+    assert {"base_url", "summary", "per_class", "requests", "server_counters", "prefix_ideal"} == data["results"].keys()
+    # the fake server serves no tandem /metrics nor /tandem/state
+    assert data["results"]["server_counters"] is None and data["results"]["prefix_ideal"] is None
     assert {"completed", "failed", "duration_s", "request_throughput", "input_throughput", "output_throughput",
             "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "goodput", "latency_split",
             "failures_by_status"} <= data["results"]["summary"].keys()

@@ -10,7 +10,8 @@ import httpx
 
 from server_fixture import running_server
 from tandem.bench import offline
-from tandem.bench.scrape import format_counters, run_counters, scrape
+from tandem.bench.scrape import format_counters, kv_layout, run_counters, scrape
+from tandem.bench.serve import format_ideal
 from tandem.cli import main as cli_main
 from tandem.config import EngineConfig
 from tandem.server.api_server import ServerConfig
@@ -62,11 +63,18 @@ def test_bench_serve_reports_the_servers_prefix_cache_hits(tiny_model_dirs):
             r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200, r.text
         counters = run_counters(before, scrape(url))
+        layout = kv_layout(url)
     assert counters["prefix_cache_queries"] == 2 * len(prompt)
     # the second request hits the first one's full blocks (all but the last prompt token)
     assert 0.4 < counters["prefix_cache_hit_ratio"] < 0.5
     assert "prefix cache hit" in format_counters(counters)
     assert scrape("http://127.0.0.1:9") is None and "no tandem /metrics" in format_counters(None)
+    block_size, blocks = layout
+    ideal = {"unbounded": ideal_prefix_hits([prompt, prompt], block_size)}
+    ideal["cache_size"] = ideal_prefix_hits([prompt, prompt], block_size, blocks)
+    assert ideal["unbounded"]["hit_tokens"] == counters["prefix_cache_hits"]  # the cache did what the ideal does
+    assert "= 100% of the ideal the cache size allows" in format_ideal(counters, ideal)
+    assert kv_layout("http://127.0.0.1:9") is None
 
 
 def test_simulate_prints_hit_ratio_beside_the_ideal(tmp_path, capsys):

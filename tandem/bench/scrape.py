@@ -61,3 +61,17 @@ def format_counters(c: dict | None) -> str:
     kv = (f"; P/D KV transfers {c['kv_transfers']:.0f}, {c.get('kv_transfer_bytes', 0) / 1e6:.1f} MB in "
           f"{c.get('kv_transfer_seconds', 0):.2f} s" if c.get("kv_transfers") else "")
     return f"server counters over the run: {hit}; {pre}{kv}"
+
+
+def kv_layout(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> tuple[int, int] | None:
+    """(block size, KV blocks in the pool) of a tandem server, for the ideal hit ratio; None
+    when the endpoint is not one (the router, another server)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        state = httpx.get(base_url.rstrip("/") + "/tandem/state", headers=headers, timeout=timeout, trust_env=False)
+        metrics = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=timeout, trust_env=False)
+        blocks = sum(s.value for fam in text_string_to_metric_families(metrics.text) for s in fam.samples
+                     if s.name == "tandem:kv_cache_total_blocks")
+        return int(state.json()["block_size"]), int(blocks)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None

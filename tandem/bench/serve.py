@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from tandem.bench import report
-from tandem.bench.scrape import format_counters, run_counters, scrape
+from tandem.bench.scrape import format_counters, kv_layout, run_counters, scrape
+from tandem.workload.prefix_ideal import ideal_prefix_hits
 from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
 
@@ -138,6 +139,29 @@ async def _run(args, base_url: str, requests: list[Request]) -> tuple[list[dict]
     return sorted(results, key=lambda r: r["index"]), duration
 
 
+def prefix_ideal(args, requests: list[Request], url: str) -> dict | None:
+    """The ideal hit ratio of these prompts at the server's block size, unbounded and within
+    its KV pool (completions only: the chat template adds tokens the ideal would not see)."""
+    layout = kv_layout(url, args.api_key) if args.endpoint == "completions" else None
+    if layout is None:
+        return None
+    block_size, blocks = layout
+    _, tok = _tokenizer(args.tokenizer, args.model)
+    prompts = [tok.encode(r.prompt) for r in sorted(requests, key=lambda r: r.arrival)]
+    return {"unbounded": ideal_prefix_hits(prompts, block_size),
+            "cache_size": ideal_prefix_hits(prompts, block_size, blocks) if blocks else None}
+
+
+def format_ideal(counters: dict | None, ideal: dict) -> str:
+    got = (counters or {}).get("prefix_cache_hit_ratio")
+    bounded = ideal["cache_size"] or ideal["unbounded"]
+    line = (f"ideal prefix hit ratio at block size {ideal['unbounded']['block_size']}: {ideal['unbounded']['token_ratio']:.1%} "
+            f"(unbounded), {bounded['token_ratio']:.1%} (within {bounded['capacity_blocks']} KV blocks)")
+    if got is not None and bounded["token_ratio"]:
+        line += f"; achieved {got:.1%} = {got / bounded['token_ratio']:.0%} of the ideal the cache size allows"
+    return line
+
+
 def build_workload(args) -> tuple[list[Request], dict]:
     tok_name, tok = _tokenizer(args.tokenizer, args.model)
     synth = PromptSynth(tok)
@@ -209,10 +233,14 @@ def main(args: argparse.Namespace) -> dict:
         results, duration = asyncio.run(_run(args, url.rstrip("/"), requests))
         runs.append(report.build_run(url, results, duration, slo))
         runs[-1]["server_counters"] = run_counters(before, scrape(url, args.api_key))
+        runs[-1]["prefix_ideal"] = prefix_ideal(args, requests, url)
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("func",)},
            "workload": workload, "results": runs[0]}
     print(report.format_run(runs[0], workload))
-    print(format_counters(runs[0]["server_counters"]))
+    for run in runs:
+        print(f"{run['base_url']}: {format_counters(run['server_counters'])}")
+        if run["prefix_ideal"]:
+            print(f"{run['base_url']}: {format_ideal(run['server_counters'], run['prefix_ideal'])}")
     if len(runs) == 2:
         out["compare"], out["ratios"] = runs[1], report.ratios(runs[0]["summary"], runs[1]["summary"])
         print(report.format_compare(runs[0], runs[1], out["ratios"]))
