@@ -85,7 +85,7 @@ def test_simulate_prints_hit_ratio_beside_the_ideal(tmp_path, capsys):
     CostModel.from_json({"kind": "measured", "overhead": 0.004, "kv_capacity_tokens": 60000,
                          "terms": {"s": {"compute": [0.0, 2e-5, 1e-9, 1e-4, 2e-8], "memory": [0.0] * 5}}}).save(profile)
     results = {}
-    for flag in ([], ["--no-prefix-routing"]):
+    for flag in ([], ["--prefix-weight", "0"]):
         out = tmp_path / f"o{len(flag)}.json"
         assert cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--instances", "4",
                          "--json", str(out), *flag]) == 0

@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-schedule", default=None, help='time schedule "HH:P,HH:P", e.g. "8:2,20:4"')
     g.add_argument("--elastic-cooldown", type=float, default=10.0, help="seconds between two role switches")
     g.add_argument("--no-coalesce", action="store_true", help="step every decode step (slower; same results)")
-    g.add_argument("--no-prefix-routing", action="store_true",
-                   help="route by load alone (prefix-cache affinity weight 0)")
+    g.add_argument("--prefix-weight", type=float, default=RoutingWeights().prefix,
+                   help="routing score of a full prefix-cache hit against load (router.weights.prefix); 0: by load alone")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--config", default=None, help="serving YAML (its engine/cache/scheduler sections)")
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -119,7 +119,7 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
     cfg = ClusterConfig(n, mode, prefill, elastic=ElasticConfig(cooldown_s=args.elastic_cooldown),
                         schedule=_schedule(args.elastic_schedule), controller_interval=1.0,
                         coalesce=not args.no_coalesce, frontend_delay=args.frontend_ms / 1000,
-                        weights=RoutingWeights(prefix=0.0) if args.no_prefix_routing else RoutingWeights())
+                        weights=RoutingWeights(prefix=args.prefix_weight))
     sim = ClusterSim(cost, engine, cfg)
     t0 = time.perf_counter()
     sim.run(reqs)
@@ -143,17 +143,25 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
 
 def _prefix_figures(sim: ClusterSim, reqs, engine: EngineConfig) -> dict | None:
     """The cache's hit ratio over all instances against the ideal on the same prompts and block
-    size: unbounded, and bounded by the instances' KV blocks taken together. Co-located only:
+    size: unbounded; bounded by the instances' KV blocks taken together (the best placement
+    could do); and as placed (each instance's ideal cache on the prompts routed to it, so
+    hit / as-placed is the cache's own efficiency, as-placed / bounded the routing's). Co-located only:
     under P/D a decode instance's lookups hit the KV it was sent, which is no reuse."""
     if not engine.enable_prefix_caching:
         return None
     queries = sum(i.kv.stats.queries for i in sim.instances)
     hits = sum(i.kv.stats.hits for i in sim.instances)
-    prompts = [r.prompt_token_ids() for r in sorted(reqs, key=lambda r: r.arrival)]
+    ordered = sorted(reqs, key=lambda r: r.arrival)
+    prompts = [r.prompt_token_ids() for r in ordered]
     bs, blocks = sim.instances[0].kv.block_size, sum(i.kv.pool.num_blocks for i in sim.instances)
     ideal, bounded = ideal_prefix_hits(prompts, bs), ideal_prefix_hits(prompts, bs, blocks)
-    ratio = hits / queries if queries else 0.0
+    placed = 0  # an ideal cache of each instance's size on the prompts routed to it
+    for inst in sim.instances:
+        mine = [p for r, p in zip(ordered, prompts) if r.instances and r.instances[0] == inst.instance_id]
+        placed += ideal_prefix_hits(mine, bs, inst.kv.pool.num_blocks)["hit_tokens"]
+    ratio, tokens = (hits / queries if queries else 0.0), bounded["prompt_tokens"] or 1
     return {"hit_ratio": ratio, "ideal": ideal["token_ratio"], "ideal_cache_size": bounded["token_ratio"],
+            "ideal_as_placed": placed / tokens,
             "share_of_ideal": ratio / bounded["token_ratio"] if bounded["token_ratio"] else None,
             "block_size": bs, "cache_blocks": blocks}
 
@@ -191,19 +199,20 @@ def _row(r: dict) -> list[str]:
             fmt(s["itl_ms"]["p50"]), fmt(s["itl_ms"]["p99"]), fmt(s["e2e_ms"]["p50"]), fmt(s["e2e_ms"]["p90"]),
             fmt(g["rate"] if g else None), f"{g['share']:.1%}" if g else "-",
             f"{split.get('queue_share', 0):.1%}", f"{r['kv_usage_mean']:.1%}",
-            *([f"{p['hit_ratio']:.1%}", f"{p['ideal']:.1%}", f"{p['ideal_cache_size']:.1%}"] if p else ["-"] * 3),
+            *([f"{p['hit_ratio']:.1%}", f"{p['ideal']:.1%}", f"{p['ideal_cache_size']:.1%}", f"{p['ideal_as_placed']:.1%}"]
+              if p else ["-"] * 4),
             f"{r['sim_wall_s']:.1f}"]
 
 
 HEAD = ["N", "mode", "P:D", "policy", "done", "failed", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p99",
-        "E2E p50", "E2E p90", "goodput/s", "good %", "queue", "KV use", "prefix hit", "ideal", "ideal @size",
+        "E2E p50", "E2E p90", "goodput/s", "good %", "queue", "KV use", "prefix hit", "ideal", "ideal @size", "as placed",
         "sim s"]
 
 
 def main(args: argparse.Namespace) -> dict:
     slo = parse_slo(args.slo)
-    if args.frontend_ms < 0:
-        raise ValueError("--frontend-ms must be >= 0")
+    if args.frontend_ms < 0 or args.prefix_weight < 0:
+        raise ValueError("--frontend-ms and --prefix-weight must be >= 0")
     cost = load_cost_model(args.profile)
     if args.step_scale != 1.0 or args.step_overhead_ms:
         cost = cost.calibrated(args.step_scale, args.step_overhead_ms / 1000)
@@ -228,7 +237,8 @@ def main(args: argparse.Namespace) -> dict:
                 searched += tried
     print(table([HEAD] + [_row(r) for r in results]))
     print("prefix hit: share of prompt tokens the instances' caches served; ideal: an unbounded cache on the "
-          "same prompts and block size; ideal @size: one LRU cache as large as all instances' KV pools")
+          "same prompts and block size; ideal @size: one LRU cache as large as all instances' KV pools; "
+          "as placed: each instance's own LRU cache on the prompts routed to it")
     if searched:
         print("P:D search (goodput/s by initial prefill count):")
         print(table([HEAD] + [_row(r) for r in searched]))
