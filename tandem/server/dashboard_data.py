@@ -3,7 +3,8 @@ registry, or the router's merged cluster page): gauges as they are now, and over
 minute the prefix-cache hit ratio, TTFT / ITL / E2E percentiles (interpolated within
 histogram buckets, as PromQL's histogram_quantile does, so the page and the Grafana panels
 agree), output tokens/s and preemptions by mode. A sample is taken each time the page asks
-(every 1-2 s), so nothing runs while nobody watches; points are kept for HISTORY_S."""
+(every 1-2 s), so nothing runs while nobody watches; points are kept for HISTORY_S. Until a
+page has watched for a minute the window is shorter: each point says how long (window_s)."""
 from __future__ import annotations
 
 import math
@@ -78,13 +79,14 @@ class DashboardSeries:
         now = time.monotonic() if now is None else now
         cur = parse(text)
         with self.lock:
-            window = self._at(now - WINDOW_S)[1]
+            window_t, window = self._at(now - WINDOW_S)
             recent_t, recent = self._at(now - RATE_S)
             rate_dt = now - recent_t if recent_t is not None else None
             self.samples.append((now, cur))
             while self.samples and self.samples[0][0] < now - HISTORY_S:
                 self.samples.popleft()
             point = self._point(now, cur, window, recent, rate_dt)
+            point["window_s"] = now - window_t if window_t is not None else None  # None: since the start
             self.points.append(point)
             while self.points and self.points[0]["t"] < time.time() - HISTORY_S:
                 self.points.popleft()

@@ -34,16 +34,17 @@ function fmt(v, digits = 1) {
 const pct = (v) => (v === null || v === undefined ? "-" : (100 * v).toFixed(1) + "%");
 
 function tiles(now) {
+  const win = now.window_s === null ? "since start" : `last ${Math.round(now.window_s)} s`;
   const level = (kind) => ["L1", "L2", "L3"].map((l) => fmt(now[`${kind}_${l}`], 0)).join(" / ");
   const items = [
     ["running L1 / L2 / L3", level("running")], ["waiting L1 / L2 / L3", level("waiting")],
     ["KV usage", pct(now.kv_usage)], ["KV utilisation", pct(now.kv_utilization)],
     ["KV free blocks", `${fmt(now.kv_free_blocks, 0)} of ${fmt(now.kv_total_blocks, 0)}`],
     ["host tier used", now.host_used === null ? "no swap space" : pct(now.host_used) + `, ${fmt(now.swapped, 0)} swapped`],
-    ["prefix hit (1 min)", pct(now.prefix_hit_ratio)], ["output tok/s", fmt(now.output_tok_s)],
-    ["TTFT p50 / p99 ms", `${fmt(now.ttft_p50_ms)} / ${fmt(now.ttft_p99_ms)}`],
-    ["ITL p50 / p99 ms", `${fmt(now.itl_p50_ms)} / ${fmt(now.itl_p99_ms)}`],
-    ["E2E p50 / p99 ms", `${fmt(now.e2e_p50_ms)} / ${fmt(now.e2e_p99_ms)}`],
+    [`prefix hit (${win})`, pct(now.prefix_hit_ratio)], ["output tok/s", fmt(now.output_tok_s)],
+    [`TTFT p50 / p99 ms (${win})`, `${fmt(now.ttft_p50_ms)} / ${fmt(now.ttft_p99_ms)}`],
+    [`ITL p50 / p99 ms (${win})`, `${fmt(now.itl_p50_ms)} / ${fmt(now.itl_p99_ms)}`],
+    [`E2E p50 / p99 ms (${win})`, `${fmt(now.e2e_p50_ms)} / ${fmt(now.e2e_p99_ms)}`],
     ["preemptions swap / recompute", `${fmt(now.preemptions_swap, 0)} / ${fmt(now.preemptions_recompute, 0)}`],
   ];
   if (KIND === "router") items.push(["P/D KV transfers", `${fmt(now.kv_transfers, 0)}, ${fmt(now.kv_transfer_ms)} ms each`]);
