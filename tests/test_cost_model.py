@@ -112,7 +112,13 @@ def test_profile_quick_on_a_tiny_model(tiny_model_dirs, tmp_path, capsys):
     assert cm.kind == "measured" and cm.kv_capacity_tokens > 0 and cm.info["device"] == "cpu"
     assert len(cm.info["samples"]) == 8 and cm.info["fit"]["median_rel_error"] >= 0
     assert cm.step_time(BatchShape(0, 0, 4, 128)) > 0 and cm.info["prefill_table"] and cm.info["decode_table"]
-    assert "fit over 8 steps" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "fit over 8 steps" in out_text and "measured on: " in out_text
+    m = cm.info["machine"]
+    assert m["cores_used"] == 1 and m["dtype"] == "float32" and m["torch"] and m["gpu"] is None and m["cpu_model"]
+    assert cli(["plan", "--profile", str(out), "--rate", "1", "--prompt-mean", "100", "--output-mean", "10"]) == 0
+    plan_out = capsys.readouterr().out
+    assert f"measured on: {m['cpu_model']}" in plan_out and "warning" not in plan_out  # made here: no warning
 
 
 def test_profile_roofline_and_bad_flags(tmp_path, capsys):
