@@ -69,6 +69,15 @@ def load(url: str, prompt_of, stop_after: float = 60.0):
             t.join(timeout=30)
 
 
+def watch(url: str, seconds: float = 3.0, headers: dict | None = None) -> None:
+    """Poll /dashboard/data in real time, as an open page does (Chromium's virtual time runs
+    the page's own timers much faster than the server's clock, whose samples it rate-limits)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        assert httpx.get(url + "/dashboard/data", headers=headers or {}).status_code == 200
+        time.sleep(0.6)
+
+
 def screenshot(url: str, name: str) -> None:
     folder = os.environ.get("TANDEM_DASHBOARD_SCREENSHOTS")
     if folder:
@@ -83,7 +92,9 @@ def shared_prefix(i: int) -> list[int]:
 def test_server_dashboard_charts_fill_under_load(tiny_model_dirs):
     engine = EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
     with running_server(engine, ServerConfig(model_name="tiny")) as (url, _), load(url, shared_prefix) as sent:
+        watch(url)
         first = chromium(url + "/dashboard")
+        watch(url)
         second = chromium(url + "/dashboard")
         screenshot(url + "/dashboard", "dashboard_server.png")
     assert all(s == 200 for s in sent)
@@ -107,6 +118,7 @@ def test_dashboard_with_an_api_key_asks_for_it_and_serves_nothing_without(tiny_m
         assert httpx.get(url + "/dashboard/data", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url + "/dashboard/data", headers={"Authorization": "Bearer sesame"}).status_code == 200
         locked = chromium(url + "/dashboard", budget_ms=2000)
+        watch(url, 1.5, {"Authorization": "Bearer sesame"})
         opened = chromium(url + "/dashboard#key=sesame", budget_ms=3000)
     assert '<form id="auth">' in locked and '<main id="main" hidden="">' in locked  # the form shows, the figures do not
     assert "API key needed" in locked and not points(locked) and '<div class="tile">' not in locked
@@ -117,6 +129,7 @@ def test_dashboard_with_an_api_key_asks_for_it_and_serves_nothing_without(tiny_m
 def test_router_dashboard_shows_instances_and_pd_transfers(tiny_model_dirs):
     with tiny_cluster(tiny_model_dirs["llama"], roles=["prefill", "decode"]) as (url, _, _insts), \
             load(url, lambda i: list(range(1, 300)) + [300 + i]) as sent:  # over 256 tokens: a P/D handoff each
+        watch(url)
         dom = chromium(url + "/dashboard", budget_ms=6000)
         screenshot(url + "/dashboard", "dashboard_router.png")
     assert sent and all(s == 200 for s in sent)
@@ -134,3 +147,27 @@ def test_quantile_interpolates_within_buckets_as_promql_does():
     assert quantile(0.5, buckets) == 0.1 and abs(quantile(0.75, buckets) - 0.15) < 1e-12
     assert quantile(0.99, {0.1: 0.0, 0.2: 1.0, float("inf"): 4.0}) == 0.2  # past the last bound: that bound
     assert quantile(0.5, {0.1: 0.0, float("inf"): 0.0}) is None
+
+
+def test_series_percentiles_and_rates_cover_the_window_only():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from tandem.server.dashboard_data import DashboardSeries
+    reg = CollectorRegistry()
+    ttft = Histogram("tandem:time_to_first_token_seconds", "", ["level"], buckets=(0.1, 1.0, 10.0), registry=reg)
+    tokens = Counter("tandem:generation_tokens", "", registry=reg)
+    series = DashboardSeries()
+    for _ in range(10):
+        ttft.labels("L1").observe(5.0)  # slow, long ago
+    series.add(generate_latest(reg).decode(), now=0.0)
+    assert series.add(generate_latest(reg).decode(), now=0.2) is series.points[-1]  # too soon: the same point
+    for _ in range(10):
+        ttft.labels("L2").observe(0.05)  # fast, within the last minute
+    tokens.inc(300)
+    series.add(generate_latest(reg).decode(), now=70.0)
+    tokens.inc(100)
+    p = series.add(generate_latest(reg).decode(), now=80.0)
+    # the window starts at the newest sample at least a minute old (t=0): only the fast ones count
+    assert p["window_s"] == 80.0 and p["ttft_p99_ms"] < 100
+    assert abs(p["output_tok_s"] - 100 / 10) < 1e-9  # over the last RATE_S (from the sample at t=70)
+    assert len(series.series()["t"]) == 3

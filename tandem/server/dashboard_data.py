@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 WINDOW_S = 60.0  # latency percentiles, hit ratio: over this much of the past
 RATE_S = 5.0  # tokens/s and preemptions/s: over this much
 HISTORY_S = 600.0
+MIN_INTERVAL_S = 0.5  # pages polling more often (or several pages) share a sample
 QUANTILES = (0.5, 0.9, 0.99)
 HISTOGRAMS = {"ttft": "tandem:time_to_first_token_seconds", "itl": "tandem:inter_token_latency_seconds",
               "e2e": "tandem:e2e_request_latency_seconds"}
@@ -77,6 +78,9 @@ class DashboardSeries:
     def add(self, text: str, now: float | None = None) -> dict:
         """Take a sample; return the point it makes (also kept for the charts)."""
         now = time.monotonic() if now is None else now
+        with self.lock:
+            if self.samples and now - self.samples[-1][0] < MIN_INTERVAL_S and self.points:
+                return self.points[-1]
         cur = parse(text)
         with self.lock:
             window_t, window = self._at(now - WINDOW_S)
