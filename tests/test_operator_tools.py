@@ -11,7 +11,7 @@ import httpx
 from server_fixture import running_server
 from tandem.bench import offline
 from tandem.bench.scrape import format_counters, kv_layout, run_counters, scrape
-from tandem.bench.serve import format_ideal
+from tandem.bench.scrape import format_ideal
 from tandem.cli import main as cli_main
 from tandem.config import EngineConfig
 from tandem.server.api_server import ServerConfig

@@ -1,10 +1,13 @@
 """The server's own counters over a load test: `/metrics` read before and after the run, and
 the difference. A tandem server (or the router, which sums its instances) gives the
-prefix-cache hit ratio, preemptions by mode and the P/D KV transfers of just this run."""
+prefix-cache hit ratio, preemptions by mode and the P/D KV transfers of just this run; a
+tandem server's block size and pool give the ideal hit ratio to set it against."""
 from __future__ import annotations
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.workload.prefix_ideal import ideal_prefix_hits
 
 # sample name -> key in the report (counters only: their difference is the run's share)
 COUNTERS = {
@@ -75,3 +78,19 @@ def kv_layout(base_url: str, api_key: str | None = None, timeout: float = 10.0) 
         return int(state.json()["block_size"]), int(blocks)
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
+
+
+def ideal_of(prompts: list[list[int]], block_size: int, blocks: int) -> dict:
+    """The ideal hit ratio of the prompts sent, unbounded and within the server's KV pool."""
+    return {"unbounded": ideal_prefix_hits(prompts, block_size),
+            "cache_size": ideal_prefix_hits(prompts, block_size, blocks) if blocks else None}
+
+
+def format_ideal(counters: dict | None, ideal: dict) -> str:
+    got = (counters or {}).get("prefix_cache_hit_ratio")
+    bounded = ideal["cache_size"] or ideal["unbounded"]
+    line = (f"ideal prefix hit ratio at block size {ideal['unbounded']['block_size']}: {ideal['unbounded']['token_ratio']:.1%} "
+            f"(unbounded), {bounded['token_ratio']:.1%} (within {bounded['capacity_blocks']} KV blocks)")
+    if got is not None and bounded["token_ratio"]:
+        line += f"; achieved {got:.1%} = {got / bounded['token_ratio']:.0%} of the ideal the cache size allows"
+    return line

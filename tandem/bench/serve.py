@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 from tandem.bench import report
-from tandem.bench.scrape import format_counters, kv_layout, run_counters, scrape
-from tandem.workload.prefix_ideal import ideal_prefix_hits
+from tandem.bench.scrape import format_counters, format_ideal, ideal_of, kv_layout, run_counters, scrape
 from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
 
@@ -140,26 +139,13 @@ async def _run(args, base_url: str, requests: list[Request]) -> tuple[list[dict]
 
 
 def prefix_ideal(args, requests: list[Request], url: str) -> dict | None:
-    """The ideal hit ratio of these prompts at the server's block size, unbounded and within
-    its KV pool (completions only: the chat template adds tokens the ideal would not see)."""
+    """The ideal hit ratio of these prompts at the server's block size (completions only: the
+    chat template adds tokens the ideal would not see)."""
     layout = kv_layout(url, args.api_key) if args.endpoint == "completions" else None
     if layout is None:
         return None
-    block_size, blocks = layout
     _, tok = _tokenizer(args.tokenizer, args.model)
-    prompts = [tok.encode(r.prompt) for r in sorted(requests, key=lambda r: r.arrival)]
-    return {"unbounded": ideal_prefix_hits(prompts, block_size),
-            "cache_size": ideal_prefix_hits(prompts, block_size, blocks) if blocks else None}
-
-
-def format_ideal(counters: dict | None, ideal: dict) -> str:
-    got = (counters or {}).get("prefix_cache_hit_ratio")
-    bounded = ideal["cache_size"] or ideal["unbounded"]
-    line = (f"ideal prefix hit ratio at block size {ideal['unbounded']['block_size']}: {ideal['unbounded']['token_ratio']:.1%} "
-            f"(unbounded), {bounded['token_ratio']:.1%} (within {bounded['capacity_blocks']} KV blocks)")
-    if got is not None and bounded["token_ratio"]:
-        line += f"; achieved {got:.1%} = {got / bounded['token_ratio']:.0%} of the ideal the cache size allows"
-    return line
+    return ideal_of([tok.encode(r.prompt) for r in sorted(requests, key=lambda r: r.arrival)], *layout)
 
 
 def build_workload(args) -> tuple[list[Request], dict]:

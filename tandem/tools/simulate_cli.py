@@ -17,7 +17,7 @@ from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
 from tandem.sim.cost_model import load_cost_model
 from tandem.sim import workload
 from tandem.tools.machine import provenance_lines
-from tandem.workload.prefix_ideal import ideal_prefix_hits
+from tandem.sim.prefix_report import prefix_figures
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,7 +124,7 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
     t0 = time.perf_counter()
     sim.run(reqs)
     wall = time.perf_counter() - t0
-    prefix = _prefix_figures(sim, reqs, engine) if mode == "colocated" else None
+    prefix = prefix_figures(sim, reqs) if mode == "colocated" and engine.enable_prefix_caching else None
     span = max((r.finished or r.arrival) for r in reqs)
     summary = summarize([r.record() for r in reqs], span, slo)
     classes = sorted({r.cls for r in reqs})
@@ -139,31 +139,6 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
             "coalesced_steps": sum(i.num_coalesced for i in sim.instances),
             "transfer_gb": sim.transfer_bytes / 1e9, "role_switches": sim.role_switches, "sim_wall_s": wall,
             "prefix_cache": prefix}
-
-
-def _prefix_figures(sim: ClusterSim, reqs, engine: EngineConfig) -> dict | None:
-    """The cache's hit ratio over all instances against the ideal on the same prompts and block
-    size: unbounded; bounded by the instances' KV blocks taken together (the best placement
-    could do); and as placed (each instance's ideal cache on the prompts routed to it, so
-    hit / as-placed is the cache's own efficiency, as-placed / bounded the routing's). Co-located only:
-    under P/D a decode instance's lookups hit the KV it was sent, which is no reuse."""
-    if not engine.enable_prefix_caching:
-        return None
-    queries = sum(i.kv.stats.queries for i in sim.instances)
-    hits = sum(i.kv.stats.hits for i in sim.instances)
-    ordered = sorted(reqs, key=lambda r: r.arrival)
-    prompts = [r.prompt_token_ids() for r in ordered]
-    bs, blocks = sim.instances[0].kv.block_size, sum(i.kv.pool.num_blocks for i in sim.instances)
-    ideal, bounded = ideal_prefix_hits(prompts, bs), ideal_prefix_hits(prompts, bs, blocks)
-    placed = 0  # an ideal cache of each instance's size on the prompts routed to it
-    for inst in sim.instances:
-        mine = [p for r, p in zip(ordered, prompts) if r.instances and r.instances[0] == inst.instance_id]
-        placed += ideal_prefix_hits(mine, bs, inst.kv.pool.num_blocks)["hit_tokens"]
-    ratio, tokens = (hits / queries if queries else 0.0), bounded["prompt_tokens"] or 1
-    return {"hit_ratio": ratio, "ideal": ideal["token_ratio"], "ideal_cache_size": bounded["token_ratio"],
-            "ideal_as_placed": placed / tokens,
-            "share_of_ideal": ratio / bounded["token_ratio"] if bounded["token_ratio"] else None,
-            "block_size": bs, "cache_blocks": blocks}
 
 
 def _rank(r: dict) -> tuple[float, float]:
