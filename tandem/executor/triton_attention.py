@@ -9,7 +9,7 @@ tokens of one sequence and, for one KV head, the query heads of its group, so BL
 BLOCK_Q * group rows share every K/V tile read (GQA without expanding K/V). The program finds
 its sequence by a binary search over query_start_loc, so the grid depends only on the number
 of tokens and sequences: a CUDA graph can replay it with new metadata. It walks the context
-one KV block at a time with an online softmax in fp32; a query row sees keys up to its own
+one KV block (at least 16 keys) at a time with an online softmax in fp32; a query row sees keys up to its own
 position (causal within the chunk, everything of the prefix before it).
 """
 from __future__ import annotations
@@ -49,7 +49,8 @@ if triton is not None:
         scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         q_block = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -82,12 +83,15 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
             # Keys this program can see: up to its last query token's position.
             kv_end = tl.minimum(seq_len, context + first + BLOCK_Q)
-            offs = tl.arange(0, BLOCK_SIZE)
-            for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
-                block = tl.load(block_tables_ptr + seq * stride_bt + j)
-                k_pos = j * BLOCK_SIZE + offs
-                kv_off = (block * BLOCK_SIZE + offs)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-                kv_ok = (k_pos < kv_end)[:, None] & d_ok[None, :]
+            offs = tl.arange(0, TILE)
+            for j in range(0, tl.cdiv(kv_end, TILE)):
+                # A tile is one KV block, or several when blocks are smaller than a tl.dot tile.
+                k_pos = j * TILE + offs
+                k_ok = k_pos < kv_end
+                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+                slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE
+                kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+                kv_ok = k_ok[:, None] & d_ok[None, :]
                 k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
                 if IEEE:
@@ -149,7 +153,7 @@ def unified_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m,
+        TILE=max(block_size, 16), BLOCK_Q=block_q, BLOCK_M=block_m,
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu")
     return out
