@@ -106,3 +106,74 @@ def test_engine_on_triton_matches_hf(kind, tiny_model_dirs):
     outs = llm.generate(prompts, params) + llm.generate([shared + [4, 5]], params)
     assert llm.engine.kv_manager.stats.hits >= 40 // 8 * 8
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+class _EagerGraph:
+    """Stands in for a captured graph on CPU: replay recomputes the forward into the output tensor,
+    over the same persistent buffers, so the runner's copying and padding are what is tested."""
+
+    def __init__(self, runner, b: int, logits: torch.Tensor) -> None:
+        self.runner, self.b, self.logits = runner, b, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.runner._forward(self.b))
+
+
+def _graph_runner(model_dir: str, max_num_seqs: int):
+    """A model runner on the Triton backend with a CUDAGraphRunner whose graphs replay eagerly."""
+    from tandem import LLM
+    from tandem.executor.cuda_graphs import CUDAGraphRunner
+
+    llm = LLM(model_dir, dtype="float32", device=str(DEVICE), kv_cache_memory=1 << 22,
+              max_num_seqs=max_num_seqs, attention_backend="triton", enforce_eager=True)
+    ex = llm.engine.executor
+    runner = CUDAGraphRunner(ex.model, ex.kv_caches, ex.block_size, 8, max_num_seqs, DEVICE)
+    runner.graphs = {b: (_EagerGraph(runner, b, logits), logits)
+                     for b in runner.sizes for logits in [runner._forward(b).clone()]}
+    return llm, runner
+
+
+def test_graph_padding_rows_write_no_kv(tiny_model_dirs):
+    """A step smaller than the one before it in the same bucket leaves the rows it does not use
+    as padding: their old slots are not written again."""
+    llm, runner = _graph_runner(tiny_model_dirs["llama"], 4)  # buckets 1, 2, 4
+    ex = llm.engine.executor
+
+    def step(slots: list[int]) -> None:
+        n = len(slots)
+        meta = AttentionMetadata(torch.tensor(slots, device=DEVICE), torch.zeros(n, 1, dtype=torch.long, device=DEVICE),
+                                 torch.ones(n, dtype=torch.long, device=DEVICE),
+                                 torch.arange(n + 1, device=DEVICE), n, [], [], ex.block_size, triton=True)
+        assert runner.run(torch.full((n,), 7, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE),
+                          meta) is not None
+
+    step([0, 1, 2, 3])
+    ex.kv_caches[0][:, :4].zero_()
+    step([0, 1, 2])  # bucket 4 again, one row of padding
+    assert ex.kv_caches[0][:, 3].eq(0).all() and ex.kv_caches[0][:, :3].ne(0).any(-1).all()
+
+
+def test_graph_runner_buffers_match_eager(tiny_model_dirs):
+    """Decode steps through CUDAGraphRunner's persistent buffers (buckets larger than the batch,
+    rows left from a larger step, mixed steps falling back to eager) give transformers' tokens."""
+    from conftest import hf_greedy
+    from tandem import SamplingParams
+    from tandem.executor.cuda_graphs import CUDAGraphRunner, capture_sizes
+
+    assert capture_sizes(256)[:7] == [1, 2, 4, 8, 16, 32, 64] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(3) == [1, 2, 3]
+    prompts = [[(5 * i + j) % 512 for j in range(n)] for i, n in enumerate([3, 9, 17, 30, 4])]
+    max_new = [6, 3, 8, 5, 7]
+    ref = [r[:m] for r, m in zip(hf_greedy(tiny_model_dirs["llama"], prompts, max(max_new)), max_new)]
+    llm, runner = _graph_runner(tiny_model_dirs["llama"], 6)
+    replays = []
+
+    def counting_run(*args):
+        replays.append(CUDAGraphRunner.run(runner, *args))
+        return replays[-1]
+    runner.run = counting_run
+    llm.engine.executor.graph_runner = runner
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_new]
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sum(r is not None for r in replays) >= 4 and None in replays  # decode steps replayed, mixed ones not

@@ -81,7 +81,7 @@ class CUDAGraphRunner:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if n < b:  # rows of an earlier, larger step: make them padding again
+        if n < b:  # rows of an earlier, larger step: make them padding (no KV write, one key read)
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)
         graph.replay()
