@@ -73,7 +73,7 @@ class CUDAGraphRunner:
         """Logits [num_seqs, vocab] of a decode-only step, or None when no graph fits it."""
         n = meta.seq_lens.shape[0]
         b = self.bucket(n) if meta.num_decodes == n else None
-        if b is None:
+        if b is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         graph, logits = self.graphs[b]
         self.input_ids[:n].copy_(input_ids)

@@ -14,7 +14,7 @@ from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutp
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan, resolve_attention_backend
 from tandem.executor.cuda_graphs import CUDAGraphRunner
-from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
+from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
@@ -248,25 +248,16 @@ class ModelRunner:
 
         logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         meta = AttentionMetadata(
-            slot_mapping=_to_device(slot_mapping, dev),
-            block_tables=_to_device(block_tables, dev),
-            seq_lens=_to_device(seq_lens, dev),
-            query_start_loc=_to_device(qsl, dev),
+            slot_mapping=to_device(slot_mapping, dev),
+            block_tables=to_device(block_tables, dev),
+            seq_lens=to_device(seq_lens, dev),
+            query_start_loc=to_device(qsl, dev),
             num_decodes=num_decodes, decodes=decodes, prefills=prefills,
             block_size=bs, decode_kernel=self.decode_kernel, triton=triton, max_query_len=int(counts.max()),
         )
-        input_ids = _to_device(np.array(ids, dtype=np.int64), dev)
-        logits_index = _to_device(qsl[1:][logits_rows] - 1, dev)
-        return input_ids, _to_device(positions, dev), meta, logits_rows, logits_index
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device without a host sync: on CUDA through pinned memory, copied
-    asynchronously (torch keeps the pinned buffer until the copy is done)."""
-    t = torch.from_numpy(a)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+        input_ids = to_device(np.array(ids, dtype=np.int64), dev)
+        logits_index = to_device(qsl[1:][logits_rows] - 1, dev)
+        return input_ids, to_device(positions, dev), meta, logits_rows, logits_index
 
 
 def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:

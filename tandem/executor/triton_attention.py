@@ -9,7 +9,7 @@ tokens of one sequence and, for one KV head, the query heads of its group, so BL
 BLOCK_Q * group rows share every K/V tile read (GQA without expanding K/V). The program finds
 its sequence by a binary search over query_start_loc, so the grid depends only on the number
 of tokens and sequences: a CUDA graph can replay it with new metadata. It walks the context
-one KV block (at least 16 keys) at a time with an online softmax in fp32; a query row sees keys up to its own
+one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query row sees keys up to its own
 position (causal within the chunk, everything of the prefix before it).
 """
 from __future__ import annotations
@@ -126,11 +126,13 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 @functools.cache
-def _tiles(group: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): 16 rows for decode-only steps (the smallest tl.dot tile), 64 once a
-    prefill chunk is in the batch, so a chunk's queries share each K/V tile read."""
-    block_m = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(group))
-    return block_m, block_m // group
+def _tiles(group: int, max_query_len: int, block_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE). Decode-only steps: 16 query rows (the smallest tl.dot tile) and
+    64 keys per iteration (fewer serial iterations per program: latency). Once a prefill chunk is
+    in the batch, 64 rows, so a chunk's queries share each K/V tile read, over 32 keys."""
+    decode = max_query_len == 1
+    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
+    return block_m, block_m // group, max(block_size, 64 if decode else 32)
 
 
 def unified_attention(
@@ -144,7 +146,7 @@ def unified_attention(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    block_m, block_q = _tiles(group, max_query_len)
+    block_m, block_q, tile = _tiles(group, max_query_len, block_size)
     out = torch.empty_like(q)
     # An upper bound on the q blocks over all sequences; programs past the last one exit.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -153,7 +155,7 @@ def unified_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        TILE=max(block_size, 16), BLOCK_Q=block_q, BLOCK_M=block_m,
+        TILE=tile, BLOCK_Q=block_q, BLOCK_M=block_m,
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu")
     return out
