@@ -43,13 +43,15 @@ if triton is not None:
             tl.store(k_cache_ptr + slot * stride_ct + offs, k, mask=mask)
             tl.store(v_cache_ptr + slot * stride_ct + offs, v, mask=mask)
 
-    @triton.jit
+    # num_seqs and block_size are plain arguments, not specialised: one compiled kernel serves
+    # every batch (1 included) and block size of a model.
+    @triton.jit(do_not_specialize=["num_seqs", "block_size"])
     def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-        scale, num_seqs,
+        scale, num_seqs, block_size,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         q_block = tl.program_id(0)
@@ -88,8 +90,8 @@ if triton is not None:
                 # A tile is one KV block, or several when blocks are smaller than a tl.dot tile.
                 k_pos = j * TILE + offs
                 k_ok = k_pos < kv_end
-                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
-                slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE
+                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok, other=0)
+                slot = block * block_size + k_pos % block_size
                 kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
                 kv_ok = k_ok[:, None] & d_ok[None, :]
                 k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
@@ -151,11 +153,10 @@ def unified_attention(
     # An upper bound on the q blocks over all sequences; programs past the last one exit.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        TILE=tile, BLOCK_Q=block_q, BLOCK_M=block_m,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), TILE=tile, BLOCK_Q=block_q, BLOCK_M=block_m,
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu")
     return out
