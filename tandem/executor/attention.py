@@ -14,12 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import importlib.util
 import os
 
 import torch
 import torch.nn.functional as F
-
-from tandem.executor import triton_attention
 
 
 @dataclass(slots=True)
@@ -55,11 +54,13 @@ class AttentionMetadata:
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """auto: Triton on CUDA when it is installed, else PyTorch. Triton on CPU runs only in its
-    interpreter (TRITON_INTERPRET=1, for tests)."""
+    interpreter (TRITON_INTERPRET=1, for tests). Triton is imported only when it is chosen (it
+    costs ~90 MiB of RSS)."""
+    installed = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_attention.available() else "torch"
+        return "triton" if device.type == "cuda" and installed else "torch"
     if name == "triton":
-        if not triton_attention.available():
+        if not installed:
             raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend 'triton' on CPU runs only under TRITON_INTERPRET=1 (slow; tests)")
@@ -81,6 +82,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         if meta.triton:
+            from tandem.executor import triton_attention
             triton_attention.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
             return triton_attention.unified_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
