@@ -52,7 +52,7 @@ run() {
 
     echo "== tandem bench gpu"
     # GPU_CHECK_ARGS: extra flags, e.g. "--device cpu --tiny" for a dry run of this script on CPU.
-    timeout 330 $PY -m tandem.cli bench gpu --out "$out" --model "$model" ${GPU_CHECK_ARGS:-}
+    timeout 330 $PY -m tandem.bench.gpu --out "$out" --model "$model" ${GPU_CHECK_ARGS:-}
     local bench_rc=$?
     # One JSON: the test subset's outcome joins the bench's report.
     $PY - "$out" "$pytest_rc" "$pytest_s" "$bench_rc" <<'EOF'

@@ -235,7 +235,8 @@ def main(args: argparse.Namespace) -> dict:
                 "tandem_eager": offline.in_subprocess(offline.run_tandem, argparse.Namespace(**{**vars(oargs), "enforce_eager": True}),
                                                     requests),
                 "hf_generate": offline.in_subprocess(offline.run_hf, oargs, requests)}
-        runs["workload"] = wl
+        runs["workload"] = {**wl, "max_num_seqs": oargs.max_num_seqs, "max_num_batched_tokens":
+                            oargs.max_num_batched_tokens, "dtype": args.dtype, "hf_batch_size": oargs.hf_batch_size}
         runs["ratio_vs_hf"] = runs["tandem_graphs"]["output_throughput"] / runs["hf_generate"]["output_throughput"]
         runs["ratio_graphs_vs_eager"] = (runs["tandem_graphs"]["output_throughput"]
                                          / runs["tandem_eager"]["output_throughput"])
@@ -247,3 +248,11 @@ def main(args: argparse.Namespace) -> dict:
     tmp.cleanup()
     print(f"wrote {out_dir / 'gpu_check.json'}")
     return report
+
+
+if __name__ == "__main__":  # scripts/gpu_check.sh: without the CLI, which imports every command's module
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="tandem bench gpu", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())

@@ -16,8 +16,8 @@ from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSp
 from tandem.executor.cuda_graphs import CUDAGraphRunner
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
 from tandem.kernels import cpu_paged_attention
-from tandem.executor.step_events import StepGapTimer
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from tandem.executor.step_events import StepGapTimer
 from tandem.models.llama import LlamaForCausalLM, ModelConfig
 from tandem.models.loader import iter_weights, load_config
 
@@ -237,7 +237,7 @@ class ModelRunner:
             decodes.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(dev),
                                         torch.from_numpy(mask[:, None, None, :]).to(dev)))
         prefills = []
-        for i in range(num_decodes, 0 if triton else b):
+        for i in range(num_decodes, b) if not triton else ():
             ctx = np.arange(int(seq_lens[i]))
             slots = torch.from_numpy(block_tables[i, ctx // bs] * bs + ctx % bs).to(dev)
             mask = None
