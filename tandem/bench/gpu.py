@@ -37,13 +37,15 @@ def _tiny_model(folder: Path) -> str:
     return str(folder)
 
 
-def _free(llm) -> None:
+def _new_llm(model: str, **options):
+    """An LLM, after the memory of the ones before it is given back (an engine is a reference
+    cycle: only the collector frees it)."""
     import torch
-    llm.engine.pipeline.shutdown()
-    del llm
+    from tandem import LLM
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return LLM(model, **options)
 
 
 def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
@@ -64,7 +66,7 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device) -
 def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int) -> dict:
     """{case: {"graphs"|"eager": {"equal", "mismatched", ...}}} against transformers' greedy tokens."""
     import torch
-    from tandem import LLM, SamplingParams
+    from tandem import SamplingParams
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import load_config
     rng = random.Random(0)
@@ -86,8 +88,8 @@ def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int
     report = {}
     for name, (opts, ps, expected) in cases.items():
         for eager in (False, True):
-            llm = LLM(model_dir, dtype="float32", device=device, enforce_eager=eager,
-                      **{"kv_cache_memory": 256 << 20, **opts})
+            llm = _new_llm(model_dir, dtype="float32", device=device, enforce_eager=eager,
+                           **{"kv_cache_memory": 256 << 20, **opts})
             if name == "prefix_hits":
                 outs = llm.generate(ps[:1], params) + llm.generate(ps[1:], params)
             else:
@@ -99,16 +101,15 @@ def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int
                 "graphs_captured": llm.engine.executor.graph_runner is not None,
                 "preemptions": llm.engine.scheduler.num_preemptions,
                 "prefix_hit_tokens": llm.engine.kv_manager.stats.hits}
-            _free(llm)
+            llm.engine.pipeline.shutdown()
     return report
 
 
 def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     """Per batch size: ms per decode step (engine.step, steady state) and the roofline."""
-    import torch
-    from tandem import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
-              max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, enforce_eager=eager)
+    from tandem import SamplingParams
+    llm = _new_llm(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
+                   max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, enforce_eager=eager)
     engine, ex = llm.engine, llm.engine.executor
     weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
     weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in ex.model.modules()
@@ -147,7 +148,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
             engine.abort_request(i)
         while engine.has_unfinished_requests():
             engine.step()
-    _free(llm)
+    llm.engine.pipeline.shutdown()
     return out
 
 
