@@ -30,10 +30,7 @@ prepare() {
 }
 
 run() {
-    local out=${1:-${GPU_CHECK_OUT:-${OUT:-gpu_check_out}}}
-    mkdir -p "$out"
-    exec > >(tee "$out/gpu_check.log") 2>&1
-    local wheel
+    local out=$1 wheel
     wheel=$(ls "$PAYLOAD"/gguf-*.whl 2>/dev/null | head -1)
     [ -n "$wheel" ] || { echo "no $PAYLOAD/gguf-*.whl: run 'scripts/gpu_check.sh prepare' first and carry $PAYLOAD"; exit 1; }
     # gguf is pure Python: importable from its wheel (a zip) on the path, no install.
@@ -46,7 +43,7 @@ run() {
 
     echo "== CUDA test subset"
     SECONDS=0
-    timeout 200 $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_attention.py tests/test_engine_tiny.py \
+    timeout 200 $PY -m pytest -q --tb=short -p no:cacheprovider tests/test_triton_attention.py tests/test_engine_tiny.py \
         tests/test_sampler.py tests/test_bad_input.py tests/test_attention.py | tee "$out/.pytest.txt"
     local pytest_rc=${PIPESTATUS[0]} pytest_s=$SECONDS
 
@@ -73,6 +70,10 @@ EOF
 
 case "${1:-}" in
     prepare) prepare ;;
-    run) shift; run "$@" ;;
+    run)
+        out=${2:-${GPU_CHECK_OUT:-${OUT:-gpu_check_out}}}
+        mkdir -p "$out"
+        run "$out" 2>&1 | tee "$out/gpu_check.log"  # the pipeline waits for tee: the log is whole
+        exit "${PIPESTATUS[0]}" ;;
     *) echo "usage: scripts/gpu_check.sh prepare | run [OUT]"; exit 2 ;;
 esac
