@@ -130,7 +130,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
         for _ in range(3):  # steady state: every request decoding, the pipeline full
             engine.step()
         gaps = ex.step_gaps
-        gap0 = (gaps.gap_seconds, gaps.num_gaps) if gaps else (0.0, 0)
+        gap0 = (gaps.gap_seconds, gaps.num_gaps, gaps.busy_seconds, gaps.num_steps) if gaps else None
         start = time.perf_counter()
         for _ in range(args.decode_steps):
             engine.step()
@@ -141,6 +141,8 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
             "ms_per_step": step_s * 1e3, "bytes_read_per_step": read, "achieved_gb_s": read / step_s / 1e9,
             "roofline_fraction": read / step_s / args.peak_bandwidth,
             "roofline_ms": read / args.peak_bandwidth * 1e3,
+            # CUDA events: the GPU's own time per step (busy) and its idle time between steps
+            "gpu_busy_ms": (gaps.busy_seconds - gap0[2]) * 1e3 / max(gaps.num_steps - gap0[3], 1) if gaps else None,
             "gpu_gap_ms": (gaps.gap_seconds - gap0[0]) * 1e3 / max(gaps.num_gaps - gap0[1], 1) if gaps else None}
         if profile and b == max(batches):
             out["profile"] = _profile(engine, 5)

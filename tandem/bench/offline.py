@@ -42,7 +42,8 @@ def run_tandem(args, requests) -> dict:
     engine.reset_stats()
     prepare_before = getattr(engine.executor, "prepare_time", 0.0)
     gpu_gaps = getattr(engine.executor, "step_gaps", None)
-    gaps_before = (gpu_gaps.gap_seconds, gpu_gaps.num_gaps) if gpu_gaps else (0.0, 0)
+    gaps_before = (gpu_gaps.gap_seconds, gpu_gaps.num_gaps, gpu_gaps.busy_seconds, gpu_gaps.num_steps) \
+        if gpu_gaps else None
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params, use_tqdm=args.progress)
@@ -60,7 +61,9 @@ def run_tandem(args, requests) -> dict:
             "kv_usage_peak": engine.kv_usage_peak,
             "dtype": str(engine.executor.dtype).removeprefix("torch."),
             "preemptions": engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
-            # CUDA: the GPU idle between steps, from CUDA events (executor/step_events.py)
+            # CUDA: the GPU busy per step and idle between steps, from CUDA events (executor/step_events.py)
+            "gpu_busy_ms": None if gpu_gaps is None else (gpu_gaps.busy_seconds - gaps_before[2]) * 1e3
+            / max(gpu_gaps.num_steps - gaps_before[3], 1),
             "gpu_gap_ms": None if gpu_gaps is None else (gpu_gaps.gap_seconds - gaps_before[0]) * 1e3
             / max(gpu_gaps.num_gaps - gaps_before[1], 1)}
 
