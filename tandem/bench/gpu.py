@@ -234,9 +234,9 @@ def main(args: argparse.Namespace) -> dict:
     requests = offline.make_requests(oargs, vocab)
 
     def throughput() -> dict:
+        eager = argparse.Namespace(**{**vars(oargs), "enforce_eager": True})
         runs = {"tandem_graphs": offline.in_subprocess(offline.run_tandem, oargs, requests),
-                "tandem_eager": offline.in_subprocess(offline.run_tandem, argparse.Namespace(**{**vars(oargs), "enforce_eager": True}),
-                                                    requests),
+                "tandem_eager": offline.in_subprocess(offline.run_tandem, eager, requests),
                 "hf_generate": offline.in_subprocess(offline.run_hf, oargs, requests)}
         runs["workload"] = {**wl, "max_num_seqs": oargs.max_num_seqs, "max_num_batched_tokens":
                             oargs.max_num_batched_tokens, "dtype": args.dtype, "hf_batch_size": oargs.hf_batch_size}

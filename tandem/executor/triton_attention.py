@@ -9,8 +9,8 @@ tokens of one sequence and, for one KV head, the query heads of its group, so BL
 BLOCK_Q * group rows share every K/V tile read (GQA without expanding K/V). The program finds
 its sequence by a binary search over query_start_loc, so the grid depends only on the number
 of tokens and sequences: a CUDA graph can replay it with new metadata. It walks the context
-one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query row sees keys up to its own
-position (causal within the chunk, everything of the prefix before it).
+one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query
+row sees keys up to its own position (causal within the chunk, all of the prefix before it).
 """
 from __future__ import annotations
 
@@ -156,7 +156,8 @@ def unified_attention(
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), TILE=tile, BLOCK_Q=block_q, BLOCK_M=block_m,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), TILE=tile,
+        BLOCK_Q=block_q, BLOCK_M=block_m,
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu")
     return out
