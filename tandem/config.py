@@ -44,6 +44,10 @@ class EngineConfig:
     # worker thread; see engine/step_pipeline.py.
     async_scheduling: bool = True
     step_trace: str | None = None  # append one JSON line per executed step to this file
+    # GPU path: attention kernels (auto: Triton on CUDA when installed, else PyTorch) and CUDA
+    # graphs for decode-only steps (see executor/cuda_graphs.py), off with enforce_eager.
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
 
     @classmethod

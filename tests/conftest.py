@@ -12,6 +12,11 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; it is chosen
+# when a kernel is defined, so before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
             initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)

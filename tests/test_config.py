@@ -51,3 +51,16 @@ def test_bad_config_is_a_clear_error(tmp_path):
         load_yaml(broken)
     with pytest.raises(ValueError, match="cannot read config"):
         load_yaml(tmp_path / "missing.yaml")
+
+
+def test_attention_backend_is_honoured_or_refused(monkeypatch):
+    import torch
+
+    from tandem.executor.attention import resolve_attention_backend
+    with pytest.raises(ValueError, match="attention_backend must be auto, torch or triton"):
+        EngineConfig(attention_backend="flash")
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "torch"  # the CPU keeps its native kernel
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton"):  # not installed, or on CPU outside the interpreter
+        resolve_attention_backend("triton", cpu)

@@ -26,16 +26,24 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _peak_gpu_mb() -> float | None:
+    import torch
+    return torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_initialized() else None
+
+
 def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
     opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              **opts)
+              enforce_eager=args.enforce_eager, **opts)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
     engine.reset_stats()
     prepare_before = getattr(engine.executor, "prepare_time", 0.0)
+    gpu_gaps = getattr(engine.executor, "step_gaps", None)
+    gaps_before = (gpu_gaps.gap_seconds, gpu_gaps.num_gaps, gpu_gaps.busy_seconds, gpu_gaps.num_steps) \
+        if gpu_gaps else None
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params, use_tqdm=args.progress)
@@ -52,7 +60,12 @@ def run_tandem(args, requests) -> dict:
             "kv_utilization_mean": engine.kv_utilization_sum / steps,
             "kv_usage_peak": engine.kv_usage_peak,
             "dtype": str(engine.executor.dtype).removeprefix("torch."),
-            "preemptions": engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb()}
+            "preemptions": engine.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
+            # CUDA: the GPU busy per step and idle between steps, from CUDA events (executor/step_events.py)
+            "gpu_busy_ms": None if gpu_gaps is None else (gpu_gaps.busy_seconds - gaps_before[2]) * 1e3
+            / max(gpu_gaps.num_steps - gaps_before[3], 1),
+            "gpu_gap_ms": None if gpu_gaps is None else (gpu_gaps.gap_seconds - gaps_before[0]) * 1e3
+            / max(gpu_gaps.num_gaps - gaps_before[1], 1)}
 
 
 def run_hf(args, requests) -> dict:
@@ -62,26 +75,31 @@ def run_hf(args, requests) -> dict:
     import transformers as tf
     from tqdm import tqdm
 
-    from tandem.executor.device import resolve_dtype
+    from tandem.executor.device import resolve_device, resolve_dtype
     from tandem.models.loader import resolve_model
-    dtype = resolve_dtype(args.hf_dtype or args.dtype, torch.device("cpu"))
-    model = tf.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.hf_dtype or args.dtype, device)
+    model = tf.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).to(device).eval()
+    with torch.inference_mode():  # warm-up (CUDA context, kernels), as tandem has
+        model.generate(torch.ones(1, 4, dtype=torch.long, device=device), max_new_tokens=2, pad_token_id=0)
     start = time.perf_counter()
     tokens = 0
     with torch.inference_mode():
         for i in tqdm(range(0, len(requests), args.hf_batch_size), desc="hf generate"):
             batch = requests[i:i + args.hf_batch_size]
             width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
             new = max(o for _, o in batch)
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                            min_new_tokens=new, pad_token_id=0)
             tokens += sum(o for _, o in batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
             "dtype": str(dtype).removeprefix("torch."), "batch_size": args.hf_batch_size,
-            "peak_rss_mb": _peak_rss_mb()}
+            "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()}
 
 
 def _print_run(t: dict) -> None:
@@ -121,7 +139,8 @@ def _child(fn, args, requests, queue) -> None:
     queue.put(fn(args, requests))
 
 
-def _in_process(fn, args, requests) -> dict:
+def in_subprocess(fn, args, requests) -> dict:
+    """fn(args, requests) in a fresh process (its peak memory is its own)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, requests, queue))
@@ -144,6 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling with execution (default: the engine's default)")
     p.add_argument("--compare-async", action="store_true",
@@ -163,16 +183,16 @@ def main(args: argparse.Namespace) -> dict:
     requests = make_requests(args, vocab)
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")}}
     if args.compare_async:  # without overlap first, then with it ("tandem")
-        off = report["tandem_sync"] = _in_process(run_tandem, _replace(args, async_scheduling=False), requests)
+        off = report["tandem_sync"] = in_subprocess(run_tandem, _replace(args, async_scheduling=False), requests)
         _print_run(off)
         args = _replace(args, async_scheduling=True)
-    t = report["tandem"] = _in_process(run_tandem, args, requests)
+    t = report["tandem"] = in_subprocess(run_tandem, args, requests)
     _print_run(t)
     if args.compare_async:
         report["ratio_async"] = t["output_throughput"] / off["output_throughput"]
         _print_async_table(off, t)
     if args.compare == "hf":
-        h = report["hf"] = _in_process(run_hf, args, requests)
+        h = report["hf"] = in_subprocess(run_hf, args, requests)
         report["ratio"] = t["output_throughput"] / h["output_throughput"]
         print(f"hf:     {h['output_tokens']} tokens in {h['seconds']:.1f}s = {h['output_throughput']:.1f} tok/s "
               f"({h['dtype']}, batch {h['batch_size']}, peak RSS {h['peak_rss_mb']:.0f} MiB)")

@@ -6,12 +6,16 @@ shared by every layer. The batch is ordered decodes first, by context length. On
 single-token queries run in one call of a native paged kernel that reads K/V in place
 (kernels/cpu_paged_attention.cpp); elsewhere, or without a compiler, they run as a few padded
 SDPA calls over buckets of similar length (padding costs bandwidth). Each multi-token
-(prefill) query runs its own causal SDPA call.
+(prefill) query runs its own causal SDPA call. On CUDA (`triton` backend) one Triton launch
+writes the layer's K/V and one attends for the whole batch (executor/triton_attention.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -40,14 +44,32 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] context length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     num_decodes: int  # the first num_decodes sequences have one query token each
-    decodes: list[DecodeBucket]  # empty when decode_kernel runs them
-    prefills: list[PrefillSpan]
+    decodes: list[DecodeBucket]  # empty when decode_kernel or Triton runs them
+    prefills: list[PrefillSpan]  # empty with Triton
     block_size: int = 16
     decode_kernel: Callable | None = None  # native paged decode attention, when available
+    triton: bool = False  # the Triton kernels run the whole batch
+    max_query_len: int = 1
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto: Triton on CUDA when it is installed, else PyTorch. Triton on CPU runs only in its
+    interpreter (TRITON_INTERPRET=1, for tests). Triton is imported only when it is chosen (it
+    costs ~90 MiB of RSS)."""
+    installed = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and installed else "torch"
+    if name == "triton":
+        if not installed:
+            raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend 'triton' on CPU runs only under TRITON_INTERPRET=1 (slow; tests)")
+    return name
 
 
 class TorchAttention:
-    """The default backend. KV cache layout: [2, num_slots, num_kv_heads, head_dim]."""
+    """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when meta.triton.
+    KV cache layout: [2, num_slots, num_kv_heads, head_dim]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -59,6 +81,12 @@ class TorchAttention:
         kv_cache: torch.Tensor, meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
+        if meta.triton:
+            from tandem.executor import triton_attention
+            triton_attention.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+            return triton_attention.unified_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                meta.block_size, self.scale).view(q.shape[0], -1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)

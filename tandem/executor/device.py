@@ -1,6 +1,7 @@
 """Choosing device, dtype and KV cache size for the machine at hand."""
 from __future__ import annotations
 
+import numpy as np
 import psutil
 import torch
 
@@ -32,3 +33,13 @@ def default_kv_cache_memory(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
     return int(min(psutil.virtual_memory().available * 0.25, 2 << 30))
+
+
+def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array on the device without a host sync: on CUDA through pinned memory, copied
+    asynchronously (torch keeps the pinned buffer alive until the copy is done). A plain
+    `.to("cuda")` from pageable memory waits for everything queued on the stream."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

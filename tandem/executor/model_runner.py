@@ -12,10 +12,12 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
-from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan
-from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
+from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan, resolve_attention_backend
+from tandem.executor.cuda_graphs import CUDAGraphRunner
+from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from tandem.executor.step_events import StepGapTimer
 from tandem.models.llama import LlamaForCausalLM, ModelConfig
 from tandem.models.loader import iter_weights, load_config
 
@@ -67,10 +69,18 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.decode_kernel = None
-        if self.device.type == "cpu" and cfg.head_dim in (64, 128):
+        if self.attention_backend == "torch" and self.device.type == "cpu" and cfg.head_dim in (64, 128):
             ext = cpu_paged_attention()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
+        self.graph_runner = None
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            max_len = config.max_model_len or min(cfg.max_position_embeddings, num_slots)
+            self.graph_runner = CUDAGraphRunner(self.model, self.kv_caches, self.block_size,
+                                                -(-max_len // self.block_size), config.max_num_seqs, self.device)
+            self.graph_runner.capture()
+        self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = Sampler()
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
@@ -160,14 +170,21 @@ class ModelRunner:
                        key=lambda kv: (kv[1] > 1, self.requests[kv[0]].num_computed_tokens))
         states = [self.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
-        input_ids, positions, meta, logits_rows = self._prepare_inputs(states, counts)
+        input_ids, positions, meta, logits_rows, logits_index = self._prepare_inputs(states, counts)
         self.prepare_time += time.perf_counter() - start
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.step_gaps is not None:
+            self.step_gaps.step_started()
+        logits = None if self.graph_runner is None else self.graph_runner.run(input_ids, positions, meta)
+        if logits is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         out = ModelRunnerOutput()
         if logits_rows:
             rows = [states[i] for i in logits_rows]
-            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][logits_rows] - 1])
+            if logits is None:
+                logits = self.model.compute_logits(hidden[logits_index])
+            else:  # a graph computed every row's (a decode-only step: every row samples)
+                logits = logits[logits_index]
             sampling = SamplingMetadata.build(
                 [SamplingRow(s.params,
                              # the prompt is only read by the repetition penalty: skip the copy
@@ -183,8 +200,8 @@ class ModelRunner:
                     out.logprobs[s.req_id] = [result.logprobs[i]]
         for s, n in zip(states, counts.tolist()):
             s.num_computed_tokens += n
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.step_gaps is not None:
+            self.step_gaps.step_ended()
         out.execute_time = time.perf_counter() - start
         return out
 
@@ -211,7 +228,8 @@ class ModelRunner:
 
         num_decodes = int(np.searchsorted(counts, 2))  # counts are sorted: 1s first
         decodes = []
-        buckets = [] if self.decode_kernel is not None else _length_buckets(seq_lens[:num_decodes])
+        triton = self.attention_backend == "triton"  # its kernels read the block tables themselves
+        buckets = [] if self.decode_kernel is not None or triton else _length_buckets(seq_lens[:num_decodes])
         for start, end in buckets:
             grid = np.arange(int(seq_lens[end - 1]))
             slots = block_tables[start:end, grid // bs] * bs + grid % bs
@@ -219,7 +237,7 @@ class ModelRunner:
             decodes.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(dev),
                                         torch.from_numpy(mask[:, None, None, :]).to(dev)))
         prefills = []
-        for i in range(num_decodes, b):
+        for i in range(num_decodes, b) if not triton else ():
             ctx = np.arange(int(seq_lens[i]))
             slots = torch.from_numpy(block_tables[i, ctx // bs] * bs + ctx % bs).to(dev)
             mask = None
@@ -230,15 +248,16 @@ class ModelRunner:
 
         logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
+            slot_mapping=to_device(slot_mapping, dev),
+            block_tables=to_device(block_tables, dev),
+            seq_lens=to_device(seq_lens, dev),
+            query_start_loc=to_device(qsl, dev),
             num_decodes=num_decodes, decodes=decodes, prefills=prefills,
-            block_size=bs, decode_kernel=self.decode_kernel,
+            block_size=bs, decode_kernel=self.decode_kernel, triton=triton, max_query_len=int(counts.max()),
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta, logits_rows
+        input_ids = to_device(np.array(ids, dtype=np.int64), dev)
+        logits_index = to_device(qsl[1:][logits_rows] - 1, dev)
+        return input_ids, to_device(positions, dev), meta, logits_rows, logits_index
 
 
 def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:

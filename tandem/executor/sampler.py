@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.executor.device import to_device
 
 _NEG_INF = float("-inf")
 # Stands in for a greedy row's options in the random path: temperature 1, no top-k/top-p/min-p.
@@ -49,12 +50,13 @@ def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tens
     padded = np.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=np.int64)
     for i, ids in enumerate(rows):
         padded[i, :len(ids)] = ids
-    return torch.from_numpy(padded).to(device)
+    return to_device(padded, device)
 
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Per-step batch of sampling options, built once per step from the rows' requests.
+    """Per-step batch of sampling options, built once per step from the rows' requests (copied to
+    the device without a host sync).
 
     Optional tensors are None when no row needs them, so the common cases skip their work.
     """
@@ -84,7 +86,7 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         all_greedy = all(greedy)
         temperature = greedy_mask = top_k = top_p = min_p = None
@@ -93,11 +95,11 @@ class SamplingMetadata:
             sampling = [_NEUTRAL if g else p for p, g in zip(params, greedy)]
             temperature = floats([p.temperature for p in sampling])
             if any(greedy):
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+                greedy_mask = to_device(torch.tensor(greedy, dtype=torch.bool), device)
             ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sampling]
             max_top_k = max((k for k in ks if k < vocab_size), default=0)
             if max_top_k:
-                top_k = torch.tensor(ks, dtype=torch.long, device=device)
+                top_k = to_device(torch.tensor(ks, dtype=torch.long), device)
             if any(p.top_p < 1.0 for p in sampling):
                 top_p = floats([p.top_p for p in sampling])
             if any(p.min_p > 0.0 for p in sampling):
@@ -128,8 +130,8 @@ class SamplingMetadata:
                 blocked_ids += ids
         min_tokens_blocked = None
         if blocked_ids:
-            min_tokens_blocked = (torch.tensor(blocked_rows, dtype=torch.long, device=device),
-                                  torch.tensor(blocked_ids, dtype=torch.long, device=device))
+            min_tokens_blocked = (to_device(torch.tensor(blocked_rows, dtype=torch.long), device),
+                                  to_device(torch.tensor(blocked_ids, dtype=torch.long), device))
 
         num_logprobs = [p.logprobs for p in params]
         max_num_logprobs = max((k for k in num_logprobs if k is not None), default=None)

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")
+    p.add_argument("--attention-backend", dest="attention_backend", choices=["auto", "torch", "triton"],
+                   default=None, help="attention kernels (auto: Triton on CUDA when installed, else PyTorch)")
+    p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+                   help="no CUDA graphs: run decode steps eagerly too")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")

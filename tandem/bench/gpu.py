@@ -1,0 +1,261 @@
+"""`tandem bench gpu`: the GPU check of issue 14 in one run, written to one JSON file.
+
+1. Greedy equality with transformers (fp32, on the device) for the given model and a tiny
+   random GQA Llama: a mixed batch, chunked prefill with preemption, prefix-cache hits; with
+   CUDA graphs on and off.
+2. Offline throughput (each run in its own process): tandem with graphs on and off against
+   transformers' batched generate, on the same requests and device.
+3. Decode step time at the given batch sizes, graphs on and off, beside the bandwidth
+   roofline: (weight bytes + KV bytes read) per step / step time, against --peak-bandwidth.
+4. A torch.profiler table of decode steps at the largest batch: where the time goes.
+
+`--tiny` shrinks every part (a dry run on CPU takes seconds; scripts/gpu_check.sh wraps the
+real one)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tandem.bench import offline
+
+
+def _tiny_model(folder: Path) -> str:
+    """A random 2-layer GQA Llama (4 query heads over 2 KV heads, head_dim 32)."""
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                            initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+def _new_llm(model: str, **options):
+    """An LLM, after the memory of the ones before it is given back (an engine is a reference
+    cycle: only the collector frees it)."""
+    import torch
+    from tandem import LLM
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return LLM(model, **options)
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
+    import torch
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int) -> dict:
+    """{case: {"graphs"|"eager": {"equal", "mismatched", ...}}} against transformers' greedy tokens."""
+    import torch
+    from tandem import SamplingParams
+    from tandem.models.llama import ModelConfig
+    from tandem.models.loader import load_config
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 200))] for _ in range(n)]
+    shared = [rng.randrange(vocab) for _ in range(64)]
+    prefixed = [shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+    ref = _hf_greedy(model_dir, prompts + prefixed, max_new, torch.device(device))
+    longest = max(map(len, prompts)) + max_new
+    per_block = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32) * 16
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    cases = {  # name: (engine options, prompts, reference)
+        "mixed_batch": ({}, prompts, ref[:n]),
+        "chunked_prefill_preemption": ({"max_num_batched_tokens": 64, "enable_prefix_caching": False,
+                                        # room for the longest request and two blocks more: preemptions
+                                        "kv_cache_memory": per_block * (longest // 16 + 3)},
+                                       prompts, ref[:n]),
+        "prefix_hits": ({}, prefixed, ref[n:]),
+    }
+    report = {}
+    for name, (opts, ps, expected) in cases.items():
+        for eager in (False, True):
+            llm = _new_llm(model_dir, dtype="float32", device=device, enforce_eager=eager,
+                           **{"kv_cache_memory": 256 << 20, **opts})
+            if name == "prefix_hits":
+                outs = llm.generate(ps[:1], params) + llm.generate(ps[1:], params)
+            else:
+                outs = llm.generate(ps, params)
+            got = [o.outputs[0].token_ids for o in outs]
+            mismatched = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+            report.setdefault(name, {})["eager" if eager else "graphs"] = {
+                "equal": not mismatched, "mismatched": mismatched, "requests": len(ps),
+                "graphs_captured": llm.engine.executor.graph_runner is not None,
+                "preemptions": llm.engine.scheduler.num_preemptions,
+                "prefix_hit_tokens": llm.engine.kv_manager.stats.hits}
+            llm.engine.pipeline.shutdown()
+    return report
+
+
+def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
+    """Per batch size: ms per decode step (engine.step, steady state) and the roofline."""
+    from tandem import SamplingParams
+    llm = _new_llm(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
+                   max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, enforce_eager=eager)
+    engine, ex = llm.engine, llm.engine.executor
+    weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in ex.model.modules()
+                        if getattr(m, "packed", None) is not None)
+    if ex.model.lm_head is not None:  # a step reads only its tokens' rows of the embedding
+        weight_bytes -= ex.model.embed_tokens.weight.numel() * ex.model.embed_tokens.weight.element_size()
+    kv_per_token = ex.model_config.kv_bytes_per_token(ex.dtype)
+    rng = random.Random(1)
+    out = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "batches": {}}
+    if ex.graph_runner is not None:
+        out["capture_seconds"], out["capture_mib"] = ex.graph_runner.capture_seconds, ex.graph_runner.capture_bytes / 2**20
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for b in batches:
+        ids = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params)
+               for _ in range(b)]
+        while any(r.num_computed_tokens < args.decode_prompt for r in engine.scheduler.requests.values()):
+            engine.step()
+        for _ in range(3):  # steady state: every request decoding, the pipeline full
+            engine.step()
+        gaps = ex.step_gaps
+        gap0 = (gaps.gap_seconds, gaps.num_gaps, gaps.busy_seconds, gaps.num_steps) if gaps else None
+        start = time.perf_counter()
+        for _ in range(args.decode_steps):
+            engine.step()
+        step_s = (time.perf_counter() - start) / args.decode_steps
+        context = args.decode_prompt + 3 + args.decode_steps // 2  # mean context over the timed steps
+        read = weight_bytes + b * context * kv_per_token
+        out["batches"][b] = {
+            "ms_per_step": step_s * 1e3, "bytes_read_per_step": read, "achieved_gb_s": read / step_s / 1e9,
+            "roofline_fraction": read / step_s / args.peak_bandwidth,
+            "roofline_ms": read / args.peak_bandwidth * 1e3,
+            # CUDA events: the GPU's own time per step (busy) and its idle time between steps
+            "gpu_busy_ms": (gaps.busy_seconds - gap0[2]) * 1e3 / max(gaps.num_steps - gap0[3], 1) if gaps else None,
+            "gpu_gap_ms": (gaps.gap_seconds - gap0[0]) * 1e3 / max(gaps.num_gaps - gap0[1], 1) if gaps else None}
+        if profile and b == max(batches):
+            out["profile"] = _profile(engine, 5)
+        for i in ids:
+            engine.abort_request(i)
+        while engine.has_unfinished_requests():
+            engine.step()
+    llm.engine.pipeline.shutdown()
+    return out
+
+
+def _profile(engine, steps: int) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch._C._profiler import _ExperimentalConfig
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:  # the steps run on the executor's worker thread (async scheduling)
+        config = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: CUDA kernels are still recorded, host ops of that thread not
+        config = None
+    with profile(activities=activities, experimental_config=config) as prof:
+        for _ in range(steps):
+            engine.step()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=20)
+
+
+def _environment(args) -> dict:
+    import torch
+    import transformers
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+           "transformers": transformers.__version__, "device": args.device, "model": args.model}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="folder for gpu_check.json")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", help="for throughput and decode timing (equality is fp32)")
+    p.add_argument("--tiny", action="store_true", help="a dry run: tiny model and workload (seconds on CPU)")
+    p.add_argument("--kv-cache-memory", type=int, default=16 << 30)
+    p.add_argument("--peak-bandwidth", type=float, default=4.3e12, help="bytes/s (H200 device copy: 4.3e12)")
+    p.add_argument("--decode-prompt", type=int, default=256, help="context of each request when decode is timed")
+    p.add_argument("--decode-steps", type=int, default=30)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: equality,offline,decode")
+
+
+def main(args: argparse.Namespace) -> dict:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    tmp = tempfile.TemporaryDirectory()
+    if args.tiny:
+        args.model = _tiny_model(Path(tmp.name) / "tiny-main")
+        args.kv_cache_memory, args.decode_prompt, args.decode_steps = 64 << 20, 16, 4
+    from tandem.models.llama import ModelConfig
+    from tandem.models.loader import load_config, resolve_model
+    model_dir = str(resolve_model(args.model))
+    vocab = ModelConfig.from_hf(load_config(model_dir)).vocab_size
+    report: dict = {"environment": _environment(args)}
+
+    def part(name: str, fn):
+        if name in skip:
+            return
+        t0 = time.perf_counter()
+        report[name] = fn()
+        report.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        print(f"== {name} ({report['seconds'][name]:.1f} s)\n{json.dumps(report[name], indent=1)[:6000]}", flush=True)
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))  # what is done so far survives
+
+    n_eq, new_eq = (4, 6) if args.tiny else (8, 24)
+    part("equality", lambda: {"model": check_equality(model_dir, args.device, new_eq, n_eq, vocab),
+                              "tiny_llama": check_equality(_tiny_model(Path(tmp.name) / "tiny-eq"), args.device,
+                                                           new_eq, n_eq, 512)})
+    wl = dict(num_requests=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16) if args.tiny else \
+        dict(num_requests=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
+    oargs = argparse.Namespace(model=model_dir, dtype=args.dtype, device=args.device, seed=0, max_num_seqs=256,
+                               max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory,
+                               async_scheduling=None, progress=False, hf_dtype=None, hf_batch_size=256,
+                               enforce_eager=False, **wl)
+    requests = offline.make_requests(oargs, vocab)
+
+    def throughput() -> dict:
+        eager = argparse.Namespace(**{**vars(oargs), "enforce_eager": True})
+        runs = {"tandem_graphs": offline.in_subprocess(offline.run_tandem, oargs, requests),
+                "tandem_eager": offline.in_subprocess(offline.run_tandem, eager, requests),
+                "hf_generate": offline.in_subprocess(offline.run_hf, oargs, requests)}
+        runs["workload"] = {**wl, "max_num_seqs": oargs.max_num_seqs, "max_num_batched_tokens":
+                            oargs.max_num_batched_tokens, "dtype": args.dtype, "hf_batch_size": oargs.hf_batch_size}
+        runs["ratio_vs_hf"] = runs["tandem_graphs"]["output_throughput"] / runs["hf_generate"]["output_throughput"]
+        runs["ratio_graphs_vs_eager"] = (runs["tandem_graphs"]["output_throughput"]
+                                         / runs["tandem_eager"]["output_throughput"])
+        return runs
+    part("offline", throughput)
+    batches = [1, 4] if args.tiny else [1, 64, 256]
+    part("decode", lambda: {"graphs": decode_steps(args, batches, eager=False, profile=True),
+                            "eager": decode_steps(args, batches, eager=True, profile=False)})
+    tmp.cleanup()
+    print(f"wrote {out_dir / 'gpu_check.json'}")
+    return report
+
+
+if __name__ == "__main__":  # scripts/gpu_check.sh: without the CLI, which imports every command's module
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="tandem bench gpu", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())

@@ -1,0 +1,163 @@
+"""Paged attention on CUDA in Triton: one launch per layer writes the step's K/V into the cache
+(`reshape_and_cache`), one launch per layer attends for the whole flattened batch, prefill
+chunks and decodes together (`unified_attention`), reading K/V in place through the block
+tables. Under TRITON_INTERPRET=1 both run on CPU tensors (the test suite checks them there
+against executor/attention.py).
+
+The attention kernel follows vLLM's triton_unified_attention: a program takes BLOCK_Q query
+tokens of one sequence and, for one KV head, the query heads of its group, so BLOCK_M =
+BLOCK_Q * group rows share every K/V tile read (GQA without expanding K/V). The program finds
+its sequence by a binary search over query_start_loc, so the grid depends only on the number
+of tokens and sequences: a CUDA graph can replay it with new metadata. It walks the context
+one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query
+row sees keys up to its own position (causal within the chunk, all of the prefix before it).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path never needs it
+    triton = tl = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                                  stride_kt, stride_vt, stride_ct, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:  # -1: a padding token of a CUDA-graph batch
+            offs = tl.arange(0, ROW_PAD)
+            mask = offs < ROW
+            k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+            v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+            tl.store(k_cache_ptr + slot * stride_ct + offs, k, mask=mask)
+            tl.store(v_cache_ptr + slot * stride_ct + offs, v, mask=mask)
+
+    # num_seqs and block_size are plain arguments, not specialised: one compiled kernel serves
+    # every batch (1 included) and block size of a model.
+    @triton.jit(do_not_specialize=["num_seqs", "block_size"])
+    def _unified_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+        scale, num_seqs, block_size,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        q_block = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        # Sequence s owns q blocks [qsl[s] // BLOCK_Q + s, ...): the last s whose first block <= q_block.
+        lo, hi = 0, num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= q_block:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query token of this program
+        if first < q_len:
+            seq_len = tl.load(seq_lens_ptr + seq)
+            context = seq_len - q_len
+            rows = tl.arange(0, BLOCK_M)
+            tok = first + rows // GROUP
+            head = kv_head * GROUP + rows % GROUP
+            row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+            d = tl.arange(0, HEAD_PAD)
+            d_ok = d < HEAD_DIM
+            q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q_pos = context + tok  # each row's position in the sequence
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            denom = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+            # Keys this program can see: up to its last query token's position.
+            kv_end = tl.minimum(seq_len, context + first + BLOCK_Q)
+            offs = tl.arange(0, TILE)
+            for j in range(0, tl.cdiv(kv_end, TILE)):
+                # A tile is one KV block, or several when blocks are smaller than a tl.dot tile.
+                k_pos = j * TILE + offs
+                k_ok = k_pos < kv_end
+                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok, other=0)
+                slot = block * block_size + k_pos % block_size
+                kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+                kv_ok = k_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+                v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+                if IEEE:
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = s * scale
+                s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (padding)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                denom = denom * alpha + tl.sum(p, 1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+            acc = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+            tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Token t goes to slot slot_mapping[t]
+    (skipped where it is -1). One launch for K and V of every token of the layer."""
+    k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+    row = k.shape[1]
+    _reshape_and_cache_kernel[(k.shape[0],)](
+        k, v, kv_cache[0], kv_cache[1], slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(1),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+
+@functools.cache
+def _tiles(group: int, max_query_len: int, block_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE). Decode-only steps: 16 query rows (the smallest tl.dot tile) and
+    64 keys per iteration (fewer serial iterations per program: latency). Once a prefill chunk is
+    in the batch, 64 rows, so a chunk's queries share each K/V tile read, over 32 keys."""
+    decode = max_query_len == 1
+    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
+    return block_m, block_m // group, max(block_size, 64 if decode else 32)
+
+
+def unified_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, max_query_len: int, block_size: int, scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D] (the batch's query tokens, sequence after sequence); returns [T, Hq, D].
+    seq_lens are context lengths after this step; query_start_loc is [num_seqs + 1]."""
+    num_tokens, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    block_m, block_q, tile = _tiles(group, max_query_len, block_size)
+    out = torch.empty_like(q)
+    # An upper bound on the q blocks over all sequences; programs past the last one exit.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs, block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), TILE=tile,
+        BLOCK_Q=block_q, BLOCK_M=block_m,
+        # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
+        IEEE=q.dtype == torch.float32 or q.device.type == "cpu")
+    return out
