@@ -1,5 +1,5 @@
 """A tiny random Llama with a real (fast, byte-level BPE) tokenizer of its whole 512-token
-vocabulary, all of it ASCII, so any token sequence decodes to clean text: what structured-output
+vocabulary, all of it ASCII, and a plain chat template, so any token sequence decodes to clean text: what structured-output
 tests need (the grammar engine matches bytes of tokens)."""
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import string
 from pathlib import Path
 
 EOS = "<eos>"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def with_tokenizer(model_dir: str, dst: Path, vocab_size: int = 512) -> str:
@@ -26,5 +28,7 @@ def with_tokenizer(model_dir: str, dst: Path, vocab_size: int = 512) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(dst)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(dst)
     return str(dst)
