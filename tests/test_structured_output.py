@@ -159,14 +159,14 @@ def test_structured_outputs_params_validation():
         StructuredOutputsParams(json="{nope")
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
-    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"b":1,  "a":2}').key
 
 
 def test_compiled_grammars_are_cached_by_text(model_dir):
     llm = _llm(model_dir)
     compiler = llm.engine.grammar_compiler
     first = compiler.compile(StructuredOutputsParams(json=SCHEMA))
-    assert compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True))) is first
+    assert compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2))) is first
     assert compiler.compile(StructuredOutputsParams(regex="a+")) is not first
 
 
@@ -174,3 +174,16 @@ def test_a_model_without_tokenizer_refuses_constraints(tiny_model_dirs):
     llm = _llm(tiny_model_dirs["llama"])
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate([[1, 2, 3]], _params(KINDS[2]))
+
+
+def test_step_trace_carries_the_masking_cost(model_dir, tmp_path, capsys):
+    import argparse
+
+    from tandem.bench import steps as bench_steps
+    path = tmp_path / "steps.jsonl"
+    llm = _llm(model_dir, step_trace=str(path))
+    llm.generate(_prompts(4), [_params(KINDS[0] if i % 2 else None, max_tokens=8, ignore_eos=True) for i in range(4)])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(0 < s["structured_output_seconds"] < s["seconds"] for s in lines)
+    bench_steps.main(argparse.Namespace(trace=path))
+    assert f"grammar masks: {len(lines)} steps" in capsys.readouterr().out

@@ -52,8 +52,8 @@ class StructuredOutputsParams:
         """(kind, text): what compiled grammars are cached by."""
         kind = self.kind
         if kind == "json":
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            text = json.dumps(schema, sort_keys=True)
+            # Canonical text, in the schema's own key order (which the output follows).
+            text = json.dumps(json.loads(self.json) if isinstance(self.json, str) else self.json)
         elif kind == "choice":
             text = json.dumps(list(self.choice))
         else:

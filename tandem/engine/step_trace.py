@@ -23,4 +23,5 @@ class StepTrace:
             "throttled_prefill_tokens": sched.num_throttled_prefill_tokens,
             "throttle": scheduler.lower_prefill_tokens,
             "waiting": len(scheduler.waiting), "running": len(scheduler.running),
+            "structured_output_seconds": done.result.structured_output_time,  # grammar masks, within `seconds`
         }) + "\n")

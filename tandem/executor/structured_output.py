@@ -26,6 +26,7 @@ class StructuredOutputMatchers:
         self.compiler = compiler
         self._matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self.seconds = 0.0  # spent in apply(), summed (tandem bench structured)
 
     def add(self, req_id: str, so: StructuredOutputsParams, output_token_ids: list[int]) -> None:
         """A matcher over the compiled grammar, advanced over the tokens already generated (a
@@ -64,7 +65,9 @@ class StructuredOutputMatchers:
             allowed[done, self.compiler.eos_token_id] = True
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        return elapsed
 
     def accept(self, req_id: str, token_id: int) -> None:
         """Advance a constrained request's matcher with its sampled token."""
