@@ -54,8 +54,9 @@ def test_every_kind_of_constraint_over_30_prompts(client):
                                 max_tokens=20, extra_body={"guided_regex": regex}),
         "choice": lambda t: dict(messages=f"Is a {t} a fruit or an animal?", max_tokens=5,
                                  extra_body={"structured_outputs": {"choice": ["fruit", "animal"]}}),
+        # One call per response: left free, this small model appends calls until max_tokens.
         "tools": lambda t: dict(messages=f"What is the weather where the {t} lives?", max_tokens=80, tools=TOOLS,
-                                tool_choice="required"),
+                                tool_choice="required", parallel_tool_calls=False),
     }
 
     def ask(kind: str, topic: str):
