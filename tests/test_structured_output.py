@@ -89,20 +89,31 @@ def test_greedy_output_unchanged_where_it_already_satisfied_the_constraint(model
 
 
 @ASYNC
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_matchers_survive_preemption(model_dir, mode, async_scheduling):
+@pytest.mark.parametrize("policy, mode", [("fcfs", "recompute"), ("fcfs", "swap"), ("multilevel", "auto")])
+def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     prompts = _prompts(6, seed=11)
     sos = [KINDS[0], KINDS[2], KINDS[4]] * 2
     params = [_params(so, max_tokens=30) for so in sos]
     ref = [o.outputs[0].token_ids for o in _llm(model_dir).generate(prompts, params)]
     per_token = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32)
     llm = _llm(model_dir, block_size=4, kv_cache_memory=per_token * 4 * 24, enable_prefix_caching=False,
-               preemption_mode=mode, async_scheduling=async_scheduling)
+               preemption_mode=mode, scheduler_policy=policy, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.preemptions_by_mode[mode] > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
     for so, o in zip(sos, outs):
         _check(so, o.outputs[0].text, o.outputs[0].finish_reason)
+
+
+def test_every_sampling_mode_in_one_batch(model_dir):
+    llm = _llm(model_dir)
+    so = KINDS[0]
+    modes = [dict(temperature=0.7, top_k=5), dict(temperature=1.0, min_p=0.2, seed=4), dict(repetition_penalty=1.3),
+             dict(frequency_penalty=1.0, presence_penalty=0.5), dict(temperature=0.9, top_p=0.5, logprobs=2)]
+    outs = llm.generate(_prompts(len(modes)), [_params(so, max_tokens=40, **m) for m in modes])
+    for out in outs:
+        _check(so, out.outputs[0].text, out.outputs[0].finish_reason)
+    assert all(len(entry) == 3 for entry in outs[-1].outputs[0].logprobs)
 
 
 @ASYNC

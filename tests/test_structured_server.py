@@ -143,6 +143,16 @@ def test_bad_input_is_a_400_naming_it_and_the_server_keeps_serving(server, body,
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("a", "b")
 
 
+def test_logprobs_of_masked_tokens_stay_valid_json(server):
+    url, _ = server
+    r = _post(url, "/v1/chat/completions", {"messages": CHAT, "guided_choice": ["a"], "logprobs": True, "top_logprobs": 5})
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert tops[0]["token"] == "a" and [t["logprob"] for t in tops[1:]] == [-9999.0] * 4
+    r = _post(url, "/v1/completions", {"prompt": "x", "guided_choice": ["a"], "logprobs": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"][0] <= 0
+
+
 def test_a_schema_too_large_to_compile_in_time_is_a_400(server):
     url, llm = server
     huge = {"type": "object", "properties": {

@@ -39,6 +39,11 @@ def latency_split(outs: list[RequestOutput]) -> dict:
     return {k: worst[k] for k in ("queue_time", "prefill_time", "decode_time")}
 
 
+def _logprob(lp: float) -> float:
+    """A token masked out by a grammar has logprob -inf, which JSON cannot carry: -9999 (as vLLM)."""
+    return max(lp, -9999.0)
+
+
 def _token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
@@ -48,8 +53,8 @@ def completion_logprobs(tokenizer, entries: list[list[tuple[int, float]]], offse
     for entry in entries:
         text = _token_str(tokenizer, entry[0][0])
         tokens.append(text)
-        token_lps.append(entry[0][1])
-        tops.append({_token_str(tokenizer, t): lp for t, lp in entry[1:]} or None)
+        token_lps.append(_logprob(entry[0][1]))
+        tops.append({_token_str(tokenizer, t): _logprob(lp) for t, lp in entry[1:]} or None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -58,7 +63,7 @@ def completion_logprobs(tokenizer, entries: list[list[tuple[int, float]]], offse
 def chat_logprobs(tokenizer, entries: list[list[tuple[int, float]]]) -> dict:
     def item(t: int, lp: float) -> dict:
         s = _token_str(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": _logprob(lp), "bytes": list(s.encode())}
     return {"content": [{**item(*e[0]), "top_logprobs": [item(t, lp) for t, lp in e[1:]]} for e in entries]}
 
 
