@@ -40,7 +40,8 @@ class GrammarCompiler:
         # Two threads: a schema still compiling past its timeout does not block the next one.
         self._worker = ThreadPoolExecutor(2, thread_name_prefix="tandem-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._init_lock = threading.Lock()  # building the tokenizer info (once, ~0.4 s), on a worker
 
     def compile(self, so: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar; the same one for the same constraint text."""
@@ -71,7 +72,7 @@ class GrammarCompiler:
     def _compile(self, so: StructuredOutputsParams):
         import xgrammar as xgr
 
-        with self._lock:
+        with self._init_lock:
             if self._xgr_compiler is None:
                 stop = [self.eos_token_id] if self.eos_token_id is not None else None
                 info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
