@@ -25,7 +25,6 @@ class StructuredOutputMatchers:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
-        self._shifts = torch.arange(32, dtype=torch.int32)
         self.seconds = 0.0  # spent in apply(), summed (tandem bench structured)
 
     def add(self, req_id: str, so: StructuredOutputsParams, output_token_ids: list[int]) -> None:
@@ -44,27 +43,27 @@ class StructuredOutputMatchers:
         self._matchers.pop(req_id, None)
 
     def apply(self, logits: torch.Tensor, req_ids: list[str]) -> float:
-        """Set disallowed tokens to -inf in the rows of constrained requests (in place).
-        Returns the seconds it took (the step trace's masking cost)."""
+        """Set disallowed tokens to -inf in the rows of constrained requests (in place, with
+        xgrammar's kernel for the logits' device). Returns the seconds it took (the step
+        trace's masking cost)."""
+        import xgrammar as xgr
+
         start = time.perf_counter()
         rows = [i for i, r in enumerate(req_ids) if r in self._matchers]
         if not rows:
             return 0.0
         # One int32 word per 32 tokens: bit j of word w allows token 32 * w + j.
-        bitmask = torch.empty(len(rows), (self.compiler.vocab_size + 31) // 32, dtype=torch.int32)
-        done = []
-        for k, i in enumerate(rows):
+        bitmask = torch.full((len(req_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        eos = self.compiler.eos_token_id
+        for i in rows:
             matcher = self._matchers[req_ids[i]]
-            if matcher.is_terminated():
-                done.append(k)  # accepted its stop token already (ignore_eos): nothing more to add
-            else:
-                matcher.fill_next_token_bitmask(bitmask, k)
-        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).view(len(rows), -1)[:, :logits.shape[-1]].bool()
-        if done and self.compiler.eos_token_id is not None:
-            allowed[done] = False
-            allowed[done, self.compiler.eos_token_id] = True
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, i)
+            elif eos is not None:  # accepted its stop token already (ignore_eos): only EOS again
+                bitmask[i] = 0
+                bit = 1 << (eos % 32)
+                bitmask[i, eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
         return elapsed
