@@ -43,7 +43,9 @@ def run(args) -> dict:
     from tandem import LLM, SamplingParams
     from tandem.core.sampling_params import StructuredOutputsParams
 
-    llm = LLM(args.model, max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory)
+    # No prefix cache: both arms send the same prompts, and the later arm would skip their prefill.
+    llm = LLM(args.model, max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory,
+              enable_prefix_caching=False)
     engine = llm.engine
     compile_s = compile_times(engine.tokenizer, engine.vocab_size, engine.eos_token_id)
     prompts = [engine.tokenizer.apply_chat_template(
