@@ -9,7 +9,7 @@ from typing import Any
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
     """One constraint on the output (vLLM's names): a JSON Schema, any JSON object, a regex,
-    a choice among strings, or a grammar (Lark or llama.cpp's GBNF). Only its shape is checked
+    a choice among strings, or a grammar (EBNF / llama.cpp's GBNF, rule `root`). Only its shape is checked
     here; the grammar engine (executor/grammar_compiler.py) compiles it and names what is wrong."""
 
     json: str | dict[str, Any] | None = None

@@ -105,7 +105,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if params.structured_outputs is not None:
             # Compiled (or found in the cache) before anything is queued: a bad constraint is a
-            # ValueError here. The server compiles it first off the engine thread (compile_async).
+            # ValueError here. The server awaits the compile first, off the engine thread.
             self.grammar_compiler.get(params.structured_outputs)
         if not token_ids:
             raise ValueError("the prompt is empty")
