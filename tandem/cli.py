@@ -33,6 +33,7 @@ COMMANDS = [
     ("bench", "serve", "tandem.bench.serve", "token-level load test of an OpenAI-compatible endpoint"),
     ("bench", "steps", "tandem.bench.steps", "where a served run's step time went, from a --step-trace file"),
     ("bench", "gpu", "tandem.bench.gpu", "the GPU check: equality, throughput vs transformers, decode roofline, graphs on/off"),
+    ("bench", "structured", "tandem.bench.structured", "cost of structured outputs: tok/s constrained vs not, compile time"),
     ("bench", "kv-transfer", "tandem.bench.kv_transfer", "KV transfer latency and bandwidth between two processes (P/D)"),
     (None, "analyze", "tandem.tools.analyze_cli", "workload analysis of a trace or request log"),
     (None, "profile", "tandem.tools.profile_cli", "measure the executor (or a roofline) into a cost model for plan / simulate"),

@@ -1,6 +1,7 @@
 """`tandem bench steps TRACE`: where a served run's step time went, from a `--step-trace`
 file: steps that carried a prompt chunk under the L1 throttle, other steps with prompt
-tokens, and decode-only steps; their durations and share of the busy time."""
+tokens, and decode-only steps; their durations and share of the busy time; and what grammar
+masking (structured outputs) cost."""
 from __future__ import annotations
 
 import argparse
@@ -65,3 +66,8 @@ def main(args: argparse.Namespace) -> None:
         rows.append([kind, str(s["steps"]), f"{s['p50_ms']:.1f}", f"{s['p90_ms']:.1f}", f"{s['busy_share']:.0%}",
                      f"{s['prefill_tokens_p50']:.0f}"])
     print(table(rows))
+    masked = [s["structured_output_seconds"] for s in steps if s.get("structured_output_seconds")]
+    if masked:
+        busy = sum(s["seconds"] for s in steps) or 1.0
+        print(f"grammar masks: {len(masked)} steps, {sum(masked) * 1e3:.1f} ms ({sum(masked) / busy:.1%} of busy "
+              f"time), p50 {statistics.median(masked) * 1e3:.2f} ms per masked step")

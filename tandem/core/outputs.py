@@ -59,6 +59,7 @@ class ModelRunnerOutput:
     # the sampled token first, then the top alternatives.
     logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds the step took on the executor
+    structured_output_time: float = 0.0  # of which filling and applying grammar bitmasks
 
 
 @dataclass(slots=True)

@@ -1,7 +1,64 @@
 """Per-request sampling options, validated at construction so bad values never reach a step."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """One constraint on the output (vLLM's names): a JSON Schema, any JSON object, a regex,
+    a choice among strings, or a grammar (EBNF / llama.cpp's GBNF, rule `root`). Only its shape is checked
+    here; the grammar engine (executor/grammar_compiler.py) compiles it and names what is wrong."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("the JSON schema must be an object (or its JSON text)")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """json | json_object | regex | choice | grammar (the metrics label)."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what compiled grammars are cached by."""
+        kind = self.kind
+        if kind == "json":
+            # Canonical text, in the schema's own key order (which the output follows).
+            text = json.dumps(json.loads(self.json) if isinstance(self.json, str) else self.json)
+        elif kind == "choice":
+            text = json.dumps(list(self.choice))
+        else:
+            text = "" if kind == "json_object" else getattr(self, kind)
+        return kind, text
 
 
 @dataclass(slots=True)
@@ -25,6 +82,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +125,12 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams")
+            if self.min_tokens:
+                bad("min_tokens cannot be combined with structured outputs: the grammar decides where "
+                    "the output may end")
 
     @property
     def greedy(self) -> bool:

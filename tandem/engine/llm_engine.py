@@ -18,6 +18,7 @@ from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
 from tandem.executor.base import Executor
+from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.executor.model_runner import ModelRunner
 from tandem.models.llama import ModelConfig
@@ -32,18 +33,20 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), config.async_scheduling)
-        # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
-        # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
-        self.executor: Executor = self.pipeline.call(ModelRunner, config, self.model_dir)
         mcfg = ModelConfig.from_hf(load_config(self.model_dir))
         self.vocab_size = mcfg.vocab_size
-        capacity = self.executor.num_kv_blocks * self.executor.block_size
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings, capacity)
         eos = mcfg.eos_token_ids[:1]
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_id = eos[0] if eos else None
+        # Structured outputs: compiles constraints off the step path; the executor masks with them.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
+        # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
+        # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
+        self.executor: Executor = self.pipeline.call(ModelRunner, config, self.model_dir, self.grammar_compiler)
+        capacity = self.executor.num_kv_blocks * self.executor.block_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings, capacity)
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             config.max_prefix_tokens, config.min_match_length, self.executor.num_host_blocks,
@@ -100,6 +103,10 @@ class LLMEngine:
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = self.tokenize(prompt)
+        if params.structured_outputs is not None:
+            # Compiled (or found in the cache) before anything is queued: a bad constraint is a
+            # ValueError here. The server awaits the compile first, off the engine thread.
+            self.grammar_compiler.get(params.structured_outputs)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:

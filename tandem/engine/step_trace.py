@@ -33,4 +33,5 @@ class StepTrace:
             "host_free_blocks": kv.num_free_host_blocks, "host_total_blocks": kv.num_host_blocks,
             "swapped": len(kv.req_to_host_blocks), "preemptions": scheduler.num_preemptions,
             "max_num_seqs": cfg.max_num_seqs, "token_budget": cfg.max_num_batched_tokens,
+            "structured_output_seconds": done.result.structured_output_time,  # grammar masks, within `seconds`
         }) + "\n")

@@ -16,8 +16,10 @@ from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSp
 from tandem.executor.cuda_graphs import CUDAGraphRunner
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
 from tandem.kernels import cpu_paged_attention
+from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from tandem.executor.step_events import StepGapTimer
+from tandem.executor.structured_output import StructuredOutputMatchers
 from tandem.models.llama import LlamaForCausalLM, ModelConfig
 from tandem.models.loader import iter_weights, load_config
 
@@ -38,7 +40,7 @@ class CachedRequestState:
 class ModelRunner:
     """The model executor (see executor/base.py)."""
 
-    def __init__(self, config: EngineConfig, model_dir) -> None:
+    def __init__(self, config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler | None = None) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu" and config.num_threads:
@@ -82,6 +84,7 @@ class ModelRunner:
             self.graph_runner.capture()
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = Sampler()
+        self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
         self.prepare_time = 0.0
@@ -128,6 +131,9 @@ class ModelRunner:
             self.generators.pop(req_id, None)
         for req_id in sched.preempted_req_ids:
             self.requests.pop(req_id, None)
+        if self.structured_output is not None:
+            for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+                self.structured_output.remove(req_id)
         for new in sched.scheduled_new_reqs:
             self._add(new)
         for cached in sched.scheduled_cached_reqs:
@@ -140,6 +146,8 @@ class ModelRunner:
             new.req_id, len(new.prompt_token_ids), new.prompt_token_ids + new.output_token_ids,
             new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_id,
         )
+        if new.sampling_params.structured_outputs is not None:  # rebuilt after a preemption
+            self.structured_output.add(new.req_id, new.sampling_params.structured_outputs, new.output_token_ids)
         if new.req_id not in self.generators:
             self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
 
@@ -185,6 +193,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[logits_index])
             else:  # a graph computed every row's (a decode-only step: every row samples)
                 logits = logits[logits_index]
+            if self.structured_output is not None:
+                out.structured_output_time = self.structured_output.apply(logits, [s.req_id for s in rows])
             sampling = SamplingMetadata.build(
                 [SamplingRow(s.params,
                              # the prompt is only read by the repetition penalty: skip the copy
@@ -195,6 +205,8 @@ class ModelRunner:
             result = self.sampler(logits, sampling)
             for i, (s, token_id) in enumerate(zip(rows, result.sampled_token_ids)):
                 s.token_ids.append(token_id)
+                if self.structured_output is not None:
+                    self.structured_output.accept(s.req_id, token_id)
                 out.sampled_token_ids[s.req_id] = [token_id]
                 if result.logprobs is not None and s.params.logprobs is not None:
                     out.logprobs[s.req_id] = [result.logprobs[i]]

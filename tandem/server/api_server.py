@@ -19,7 +19,9 @@ from tandem.server import responses as R
 from tandem.server.dashboard import add_server_dashboard
 from tandem.server.metrics import ServerMetrics
 from tandem.server.middleware import BodySizeLimit
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tandem.server.protocol import (NO_EFFECT_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest)
+from tandem.server.tool_calls import plan_tool_calls
 
 
 @dataclass(slots=True)
@@ -72,6 +74,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"unsupported field `{where}`: this server does not implement it (a field "
+                                  f"it cannot honour is refused, not ignored; accepted without effect: "
+                                  f"{', '.join(NO_EFFECT_FIELDS)})", param=where)
         return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
 
     @app.exception_handler(StarletteHTTPException)
@@ -101,7 +107,24 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
 
-    def params_for(req, prompt_len: int, max_tokens: int | None, logprobs: int | None):
+    async def compiled(so, kind: str | None = None) -> None:
+        """Compile the request's constraint (or find it cached) on a worker thread, so the engine
+        thread never waits for it; a bad one is a 400."""
+        if so is None:
+            return
+        try:
+            await asyncio.to_thread(llm.engine.grammar_compiler.get, so)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        metrics.structured_requests.labels(config.model_name, kind or so.kind).inc()
+
+    def constraint_of(req):
+        try:
+            return req.constraint()
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def params_for(req, prompt_len: int, max_tokens: int | None, logprobs: int | None, so=None):
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if prompt_len >= max_model_len:
@@ -111,7 +134,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the context "
                            f"of {max_model_len} tokens", param="max_tokens")
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return req.sampling_params(max_tokens, logprobs, so)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -164,7 +187,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         encoded = [encode(p) for p in prompts]
-        params = [params_for(req, len(ids), req.max_tokens, req.logprobs) for ids in encoded]
+        so = constraint_of(req)
+        params = [params_for(req, len(ids), req.max_tokens, req.logprobs, so) for ids in encoded]
+        await compiled(so)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name
         gens = [run(ids, sp, req.priority_level, f"{rid}-{i}") for i, (ids, sp) in enumerate(zip(encoded, params))]
         want_lp = req.logprobs is not None
@@ -210,21 +235,34 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         check_admission(req.model, req.n)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
+        so = constraint_of(req)
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+            tools = plan_tool_calls(req)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if tools is not None and so is not None:
+            raise APIError(400, "tool calls force their own output schema: drop response_format / "
+                           "structured_outputs / guided_*, or set tool_choice to 'none'", param="tool_choice")
+        try:
+            conversation = [m.template_dict() for m in req.messages]
+            # Templates that know tools render them; the output schema is forced either way.
+            kwargs = {"tools": [t.model_dump() for t in req.tools]} if tools is not None else {}
             text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+                                                 add_generation_prompt=req.add_generation_prompt, **kwargs)
         except Exception as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         ids = encode(text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = params_for(req, len(ids), max_tokens, logprobs)
+        if tools is not None:
+            so = tools.constraint
+        params = params_for(req, len(ids), max_tokens, logprobs, so)
+        await compiled(so, "tool_calls" if tools is not None else None)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name
         gen = run(ids, params, req.priority_level, rid)
         if not req.stream:
             out = (await collect(request, [gen]))[0]
-            return R.chat_body(rid, model, created, out, req.logprobs, tokenizer)
+            return R.chat_body(rid, model, created, out, req.logprobs, tokenizer, tools)
 
         async def chunks():
             first = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -234,7 +272,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             final, finish_sent = None, set()
             async for out in gen:
                 final = out
-                chunk = R.chat_chunk(rid, model, created, out, finish_sent, req.logprobs, tokenizer)
+                chunk = R.chat_chunk(rid, model, created, out, finish_sent, req.logprobs, tokenizer, tools)
                 if chunk:
                     yield chunk
             if req.stream_options and req.stream_options.include_usage:

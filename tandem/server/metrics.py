@@ -15,6 +15,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_processor import RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_COMPILE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _ITL = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -92,6 +93,12 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", lbl, registry=r)
         self.finished = Counter("tandem:request_success", "Finished requests by reason.", lbl + ["finished_reason"], registry=r)
+        self.structured_requests = Counter(
+            "tandem:structured_output_requests", "Requests with an output constraint, by kind "
+            "(json, json_object, regex, choice, grammar, tool_calls).", lbl + ["kind"], registry=r)
+        self.grammar_compile = Histogram("tandem:grammar_compile_time_seconds", "Grammar compile time (cache misses).",
+                                         lbl + ["kind"], buckets=_COMPILE, registry=r)
+        engine.grammar_compiler.on_compile = lambda kind, s: self.grammar_compile.labels(model, kind).observe(s)
         self.registry.register(_EngineCollector(engine, model))
         self._last_token: dict[str, float] = {}
         self._log_path = Path(request_log) if request_log else None

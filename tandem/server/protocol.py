@@ -1,21 +1,45 @@
-"""OpenAI API request bodies (plus vLLM's extras: top_k, min_p, ignore_eos, priority, ...)."""
+"""OpenAI API request bodies (plus vLLM's extras: top_k, min_p, ignore_eos, priority,
+structured_outputs / guided_*, ...). A field not declared here is refused with a 400 naming it;
+the few accepted without effect are NO_EFFECT_FIELDS (listed in the README)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 PRIORITIES = {"interactive": 1, "standard": 2, "background": 3, 1: 1, 2: 2, 3: 3}
+NO_EFFECT_FIELDS = ("user", "metadata")
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Base):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Base):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Base):
+    """vLLM's `structured_outputs` request field."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(_Base):
@@ -38,9 +62,47 @@ class _SamplingFields(_Base):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
     priority: Literal["interactive", "standard", "background", 1, 2, 3] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, from whichever field names it;
+        ValueError if it gives several or a bad one."""
+        found: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format: type json_schema needs a `json_schema` object")
+            found.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex,
+                      "choice": so.choice, "grammar": so.grammar}
+            found.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", {name: value}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(f"give one output constraint, not several: {', '.join(n for n, _ in found)}")
+        where, kwargs = found[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
         def opt(value, default):
             return default if value is None else value
@@ -52,7 +114,7 @@ class _SamplingFields(_Base):
             repetition_penalty=opt(self.repetition_penalty, 1.0), max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs,
         )
 
     @property
@@ -76,6 +138,16 @@ class ChatMessage(_Base):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool fields only where given)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -85,6 +157,27 @@ class ChatMessage(_Base):
         return "".join(p.text or "" for p in self.content)
 
 
+class FunctionDefinition(_Base):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # the schema is always enforced
+
+
+class Tool(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -92,6 +185,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Base):

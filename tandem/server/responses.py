@@ -5,6 +5,7 @@ import json
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server.metrics import request_timings
+from tandem.server.tool_calls import ToolCallPlan, parse_tool_calls
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -38,6 +39,11 @@ def latency_split(outs: list[RequestOutput]) -> dict:
     return {k: worst[k] for k in ("queue_time", "prefill_time", "decode_time")}
 
 
+def _logprob(lp: float) -> float:
+    """A token masked out by a grammar has logprob -inf, which JSON cannot carry: -9999 (as vLLM)."""
+    return max(lp, -9999.0)
+
+
 def _token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
@@ -47,8 +53,8 @@ def completion_logprobs(tokenizer, entries: list[list[tuple[int, float]]], offse
     for entry in entries:
         text = _token_str(tokenizer, entry[0][0])
         tokens.append(text)
-        token_lps.append(entry[0][1])
-        tops.append({_token_str(tokenizer, t): lp for t, lp in entry[1:]} or None)
+        token_lps.append(_logprob(entry[0][1]))
+        tops.append({_token_str(tokenizer, t): _logprob(lp) for t, lp in entry[1:]} or None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -57,7 +63,7 @@ def completion_logprobs(tokenizer, entries: list[list[tuple[int, float]]], offse
 def chat_logprobs(tokenizer, entries: list[list[tuple[int, float]]]) -> dict:
     def item(t: int, lp: float) -> dict:
         s = _token_str(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": _logprob(lp), "bytes": list(s.encode())}
     return {"content": [{**item(*e[0]), "top_logprobs": [item(t, lp) for t, lp in e[1:]]} for e in entries]}
 
 
@@ -79,12 +85,32 @@ def completion_body(rid: str, model: str, created: int, outs: list[RequestOutput
             "choices": choices, "usage": usage(outs), "metrics": latency_split(outs)}
 
 
-def chat_body(rid: str, model: str, created: int, out: RequestOutput, want_logprobs: bool, tokenizer) -> dict:
-    choices = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "logprobs": chat_logprobs(tokenizer, c.logprobs or []) if want_logprobs else None,
-        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-    } for c in out.outputs]
+def _tool_calls(c: CompletionOutput, tools: ToolCallPlan | None) -> list[dict] | None:
+    """The choice's tool calls, when it asked for them and its output ended whole."""
+    if tools is None or c.finish_reason != "stop":
+        return None
+    return parse_tool_calls(tools, c.text)
+
+
+def _message(c: CompletionOutput, tools: ToolCallPlan | None) -> tuple[dict, str | None]:
+    """(message, finish_reason): tool calls replace the content; an output cut short by
+    max_tokens stays text, with finish_reason "length"."""
+    calls = _tool_calls(c, tools)
+    if calls is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+
+def chat_body(rid: str, model: str, created: int, out: RequestOutput, want_logprobs: bool, tokenizer,
+              tools: ToolCallPlan | None = None) -> dict:
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = _message(c, tools)
+        choices.append({
+            "index": c.index, "message": message,
+            "logprobs": chat_logprobs(tokenizer, c.logprobs or []) if want_logprobs else None,
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+        })
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage([out]), "metrics": latency_split([out])}
 
@@ -116,15 +142,22 @@ def completion_chunk(rid: str, model: str, created: int, prompt_index: int, n: i
 
 
 def chat_chunk(rid: str, model: str, created: int, out: RequestOutput, finish_sent: set[int],
-               want_logprobs: bool, tokenizer) -> dict | None:
+               want_logprobs: bool, tokenizer, tools: ToolCallPlan | None = None) -> dict | None:
     choices = []
     for c in _news(out, finish_sent):
-        delta = {"content": c.delta_text}
+        delta, finish_reason = {"content": c.delta_text}, c.finish_reason if c.finished else None
         lps = None
         if want_logprobs and c.logprobs is not None:
             lps = chat_logprobs(tokenizer, c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
-        choices.append({"index": c.index, "delta": delta, "logprobs": lps,
-                        "finish_reason": c.finish_reason if c.finished else None})
+        if tools is not None:
+            # Tool calls go out whole when the choice ends (their arguments must parse first);
+            # an output cut short goes out as its text.
+            if not c.finished:
+                continue
+            message, finish_reason = _message(c, tools)
+            delta = ({"tool_calls": [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]}
+                     if finish_reason == "tool_calls" else {"content": c.text})
+        choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason})
     if not choices:
         return None
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
