@@ -12,6 +12,9 @@ from tandem.core.scheduler_config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server")
+# Quantisation: a precision names one variant of the model. fp16 is the device's 16-bit float
+# (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
+PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -44,6 +47,8 @@ class EngineConfig:
     # worker thread; see engine/step_pipeline.py.
     async_scheduling: bool = True
     step_trace: str | None = None  # append one JSON line per executed step to this file
+    # Quantisation (see models/builder.py): the precision served; None: the float dtype above.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.quantization!r}; known: {', '.join(PRECISIONS)}")
         self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
 
     @classmethod

@@ -16,8 +16,9 @@ from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSp
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
-from tandem.models.llama import LlamaForCausalLM, ModelConfig
-from tandem.models.loader import iter_weights, load_config
+from tandem.models.builder import build_model, resolve_precision, weight_bytes
+from tandem.models.llama import ModelConfig
+from tandem.models.loader import gguf_source, load_config
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,10 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_hf(load_config(model_dir))
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.model_config)
-        self.model.load_weights(iter_weights(model_dir))
-        self.model.to(self.dtype)
-        self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()
-        self.model.eval()
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()
+        self.precision, weights, self.dtype = resolve_precision(config.quantization, self.dtype, self.device)
+        self.model = build_model(model_dir, self.model_config, weights, self.device, self.dtype,
+                                 gguf_source(config.model))
+        log.info("weights: %s, %.1f MiB", self.precision, weight_bytes(self.model) / 2**20)
 
         self.block_size = config.block_size
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)

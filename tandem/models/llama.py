@@ -159,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         if self.packed_lm_head is not None:
             return cpu_packed_linear(hidden, self.packed_lm_head, None).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:  # untied, or a quantised copy of the tied embedding
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
