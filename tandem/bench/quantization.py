@@ -21,7 +21,6 @@ def run_precision(args, precision: str) -> dict:
 
     from tandem import LLM, SamplingParams
     from tandem.bench.offline import _peak_rss_mb
-    from tandem.models.builder import weight_bytes
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import load_config, resolve_model
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -38,7 +37,7 @@ def run_precision(args, precision: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     out = {"precision": precision, "dtype": str(engine.executor.dtype).removeprefix("torch."),
-           "weight_mib": weight_bytes(engine.executor.model) / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
+           "weight_mib": engine.executor.variants.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
     for b in batches:
         for _ in range(b):
             engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)

@@ -13,12 +13,12 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan
-from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
+from tandem.executor.device import default_kv_cache_memory, resolve_device
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
-from tandem.models.builder import build_model, resolve_precision, weight_bytes
 from tandem.models.llama import ModelConfig
-from tandem.models.loader import gguf_source, load_config
+from tandem.models.loader import load_config
+from tandem.models.variants import build_variants
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    precision: str
 
 
 class ModelRunner:
@@ -39,14 +40,12 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir) -> None:
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_hf(load_config(model_dir))
-        self.precision, weights, self.dtype = resolve_precision(config.quantization, self.dtype, self.device)
-        self.model = build_model(model_dir, self.model_config, weights, self.device, self.dtype,
-                                 gguf_source(config.model))
-        log.info("weights: %s, %.1f MiB", self.precision, weight_bytes(self.model) / 2**20)
+        self.variants = build_variants(config, model_dir, self.model_config, self.device)
+        self.dtype = self.variants.dtype
+        self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
 
         self.block_size = config.block_size
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
@@ -126,6 +125,7 @@ class ModelRunner:
         self.requests[new.req_id] = CachedRequestState(
             new.req_id, len(new.prompt_token_ids), new.prompt_token_ids + new.output_token_ids,
             new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_id,
+            new.precision or self.variants.default,
         )
         if new.req_id not in self.generators:
             self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
@@ -155,16 +155,29 @@ class ModelRunner:
         # Decodes (one token) first, shortest context first, so length buckets pad little.
         order = sorted(sched.num_scheduled_tokens.items(),
                        key=lambda kv: (kv[1] > 1, self.requests[kv[0]].num_computed_tokens))
+        out = ModelRunnerOutput()
+        by_variant: dict[str, list[tuple[str, int]]] = {}
+        for req_id, n in order:  # one forward per variant present (one KV pool, disjoint blocks)
+            by_variant.setdefault(self.requests[req_id].precision, []).append((req_id, n))
+        self.prepare_time += time.perf_counter() - start
+        for precision, part in by_variant.items():
+            self._run_variant(self.variants.models[precision], part, out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.execute_time = time.perf_counter() - start
+        return out
+
+    def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
+        """Forward, logits and sampling of the step's requests that run on `model`."""
+        start = time.perf_counter()
         states = [self.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
         input_ids, positions, meta, logits_rows = self._prepare_inputs(states, counts)
         self.prepare_time += time.perf_counter() - start
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-
-        out = ModelRunnerOutput()
+        hidden = model(input_ids, positions, self.kv_caches, meta)
         if logits_rows:
             rows = [states[i] for i in logits_rows]
-            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][logits_rows] - 1])
+            logits = model.compute_logits(hidden[meta.query_start_loc[1:][logits_rows] - 1])
             sampling = SamplingMetadata.build(
                 [SamplingRow(s.params,
                              # the prompt is only read by the repetition penalty: skip the copy
@@ -180,10 +193,6 @@ class ModelRunner:
                     out.logprobs[s.req_id] = [result.logprobs[i]]
         for s, n in zip(states, counts.tolist()):
             s.num_computed_tokens += n
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        out.execute_time = time.perf_counter() - start
-        return out
 
     def _prepare_inputs(self, states: list[CachedRequestState], counts: np.ndarray):
         bs, dev = self.block_size, self.device

@@ -28,14 +28,14 @@ QUANTIZED = ("int8", "int4")
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-_FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.device) -> tuple[str, str, torch.dtype]:
     """(precision name, weight format, activation dtype). A float precision sets the dtype (fp16:
     float16 on CUDA, bf16 on CPU, whose 16-bit GEMMs are bf16); int8 / int4 keep `dtype`."""
     if precision is None:
-        return _FLOAT_NAMES[dtype], "float", dtype
+        return FLOAT_NAMES[dtype], "float", dtype
     if precision in QUANTIZED:
         return precision, precision, dtype
     if precision == "fp16":
@@ -101,8 +101,4 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype,
     if all(p in codes for p in parts):
         c, s, z = (torch.cat([codes[p][i] for p in parts]).to(module.weight.device) for i in range(3))
         return Int4Linear(c, s, z, bias, dtype), True
-    group = DEFAULT_INT4_GROUP if module.in_features % DEFAULT_INT4_GROUP == 0 else None
-    if group is None:  # no group size divides K: keep this layer in the float dtype
-        log.info("%s: K=%d takes no int4 group size; kept in %s", name, module.in_features, dtype)
-        return module, False
-    return Int4Linear.from_float(module.weight.data, bias, dtype, group), False
+    return Int4Linear.from_float(module.weight.data, bias, dtype, DEFAULT_INT4_GROUP), False
