@@ -39,6 +39,7 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Literal["interactive", "standard", "background", 1, 2, 3] | None = None
+    precision: str | None = None  # a served variant (bf16, int8, int4, ...); see /v1/models
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
