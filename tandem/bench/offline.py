@@ -160,6 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="--quantization: rounds, alternating; best kept")
+    p.add_argument("--num-threads", type=int, default=None, help="--quantization: CPU threads (default: all cores)")
 
 
 def main(args: argparse.Namespace) -> dict:

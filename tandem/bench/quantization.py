@@ -30,7 +30,7 @@ def run_precision(args, precision: str) -> dict:
     kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
         torch.bfloat16) * kv_tokens
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=precision,
-              max_num_seqs=max(batches), kv_cache_memory=kv_memory)
+              max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads)
     engine = llm.engine
     rng = random.Random(args.seed)
     vocab = engine.executor.model_config.vocab_size

@@ -55,10 +55,11 @@ def cpu_paged_attention():
 def cpu_fused_ops():
     """Fused RMSNorm / residual-add+RMSNorm / RoPE for CPU (kernels/cpu_fused_ops.cpp), or None.
     No fast-math: each op must round exactly as the PyTorch code it replaces."""
-    return _load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off", "-fopenmp"])
+    return _load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off"])
 
 
 def _load(name: str, source: str, cflags: list[str]):
+    """Build (once, cached by content) and import one extension; None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":
         return None
     try:
@@ -67,7 +68,7 @@ def _load(name: str, source: str, cflags: list[str]):
         from tandem.models.loader import cache_root
         build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels")
         return load(name=name, sources=[str(src)], extra_cflags=["-O3", "-march=native", *cflags],
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+                    extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], build_directory=str(build), verbose=False)
     except Exception as e:  # a missing toolchain must not stop serving
         log.warning("native kernel %s unavailable (%s); using the PyTorch path", source, e)
         return None

@@ -1,8 +1,9 @@
 // Fused small ops of a decoder layer for CPU: at batch 1 a step is dominated by the fixed cost
 // of ~40 tiny PyTorch ops per layer, not by arithmetic. Each op here rounds exactly where the
 // PyTorch code it replaces rounds (models/layers.py), so bf16 results are the same bits.
+// Serial on purpose: built without OpenMP, so the process keeps torch's one OpenMP team (a
+// second, spinning team made every oneDNN GEMM ~50x slower on 2 cores).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 
 namespace {
@@ -33,9 +34,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) rms_norm_row(xp + i * h, wp, op + i * h, h, (float)eps);
-    });
+    for (int64_t i = 0; i < t; ++i) rms_norm_row(xp + i * h, wp, op + i * h, h, (float)eps);
   });
   return out;
 }
@@ -52,13 +51,11 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* sp = sum.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        for (int64_t j = 0; j < h; ++j)
-          sp[i * h + j] = round_to<scalar_t>(static_cast<float>(rp[i * h + j]) + static_cast<float>(xp[i * h + j]));
-        rms_norm_row(sp + i * h, wp, op + i * h, h, (float)eps);
-      }
-    });
+    for (int64_t i = 0; i < t; ++i) {
+      for (int64_t j = 0; j < h; ++j)
+        sp[i * h + j] = round_to<scalar_t>(static_cast<float>(rp[i * h + j]) + static_cast<float>(xp[i * h + j]));
+      rms_norm_row(sp + i * h, wp, op + i * h, h, (float)eps);
+    }
   });
   return {sum, out};
 }
@@ -75,28 +72,26 @@ void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, in
   const float* table = cos_sin.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> c(half), s(half);
-      for (int64_t i = b; i < e; ++i) {
-        const float* cs = table + pp[i] * head_dim;
+    std::vector<float> c(half), s(half);
+    for (int64_t i = 0; i < t; ++i) {
+      const float* cs = table + pp[i] * head_dim;
+      for (int64_t j = 0; j < half; ++j) {
+        c[j] = static_cast<float>(round_to<scalar_t>(cs[j]));
+        s[j] = static_cast<float>(round_to<scalar_t>(cs[half + j]));
+      }
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        scalar_t* x = base + i * row + hd * head_dim;
         for (int64_t j = 0; j < half; ++j) {
-          c[j] = static_cast<float>(round_to<scalar_t>(cs[j]));
-          s[j] = static_cast<float>(round_to<scalar_t>(cs[half + j]));
-        }
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          scalar_t* x = base + i * row + hd * head_dim;
-          for (int64_t j = 0; j < half; ++j) {
-            float a = static_cast<float>(x[j]), bb = static_cast<float>(x[half + j]);
-            float lo = static_cast<float>(round_to<scalar_t>(a * c[j])) +
-                       static_cast<float>(round_to<scalar_t>(-bb * s[j]));
-            float hi = static_cast<float>(round_to<scalar_t>(bb * c[j])) +
-                       static_cast<float>(round_to<scalar_t>(a * s[j]));
-            x[j] = round_to<scalar_t>(lo);
-            x[half + j] = round_to<scalar_t>(hi);
-          }
+          float a = static_cast<float>(x[j]), bb = static_cast<float>(x[half + j]);
+          float lo = static_cast<float>(round_to<scalar_t>(a * c[j])) +
+                     static_cast<float>(round_to<scalar_t>(-bb * s[j]));
+          float hi = static_cast<float>(round_to<scalar_t>(bb * c[j])) +
+                     static_cast<float>(round_to<scalar_t>(a * s[j]));
+          x[j] = round_to<scalar_t>(lo);
+          x[half + j] = round_to<scalar_t>(hi);
         }
       }
-    });
+    }
   });
 }
 
