@@ -17,6 +17,7 @@ DEFAULT_BATCHES = (1, 8, 32, 64)
 
 def run_precision(args, precision: str) -> dict:
     """One process: load the variant, then decode each batch size in turn."""
+    import psutil
     import torch
 
     from tandem import LLM, SamplingParams
@@ -36,7 +37,10 @@ def run_precision(args, precision: str) -> dict:
     vocab = engine.executor.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    out = {"precision": precision, "dtype": str(engine.executor.dtype).removeprefix("torch."),
+    # Peak RSS is set while loading (the float checkpoint is read whole, then cast or quantised);
+    # the RSS after loading is what the variant keeps.
+    loaded_rss_mb = psutil.Process().memory_info().rss / 2**20
+    out = {"rss_after_load_mb": loaded_rss_mb, "precision": precision, "dtype": str(engine.executor.dtype).removeprefix("torch."),
            "weight_mib": engine.executor.variants.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
     for b in batches:
         for _ in range(b):
@@ -87,11 +91,11 @@ def _print_table(best: dict[str, dict]) -> None:
     first = next(iter(best.values()))
     batches = list(first["decode_tok_s"])
     base = best.get("bf16") or first
-    print(f"{'precision':10} {'weights MiB':>11} {'peak RSS MiB':>12} "
+    print(f"{'precision':10} {'weights MiB':>11} {'RSS MiB':>8} {'peak RSS MiB':>12} "
           + " ".join(f"{'B=' + str(b) + ' tok/s':>13} {'ms/step':>8}" for b in batches))
     for p, r in best.items():
         cells = " ".join(f"{r['decode_tok_s'][b]:>13.1f} {r['ms_per_step'][b]:>8.2f}" for b in batches)
-        print(f"{p:10} {r['weight_mib']:>11.1f} {r['peak_rss_mb']:>12.0f} {cells}")
+        print(f"{p:10} {r['weight_mib']:>11.1f} {r['rss_after_load_mb']:>8.0f} {r['peak_rss_mb']:>12.0f} {cells}")
     if base is not first or "bf16" in best:
         print("ratio to bf16: " + "; ".join(
             f"{p} " + ", ".join(f"B={b} {r['decode_tok_s'][b] / base['decode_tok_s'][b]:.2f}x" for b in batches)

@@ -175,7 +175,7 @@ class AsyncLLM:
 
     def _add(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int | None,
              stream: _Stream, accepted: asyncio.Future, after_add: Callable[[LLMEngine], None] | None,
-             precision: str | None) -> None:
+             precision: str | None = None) -> None:
         try:
             self.engine.add_request(prompt, params, request_id, priority=priority, precision=precision)
         except Exception as e:
