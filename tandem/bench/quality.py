@@ -25,11 +25,13 @@ _TOPICS = ["photosynthesis", "the French Revolution", "a binary search", "black 
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    """25 chat questions and 25 continuations of the text's own paragraphs: 50 varied prompts."""
+    """25 chat questions and 25 continuations of the text (24-token windows evenly spaced through
+    it): 50 varied prompts."""
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"Explain {t} in two sentences."}],
                                            tokenize=False, add_generation_prompt=True) for t in _TOPICS]
-    paragraphs = [p for p in TEXT.read_text().split("\n\n") if len(p) > 200][:25]
-    return [tokenizer.encode(c) for c in chats] + [tokenizer.encode(p)[:24] for p in paragraphs]
+    text = tokenizer.encode(TEXT.read_text())
+    step = (len(text) - 24) // 25
+    return [tokenizer.encode(c) for c in chats] + [text[i * step:i * step + 24] for i in range(25)]
 
 
 def perplexity(runner, precision: str, token_ids: list[int], window: int) -> float:

@@ -32,13 +32,16 @@ FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 
 def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.device) -> tuple[str, str, torch.dtype]:
-    """(precision name, weight format, activation dtype). A float precision sets the dtype (fp16:
-    float16 on CUDA, bf16 on CPU, whose 16-bit GEMMs are bf16); int8 / int4 keep `dtype`."""
+    """(precision name, weight format, activation dtype). A float precision sets the dtype; fp16
+    is the device's 16-bit float: the engine's dtype when that is 16-bit (bf16 on AVX-512 CPUs
+    and sm80+ GPUs), else bf16 on CPU and float16 on CUDA. int8 / int4 keep `dtype`."""
     if precision is None:
         return FLOAT_NAMES[dtype], "float", dtype
     if precision in QUANTIZED:
         return precision, precision, dtype
     if precision == "fp16":
+        if dtype in (torch.bfloat16, torch.float16):
+            return precision, "float", dtype
         return precision, "float", torch.float16 if device.type == "cuda" else torch.bfloat16
     return precision, "float", {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
