@@ -11,7 +11,11 @@ import yaml
 from tandem.core.scheduler_config import SchedulerConfig
 
 log = logging.getLogger(__name__)
-KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server")
+KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization")
+# Quantisation: a precision names one variant of the model. fp16 is the device's 16-bit float
+# (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
+PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
+PRECISION_CLASSES = ("interactive", "standard", "background")  # the request priorities
 
 
 @dataclass(slots=True)
@@ -48,6 +52,11 @@ class EngineConfig:
     # graphs for decode-only steps (see executor/cuda_graphs.py), off with enforce_eager.
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
+    # Quantisation (see models/builder.py): the default precision; None: the float dtype above.
+    # With a fallback or classes the engine holds one variant per precision named.
+    quantization: str | None = None
+    precision_fallback: str | None = None  # serves requests whose variant could not be built
+    precision_classes: dict[str, str] | None = None  # request class (priority name) -> precision
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -62,7 +71,24 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        self._check_precisions()
         self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
+
+    def _check_precisions(self) -> None:
+        named = {"quantization": self.quantization, "fallback": self.precision_fallback}
+        for cls, precision in (self.precision_classes or {}).items():
+            if cls not in PRECISION_CLASSES:
+                raise ValueError(f"quantization class {cls!r} is not a request class; known: {', '.join(PRECISION_CLASSES)}")
+            named[f"class {cls!r}"] = precision
+        for what, precision in named.items():
+            if precision is not None and precision not in PRECISIONS:
+                raise ValueError(f"{what}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+
+    def precisions(self, default: str) -> list[str]:
+        """The variants to build, default first; `default` names the float dtype when
+        `quantization` is None."""
+        names = [self.quantization or default, *(self.precision_classes or {}).values(), self.precision_fallback]
+        return list(dict.fromkeys(n for n in names if n is not None))
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":
@@ -111,4 +137,24 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     for key in ("max_prefix_tokens", "min_match_length"):
         if key in cache:
             out[key] = cache[key]
+    out.update(_quantization_options(serving.get("quantization"), path))
     return out
+
+
+def _quantization_options(section: dict | str | None, path) -> dict:
+    """serving.quantization: a precision, or {default, fallback, classes: {class: precision}}."""
+    if section is None:
+        return {}
+    if isinstance(section, str):
+        return {"quantization": section}
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: serving.quantization must be a precision or a mapping")
+    unknown = set(section) - {"default", "fallback", "classes"}
+    if unknown:
+        raise ValueError(f"{path}: unknown serving.quantization key(s): {', '.join(sorted(unknown))}")
+    out = {"quantization": section.get("default"), "precision_fallback": section.get("fallback")}
+    if section.get("classes") is not None:
+        if not isinstance(section["classes"], dict):
+            raise ValueError(f"{path}: serving.quantization.classes must map a class to a precision")
+        out["precision_classes"] = dict(section["classes"])
+    return {k: v for k, v in out.items() if v is not None}

@@ -37,7 +37,8 @@ def test_mission_shape_maps_to_options(tmp_path, caplog):
     assert (engine.scheduler_policy, engine.l2_min_share, engine.preemption_mode) == ("multilevel", 0.25, "swap")
     assert engine.block_size == 32
     assert load_yaml(path, section="server") == {"api_key": "sesame", "max_waiting": 64}
-    assert "serving.quantization is not supported yet" in caplog.text
+    assert (engine.quantization, engine.precision_fallback) == ("int8", "fp16")
+    assert "not supported" not in caplog.text
 
 
 def test_bad_config_is_a_clear_error(tmp_path):
@@ -64,3 +65,25 @@ def test_attention_backend_is_honoured_or_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="triton"):  # not installed, or on CPU outside the interpreter
         resolve_attention_backend("triton", cpu)
+
+
+@pytest.mark.parametrize("section, error", [
+    ("quantization: {default: int3}", "unknown precision 'int3'"),
+    ("quantization: {default: int8, classes: {interactive: fp8}}", "class 'interactive': unknown precision 'fp8'"),
+    ("quantization: {default: int8, classes: {urgent: bf16}}", "'urgent' is not a request class"),
+    ("quantization: {default: int8, fallbak: bf16}", "unknown serving.quantization key"),
+])
+def test_bad_quantization_config_is_a_clear_error(tmp_path, section, error):
+    path = tmp_path / "q.yaml"
+    path.write_text(f"serving:\n  {section}\n")
+    with pytest.raises(ValueError, match=error):
+        EngineConfig.from_dict(load_yaml(path))
+
+
+def test_quantization_classes_name_the_variants(tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text("serving:\n  quantization:\n    default: int8\n    fallback: bf16\n"
+                    "    classes: {interactive: bf16, standard: int8, background: int4}\n")
+    engine = EngineConfig.from_dict(load_yaml(path))
+    assert engine.precision_classes == {"interactive": "bf16", "standard": "int8", "background": "int4"}
+    assert engine.precisions("bf16") == ["int8", "bf16", "int4"]

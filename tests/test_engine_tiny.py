@@ -215,7 +215,7 @@ class _RecordingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def add_request(self, prompt, params, request_id, priority=None):
+    def add_request(self, prompt, params, request_id, priority=None, precision=None):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.calls.append(("add", request_id))

@@ -174,9 +174,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: the same as --dtype)")
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--quantization", default=None,
+                   help="comma-separated precisions (bf16,int8,int4): decode tok/s of each at --batch-sizes "
+                        "(see bench/quantization.py) instead of the run above")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="--quantization: rounds, alternating; best kept")
+    p.add_argument("--num-threads", type=int, default=None, help="--quantization: CPU threads (default: all cores)")
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.quantization:
+        from tandem.bench.quantization import compare
+        report = compare(args)
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(report, f, indent=2)
+        return report
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import load_config, resolve_model
     vocab = ModelConfig.from_hf(load_config(resolve_model(args.model))).vocab_size

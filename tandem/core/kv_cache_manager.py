@@ -1,6 +1,7 @@
 """Per-request block tables over the block pool, prefix-cache lookups, and usage figures."""
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ class KVCacheManager:
         if self.max_prefix_tokens is not None:
             limit = min(limit, self.max_prefix_tokens)
         bs, tokens, blocks = self.block_size, req.all_token_ids, []
-        parent = None
+        parent = _root_hash(req)
         for i in range(limit // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             parent = hash_block(parent, chunk)
@@ -107,7 +108,7 @@ class KVCacheManager:
             limit = min(limit, self.max_prefix_tokens)
         for i in range(len(hashes), min(limit // bs, len(blocks))):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else None, chunk)
+            h = hash_block(hashes[-1] if hashes else _root_hash(req), chunk)
             hashes.append(h)
             self.pool.cache_block(blocks[i], h, chunk)
 
@@ -255,3 +256,9 @@ class KVCacheManager:
         if not num_blocks:
             return 1.0
         return sum(self._req_tokens.values()) / (num_blocks * self.block_size)
+
+
+def _root_hash(req: Request) -> int | None:
+    """The parent hash of a request's first block: None, or its cache salt's (a variant's KV
+    lives in its own namespace)."""
+    return None if req.cache_salt is None else hash_block(None, (zlib.crc32(req.cache_salt.encode()),))

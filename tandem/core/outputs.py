@@ -17,6 +17,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    precision: str | None = None  # the model variant (None: the default)
 
 
 @dataclass(slots=True)

@@ -44,6 +44,8 @@ class Request:
     level: int = 2  # the queue it is scheduled in (all 2 under the fcfs policy)
     # n > 1: siblings wait until this request's prompt is in the prefix cache, then share its blocks.
     prefill_after: Request | None = None
+    precision: str | None = None  # the model variant it runs on (None: the engine's only one)
+    cache_salt: str | None = None  # prefix-cache namespace: KV of another variant is never reused
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens scheduled to be sampled whose ids are not known yet: at most the one of the step

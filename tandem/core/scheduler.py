@@ -276,7 +276,7 @@ class Scheduler:
         step.admitted.append(req)
         out.scheduled_new_reqs.append(NewRequestData(
             req.request_id, list(req.prompt_token_ids), req.output_token_ids,
-            req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id,
+            req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id, req.precision,
         ))
         self._commit(req, num_new, step)
         return True

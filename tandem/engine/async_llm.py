@@ -82,7 +82,7 @@ class AsyncLLM:
     # ---- asyncio side -------------------------------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                  priority: int | None = None, after_add: Callable[[LLMEngine], None] | None = None,
-                 ) -> AsyncIterator[RequestOutput]:
+                 precision: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queues the request at once (so admission control counts it), then yields a
         snapshot per step that produced tokens; the last one has finished=True. Iterating
         raises ValueError on bad input (nothing queued). Leaving early aborts the request.
@@ -95,7 +95,7 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         accepted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted, after_add)))
+        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted, after_add, precision)))
         self._wake.set()
         return self._stream(request_id, stream, accepted)
 
@@ -174,9 +174,10 @@ class AsyncLLM:
                 self._held.append(command)
 
     def _add(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int | None,
-             stream: _Stream, accepted: asyncio.Future, after_add: Callable[[LLMEngine], None] | None) -> None:
+             stream: _Stream, accepted: asyncio.Future, after_add: Callable[[LLMEngine], None] | None,
+             precision: str | None = None) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id, priority=priority)
+            self.engine.add_request(prompt, params, request_id, priority=priority, precision=precision)
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
         else:

@@ -15,6 +15,7 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.engine.precision import PrecisionRouter
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
 from tandem.executor.base import Executor
@@ -44,6 +45,7 @@ class LLMEngine:
         # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
         # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
         self.executor: Executor = self.pipeline.call(ModelRunner, config, self.model_dir, self.grammar_compiler)
+        self.precisions = PrecisionRouter(config, self.executor.variants.default, self.executor.variants.unavailable)
         capacity = self.executor.num_kv_blocks * self.executor.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings, capacity)
@@ -95,9 +97,10 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int | None = None) -> str:
+                    priority: int | None = None, precision: str | None = None) -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input.
-        `priority` 1/2/3 (interactive/standard/background); None: classified by length."""
+        `priority` 1/2/3 (interactive/standard/background); None: classified by length.
+        `precision`: the variant asked for; None: the priority's class, else the default."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._children:
@@ -115,6 +118,7 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if not self._children:
             self._busy_since = time.perf_counter()
+        variant = self.precisions.choose(precision, priority)
         if priority is None:
             priority = classify(len(token_ids), params.max_tokens,
                                 self.config.l1_max_prompt_tokens, self.config.l1_max_tokens)
@@ -125,12 +129,13 @@ class LLMEngine:
             child_params = dataclasses.replace(params, n=1, seed=seed) if params.n > 1 else params
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, token_ids, child_params, arrival_time, self.eos_token_id,
-                          priority=priority,
+                          priority=priority, precision=variant, cache_salt=self.precisions.cache_salt(variant),
                           prefill_after=first if self.config.enable_prefix_caching else None)
             first = first or req
             children.append(req)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                                  [(r.request_id, r.sampling_params) for r in children], arrival_time, priority)
+                                  [(r.request_id, r.sampling_params) for r in children], arrival_time, priority,
+                                  variant)
         for req in children:
             self.scheduler.add_request(req)
         self._children[request_id] = [r.request_id for r in children]

@@ -46,6 +46,7 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = False
     priority: int = 2
+    precision: str | None = None  # the model variant that served it
 
 
 @dataclass(slots=True, eq=False)
@@ -62,9 +63,10 @@ class OutputProcessor:
         self.children: dict[str, _Child] = {}  # child request id -> state
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            children: list[tuple[str, object]], arrival_time: float, priority: int = 2) -> None:
+            children: list[tuple[str, object]], arrival_time: float, priority: int = 2,
+            precision: str | None = None) -> None:
         parent = RequestOutput(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival_time),
-                               priority=priority)
+                               priority=priority, precision=precision)
         for index, (child_id, params) in enumerate(children):
             out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
             parent.outputs.append(out)

@@ -14,14 +14,15 @@ from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutp
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan, resolve_attention_backend
 from tandem.executor.cuda_graphs import CUDAGraphRunner
-from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
+from tandem.executor.device import default_kv_cache_memory, resolve_device, to_device
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
-from tandem.models.llama import LlamaForCausalLM, ModelConfig
-from tandem.models.loader import iter_weights, load_config
+from tandem.models.llama import ModelConfig
+from tandem.models.loader import load_config
+from tandem.models.variants import build_variants
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    precision: str
 
 
 class ModelRunner:
@@ -42,18 +44,12 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler | None = None) -> None:
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_hf(load_config(model_dir))
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.model_config)
-        self.model.load_weights(iter_weights(model_dir))
-        self.model.to(self.dtype)
-        self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()
-        self.model.eval()
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()
+        self.variants = build_variants(config, model_dir, self.model_config, self.device)
+        self.dtype = self.variants.dtype
+        self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
 
         self.block_size = config.block_size
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
@@ -77,7 +73,8 @@ class ModelRunner:
             ext = cpu_paged_attention()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
         self.graph_runner = None
-        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+        if (self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager
+                and self.model is not None):
             max_len = config.max_model_len or min(cfg.max_position_embeddings, num_slots)
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_caches, self.block_size,
                                                 -(-max_len // self.block_size), config.max_num_seqs, self.device)
@@ -145,6 +142,7 @@ class ModelRunner:
         self.requests[new.req_id] = CachedRequestState(
             new.req_id, len(new.prompt_token_ids), new.prompt_token_ids + new.output_token_ids,
             new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_id,
+            new.precision or self.variants.default,
         )
         if new.sampling_params.structured_outputs is not None:  # rebuilt after a preemption
             self.structured_output.add(new.req_id, new.sampling_params.structured_outputs, new.output_token_ids)
@@ -176,25 +174,42 @@ class ModelRunner:
         # Decodes (one token) first, shortest context first, so length buckets pad little.
         order = sorted(sched.num_scheduled_tokens.items(),
                        key=lambda kv: (kv[1] > 1, self.requests[kv[0]].num_computed_tokens))
+        out = ModelRunnerOutput()
+        by_variant: dict[str, list[tuple[str, int]]] = {}
+        for req_id, n in order:  # one forward per variant present (one KV pool, disjoint blocks)
+            by_variant.setdefault(self.requests[req_id].precision, []).append((req_id, n))
+        self.prepare_time += time.perf_counter() - start
+        if self.step_gaps is not None:
+            self.step_gaps.step_started()
+        for precision, part in by_variant.items():
+            self._run_variant(self.variants.models[precision], part, out)
+        if self.step_gaps is not None:
+            self.step_gaps.step_ended()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.execute_time = time.perf_counter() - start
+        return out
+
+    def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
+        """Forward, logits and sampling of the step's requests that run on `model`."""
+        start = time.perf_counter()
         states = [self.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
         input_ids, positions, meta, logits_rows, logits_index = self._prepare_inputs(states, counts)
         self.prepare_time += time.perf_counter() - start
-        if self.step_gaps is not None:
-            self.step_gaps.step_started()
-        logits = None if self.graph_runner is None else self.graph_runner.run(input_ids, positions, meta)
+        # CUDA graphs were captured on the default variant's model
+        graph = self.graph_runner if model is self.model else None
+        logits = None if graph is None else graph.run(input_ids, positions, meta)
         if logits is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-
-        out = ModelRunnerOutput()
+            hidden = model(input_ids, positions, self.kv_caches, meta)
         if logits_rows:
             rows = [states[i] for i in logits_rows]
             if logits is None:
-                logits = self.model.compute_logits(hidden[logits_index])
+                logits = model.compute_logits(hidden[logits_index])
             else:  # a graph computed every row's (a decode-only step: every row samples)
                 logits = logits[logits_index]
             if self.structured_output is not None:
-                out.structured_output_time = self.structured_output.apply(logits, [s.req_id for s in rows])
+                out.structured_output_time += self.structured_output.apply(logits, [s.req_id for s in rows])
             sampling = SamplingMetadata.build(
                 [SamplingRow(s.params,
                              # the prompt is only read by the repetition penalty: skip the copy
@@ -212,10 +227,6 @@ class ModelRunner:
                     out.logprobs[s.req_id] = [result.logprobs[i]]
         for s, n in zip(states, counts.tolist()):
             s.num_computed_tokens += n
-        if self.step_gaps is not None:
-            self.step_gaps.step_ended()
-        out.execute_time = time.perf_counter() - start
-        return out
 
     def _prepare_inputs(self, states: list[CachedRequestState], counts: np.ndarray):
         bs, dev = self.block_size, self.device

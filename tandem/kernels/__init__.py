@@ -48,16 +48,27 @@ def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
 def cpu_paged_attention():
     """The CPU paged decode-attention extension, or None when it cannot be built here
     (no compiler, or TANDEM_NO_NATIVE=1)."""
+    return _load("tandem_cpu_paged_attention", "cpu_paged_attention.cpp", ["-ffast-math", "-fopenmp"])
+
+
+@functools.cache
+def cpu_fused_ops():
+    """Fused RMSNorm / residual-add+RMSNorm / RoPE for CPU (kernels/cpu_fused_ops.cpp), or None.
+    No fast-math: each op must round exactly as the PyTorch code it replaces."""
+    return _load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off"])
+
+
+def _load(name: str, source: str, cflags: list[str]):
+    """Build (once, cached by content) and import one extension; None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":
         return None
     try:
         from torch.utils.cpp_extension import load
 
         from tandem.models.loader import cache_root
-        build, src = build_dir(Path(__file__).with_name("cpu_paged_attention.cpp"), cache_root().parent / "kernels")
-        return load(name="tandem_cpu_paged_attention", sources=[str(src)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    build_directory=str(build), verbose=False)
+        build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels")
+        return load(name=name, sources=[str(src)], extra_cflags=["-O3", "-march=native", *cflags],
+                    extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], build_directory=str(build), verbose=False)
     except Exception as e:  # a missing toolchain must not stop serving
-        log.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
+        log.warning("native kernel %s unavailable (%s); using the PyTorch path", source, e)
         return None

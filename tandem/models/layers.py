@@ -7,6 +7,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from tandem.kernels import cpu_fused_ops
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). Weight-only quantised variants replace this module (same forward)."""
@@ -51,11 +53,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = _fused_ops(x)
+        if ext is not None:
+            return ext.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers (normalise in fp32, scale in the model dtype).
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): the residual add and this norm in one native pass."""
+        ext = _fused_ops(x)
+        if ext is not None:
+            s, normed = ext.add_rms_norm(x, residual, self.weight, self.eps)
+            return s, normed
+        s = residual + x
+        return s, self.forward(s)
+
+
+def _fused_ops(x: torch.Tensor):
+    """The native fused-op extension for a contiguous CPU [T, H] tensor, else None."""
+    if x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
+        return None
+    return cpu_fused_ops()
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -81,8 +102,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Hugging Face layout). cos/sin are gathered once per step, then
-    shared by every layer."""
+    """Rotate-half RoPE (Hugging Face layout) from one fp32 table of cos | sin per position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -91,10 +111,33 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
-        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRope":
+        return StepRope(positions, self.cos_sin, dtype)
+
+
+class StepRope:
+    """One step's RoPE, shared by every layer: the native kernel rotates q and k in place; the
+    PyTorch path gathers cos / sin once, at the first layer that needs them."""
+
+    def __init__(self, positions: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> None:
+        self.positions, self.table, self.dtype = positions, table, dtype
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rotate_qk_(self, qkv: torch.Tensor, heads: int, head_dim: int) -> bool:
+        """Rotate the first `heads` heads (q then k) of each qkv row in place; False: not here."""
+        ext = _fused_ops(qkv)
+        if ext is None:
+            return False
+        ext.rope_(qkv, self.positions, self.table, heads, head_dim)
+        return True
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        if self._cos_sin is None:
+            cos, sin = self.table[self.positions].chunk(2, dim=-1)
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            self._cos_sin = cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype)
+        return apply_rope(x, *self._cos_sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

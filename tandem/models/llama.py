@@ -10,7 +10,7 @@ from torch import nn
 
 from tandem.executor.attention import AttentionMetadata, TorchAttention
 from tandem.models.layers import (
-    Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
+    Linear, RMSNorm, RotaryEmbedding, SiluAndMul, StepRope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -86,13 +86,16 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.attn = TorchAttention(self.nq, self.nkv, self.hd)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope: StepRope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        qkv = self.qkv_proj(x)
+        rotated = not self.qk_norm and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
+        q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not rotated:
+            q, k = rope.rotate(q), rope.rotate(k)
         return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
 
 
@@ -115,9 +118,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope: StepRope, kv_cache, meta) -> torch.Tensor:
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta), x)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,9 +152,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -159,8 +162,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         if self.packed_lm_head is not None:
             return cpu_packed_linear(hidden, self.packed_lm_head, None).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:  # untied, or a quantised copy of the tied embedding
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""

@@ -56,6 +56,15 @@ def resolve_model(model: str) -> Path:
     return folder
 
 
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file behind a `--model` value (an alias or a .gguf path), else None: the
+    int4 variant reads its Q4_0 / Q4_1 codes from it directly."""
+    if model in _ALIAS_FILES:
+        return _alias_path(model)
+    path = Path(model).expanduser()
+    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def load_config(folder: Path) -> dict[str, Any]:
     """Parsed config.json, with the fields the engine needs filled in when a writer left them implicit.
 

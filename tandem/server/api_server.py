@@ -19,6 +19,7 @@ from tandem.server import responses as R
 from tandem.server.dashboard import add_server_dashboard
 from tandem.server.metrics import ServerMetrics
 from tandem.server.middleware import BodySizeLimit
+from tandem.server.precision import check_key_classes, key_priority, model_cards, request_precision, split_model
 from tandem.server.protocol import (NO_EFFECT_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from tandem.server.tool_calls import plan_tool_calls
@@ -32,6 +33,7 @@ class ServerConfig:
     max_n: int = 16
     max_body_bytes: int = 4 << 20
     request_log: str | None = None
+    api_key_classes: dict[str, str] | None = None  # further API keys, each mapped to a request class
     role: str = "colocated"  # in a cluster: colocated | prefill | decode (tandem.cluster)
     elastic: bool = False  # may be switched between prefill and decode by the router
 
@@ -49,6 +51,7 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    check_key_classes(config.api_key_classes)
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     metrics = ServerMetrics(llm.engine, config.model_name, config.request_log)
@@ -87,11 +90,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if config.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+            auth = request.headers.get("authorization")
+            if auth != f"Bearer {config.api_key}" and key_priority(auth, config.api_key_classes) is None:
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
 
     def check_admission(model: str | None, n: int) -> None:
+        model, _ = split_model(model, config.model_name)
         if model is not None and model != config.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{config.model_name}`.",
                            "not_found_error", "model")
@@ -138,8 +143,17 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def run(prompt_ids, params, priority, rid) -> AsyncIterator:
-        stream = llm.generate(prompt_ids, params, rid, priority)  # queued now: counts for 429
+    def choice(req, request: Request) -> tuple[int | None, str | None]:
+        """(priority, precision): the request's own, else its API key's class; 400 if not served."""
+        priority = req.priority_level or key_priority(request.headers.get("authorization"), config.api_key_classes)
+        try:
+            return priority, request_precision(req.precision, split_model(req.model, config.model_name)[1],
+                                               llm.engine.precisions)
+        except ValueError as e:
+            raise APIError(400, str(e), param="precision") from None
+
+    def run(prompt_ids, params, choice, rid) -> AsyncIterator:
+        stream = llm.generate(prompt_ids, params, rid, choice[0], precision=choice[1])  # queued now: counts for 429
 
         async def outputs():
             try:
@@ -191,7 +205,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         params = [params_for(req, len(ids), req.max_tokens, req.logprobs, so) for ids in encoded]
         await compiled(so)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name
-        gens = [run(ids, sp, req.priority_level, f"{rid}-{i}") for i, (ids, sp) in enumerate(zip(encoded, params))]
+        how = choice(req, request)
+        gens = [run(ids, sp, how, f"{rid}-{i}") for i, (ids, sp) in enumerate(zip(encoded, params))]
         want_lp = req.logprobs is not None
         if not req.stream:
             outs = await collect(request, gens)
@@ -259,7 +274,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         params = params_for(req, len(ids), max_tokens, logprobs, so)
         await compiled(so, "tool_calls" if tools is not None else None)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name
-        gen = run(ids, params, req.priority_level, rid)
+        gen = run(ids, params, choice(req, request), rid)
         if not req.stream:
             out = (await collect(request, [gen]))[0]
             return R.chat_body(rid, model, created, out, req.logprobs, tokenizer, tools)
@@ -282,8 +297,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "tandem", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": model_cards(config.model_name, llm.engine.precisions, max_model_len)}
 
     @app.get("/health")
     async def health():

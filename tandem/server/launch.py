@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished request")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--quantization", default=None, help="precision served: bf16, fp16, fp32, int8 or int4 "
+                   "(several, with classes and a fallback: serving.quantization in --config)")
     for name in ("dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "max_prefix_tokens", "min_match_length", "num_threads"):
         kind = str if name in ("dtype", "device") else int

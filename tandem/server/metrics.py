@@ -60,6 +60,7 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
             yield c
+        yield from _precision_families(self.engine, self.model)
         by_mode = CounterMetricFamily("tandem:preemptions_by_mode", "Preemptions by mode.", labels=labels + ["mode"])
         for mode in ("swap", "recompute"):
             by_mode.add_metric([self.model, mode], s.preemptions_by_mode[mode])
@@ -74,6 +75,25 @@ class _EngineCollector:
             for level in LEVELS:
                 g.add_metric([self.model, f"L{level}"], counts.get(level, 0))
             yield g
+
+
+def _precision_families(engine: LLMEngine, model: str):
+    """Requests per precision served, fallbacks (requested, served, reason), weight bytes per variant."""
+    router, lbl = engine.precisions, ["model_name"]
+    by_precision = CounterMetricFamily("tandem:requests_by_precision", "Requests by the precision that served them.",
+                                       labels=lbl + ["precision"])
+    for precision in router.served:
+        by_precision.add_metric([model, precision], router.requests_by_precision[precision])
+    yield by_precision
+    fallback = CounterMetricFamily("tandem:precision_fallback", "Requests served by the fallback precision.",
+                                   labels=lbl + ["requested", "served", "reason"])
+    for (requested, served, reason), count in router.fallbacks.items():
+        fallback.add_metric([model, requested, served, reason], count)
+    yield fallback
+    weights = GaugeMetricFamily("tandem:model_weight_bytes", "Bytes of weights each variant holds.", labels=lbl + ["precision"])
+    for precision, size in engine.executor.variants.weight_bytes.items():
+        weights.add_metric([model, precision], size)
+    yield weights
 
 
 class ServerMetrics:
@@ -153,6 +173,7 @@ class ServerMetrics:
             "output_tokens": num_out,
             "cached_prompt_tokens": out.metrics.num_cached_tokens,
             "priority": out.priority,
+            "precision": out.precision,
             "queue_time": t["queue_time"],
             "ttft": t["ttft"],
             "mean_itl": t["decode_time"] / decode_tokens if decode_tokens else 0.0,

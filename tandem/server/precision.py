@@ -1,0 +1,46 @@
+"""The server's side of precision choice: a `precision` field, a `model:precision` suffix, an
+API key mapped to a request class; and the variants `/v1/models` lists."""
+from __future__ import annotations
+
+from tandem.config import PRECISION_CLASSES
+from tandem.engine.precision import PrecisionRouter
+from tandem.server.protocol import PRIORITIES
+
+
+def split_model(model: str | None, served_name: str) -> tuple[str | None, str | None]:
+    """(model name, precision suffix): `smollm2-135m:int4` -> ("smollm2-135m", "int4"). A name
+    with a colon that is served as it is stays whole."""
+    if model is None or model == served_name or ":" not in model:
+        return model, None
+    base, _, suffix = model.rpartition(":")
+    return base, suffix
+
+
+def request_precision(field: str | None, suffix: str | None, router: PrecisionRouter) -> str | None:
+    """The request's own precision (the field wins over the suffix); ValueError if not served."""
+    precision = field if field is not None else suffix
+    router.check(precision)
+    return precision
+
+
+def key_priority(authorization: str | None, key_classes: dict[str, str] | None) -> int | None:
+    """The priority level of the class an API key is mapped to (server config `api_key_classes`)."""
+    if not key_classes or not authorization or not authorization.startswith("Bearer "):
+        return None
+    cls = key_classes.get(authorization.removeprefix("Bearer "))
+    return None if cls is None else PRIORITIES[cls]
+
+
+def check_key_classes(key_classes: dict[str, str] | None) -> None:
+    for cls in (key_classes or {}).values():
+        if cls not in PRECISION_CLASSES:
+            raise ValueError(f"api_key_classes: {cls!r} is not a request class ({', '.join(PRECISION_CLASSES)})")
+
+
+def model_cards(name: str, router: PrecisionRouter, max_model_len: int) -> list[dict]:
+    """The model, then one `name:precision` entry per variant a request may name."""
+    card = {"object": "model", "created": 0, "owned_by": "tandem", "max_model_len": max_model_len}
+    cards = [{"id": name, **card, "precision": router.default}]
+    if len(router.served) > 1:
+        cards += [{"id": f"{name}:{p}", **card, "root": name, "precision": p} for p in router.served]
+    return cards
