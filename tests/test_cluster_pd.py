@@ -58,6 +58,16 @@ def test_pd_stream_has_one_id_and_every_token(pd):
     assert set(chunks[-1]["metrics"]) == {"queue_time", "prefill_time", "decode_time"}  # as co-located
 
 
+def test_a_field_the_split_cannot_carry_goes_the_plain_way(pd):
+    """A grammar constraint (or any field outside PD_KEYS) is not dropped by the split: the
+    request goes whole to one instance, which honours the field or refuses it in words (this
+    tiny model has no tokenizer, so the constraint is refused; split, it was silently lost)."""
+    r = httpx.post(pd[0] + "/v1/completions", timeout=60, json=body(
+        list(range(1, 300)), 8, temperature=0, structured_outputs={"choice": ["yes", "no"]}))
+    assert r.status_code == 400 and "structured outputs" in r.json()["error"]["message"]
+    assert "+" not in r.headers.get("x-tandem-instance", "")
+
+
 def test_refused_decode_leg_still_takes_its_transfer(pd):
     """The prefill side sends once its first token is out; a decode leg refused before its
     receive still takes the transfer off the link (no file left, the send completes) and

@@ -3,7 +3,8 @@ prefill instance runs the prompt to its first token and ships its KV (shared mem
 host, or torch.distributed point-to-point between the two instances' ranks) while the decode
 instance, which continues from prompt + first token, receives it. The client sees one normal
 OpenAI response: the first token from the prefill side, the rest from the decode side, one id.
-Anything the split cannot serve exactly (no token ids, n > 1, logprobs) goes the plain way."""
+Anything the split cannot serve exactly (no token ids, n > 1, logprobs, a field outside
+PD_KEYS such as a grammar constraint) goes the plain way."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
                  "include_stop_str_in_output", "priority")
+# The other fields the split serves: the prompt, its length limit and how the answer is sent.
+# A request with any field outside these (structured outputs, tools, precision, speculation
+# opt-out, ...) goes the plain way, to one instance that honours it or refuses it in words.
+PD_KEYS = frozenset(SAMPLING_KEYS + ("model", "prompt", "messages", "add_generation_prompt", "max_tokens",
+                                     "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
+                                     "top_logprobs", "echo", "user", "metadata"))
 ROOM_WAIT_S = 5.0  # how long a request waits for a decode instance with room for its KV
 
 
@@ -51,7 +58,7 @@ class PDHandoff:
             max_tokens = 16  # the completions API's default
         logprobs = body.get("logprobs")
         if not ids or body.get("n", 1) != 1 or (logprobs is not None and logprobs is not False) \
-                or body.get("echo") or max_tokens == 1:
+                or body.get("echo") or max_tokens == 1 or not PD_KEYS.issuperset(body):
             return await plain()
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
