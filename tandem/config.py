@@ -9,9 +9,10 @@ import logging
 import yaml
 
 from tandem.core.scheduler_config import SchedulerConfig
+from tandem.core.spec_decode import SpeculativeConfig
 
 log = logging.getLogger(__name__)
-KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server")
+KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "speculative_decoding")
 # Quantisation: a precision names one variant of the model. fp16 is the device's 16-bit float
 # (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
@@ -49,6 +50,8 @@ class EngineConfig:
     step_trace: str | None = None  # append one JSON line per executed step to this file
     # Quantisation (see models/builder.py): the precision served; None: the float dtype above.
     quantization: str | None = None
+    # Speculative decoding (core/spec_decode.py): a dict of SpeculativeConfig keys, kept as one.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in PRECISIONS:
             raise ValueError(f"unknown precision {self.quantization!r}; known: {', '.join(PRECISIONS)}")
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
 
     @classmethod
@@ -86,7 +91,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     """Read a config file with the mission's `serving:` shape.
 
     section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
-    prefix cache; serving.engine holds any other EngineConfig field by name.
+    prefix cache; serving.engine holds any other EngineConfig field by name;
+    serving.speculative_decoding.{draft_model, verify_interval} is speculative_config.
     section "server": serving.server (host-independent server options, e.g. api_key).
     """
     try:
@@ -112,4 +118,6 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     for key in ("max_prefix_tokens", "min_match_length"):
         if key in cache:
             out[key] = cache[key]
+    if serving.get("speculative_decoding"):
+        out["speculative_config"] = SpeculativeConfig.from_yaml(serving["speculative_decoding"])
     return out

@@ -25,6 +25,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: this request opts out of speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self._text = ""  # stable output text, cut at a matched stop string
         self._num_emitted = 0  # chars of _text already returned as deltas
         self._max_stop_len = max(map(len, params.stop), default=0)
+        self.num_tokens_used = 0  # of the last update's tokens: fewer when a stop string ended it
 
     @property
     def output_text(self) -> str:
@@ -47,15 +48,23 @@ class IncrementalDetokenizer:
         After a stop string matched (stop_reason set) the request is over and further calls return "".
         The caller drops a terminating EOS / stop token id itself if its text must not appear.
         """
+        self.num_tokens_used = len(new_token_ids)
         if self.tokenizer is None or self.stop_reason is not None:
             return ""
         old_len = len(self._text)
-        for token_id in new_token_ids:
+        for n, token_id in enumerate(new_token_ids, 1):
             self._token_ids.append(token_id)
             self._text += self._decode_next(flush=False)
-        if finished:
+            # Token by token, as if each came in its own step: several at once (an accepted
+            # speculative run) stop at the token that completes the stop string.
+            if self._max_stop_len and len(self._text) > old_len and n < len(new_token_ids):
+                self._check_stop(old_len)
+                if self.stop_reason is not None:
+                    self.num_tokens_used = n
+                    break
+        if finished and self.stop_reason is None:
             self._text += self._decode_next(flush=True)
-        if self._max_stop_len and len(self._text) > old_len:
+        if self._max_stop_len and len(self._text) > old_len and self.stop_reason is None:
             self._check_stop(old_len)
         end = len(self._text)
         if not finished and self.stop_reason is None:

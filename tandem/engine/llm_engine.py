@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config, load_tokenizer, resolve_model
 
 PromptType = str | list[int]
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -31,7 +33,12 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), config.async_scheduling)
+        # A request's drafts follow its last token, so a verify step cannot be planned while
+        # the step before it runs: with speculation, steps run one after the other.
+        overlap = config.async_scheduling and config.speculative_config is None
+        if config.async_scheduling and not overlap:
+            log.warning("speculative decoding runs without async scheduling's overlap (steps run in turn)")
+        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), overlap)
         # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
         # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
         self.executor: Executor = self.pipeline.call(ModelRunner, config, self.model_dir)

@@ -109,16 +109,20 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            out.token_ids.extend(co.new_token_ids)
-            out.delta_token_ids.extend(co.new_token_ids)
-            if out.logprobs is not None and co.new_logprobs:
-                out.logprobs.extend(co.new_logprobs)
             core_done = co.finish_reason is not None
-            text_ids = co.new_token_ids
+            new_ids, new_lps = co.new_token_ids, co.new_logprobs
+            text_ids = new_ids
             if core_done and isinstance(co.stop_reason, int) and not child.include_stop:
                 text_ids = text_ids[:-1]  # EOS / stop token: not part of the text
             out.delta_text += child.detokenizer.update(text_ids, finished=core_done)
             out.text = child.detokenizer.output_text
+            if child.detokenizer.num_tokens_used < len(text_ids):  # a stop string inside the run
+                new_ids = new_ids[:child.detokenizer.num_tokens_used]
+                new_lps = new_lps and new_lps[:len(new_ids)]
+            out.token_ids.extend(new_ids)
+            out.delta_token_ids.extend(new_ids)
+            if out.logprobs is not None and new_lps:
+                out.logprobs.extend(new_lps)
             if child.detokenizer.stop_reason is not None:
                 out.finish_reason, out.stop_reason = "stop", child.detokenizer.stop_reason
                 if not core_done:

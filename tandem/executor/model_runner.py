@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,7 +15,9 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype
 from tandem.kernels import cpu_paged_attention
-from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from tandem.executor.proposers import NgramProposer
+from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow, logits_indices
+from tandem.executor.sampler import Sampler, make_generator
 from tandem.models.builder import build_model, resolve_precision, weight_bytes
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import gguf_source, load_config
@@ -32,6 +34,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
 
 
 class ModelRunner:
@@ -68,7 +71,10 @@ class ModelRunner:
         if self.device.type == "cpu" and cfg.head_dim in (64, 128):
             ext = cpu_paged_attention()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
-        self.sampler = Sampler()
+        self.sampler = RejectionSampler(Sampler())
+        spec = config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
         self.prepare_time = 0.0
@@ -121,6 +127,8 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            self.requests[req_id].spec_token_ids = drafts
 
     def _add(self, new: NewRequestData) -> None:
         self.requests[new.req_id] = CachedRequestState(
@@ -164,22 +172,26 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if logits_rows:
             rows = [states[i] for i in logits_rows]
-            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][logits_rows] - 1])
-            sampling = SamplingMetadata.build(
-                [SamplingRow(s.params,
-                             # the prompt is only read by the repetition penalty: skip the copy
-                             s.token_ids[:s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
-                             s.token_ids[s.prompt_len:], self.generators[s.req_id], s.eos_token_id)
-                 for s in rows],
-                logits.shape[-1], self.device)
-            result = self.sampler(logits, sampling)
-            for i, (s, token_id) in enumerate(zip(rows, result.sampled_token_ids)):
-                s.token_ids.append(token_id)
-                out.sampled_token_ids[s.req_id] = [token_id]
-                if result.logprobs is not None and s.params.logprobs is not None:
-                    out.logprobs[s.req_id] = [result.logprobs[i]]
+            index = logits_indices(meta.query_start_loc[1:][logits_rows].tolist(),
+                                   [len(s.spec_token_ids) for s in rows])
+            logits = self.model.compute_logits(hidden[index])
+            verified = self.sampler(logits, [
+                # the prompt is only read by the repetition penalty: skip the copy
+                VerifyRow(s.params, s.token_ids[:s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
+                          s.token_ids[s.prompt_len:],
+                          self.generators[s.req_id], s.eos_token_id, s.spec_token_ids) for s in rows],
+                self.device)
+            for s, (token_ids, lps) in zip(rows, verified):
+                s.token_ids.extend(token_ids)
+                out.sampled_token_ids[s.req_id] = token_ids
+                if lps is not None:
+                    out.logprobs[s.req_id] = lps
+                if self.proposer is not None and s.params.speculative:
+                    out.spec_token_ids[s.req_id] = self.proposer.propose(s.token_ids)
         for s, n in zip(states, counts.tolist()):
-            s.num_computed_tokens += n
+            # a verify step keeps the accepted drafts' KV only: the rest is written again
+            s.num_computed_tokens = len(s.token_ids) - 1 if s.spec_token_ids else s.num_computed_tokens + n
+            s.spec_token_ids = []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.execute_time = time.perf_counter() - start
@@ -197,6 +209,7 @@ class ModelRunner:
         ids: list[int] = []
         for s, c, n in zip(states, computed.tolist(), counts.tolist()):
             ids.extend(s.token_ids[c:c + n])
+            ids.extend(s.spec_token_ids)  # after the request's next position (a decode)
         token_req = np.repeat(np.arange(b), counts)
         positions = np.arange(total) - qsl[:-1][token_req] + computed[token_req]
 
@@ -225,7 +238,7 @@ class ModelRunner:
                 mask = torch.from_numpy(ctx[None, :] <= qpos[:, None]).to(dev)
             prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), slots, mask))
 
-        logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + len(s.spec_token_ids)]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
