@@ -7,6 +7,8 @@ The models are the conftest ones with a small initialisation (0.05): their greed
 repeat spans, so prompt lookup is accepted often and rejected often (each test checks both)."""
 from __future__ import annotations
 
+import json
+import logging
 import random
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 
 import conftest
 from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig, load_yaml
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
 
@@ -147,3 +150,48 @@ def test_seeded_sampling_is_reproducible(copy_models):
     b = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
     assert a == b
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"num_speculative_tokens": 17}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"method": "medusa"}, "unknown speculative method 'medusa'"),
+    ({"method": "draft", "model": "smollm2-135m"}, "method 'draft' is not implemented yet"),
+    ({"method": "ngram", "model": "smollm2-135m"}, "method 'ngram' takes no model"),
+    ({"k": 4}, "unknown speculative_config key"),
+])
+def test_bad_speculative_config_is_refused_at_start(bad, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=bad)
+
+
+def test_mission_yaml_section_is_accepted(tmp_path, caplog):
+    path = tmp_path / "serving.yaml"
+    path.write_text("serving:\n  speculative_decoding:\n    draft_model: ngram\n    verify_interval: 4\n")
+    with caplog.at_level(logging.WARNING):
+        config = EngineConfig.from_dict(load_yaml(path))
+    assert "not supported" not in caplog.text
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 4)
+    path.write_text("serving:\n  speculative_decoding:\n    draft_model: small_v2\n    verify_interval: 4\n")
+    with pytest.raises(ValueError, match="'draft' is not implemented yet"):
+        load_yaml(path)
+
+
+def test_metrics_and_request_log(copy_models, tmp_path):
+    from prometheus_client import generate_latest
+
+    from tandem.server.metrics import ServerMetrics
+    llm = _llm(copy_models["llama"], True)
+    metrics = ServerMetrics(llm.engine, "tiny", request_log=str(tmp_path / "requests.jsonl"))
+    for out in llm.generate(_prompts()[-1:], GREEDY):
+        metrics.on_finished(out)
+    stats = llm.engine.scheduler.spec_stats
+    text = generate_latest(metrics.registry).decode()
+    assert f'tandem:spec_decode_num_drafts_total{{model_name="tiny"}} {float(stats.num_drafts)}' in text
+    assert f'tandem:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(stats.num_accepted_tokens)}' in text
+    assert 'tandem:spec_decode_num_draft_tokens_total{model_name="tiny"}' in text
+    assert (f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} '
+            f'{float(stats.accepted_per_pos[0])}') in text
+    line = json.loads((tmp_path / "requests.jsonl").read_text())
+    assert line["spec_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    assert line["spec_mean_accepted_length"] == pytest.approx(stats.mean_accepted_length)

@@ -76,3 +76,6 @@ class EngineCoreOutput:
     new_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Speculative decoding this step: drafts verified and accepted (request log figures)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -357,8 +357,8 @@ class Scheduler:
                 new_ids.append(token_id)
                 if req.check_stop():
                     break
-            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id, ())
+            if drafts and sampled:
                 self._after_verify(req, len(drafts), len(sampled) - 1)
             if not req.status.finished:
                 req.spec_token_ids = result.spec_token_ids.get(req_id, [])
@@ -370,7 +370,7 @@ class Scheduler:
             lps = result.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
                 req_id, new_ids, lps[:len(new_ids)] if lps else None,
-                req.finish_reason, req.stop_reason,
+                req.finish_reason, req.stop_reason, len(drafts), len(sampled) - 1 if drafts else 0,
             ))
             if req.status.finished:
                 finished = True

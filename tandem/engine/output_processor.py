@@ -35,6 +35,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_spec_steps: int = 0  # speculative decoding: verify steps, drafts verified, accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -109,6 +112,10 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
+            if co.num_draft_tokens:
+                m.num_spec_steps += 1
+                m.num_draft_tokens += co.num_draft_tokens
+                m.num_accepted_tokens += co.num_accepted_tokens
             core_done = co.finish_reason is not None
             new_ids, new_lps = co.new_token_ids, co.new_logprobs
             text_ids = new_ids

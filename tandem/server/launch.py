@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")
+    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (YAML: serving.speculative_decoding)")
+    p.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts verified per step (1-16)")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
@@ -55,6 +59,13 @@ def main(args: argparse.Namespace) -> None:
         value = getattr(args, f.name, None)
         if value is not None:
             engine_opts[f.name] = value
+    spec = dict(engine_opts.get("speculative_config") or {})
+    for key, flag in (("method", "speculative_method"), ("model", "speculative_model"),
+                      ("num_speculative_tokens", "num_speculative_tokens")):
+        if getattr(args, flag) is not None:
+            spec[key] = getattr(args, flag)
+    if spec:
+        engine_opts["speculative_config"] = spec
     engine_config = EngineConfig.from_dict(engine_opts)
     server = ServerConfig(model_name=args.served_model_name or server_opts.pop("served_model_name", None)
                           or engine_config.model)

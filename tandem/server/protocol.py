@@ -35,6 +35,7 @@ class _SamplingFields(_Base):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: served without speculative decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -52,7 +53,7 @@ class _SamplingFields(_Base):
             repetition_penalty=opt(self.repetition_penalty, 1.0), max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, speculative=self.speculative,
         )
 
     @property
