@@ -31,6 +31,7 @@ COMMANDS = [
     ("bench", "offline", "tandem.bench.offline", "offline throughput, optionally against transformers"),
     ("bench", "scheduler", "tandem.bench.scheduler", "scheduler cost per step with a null executor"),
     ("bench", "serve", "tandem.bench.serve", "token-level load test of an OpenAI-compatible endpoint"),
+    ("bench", "spec", "tandem.bench.spec", "speculative decoding on and off on shipped prompt sets, batch 1 to 64"),
     ("bench", "steps", "tandem.bench.steps", "where a served run's step time went, from a --step-trace file"),
     ("bench", "kv-transfer", "tandem.bench.kv_transfer", "KV transfer latency and bandwidth between two processes (P/D)"),
     (None, "analyze", "tandem.tools.analyze_cli", "workload analysis of a trace or request log"),

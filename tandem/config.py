@@ -84,7 +84,14 @@ class EngineConfig:
             self.max_num_seqs, self.max_num_batched_tokens, max_model_len, self.scheduler_policy,
             self.queue_order, self.l2_min_share, self.max_preemptions, self.preemption_mode,
             swap_cost, recompute_cost, self.l1_hold_s, self.l1_step_time,
+            **self._speculation(),
         )
+
+    def _speculation(self) -> dict:
+        spec = self.speculative_config
+        if not isinstance(spec, SpeculativeConfig):
+            return {}
+        return {"num_speculative_tokens": spec.num_speculative_tokens, "adaptive_speculation": spec.adaptive}
 
 
 def load_yaml(path: str | Path, section: str = "engine") -> dict:

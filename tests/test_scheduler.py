@@ -603,8 +603,8 @@ TestPipelinedSpecSchedulerMachine = PipelinedSpecSchedulerMachine.TestCase
 
 @settings(max_examples=80, deadline=None)
 @given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
-       st.integers(1, 6), st.booleans(), st.booleans())
-def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, pipelined):
+       st.integers(1, 6), st.booleans(), st.booleans(), st.sampled_from([0, 2, 4]))
+def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, pipelined, k):
     """Verify steps (drafts in the budget, rollback) give the tokens and finish reasons of
     plain decoding, under preemption, chunking, prefix hits and async scheduling."""
     reqs, max_model_len = wl
@@ -612,7 +612,8 @@ def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, p
                        max_num_batched_tokens=10_000, max_num_seqs=100)
     spec = run_workload(reqs, max_model_len, pipelined=pipelined, propose=fake_propose,
                         num_blocks=cdiv(max_model_len, bs) + extra, block_size=bs,
-                        max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching)
+                        max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching,
+                        num_speculative_tokens=k)  # k > 0: AdaptiveK picks each step's cap
     event(f"preempted: {spec[2] > 0}")
     assert spec[0] == ref[0] and spec[1] == ref[1]
 

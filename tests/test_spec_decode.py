@@ -22,7 +22,9 @@ from tandem.models.loader import load_config
 
 KINDS = ["llama", "qwen2", "qwen3"]
 MAX_NEW = 24
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+# A fixed k, so every test verifies drafts (AdaptiveK would turn speculation off on these
+# models, where a token costs much beside a step's fixed part: test_adaptive_k_...).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -47,9 +49,10 @@ def _prompts() -> list[list[int]]:
     return prompts + [prompts[0][:20] * 2]  # one that copies from its prompt
 
 
-def _llm(path: str, spec: bool, **kw) -> LLM:
+def _llm(path: str, spec: bool | dict, **kw) -> LLM:
     kw.setdefault("kv_cache_memory", 1 << 22)
-    return LLM(path, dtype="float32", speculative_config=SPEC if spec else None, **kw)
+    spec = SPEC if spec is True else spec or None
+    return LLM(path, dtype="float32", speculative_config=spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,13 @@ def test_prefix_hits_and_n_greater_than_one(kind, copy_models, plain):
     assert [o.outputs[0].token_ids for o in first] == plain[kind]
     assert [[c.token_ids for c in o.outputs] for o in again] == [[r, r] for r in plain[kind]]
     _assert_drafts_accepted_and_rejected(llm)
+
+
+def test_adaptive_k_keeps_greedy_output(copy_models, plain):
+    llm = _llm(copy_models["llama"], dict(SPEC, adaptive=True))
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
+    assert llm.engine.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):

@@ -26,7 +26,7 @@ from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_config import SchedulerConfig
-from tandem.core.spec_decode import SpecDecodeStats, num_drafts
+from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, AdaptiveK, SpecDecodeStats, num_drafts
 
 
 class Scheduler:
@@ -54,6 +54,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
         self.spec_stats = SpecDecodeStats()
+        self.spec_policy = AdaptiveK(config.num_speculative_tokens) \
+            if config.num_speculative_tokens and config.adaptive_speculation else None
+        # Drafts per request this step: spec_policy's choice, else up to what is proposed.
+        self._max_drafts = config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -99,6 +103,8 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
+        if self.spec_policy is not None:
+            self._max_drafts = self.spec_policy.choose(len(self.running))
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
@@ -158,8 +164,10 @@ class Scheduler:
         self._finished_ids |= req_ids
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step that ran took `seconds`: adapt the L1 throttle to `l1_step_time` (the engine
-        and the simulator call this after each step)."""
+        """A step that ran took `seconds`: feed the speculation policy's cost fit and adapt the
+        L1 throttle to `l1_step_time` (the engine and the simulator call this after each step)."""
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds)
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
@@ -178,7 +186,7 @@ class Scheduler:
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
             # Drafts only on a decode whose last token is known (none in flight).
-            k = num_drafts(len(req.spec_token_ids), cap, req.max_tokens - req.num_output_tokens) \
+            k = num_drafts(min(len(req.spec_token_ids), self._max_drafts), cap, req.max_tokens - req.num_output_tokens) \
                 if pending == 1 and not req.num_output_placeholders else 0
             num_new = min(pending, cap) + k
             new_block_ids = self._allocate(req, num_new, step)
@@ -389,6 +397,8 @@ class Scheduler:
         req.num_draft_tokens += num_drafts
         req.num_accepted_tokens += num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
+        if self.spec_policy is not None:
+            self.spec_policy.observe_verify(num_drafts, num_accepted)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
