@@ -123,9 +123,10 @@ class OutputProcessor:
                 text_ids = text_ids[:-1]  # EOS / stop token: not part of the text
             out.delta_text += child.detokenizer.update(text_ids, finished=core_done)
             out.text = child.detokenizer.output_text
-            if child.detokenizer.num_tokens_used < len(text_ids):  # a stop string inside the run
-                new_ids = new_ids[:child.detokenizer.num_tokens_used]
-                new_lps = new_lps and new_lps[:len(new_ids)]
+            cut = child.detokenizer.stop_token_count
+            if cut is not None:  # a stop string: drop the tokens after it (an accepted speculative run)
+                new_ids = new_ids[:cut]
+                new_lps = new_lps and new_lps[:cut]
             out.token_ids.extend(new_ids)
             out.delta_token_ids.extend(new_ids)
             if out.logprobs is not None and new_lps:
