@@ -91,6 +91,11 @@ class Scheduler:
             self._free(req)
 
     @property
+    def speculating(self) -> bool:
+        """Speculative decoding is on and the last step planned drafts (AdaptiveK may say 0)."""
+        return self.config.num_speculative_tokens > 0 and self._max_drafts > 0
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 

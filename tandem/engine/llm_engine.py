@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable
 
@@ -25,7 +24,6 @@ from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config, load_tokenizer, resolve_model
 
 PromptType = str | list[int]
-log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -33,12 +31,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        # A request's drafts follow its last token, so a verify step cannot be planned while
-        # the step before it runs: with speculation, steps run one after the other.
-        overlap = config.async_scheduling and config.speculative_config is None
-        if config.async_scheduling and not overlap:
-            log.warning("speculative decoding runs without async scheduling's overlap (steps run in turn)")
-        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), overlap)
+        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), config.async_scheduling)
         # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
         # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
         self.executor: Executor = self.pipeline.call(ModelRunner, config, self.model_dir)
@@ -154,6 +147,10 @@ class LLMEngine:
         while the one before it is processed: the first call returns [] and each later one
         the outputs of the step before, and the step just scheduled waits for that one to
         end and is topped up with what arrived meanwhile (Scheduler.top_up)."""
+        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.speculating:
+            # Drafts follow a request's last token: while speculating, the next step is planned
+            # only once the one in flight has returned (no overlap; AdaptiveK at 0 overlaps).
+            return self._finish(self.pipeline.pop())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.phase_times["schedule"] += time.perf_counter() - t0
@@ -182,6 +179,9 @@ class LLMEngine:
             if len(self.pipeline) == 0 or (self.pipeline.overlap and not sched.is_empty):
                 return []  # idle, or the first step of a busy spell: it runs while the caller returns
             done = self.pipeline.pop()
+        return self._finish(done)
+
+    def _finish(self, done: ExecutedStep) -> list[RequestOutput]:
         t1 = time.perf_counter()
         outputs = self._update(done.sched, done.result)
         self.phase_times["update"] += time.perf_counter() - t1
