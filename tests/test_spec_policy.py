@@ -65,3 +65,20 @@ def test_stats_and_yaml_mapping():
     stats.observe(2, 0)
     assert (stats.acceptance_rate, stats.mean_accepted_length, stats.accepted_per_pos) == (2 / 6, 2.0, [1, 1, 0, 0])
     assert SpeculativeConfig.from_yaml({"draft_model": "ngram", "verify_interval": 3}) == {"num_speculative_tokens": 3}
+
+
+def test_serve_flags_override_the_yaml_section():
+    import argparse
+
+    from tandem.config import EngineConfig
+    from tandem.server.launch import add_arguments, with_speculation_flags
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-method", "ngram", "--num-speculative-tokens", "6"])
+    opts = with_speculation_flags({"speculative_config": {"num_speculative_tokens": 3, "adaptive": False}}, args)
+    spec = EngineConfig.from_dict(opts).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 6, False)
+    assert with_speculation_flags({}, parser.parse_args([])) == {}
+    with pytest.raises(ValueError, match=r"in \[1, 16\]"):
+        EngineConfig.from_dict(with_speculation_flags({}, parser.parse_args(["--num-speculative-tokens", "0",
+                                                                             "--speculative-method", "ngram"])))
