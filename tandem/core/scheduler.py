@@ -58,6 +58,7 @@ class Scheduler:
             if config.num_speculative_tokens and config.adaptive_speculation else None
         # Drafts per request this step: spec_policy's choice, else up to what is proposed.
         self._max_drafts = config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
+        self._drafts_planned = False
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -90,9 +91,13 @@ class Scheduler:
             req.status = status
             self._free(req)
 
-    @property
-    def speculating(self) -> bool:
-        """Speculative decoding is on and the last step planned drafts (AdaptiveK may say 0)."""
+    def plan_speculation(self) -> bool:
+        """Choose the coming step's drafts per request (AdaptiveK; once per step) and say whether
+        it drafts. The engine asks before schedule(), so under async scheduling it can first hand
+        back the step in flight: a request drafts only once its last token is known."""
+        if self.spec_policy is not None and not self._drafts_planned:
+            self._max_drafts = self.spec_policy.choose(len(self.running))
+            self._drafts_planned = True
         return self.config.num_speculative_tokens > 0 and self._max_drafts > 0
 
     @property
@@ -108,8 +113,8 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
-        if self.spec_policy is not None:
-            self._max_drafts = self.spec_policy.choose(len(self.running))
+        self.plan_speculation()
+        self._drafts_planned = False
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))

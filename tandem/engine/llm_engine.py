@@ -147,9 +147,9 @@ class LLMEngine:
         while the one before it is processed: the first call returns [] and each later one
         the outputs of the step before, and the step just scheduled waits for that one to
         end and is topped up with what arrived meanwhile (Scheduler.top_up)."""
-        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.speculating:
-            # Drafts follow a request's last token: while speculating, the next step is planned
-            # only once the one in flight has returned (no overlap; AdaptiveK at 0 overlaps).
+        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.plan_speculation():
+            # Drafts follow a request's last token: a step that drafts is planned only once the
+            # one in flight has returned (no overlap; steps where AdaptiveK says 0 overlap).
             return self._finish(self.pipeline.pop())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
