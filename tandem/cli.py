@@ -32,6 +32,7 @@ COMMANDS = [
     ("bench", "quality", "tandem.bench.quality", "perplexity, greedy agreement and batch dependence per precision"),
     ("bench", "scheduler", "tandem.bench.scheduler", "scheduler cost per step with a null executor"),
     ("bench", "serve", "tandem.bench.serve", "token-level load test of an OpenAI-compatible endpoint"),
+    ("bench", "spec", "tandem.bench.spec", "speculative decoding on and off on shipped prompt sets, batch 1 to 64"),
     ("bench", "steps", "tandem.bench.steps", "where a served run's step time went, from a --step-trace file"),
     ("bench", "gpu", "tandem.bench.gpu", "the GPU check: equality, throughput vs transformers, decode roofline, graphs on/off"),
     ("bench", "structured", "tandem.bench.structured", "cost of structured outputs: tok/s constrained vs not, compile time"),

@@ -9,9 +9,10 @@ import logging
 import yaml
 
 from tandem.core.scheduler_config import SchedulerConfig
+from tandem.core.spec_decode import SpeculativeConfig
 
 log = logging.getLogger(__name__)
-KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization")
+KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "speculative_decoding")
 # Quantisation: a precision names one variant of the model. fp16 is the device's 16-bit float
 # (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
@@ -57,6 +58,8 @@ class EngineConfig:
     quantization: str | None = None
     precision_fallback: str | None = None  # serves requests whose variant could not be built
     precision_classes: dict[str, str] | None = None  # request class (priority name) -> precision
+    # Speculative decoding (core/spec_decode.py): a dict of SpeculativeConfig keys, kept as one.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -72,6 +75,8 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         self._check_precisions()
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
 
     def _check_precisions(self) -> None:
@@ -104,14 +109,22 @@ class EngineConfig:
             self.max_num_seqs, self.max_num_batched_tokens, max_model_len, self.scheduler_policy,
             self.queue_order, self.l2_min_share, self.max_preemptions, self.preemption_mode,
             swap_cost, recompute_cost, self.l1_hold_s, self.l1_step_time,
+            **self._speculation(),
         )
+
+    def _speculation(self) -> dict:
+        spec = self.speculative_config
+        if not isinstance(spec, SpeculativeConfig):
+            return {}
+        return {"num_speculative_tokens": spec.num_speculative_tokens, "adaptive_speculation": spec.adaptive}
 
 
 def load_yaml(path: str | Path, section: str = "engine") -> dict:
     """Read a config file with the mission's `serving:` shape.
 
     section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
-    prefix cache; serving.engine holds any other EngineConfig field by name.
+    prefix cache; serving.engine holds any other EngineConfig field by name;
+    serving.speculative_decoding.{draft_model, verify_interval} is speculative_config.
     section "server": serving.server (host-independent server options, e.g. api_key).
     """
     try:
@@ -138,6 +151,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
         if key in cache:
             out[key] = cache[key]
     out.update(_quantization_options(serving.get("quantization"), path))
+    if serving.get("speculative_decoding"):
+        out["speculative_config"] = SpeculativeConfig.from_yaml(serving["speculative_decoding"])
     return out
 
 

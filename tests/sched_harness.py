@@ -13,6 +13,13 @@ A token is sampled for every scheduled request whose prefill has caught up
 (num_computed_tokens == num_tokens after schedule). It is a deterministic function of the
 request id and either the sequence so far (`fake_token_from_sequence`, the default) or just
 its length (`fake_token_from_length`), so runs can be compared.
+
+Speculative steps (`propose=fake_propose`): after each token the executor proposes up to
+MAX_DRAFTS drafts, a deterministic mix of the true continuation and wrong tokens, so the
+acceptance varies. A verify step writes the drafts' "KV", samples the true token after each
+accepted prefix and keeps the longest run that matches, as the real verifier does; the
+scheduler must then roll back to exactly the tokens kept (the next step's num_computed_tokens
+is checked), and every block in the prefix index must hold exactly the tokens it is indexed by.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ EOS = 0
 VOCAB = 50
 
 Sampler = Callable[[str, list[int]], int]
+Proposer = Callable[[str, list[int], Sampler], list[int]]
+MAX_DRAFTS = 4
 
 
 def fake_token_from_length(req_id: str, length: int, vocab: int = VOCAB) -> int:
@@ -42,6 +51,19 @@ def fake_token_from_length(req_id: str, length: int, vocab: int = VOCAB) -> int:
 def fake_token_from_sequence(req_id: str, tokens: list[int], vocab: int = VOCAB) -> int:
     """Deterministic in (id, sequence so far); EOS (0) now and then."""
     return zlib.crc32(f"{req_id}/{','.join(map(str, tokens))}".encode()) % vocab
+
+
+def fake_propose(req_id: str, tokens: list[int], sample: Sampler) -> list[int]:
+    """0..MAX_DRAFTS drafts whose first `good` are the true continuation (sample's), the
+    rest wrong; both counts a deterministic function of (id, length)."""
+    h = zlib.crc32(f"draft/{req_id}/{len(tokens)}".encode())
+    k, good = h % (MAX_DRAFTS + 1), (h >> 8) % (MAX_DRAFTS + 1)
+    seq, drafts = list(tokens), []
+    for j in range(k):
+        t = sample(req_id, seq)
+        drafts.append(t if j < good else (t + 1 + h % 7) % VOCAB)
+        seq.append(drafts[-1])
+    return drafts
 
 
 def sample_from_length(req_id: str, tokens: list[int]) -> int:
@@ -102,10 +124,12 @@ class FakeExecutor:
     that same step at all (not even re-admitted as a new request)."""
 
     def __init__(self, sched: Scheduler, sample: Sampler = fake_token_from_sequence,
-                 strict_preemption: bool = False) -> None:
+                 strict_preemption: bool = False, propose: Proposer | None = None) -> None:
         self.s = sched
         self.bs = sched.kv.block_size
         self.sample = sample
+        self.propose = propose
+        self.num_drafts = self.num_accepted = 0
         self.strict_preemption = strict_preemption
         self.dev: dict[int, list[int | None]] = {}
         self.host: dict[int, list[int | None]] = {}
@@ -188,19 +212,22 @@ class FakeExecutor:
             self.tables[r.req_id].extend(r.new_block_ids)
 
         # 3. the step: write each scheduled token's "KV" into its slot.
-        sampled = {}
+        sampled, proposals = {}, {}
         for rid, n in out.num_scheduled_tokens.items():
             table, toks, p0 = self.tables[rid], self.tokens[rid], self.pos[rid]
-            assert p0 + n <= len(toks)
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            assert not drafts or p0 + n == len(toks) + len(drafts), "drafts not after the next position"
+            seq = toks + drafts
+            assert p0 + n <= len(seq)
             for p in range(p0, p0 + n):
-                self._slot(table, self.dev, p)[p % bs] = toks[p]
+                self._slot(table, self.dev, p)[p % bs] = seq[p]
             self.pos[rid] = p0 + n
             req = s.requests.get(rid)
             if req is None:  # aborted between schedule and execute
                 continue
             # The scheduler may not know yet the token the step before sampled (async
             # scheduling), but it counts it, and the one this step samples, as placeholders.
-            samples = n > 0 and self.pos[rid] == len(toks)
+            samples = n > 0 and self.pos[rid] == len(seq)
             assert toks[:req.num_tokens] == req.all_token_ids, "executor and scheduler disagree on tokens"
             assert len(toks) + samples == req.num_tokens_with_placeholders
             assert self.pos[rid] == req.num_computed_tokens
@@ -208,12 +235,24 @@ class FakeExecutor:
             assert len(table) * bs >= req.num_computed_tokens
             if samples:
                 sampled[rid] = [self.sample(rid, toks)]
-                toks.append(sampled[rid][0])
+                while len(sampled[rid]) <= len(drafts) and drafts[len(sampled[rid]) - 1] == sampled[rid][-1]:
+                    sampled[rid].append(self.sample(rid, toks + drafts[:len(sampled[rid])]))
+                toks.extend(sampled[rid])
+                if drafts:  # the rejected drafts' slots are written again later
+                    self.pos[rid] = len(toks) - 1
+                    self.num_drafts += len(drafts)
+                    self.num_accepted += len(sampled[rid]) - 1
+                if self.propose is not None:
+                    proposals[rid] = self.propose(rid, toks, self.sample)
         # every live request's blocks hold its tokens (not just the scheduled ones)
         for rid in self.tables:
             if rid in s.requests:
                 self._check_content(rid, self.pos[rid], "after step")
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        # the prefix index holds verified KV only: each cached block holds its tokens
+        for b in s.kv.pool.blocks:
+            if b.block_hash is not None:
+                assert tuple(self.dev.get(b.block_id, ())) == b.token_ids, f"cached block {b.block_id} holds other KV"
+        return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=proposals)
 
 
 # =====================================================================================
@@ -231,10 +270,14 @@ def check_state(s: Scheduler) -> None:
     assert not set(running_ids) & set(waiting_ids)
     assert set(running_ids) | set(waiting_ids) == set(s.requests)
     assert len(s.running) <= cfg.max_num_seqs
+    # A verify step holds slots for its drafts; rejected ones stay allocated.
+    spec = s.spec_stats.num_drafts or (s._step is not None and s._step.out.scheduled_spec_decode_tokens)
+    slack = MAX_DRAFTS + 1 if spec else 0
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
-        assert len(kv.block_ids(r)) == cdiv(r.num_computed_tokens, kv.block_size)
-        assert 0 < r.num_computed_tokens <= r.num_tokens_with_placeholders
+        assert cdiv(r.num_computed_tokens, kv.block_size) <= len(kv.block_ids(r)) \
+            <= cdiv(r.num_computed_tokens + slack, kv.block_size)
+        assert 0 < r.num_computed_tokens <= r.num_tokens_with_placeholders + slack
         assert r.num_output_placeholders <= 2  # the step in flight's and the one just scheduled
     for level in (1, 2, 3):
         for r in s.waiting.queues[level]:
@@ -246,7 +289,8 @@ def check_state(s: Scheduler) -> None:
         if r.swapped:
             assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens > 0
             hosts = kv.req_to_host_blocks[r.request_id]
-            assert len(hosts) == cdiv(r.num_computed_tokens, kv.block_size)
+            assert cdiv(r.num_computed_tokens, kv.block_size) <= len(hosts) \
+                <= cdiv(r.num_computed_tokens + slack, kv.block_size)
         else:
             assert r.num_computed_tokens == 0
     # device: ref counts are the number of running requests holding each block
@@ -298,9 +342,9 @@ class Driver:
 
     def __init__(self, sched: Scheduler, clock: Clock | None = None, tick: float = 0.0, *,
                  sample: Sampler = fake_token_from_sequence, strict_preemption: bool = False,
-                 max_steps: int = 5_000) -> None:
+                 max_steps: int = 5_000, propose: Proposer | None = None) -> None:
         self.s = sched
-        self.ex = FakeExecutor(sched, sample, strict_preemption)
+        self.ex = FakeExecutor(sched, sample, strict_preemption, propose)
         self.clock, self.tick = clock, tick
         self.strict_preemption = strict_preemption
         self.max_steps = max_steps

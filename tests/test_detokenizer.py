@@ -145,3 +145,16 @@ def test_stop_strings_match_a_plain_search(tokenizer, text, stop, include, chunk
     expected = full if index == -1 else full[:index + len(stop) if include else index]
     assert "".join(deltas) == detok.output_text == expected
     assert detok.stop_reason == (None if index == -1 else stop)
+
+
+def test_several_tokens_at_once_stop_at_the_token_that_completes_the_stop(tokenizer):
+    """An accepted speculative run hands several tokens in one update: the stop is found at
+    the token that completes it, as if they came one per step."""
+    ids = encode(tokenizer, "one two three four five six")
+    params = SamplingParams(stop=[" three"])
+    one_by_one = IncrementalDetokenizer(tokenizer, [], params)
+    used = next(i + 1 for i, t in enumerate(ids) if (one_by_one.update([t]), one_by_one.stop_reason)[1])
+    at_once = IncrementalDetokenizer(tokenizer, [], params)
+    at_once.update(ids)
+    assert at_once.stop_token_count == used < len(ids)
+    assert at_once.output_text == one_by_one.output_text == "one two"

@@ -17,8 +17,8 @@ from tandem.core.kv_cache_manager import cdiv
 from tandem.core.request import RequestStatus
 
 import sched_harness
-from sched_harness import (EOS, DriverMachine, check_state, fake_token_from_length, make_req,
-                           make_sched, prompts, sample_from_length)
+from sched_harness import (EOS, DriverMachine, check_state, fake_propose, fake_token_from_length,
+                           make_req, make_sched, prompts, sample_from_length)
 
 # Tokens by (id, length); a preempted request must stay out for the rest of its step.
 Driver = functools.partial(sched_harness.Driver, sample=sample_from_length,
@@ -476,9 +476,9 @@ def workloads(draw):
             for _ in range(n)], max_model_len
 
 
-def run_workload(reqs, max_model_len, pipelined=False, **cfg):
+def run_workload(reqs, max_model_len, pipelined=False, propose=None, **cfg):
     s = make_sched(max_model_len=max_model_len, **cfg)
-    d = (PipelinedDriver if pipelined else Driver)(s)
+    d = (PipelinedDriver if pipelined else Driver)(s, propose=propose)
     for i, (prompt, max_tokens, eos) in enumerate(reqs):
         d.add(make_req(f"w{i}", prompt, max_tokens, eos=EOS if eos else None))
     d.run(max_steps=5_000)
@@ -570,3 +570,77 @@ def test_pipelined_preempted_request_keeps_its_token_in_flight():
 def test_pool_smaller_than_one_full_request_is_rejected():
     with pytest.raises(ValueError, match="never fit"):
         make_sched(num_blocks=2, block_size=4, max_model_len=32)
+
+
+# =====================================================================================
+# Speculative steps: drafts with random acceptance (sched_harness.fake_propose)
+# =====================================================================================
+
+class SpecSchedulerMachine(SchedulerMachine):
+    """The state machine with a draft proposal after every token: no leaked or doubly owned
+    block, rollback to exactly the accepted tokens, no draft in the prefix cache."""
+
+    driver = functools.partial(Driver, propose=fake_propose)
+
+    def teardown(self):
+        super().teardown()
+        if hasattr(self, "d"):
+            event(f"drafts accepted: {self.d.ex.num_accepted > 0}")
+            event(f"drafts rejected: {self.d.ex.num_accepted < self.d.ex.num_drafts}")
+
+
+SpecSchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+TestSpecSchedulerMachine = SpecSchedulerMachine.TestCase
+
+
+class PipelinedSpecSchedulerMachine(SpecSchedulerMachine):
+    driver = functools.partial(PipelinedDriver, propose=fake_propose)
+
+
+PipelinedSpecSchedulerMachine.TestCase.settings = SpecSchedulerMachine.TestCase.settings
+TestPipelinedSpecSchedulerMachine = PipelinedSpecSchedulerMachine.TestCase
+
+
+@settings(max_examples=80, deadline=None)
+@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
+       st.integers(1, 6), st.booleans(), st.booleans(), st.sampled_from([0, 2, 4]))
+def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, pipelined, k):
+    """Verify steps (drafts in the budget, rollback) give the tokens and finish reasons of
+    plain decoding, under preemption, chunking, prefix hits and async scheduling."""
+    reqs, max_model_len = wl
+    ref = run_workload(reqs, max_model_len, num_blocks=1000, block_size=bs,
+                       max_num_batched_tokens=10_000, max_num_seqs=100)
+    spec = run_workload(reqs, max_model_len, pipelined=pipelined, propose=fake_propose,
+                        num_blocks=cdiv(max_model_len, bs) + extra, block_size=bs,
+                        max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching,
+                        num_speculative_tokens=k)  # k > 0: AdaptiveK picks each step's cap
+    event(f"preempted: {spec[2] > 0}")
+    assert spec[0] == ref[0] and spec[1] == ref[1]
+
+
+def test_verify_step_counts_drafts_and_rolls_back():
+    """Drafts take budget and slots; a rejected tail is dropped from num_computed_tokens."""
+    s = make_sched(block_size=4, max_num_batched_tokens=64)
+    d = Driver(s, propose=lambda rid, toks, sample: [sample(rid, toks), 49, 49])
+    req = d.add(make_req("a", [1, 2, 3], max_tokens=10))
+    d.step()  # prefill, then a proposal of 3: one right, two wrong
+    out = d.schedule()
+    assert out.scheduled_spec_decode_tokens["a"][1:] == [49, 49] and out.num_scheduled_tokens["a"] == 4
+    assert req.num_computed_tokens == 4 + 3
+    d.finish_step(out)
+    assert req.num_output_tokens == 3 and req.num_computed_tokens == req.num_tokens - 1 == 5
+    assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (3, 1)
+    assert s.spec_stats.accepted_per_pos == [1, 0, 0]
+
+
+def test_drafts_stop_short_of_max_tokens_and_budget():
+    s = make_sched(block_size=4, max_num_batched_tokens=3)
+    d = Driver(s, propose=lambda rid, toks, sample: [7, 7, 7, 7])
+    d.add(make_req("a", [1, 2], max_tokens=4))
+    d.step()
+    out = d.schedule()
+    assert len(out.scheduled_spec_decode_tokens["a"]) == 2  # budget 3: the position + 2 drafts
+    d.finish_step(out)
+    req = s.requests["a"]
+    out = d.schedule()  # at most max_tokens - output - 1 drafts
+    assert len(out.scheduled_spec_decode_tokens.get("a", [])) <= req.max_tokens - req.num_output_tokens - 1

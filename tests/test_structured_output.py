@@ -198,3 +198,18 @@ def test_step_trace_carries_the_masking_cost(model_dir, tmp_path, capsys):
     assert all(0 < s["structured_output_seconds"] < s["seconds"] for s in lines)
     bench_steps.main(argparse.Namespace(trace=path))
     assert f"grammar masks: {len(lines)} steps" in capsys.readouterr().out
+
+
+def test_speculation_drafts_nothing_for_constrained_requests(model_dir):
+    """With n-gram speculation on, a constrained request still satisfies its constraint and is
+    never drafted for (a draft would skip the grammar's mask); an unconstrained request on the
+    same prompt is. The prompt repeats a span so prompt lookup has matches."""
+    llm = _llm(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    repeat = [5, 6, 7, 8] * 10
+    stats = llm.engine.scheduler.spec_stats
+    for so in KINDS:
+        out = llm.generate([repeat], _params(so, max_tokens=40))[0].outputs[0]
+        _check(so, out.text, out.finish_reason)
+    assert stats.num_drafts == 0
+    llm.generate([repeat], _params(None, max_tokens=40, ignore_eos=True))
+    assert stats.num_drafts > 0

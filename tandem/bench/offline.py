@@ -34,6 +34,9 @@ def _peak_gpu_mb() -> float | None:
 def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
     opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
+    if args.speculative_method:
+        opts["speculative_config"] = {"method": args.speculative_method,
+                                      "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
               enforce_eager=args.enforce_eager, **opts)
@@ -65,7 +68,15 @@ def run_tandem(args, requests) -> dict:
             "gpu_busy_ms": None if gpu_gaps is None else (gpu_gaps.busy_seconds - gaps_before[2]) * 1e3
             / max(gpu_gaps.num_steps - gaps_before[3], 1),
             "gpu_gap_ms": None if gpu_gaps is None else (gpu_gaps.gap_seconds - gaps_before[0]) * 1e3
-            / max(gpu_gaps.num_gaps - gaps_before[1], 1)}
+            / max(gpu_gaps.num_gaps - gaps_before[1], 1),
+            "spec_decode": spec_summary(engine.scheduler.spec_stats) if args.speculative_method else None}
+
+
+def spec_summary(stats) -> dict:
+    """Speculative decoding figures of a run (core/spec_decode.SpecDecodeStats)."""
+    return {"acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens}
 
 
 def run_hf(args, requests) -> dict:
@@ -111,6 +122,10 @@ def _print_run(t: dict) -> None:
           f"gap between steps {ms['gap']:.3f} ms ({t['gap_share_of_execute']:.2%} of execute)")
     print(f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
           f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions")
+    if t.get("spec_decode"):
+        sd = t["spec_decode"]
+        print(f"        speculative decoding: acceptance rate {sd['acceptance_rate']:.1%}, mean accepted length "
+              f"{sd['mean_accepted_length']:.2f} tokens per verify step ({sd['num_drafts']} verify steps)")
 
 
 def _print_async_table(off: dict, on: dict) -> None:
@@ -168,6 +183,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="overlap scheduling with execution (default: the engine's default)")
     p.add_argument("--compare-async", action="store_true",
                    help="run tandem with and without async scheduling, side by side")
+    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["hf"], default=None)

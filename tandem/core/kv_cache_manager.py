@@ -103,7 +103,9 @@ class KVCacheManager:
             return
         hashes = self._req_hashes.setdefault(req.request_id, [])
         bs, tokens = self.block_size, req.all_token_ids
-        limit = req.num_computed_tokens
+        # Known tokens only: a verify step in flight has num_computed_tokens past them, over
+        # drafts not yet accepted (speculative decoding).
+        limit = min(req.num_computed_tokens, len(tokens))
         if self.max_prefix_tokens is not None:
             limit = min(limit, self.max_prefix_tokens)
         for i in range(len(hashes), min(limit // bs, len(blocks))):

@@ -45,6 +45,9 @@ class SchedulerOutput:
     # Lower-level prompt tokens this step holds under the L1 throttle (multilevel): the
     # scheduler adapts the throttle from this step's measured time (Scheduler.observe_step).
     num_throttled_prefill_tokens: int = 0
+    # Speculative decoding: the drafts each request verifies this step, scheduled after its
+    # next position (num_scheduled_tokens counts them); see core/spec_decode.py.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -53,7 +56,8 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Per scheduled request, the tokens sampled this step (empty for a partial prefill chunk)."""
+    """Per scheduled request, the tokens sampled this step (empty for a partial prefill chunk;
+    with drafts, the accepted ones plus the target's own next token)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request with logprobs asked: one list per sampled token of (token_id, logprob) pairs,
@@ -61,6 +65,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds the step took on the executor
     structured_output_time: float = 0.0  # of which filling and applying grammar bitmasks
+    # Speculative decoding: drafts proposed for each request's next step, after this step's tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -72,3 +78,6 @@ class EngineCoreOutput:
     new_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Speculative decoding this step: drafts verified and accepted (request log figures)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -83,6 +83,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True  # False: this request opts out of speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -26,6 +26,7 @@ from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_config import SchedulerConfig
+from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, AdaptiveK, SpecDecodeStats, num_drafts
 
 
 class Scheduler:
@@ -52,6 +53,12 @@ class Scheduler:
         self.lower_prefill_tokens = self._floor_tokens
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
+        self.spec_stats = SpecDecodeStats()
+        self.spec_policy = AdaptiveK(config.num_speculative_tokens) \
+            if config.num_speculative_tokens and config.adaptive_speculation else None
+        # Drafts per request this step: spec_policy's choice, else up to what is proposed.
+        self._max_drafts = config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
+        self._drafts_planned = False
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -84,6 +91,15 @@ class Scheduler:
             req.status = status
             self._free(req)
 
+    def plan_speculation(self) -> bool:
+        """Choose the coming step's drafts per request (AdaptiveK; once per step) and say whether
+        it drafts. The engine asks before schedule(), so under async scheduling it can first hand
+        back the step in flight: a request drafts only once its last token is known."""
+        if self.spec_policy is not None and not self._drafts_planned:
+            self._max_drafts = self.spec_policy.choose(len(self.running))
+            self._drafts_planned = True
+        return self.config.num_speculative_tokens > 0 and self._max_drafts > 0
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -97,6 +113,8 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
+        self.plan_speculation()
+        self._drafts_planned = False
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
@@ -156,8 +174,10 @@ class Scheduler:
         self._finished_ids |= req_ids
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step that ran took `seconds`: adapt the L1 throttle to `l1_step_time` (the engine
-        and the simulator call this after each step)."""
+        """A step that ran took `seconds`: feed the speculation policy's cost fit and adapt the
+        L1 throttle to `l1_step_time` (the engine and the simulator call this after each step)."""
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds)
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
@@ -171,12 +191,18 @@ class Scheduler:
             req = self.running[i]
             pending = req.num_tokens_with_placeholders - req.num_computed_tokens
             cap = step.cap(level, pending)
-            if cap <= 0 or (req.num_output_placeholders
-                            and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens):
-                i += 1  # no budget left, or its last token is already in flight
+            if cap <= 0 or pending <= 0 or (req.num_output_placeholders
+                                            and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens):
+                i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
-            num_new = min(pending, cap)
+            # Drafts only on a decode whose last token is known (none in flight).
+            k = num_drafts(min(len(req.spec_token_ids), self._max_drafts), cap, req.max_tokens - req.num_output_tokens) \
+                if pending == 1 and not req.num_output_placeholders else 0
+            num_new = min(pending, cap) + k
             new_block_ids = self._allocate(req, num_new, step)
+            if new_block_ids is None and k:  # blocks are short: drop the drafts first
+                k, num_new = 0, 1
+                new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None and num_new > 1:  # a shorter prefill chunk may fit
                 held = self._held_for_l2(step)[1] if level == 1 else 0
                 room = (len(self.kv.req_to_blocks.get(req.request_id, ())) + self.kv.num_free_blocks - held) \
@@ -195,6 +221,9 @@ class Scheduler:
                 continue  # req preempted itself; index i now holds the next request
             step.out.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            if k:
+                step.out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:k]
+            req.spec_token_ids = []  # consumed: the next proposal follows this step's tokens
             self._commit(req, num_new, step)
             i += 1
         return i
@@ -294,7 +323,7 @@ class Scheduler:
         elif req.num_tokens_with_placeholders - req.num_computed_tokens > 1:  # a prompt chunk, even of one token
             step.lower_prefill_used += num_new
         req.num_computed_tokens += num_new
-        if req.num_computed_tokens == req.num_tokens_with_placeholders:
+        if req.num_computed_tokens >= req.num_tokens_with_placeholders:  # > with drafts
             req.num_output_placeholders += 1  # this step samples a token, known only after it ran
 
     def _prefix_ready(self, req: Request) -> bool:
@@ -346,6 +375,11 @@ class Scheduler:
                 new_ids.append(token_id)
                 if req.check_stop():
                     break
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id, ())
+            if drafts and sampled:
+                self._after_verify(req, len(drafts), len(sampled) - 1)
+            if not req.status.finished:
+                req.spec_token_ids = result.spec_token_ids.get(req_id, [])
             # After the append: a block may end in the token just sampled, whose KV the step
             # in flight computes (it runs before any step that could hit the block).
             self.kv.cache_blocks(req)
@@ -354,7 +388,7 @@ class Scheduler:
             lps = result.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
                 req_id, new_ids, lps[:len(new_ids)] if lps else None,
-                req.finish_reason, req.stop_reason,
+                req.finish_reason, req.stop_reason, len(drafts), len(sampled) - 1 if drafts else 0,
             ))
             if req.status.finished:
                 finished = True
@@ -364,6 +398,17 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
         return outputs
+
+    def _after_verify(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Roll back the rejected drafts' positions: their KV slots stay allocated and are
+        written again. The request sat out any step planned since (pending <= 0), and a
+        recompute preemption meanwhile left 0, so only a rejected tail is dropped here."""
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if self.spec_policy is not None:
+            self.spec_policy.observe_verify(num_drafts, num_accepted)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)

@@ -24,6 +24,11 @@ class SchedulerConfig:
     # step about this long (seconds), adapted from measured step times (Scheduler.observe_step),
     # and never fewer than their share. None: exactly their share of the token budget.
     l1_step_time: float | None = None
+    # Speculative decoding (core/spec_decode.py): drafts verified per request and step at most
+    # (0: as many as proposed), and whether AdaptiveK chooses fewer (down to 0) from measured
+    # acceptance and step costs.
+    num_speculative_tokens: int = 0
+    adaptive_speculation: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "multilevel"):

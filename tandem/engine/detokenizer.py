@@ -36,6 +36,9 @@ class IncrementalDetokenizer:
         self._text = ""  # stable output text, cut at a matched stop string
         self._num_emitted = 0  # chars of _text already returned as deltas
         self._max_stop_len = max(map(len, params.stop), default=0)
+        # Of the last update's tokens, how many up to the one that completed a stop string
+        # (None: no stop string, or one completed only by the final flush).
+        self.stop_token_count: int | None = None
 
     @property
     def output_text(self) -> str:
@@ -47,15 +50,23 @@ class IncrementalDetokenizer:
         After a stop string matched (stop_reason set) the request is over and further calls return "".
         The caller drops a terminating EOS / stop token id itself if its text must not appear.
         """
+        self.stop_token_count = None
         if self.tokenizer is None or self.stop_reason is not None:
             return ""
         old_len = len(self._text)
-        for token_id in new_token_ids:
+        for n, token_id in enumerate(new_token_ids, 1):
             self._token_ids.append(token_id)
             self._text += self._decode_next(flush=False)
-        if finished:
+            # Token by token, as if each came in its own step: several at once (an accepted
+            # speculative run) stop at the token that completes the stop string.
+            if self._max_stop_len and len(self._text) > old_len:
+                self._check_stop(old_len)
+                if self.stop_reason is not None:
+                    self.stop_token_count = n
+                    break
+        if finished and self.stop_reason is None:
             self._text += self._decode_next(flush=True)
-        if self._max_stop_len and len(self._text) > old_len:
+        if self._max_stop_len and len(self._text) > old_len and self.stop_reason is None:
             self._check_stop(old_len)
         end = len(self._text)
         if not finished and self.stop_reason is None:

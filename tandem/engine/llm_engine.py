@@ -159,6 +159,10 @@ class LLMEngine:
         while the one before it is processed: the first call returns [] and each later one
         the outputs of the step before, and the step just scheduled waits for that one to
         end and is topped up with what arrived meanwhile (Scheduler.top_up)."""
+        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.plan_speculation():
+            # Drafts follow a request's last token: a step that drafts is planned only once the
+            # one in flight has returned (no overlap; steps where AdaptiveK says 0 overlap).
+            return self._finish(self.pipeline.pop())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.phase_times["schedule"] += time.perf_counter() - t0
@@ -187,6 +191,9 @@ class LLMEngine:
             if len(self.pipeline) == 0 or (self.pipeline.overlap and not sched.is_empty):
                 return []  # idle, or the first step of a busy spell: it runs while the caller returns
             done = self.pipeline.pop()
+        return self._finish(done)
+
+    def _finish(self, done: ExecutedStep) -> list[RequestOutput]:
         t1 = time.perf_counter()
         outputs = self._update(done.sched, done.result)
         self.phase_times["update"] += time.perf_counter() - t1

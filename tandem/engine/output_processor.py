@@ -35,6 +35,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_spec_steps: int = 0  # speculative decoding: verify steps, drafts verified, accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -111,16 +114,25 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            out.token_ids.extend(co.new_token_ids)
-            out.delta_token_ids.extend(co.new_token_ids)
-            if out.logprobs is not None and co.new_logprobs:
-                out.logprobs.extend(co.new_logprobs)
+            if co.num_draft_tokens:
+                m.num_spec_steps += 1
+                m.num_draft_tokens += co.num_draft_tokens
+                m.num_accepted_tokens += co.num_accepted_tokens
             core_done = co.finish_reason is not None
-            text_ids = co.new_token_ids
+            new_ids, new_lps = co.new_token_ids, co.new_logprobs
+            text_ids = new_ids
             if core_done and isinstance(co.stop_reason, int) and not child.include_stop:
                 text_ids = text_ids[:-1]  # EOS / stop token: not part of the text
             out.delta_text += child.detokenizer.update(text_ids, finished=core_done)
             out.text = child.detokenizer.output_text
+            cut = child.detokenizer.stop_token_count
+            if cut is not None:  # a stop string: drop the tokens after it (an accepted speculative run)
+                new_ids = new_ids[:cut]
+                new_lps = new_lps and new_lps[:cut]
+            out.token_ids.extend(new_ids)
+            out.delta_token_ids.extend(new_ids)
+            if out.logprobs is not None and new_lps:
+                out.logprobs.extend(new_lps)
             if child.detokenizer.stop_reason is not None:
                 out.finish_reason, out.stop_reason = "stop", child.detokenizer.stop_reason
                 if not core_done:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,7 +17,9 @@ from tandem.executor.cuda_graphs import CUDAGraphRunner
 from tandem.executor.device import default_kv_cache_memory, resolve_device, to_device
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.grammar_compiler import GrammarCompiler
-from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from tandem.executor.proposers import NgramProposer
+from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow, logits_indices
+from tandem.executor.sampler import Sampler, make_generator
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
 from tandem.models.llama import ModelConfig
@@ -37,6 +39,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None
     precision: str
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
 
 
 class ModelRunner:
@@ -80,8 +83,11 @@ class ModelRunner:
                                                 -(-max_len // self.block_size), config.max_num_seqs, self.device)
             self.graph_runner.capture()
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
-        self.sampler = Sampler()
+        self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
+        spec = config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
         self.prepare_time = 0.0
@@ -137,6 +143,8 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            self.requests[req_id].spec_token_ids = drafts
 
     def _add(self, new: NewRequestData) -> None:
         self.requests[new.req_id] = CachedRequestState(
@@ -208,25 +216,30 @@ class ModelRunner:
                 logits = model.compute_logits(hidden[logits_index])
             else:  # a graph computed every row's (a decode-only step: every row samples)
                 logits = logits[logits_index]
-            if self.structured_output is not None:
-                out.structured_output_time += self.structured_output.apply(logits, [s.req_id for s in rows])
-            sampling = SamplingMetadata.build(
-                [SamplingRow(s.params,
-                             # the prompt is only read by the repetition penalty: skip the copy
-                             s.token_ids[:s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
-                             s.token_ids[s.prompt_len:], self.generators[s.req_id], s.eos_token_id)
-                 for s in rows],
-                logits.shape[-1], self.device)
-            result = self.sampler(logits, sampling)
-            for i, (s, token_id) in enumerate(zip(rows, result.sampled_token_ids)):
-                s.token_ids.append(token_id)
+            if self.structured_output is not None:  # constrained rows have no drafts: one logits row each
+                row_req_ids = [s.req_id for s in rows for _ in range(len(s.spec_token_ids) + 1)]
+                out.structured_output_time += self.structured_output.apply(logits, row_req_ids)
+            verified = self.sampler(logits, [
+                # the prompt is only read by the repetition penalty: skip the copy
+                VerifyRow(s.params, s.token_ids[:s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
+                          s.token_ids[s.prompt_len:],
+                          self.generators[s.req_id], s.eos_token_id, s.spec_token_ids) for s in rows],
+                self.device)
+            for s, (token_ids, lps) in zip(rows, verified):
+                s.token_ids.extend(token_ids)
                 if self.structured_output is not None:
-                    self.structured_output.accept(s.req_id, token_id)
-                out.sampled_token_ids[s.req_id] = [token_id]
-                if result.logprobs is not None and s.params.logprobs is not None:
-                    out.logprobs[s.req_id] = [result.logprobs[i]]
+                    for token_id in token_ids:
+                        self.structured_output.accept(s.req_id, token_id)
+                out.sampled_token_ids[s.req_id] = token_ids
+                if lps is not None:
+                    out.logprobs[s.req_id] = lps
+                # a grammar masks one position per step, so constrained requests are not drafted for
+                if self.proposer is not None and s.params.speculative and s.params.structured_outputs is None:
+                    out.spec_token_ids[s.req_id] = self.proposer.propose(s.token_ids)
         for s, n in zip(states, counts.tolist()):
-            s.num_computed_tokens += n
+            # a verify step keeps the accepted drafts' KV only: the rest is written again
+            s.num_computed_tokens = len(s.token_ids) - 1 if s.spec_token_ids else s.num_computed_tokens + n
+            s.spec_token_ids = []
 
     def _prepare_inputs(self, states: list[CachedRequestState], counts: np.ndarray):
         bs, dev = self.block_size, self.device
@@ -240,6 +253,7 @@ class ModelRunner:
         ids: list[int] = []
         for s, c, n in zip(states, computed.tolist(), counts.tolist()):
             ids.extend(s.token_ids[c:c + n])
+            ids.extend(s.spec_token_ids)  # after the request's next position (a decode)
         token_req = np.repeat(np.arange(b), counts)
         positions = np.arange(total) - qsl[:-1][token_req] + computed[token_req]
 
@@ -269,7 +283,7 @@ class ModelRunner:
                 mask = torch.from_numpy(ctx[None, :] <= qpos[:, None]).to(dev)
             prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), slots, mask))
 
-        logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + len(s.spec_token_ids)]
         meta = AttentionMetadata(
             slot_mapping=to_device(slot_mapping, dev),
             block_tables=to_device(block_tables, dev),
@@ -279,7 +293,8 @@ class ModelRunner:
             block_size=bs, decode_kernel=self.decode_kernel, triton=triton, max_query_len=int(counts.max()),
         )
         input_ids = to_device(np.array(ids, dtype=np.int64), dev)
-        logits_index = to_device(qsl[1:][logits_rows] - 1, dev)
+        logits_index = to_device(np.array(logits_indices(
+            qsl[1:][logits_rows].tolist(), [len(states[i].spec_token_ids) for i in logits_rows]), dtype=np.int64), dev)
         return input_ids, to_device(positions, dev), meta, logits_rows, logits_index
 
 

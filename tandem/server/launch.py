@@ -43,9 +43,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=None, help="attention kernels (auto: Triton on CUDA when installed, else PyTorch)")
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="no CUDA graphs: run decode steps eagerly too")
+    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (YAML: serving.speculative_decoding)")
+    p.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts verified per step (1-16)")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
+
+
+def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
+    """The --speculative-* flags over the YAML's speculative_config (serving.speculative_decoding)."""
+    spec = dict(engine_opts.get("speculative_config") or {})
+    for key, flag in (("method", "speculative_method"), ("model", "speculative_model"),
+                      ("num_speculative_tokens", "num_speculative_tokens")):
+        if getattr(args, flag) is not None:
+            spec[key] = getattr(args, flag)
+    return {**engine_opts, "speculative_config": spec} if spec else engine_opts
 
 
 def main(args: argparse.Namespace) -> None:
@@ -61,7 +75,7 @@ def main(args: argparse.Namespace) -> None:
         value = getattr(args, f.name, None)
         if value is not None:
             engine_opts[f.name] = value
-    engine_config = EngineConfig.from_dict(engine_opts)
+    engine_config = EngineConfig.from_dict(with_speculation_flags(engine_opts, args))
     server = ServerConfig(model_name=args.served_model_name or server_opts.pop("served_model_name", None)
                           or engine_config.model)
     for key, value in server_opts.items():

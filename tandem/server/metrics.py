@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.core.queues import LEVELS
+from tandem.core.spec_decode import SpecDecodeStats
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_processor import RequestOutput
 
@@ -61,6 +62,7 @@ class _EngineCollector:
             c.add_metric([self.model], value)
             yield c
         yield from _precision_families(self.engine, self.model)
+        yield from _spec_decode_families(s.spec_stats, self.model)
         by_mode = CounterMetricFamily("tandem:preemptions_by_mode", "Preemptions by mode.", labels=labels + ["mode"])
         for mode in ("swap", "recompute"):
             by_mode.add_metric([self.model, mode], s.preemptions_by_mode[mode])
@@ -94,6 +96,24 @@ def _precision_families(engine: LLMEngine, model: str):
     for precision, size in engine.executor.variants.weight_bytes.items():
         weights.add_metric([model, precision], size)
     yield weights
+
+
+def _spec_decode_families(stats: SpecDecodeStats, model: str):
+    """vLLM's speculative decoding counters (each exposed with a _total suffix)."""
+    for name, doc, value in [
+        ("tandem:spec_decode_num_drafts", "Verify steps: a request with drafts in a step.", stats.num_drafts),
+        ("tandem:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
+        ("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+    ]:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model], value)
+        yield c
+    per_pos = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft (0 = first).",
+                                  labels=["model_name", "position"])
+    for pos, value in enumerate(stats.accepted_per_pos):
+        per_pos.add_metric([model, str(pos)], value)
+    yield per_pos
 
 
 class ServerMetrics:
@@ -180,5 +200,9 @@ class ServerMetrics:
             "e2e_latency": t["e2e"],
             "finish_reason": ",".join(o.finish_reason or "abort" for o in out.outputs),
         }
+        m = out.metrics
+        if m.num_spec_steps:  # speculative decoding: this request's acceptance
+            line["spec_acceptance_rate"] = m.num_accepted_tokens / m.num_draft_tokens
+            line["spec_mean_accepted_length"] = 1 + m.num_accepted_tokens / m.num_spec_steps
         with self._log_lock, self._log_path.open("a") as f:
             f.write(json.dumps(line) + "\n")

@@ -59,6 +59,7 @@ class _SamplingFields(_Base):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: served without speculative decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -116,6 +117,7 @@ class _SamplingFields(_Base):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs,
+            speculative=self.speculative,
         )
 
     @property

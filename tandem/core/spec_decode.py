@@ -1,0 +1,172 @@
+"""Speculative decoding, the policy half (no torch): the configuration, how many draft tokens a
+request may verify this step, and the acceptance counters.
+
+A proposer (executor/proposers.py) drafts up to k tokens after each step that sampled; the
+scheduler schedules the request's next position plus those drafts as one chunk (every
+position yields logits), and the verifier (executor/rejection_sampler.py) returns the accepted
+drafts plus one token of the target's own. Rejected positions are rolled back by lowering
+`num_computed_tokens`; drafts never enter `Request.all_token_ids`, so the prefix cache, which
+indexes only those, never holds an unverified token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})`, `tandem serve --speculative-*`, or the mission's YAML
+    `serving.speculative_decoding: {draft_model, verify_interval}` (verify_interval is k)."""
+
+    method: str = "ngram"
+    model: str | None = None  # the draft (method "draft"): alias, path or self:int4
+    num_speculative_tokens: int = 4  # k, drafts verified per step at most
+    prompt_lookup_min: int = 1  # n-gram: shortest suffix matched
+    prompt_lookup_max: int = 3  # n-gram: longest suffix matched (tried first)
+    adaptive: bool = True  # k per step from batch size, acceptance and step costs (AdaptiveK); False: always k
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; known: {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft":
+            # The draft-model proposer (its KV in the same paged pool) is not built yet: refuse
+            # it in words rather than serve without speculation.
+            raise ValueError("speculative method 'draft' is not implemented yet; use method 'ngram'")
+        if self.model is not None:
+            raise ValueError(f"speculative model {self.model!r} given, but method {self.method!r} takes no model")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        names = set(cls.__dataclass_fields__)
+        unknown = set(values) - names
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(sorted(names))}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, section: dict) -> dict:
+        """The mission's `serving.speculative_decoding` -> speculative_config keys."""
+        section = dict(section or {})
+        out = {}
+        if "draft_model" in section:
+            draft = section.pop("draft_model")
+            if draft not in (None, "ngram"):
+                out["method"], out["model"] = "draft", draft
+        if "verify_interval" in section:
+            out["num_speculative_tokens"] = section.pop("verify_interval")
+        out.update(section)  # any SpeculativeConfig key by name (method, ...)
+        cls.from_dict(out)  # its errors now, naming the YAML's values
+        return out
+
+
+class AdaptiveK:
+    """Drafts per request for the next step, 0 meaning off, from the number of decoding
+    requests B, the measured acceptance and the measured step costs.
+
+    Acceptance is modelled as independent per position with rate a (decayed counts from verify
+    steps: a run of j accepted out of k is j successes in j + (j < k) trials), so a request
+    emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify step. A step costs
+    fixed + per_token * tokens (a decayed least-squares fit of measured step times against
+    their scheduled tokens). The chosen k maximises E(k) * cost(B) / cost(B * (1 + k)), the
+    speed-up over plain decoding, and is 0 unless that is at least `min_gain`. At k = 0 nothing
+    is measured, so every `probe_every` steps one step drafts a single token.
+    """
+
+    def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64) -> None:
+        self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
+        self._accepted = self._trials = 0.0
+        self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
+        self._off_steps = self._unfit_steps = 0
+
+    def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self._accepted = self._accepted * self.decay + num_accepted
+        self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        f, d = self._fit, self.decay
+        for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
+            f[i] = f[i] * d + v
+
+    @property
+    def acceptance(self) -> float | None:
+        return self._accepted / self._trials if self._trials >= 1 else None
+
+    def step_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
+        n, x, xx, y, xy = self._fit
+        if n < 2:
+            return None
+        var = xx / n - (x / n) ** 2
+        if var <= 1e-9 * max(xx / n, 1.0):
+            return None
+        per_token = max((xy / n - x / n * y / n) / var, 0.0)
+        return max(y / n - per_token * x / n, 0.0), per_token
+
+    def choose(self, num_decodes: int) -> int:
+        a, cost = self.acceptance, self.step_cost()
+        if a is None:
+            return self.k_max  # nothing measured yet: drafting is how it gets measured
+        if cost is None:  # steps of one size so far: alternate sizes to tell the two costs apart
+            self._unfit_steps += 1
+            return self.k_max if self._unfit_steps % 2 else 0
+        fixed, per_token = cost
+        base = fixed + per_token * num_decodes
+
+        def gain(k: int) -> float:
+            tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
+            return tokens * base / (fixed + per_token * num_decodes * (1 + k))
+
+        best = max(range(1, self.k_max + 1), key=gain)
+        if gain(best) >= self.min_gain:
+            self._off_steps = 0
+            return best
+        self._off_steps += 1
+        return 1 if self._off_steps % self.probe_every == 0 else 0
+
+
+def num_drafts(num_proposed: int, budget_left: int, tokens_left: int) -> int:
+    """Drafts a decoding request verifies this step: what was proposed, within the step's token
+    budget (its own next position needs one) and `tokens_left`, the tokens it may still emit
+    (a verify step emits up to drafts + 1)."""
+    return max(0, min(num_proposed, budget_left - 1, tokens_left - 1))
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Counters since start: verify steps (a request with drafts in a step), drafts verified,
+    drafts accepted, and accepted drafts by position (0 = first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step: accepted drafts plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,207 @@
+"""Speculative decoding (n-gram) on tiny Llama / Qwen2 / Qwen3 in fp32: greedy output with
+speculation equals without it, token for token, under mixed batches, chunked prefill, prefix
+hits, preemption (swap and recompute), multilevel, async on and off, n > 1, stop tokens and
+max_tokens inside an accepted run; a request may opt out; seeded sampling is reproducible.
+
+The models are the conftest ones with a small initialisation (0.05): their greedy outputs
+repeat spans, so prompt lookup is accepted often and rejected often (each test checks both)."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+import torch
+
+import conftest
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig, load_yaml
+from tandem.models.llama import ModelConfig
+from tandem.models.loader import load_config
+
+KINDS = ["llama", "qwen2", "qwen3"]
+MAX_NEW = 24
+# A fixed k, so every test verifies drafts (AdaptiveK would turn speculation off on these
+# models, where a token costs much beside a step's fixed part: test_adaptive_k_...).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def copy_models(tmp_path_factory) -> dict[str, str]:
+    import transformers as tf
+    out = {}
+    for kind in KINDS:
+        config = conftest._tiny_config(kind)
+        config.initializer_range = 0.05
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        path = tmp_path_factory.mktemp(f"copy-{kind}")
+        model.save_pretrained(path)
+        out[kind] = str(path)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 70))] for _ in range(5)]
+    return prompts + [prompts[0][:20] * 2]  # one that copies from its prompt
+
+
+def _llm(path: str, spec: bool | dict, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 1 << 22)
+    spec = SPEC if spec is True else spec or None
+    return LLM(path, dtype="float32", speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(copy_models):
+    """Reference: no speculation, one batch (itself equal to HF, tests/test_engine_tiny.py)."""
+    return {kind: [o.outputs[0].token_ids for o in _llm(d, False).generate(_prompts(), GREEDY)]
+            for kind, d in copy_models.items()}
+
+
+def _assert_drafts_accepted_and_rejected(llm: LLM) -> None:
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == llm.engine.executor.num_kv_blocks and not kv.req_to_blocks
+
+
+def _per_token(path: str) -> int:
+    return ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32)
+
+
+SCENARIOS = {
+    "mixed-sync": dict(async_scheduling=False),
+    "mixed-async": dict(async_scheduling=True),
+    "chunked": dict(max_num_batched_tokens=16, block_size=8),
+    "recompute": dict(block_size=4, enable_prefix_caching=False, preemption_mode="recompute"),
+    "swap": dict(block_size=4, enable_prefix_caching=False, preemption_mode="swap"),
+    "multilevel": dict(block_size=4, scheduler_policy="multilevel", max_num_seqs=3, max_num_batched_tokens=32),
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_no_speculation(kind, scenario, copy_models, plain):
+    kw = dict(SCENARIOS[scenario])
+    if scenario in ("recompute", "swap"):
+        kw["kv_cache_memory"] = _per_token(copy_models[kind]) * 4 * 24  # ~96 tokens: preempts
+    llm = _llm(copy_models[kind], True, **kw)
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain[kind]
+    if scenario in ("recompute", "swap"):
+        assert llm.engine.scheduler.preemptions_by_mode[scenario] > 0
+    _assert_drafts_accepted_and_rejected(llm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_hits_and_n_greater_than_one(kind, copy_models, plain):
+    llm = _llm(copy_models[kind], True, block_size=8)
+    prompts = _prompts()
+    first = llm.generate(prompts, GREEDY)
+    again = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert llm.engine.kv_manager.stats.hits > 0
+    assert [o.outputs[0].token_ids for o in first] == plain[kind]
+    assert [[c.token_ids for c in o.outputs] for o in again] == [[r, r] for r in plain[kind]]
+    _assert_drafts_accepted_and_rejected(llm)
+
+
+def test_adaptive_k_keeps_greedy_output(copy_models, plain):
+    llm = _llm(copy_models["llama"], dict(SPEC, adaptive=True))
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
+    assert llm.engine.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):
+    """The request ends at the stop token / the max_tokens-th token even when the verify step
+    accepted drafts past it."""
+    ref = plain["llama"]
+    llm = _llm(copy_models["llama"], True)
+    stops = [SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[r[10]]) for r in ref]
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 7, 11, 13)]
+    outs = llm.generate(_prompts() * 2, stops + lengths)
+    for out, r in zip(outs[:len(ref)], ref):
+        assert out.outputs[0].token_ids == r[:r.index(r[10]) + 1]
+        assert out.outputs[0].finish_reason == "stop"
+    for out, r, p in zip(outs[len(ref):], ref, lengths):
+        assert out.outputs[0].token_ids == r[:p.max_tokens] and out.outputs[0].finish_reason == "length"
+    stats = llm.engine.scheduler.spec_stats
+    assert max(i for i, n in enumerate(stats.accepted_per_pos) if n) >= 2  # runs of 3+ accepted
+
+
+def test_opt_out_request_is_served_without_drafts(copy_models, plain):
+    llm = _llm(copy_models["llama"], True)
+    out_params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
+    engine = llm.engine
+    engine.add_request(_prompts()[-1], out_params, request_id="out")
+    engine.add_request(_prompts()[-1], GREEDY, request_id="in")
+    seen = {}
+    while engine.has_unfinished_requests():
+        for req_id in ("out", "in"):
+            req = engine.scheduler.requests.get(req_id)
+            if req is not None:
+                seen[req_id] = req.num_draft_tokens
+        for o in engine.step():
+            if o.finished:
+                seen[o.request_id + "_tokens"] = o.outputs[0].token_ids
+    assert seen["out"] == 0 and seen["in"] > 0
+    assert seen["out_tokens"] == seen["in_tokens"] == plain["llama"][-1]
+
+
+def test_seeded_sampling_is_reproducible(copy_models):
+    llm = _llm(copy_models["llama"], True)
+    params = [SamplingParams(temperature=0.02, top_p=0.9, seed=7 + i, max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(_prompts()))]
+    a = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+    b = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+    assert a == b
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"num_speculative_tokens": 17}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"method": "medusa"}, "unknown speculative method 'medusa'"),
+    ({"method": "draft", "model": "smollm2-135m"}, "method 'draft' is not implemented yet"),
+    ({"method": "ngram", "model": "smollm2-135m"}, "method 'ngram' takes no model"),
+    ({"k": 4}, "unknown speculative_config key"),
+])
+def test_bad_speculative_config_is_refused_at_start(bad, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=bad)
+
+
+def test_mission_yaml_section_is_accepted(tmp_path, caplog):
+    path = tmp_path / "serving.yaml"
+    path.write_text("serving:\n  speculative_decoding:\n    draft_model: ngram\n    verify_interval: 4\n")
+    with caplog.at_level(logging.WARNING):
+        config = EngineConfig.from_dict(load_yaml(path))
+    assert "not supported" not in caplog.text
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 4)
+    path.write_text("serving:\n  speculative_decoding:\n    draft_model: small_v2\n    verify_interval: 4\n")
+    with pytest.raises(ValueError, match="'draft' is not implemented yet"):
+        load_yaml(path)
+
+
+def test_metrics_and_request_log(copy_models, tmp_path):
+    from prometheus_client import generate_latest
+
+    from tandem.server.metrics import ServerMetrics
+    llm = _llm(copy_models["llama"], True)
+    metrics = ServerMetrics(llm.engine, "tiny", request_log=str(tmp_path / "requests.jsonl"))
+    for out in llm.generate(_prompts()[-1:], GREEDY):
+        metrics.on_finished(out)
+    stats = llm.engine.scheduler.spec_stats
+    text = generate_latest(metrics.registry).decode()
+    assert f'tandem:spec_decode_num_drafts_total{{model_name="tiny"}} {float(stats.num_drafts)}' in text
+    assert f'tandem:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(stats.num_accepted_tokens)}' in text
+    assert 'tandem:spec_decode_num_draft_tokens_total{model_name="tiny"}' in text
+    assert (f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} '
+            f'{float(stats.accepted_per_pos[0])}') in text
+    line = json.loads((tmp_path / "requests.jsonl").read_text())
+    assert line["spec_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    assert line["spec_mean_accepted_length"] == pytest.approx(stats.mean_accepted_length)

@@ -1,0 +1,45 @@
+"""Speculative decoding (n-gram) on the real default model, SmolLM2-135M in fp32: greedy tokens
+equal speculation off on the shipped grounded and chat prompts, batched and chunked, and a
+stop string inside an accepted run ends the text and the tokens where speculation off does."""
+from __future__ import annotations
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.bench.spec import load_prompt_sets
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from tandem.models.loader import resolve_model
+    path = str(resolve_model("smollm2-135m"))
+    sets = load_prompt_sets()
+    chats = [[{"role": "user", "content": p}] for p in sets["grounded"][:3] + sets["chat"][:2]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    off = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
+    on = LLM(path, dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    return off, on, chats, params
+
+
+def test_greedy_equals_no_speculation(runs):
+    off, on, chats, params = runs
+    ref = [o.outputs[0].token_ids for o in off.chat(chats, params)]
+    assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == ref
+    stats = on.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # the grounded prompts copy
+
+
+def test_stop_string_inside_an_accepted_run(runs):
+    off, on, chats, params = runs
+    ref = off.chat(chats[:1], params)[0].outputs[0]
+    words = ref.text.split()
+    stop = " ".join(words[len(words) // 2:len(words) // 2 + 2])  # a stop string mid-output
+    stop_params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop])
+    a = off.chat(chats[:1], stop_params)[0].outputs[0]
+    b = on.chat(chats[:1], stop_params)[0].outputs[0]
+    assert a.finish_reason == b.finish_reason == "stop" and a.stop_reason == stop
+    assert (b.text, b.token_ids) == (a.text, a.token_ids)
