@@ -60,12 +60,12 @@ def run_precision(args, precision: str) -> dict:
 
 def compare(args) -> dict:
     """Every precision, `repeats` rounds alternating; the best of each figure."""
-    from tandem.bench.offline import _in_process
+    from tandem.bench.offline import in_subprocess
     precisions = args.quantization.split(",")
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for p in precisions:
-            r = _in_process(_RunPrecision(p), args, None)
+            r = in_subprocess(_RunPrecision(p), args, None)
             prev = best.get(p)
             if prev is not None:
                 for b, v in prev["decode_tok_s"].items():

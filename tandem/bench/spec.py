@@ -12,7 +12,7 @@ import json
 import time
 from importlib import resources
 
-from tandem.bench.offline import _in_process, _peak_rss_mb, _replace, spec_summary
+from tandem.bench.offline import in_subprocess, _peak_rss_mb, _replace, spec_summary
 
 
 def load_prompt_sets() -> dict[str, list[str]]:
@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    off = _in_process(run_config, _replace(args, spec=False), None)
-    on = _in_process(run_config, _replace(args, spec=True), None)
+    off = in_subprocess(run_config, _replace(args, spec=False), None)
+    on = in_subprocess(run_config, _replace(args, spec=True), None)
     print(f"{args.model} {on['dtype']}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}; "
           f"peak RSS off {off['peak_rss_mb']:.0f} MiB, on {on['peak_rss_mb']:.0f} MiB "
           f"(async overlap: off {'on' if off['async_scheduling'] else 'off'}, on {'on' if on['async_scheduling'] else 'off'})")
