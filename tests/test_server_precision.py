@@ -61,3 +61,14 @@ def test_precision_per_request(tiny_model_dirs, tmp_path, caplog):
     assert 'tandem:requests_by_precision_total{model_name="tiny",precision="int4"} 4.0' in metrics
     assert 'tandem:requests_by_precision_total{model_name="tiny",precision="int8"} 2.0' in metrics
     assert 'tandem:model_weight_bytes{model_name="tiny",precision="int4"}' in metrics
+
+
+def test_class_keys_alone_still_close_the_server(tiny_model_dirs):
+    """api_key_classes without api_key: the class keys are the only keys, not an open server."""
+    engine = EngineConfig(model=tiny_model_dirs["llama"], kv_cache_memory=1 << 22)
+    server = ServerConfig(model_name="tiny", api_key_classes={"batch-key": "background"})
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+    with running_server(engine, server) as (url, _):
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+        ok = httpx.post(url + "/v1/completions", json=body, timeout=60, headers={"Authorization": "Bearer batch-key"})
+        assert ok.status_code == 200

@@ -131,6 +131,8 @@ def test_tool_choice_none_ignores_tools_and_user_is_accepted(server):
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto'"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool calls force their own output schema"),
     ({"logit_bias": {"1": 5}}, "unsupported field `logit_bias`"),
+    ({"tool_choice": "required"}, "tool_choice needs `tools`"),
+
     ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}}, "unsupported field `structured_outputs.whitespace_pattern`"),
     ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens cannot be combined"),
 ])
@@ -174,3 +176,12 @@ def test_unsatisfiable_within_max_tokens_ends_by_length_and_metrics_count(server
     assert re.search(r'^tandem:structured_output_requests_total\{kind="regex",model_name="tiny"\} [1-9]', text, re.M)
     assert re.search(r'^tandem:structured_output_requests_total\{kind="tool_calls",model_name="tiny"\} [1-9]', text, re.M)
     assert re.search(r'^tandem:grammar_compile_time_seconds_count\{kind="json",model_name="tiny"\} [1-9]', text, re.M)
+
+
+@pytest.mark.parametrize("field, literal", [("temperature", "NaN"), ("top_p", "Infinity"), ("min_p", "-Infinity")])
+def test_nan_and_infinity_in_a_float_field_are_a_400(server, field, literal):
+    """JSON's NaN / Infinity literals (which Python's json reads) get a 400, not a sampler fault."""
+    url, _ = server
+    raw = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, literal)
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and "finite number" in r.text, r.text

@@ -89,9 +89,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
+        # API keys mapped to a class are keys too: with only those configured, the server is not open
+        if (config.api_key or config.api_key_classes) and request.url.path.startswith("/v1/"):
             auth = request.headers.get("authorization")
-            if auth != f"Bearer {config.api_key}" and key_priority(auth, config.api_key_classes) is None:
+            if (not config.api_key or auth != f"Bearer {config.api_key}") \
+                    and key_priority(auth, config.api_key_classes) is None:
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
 
@@ -203,9 +205,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         encoded = [encode(p) for p in prompts]
         so = constraint_of(req)
         params = [params_for(req, len(ids), req.max_tokens, req.logprobs, so) for ids in encoded]
+        how = choice(req, request)  # before the compile: a refused precision costs no compile, no count
         await compiled(so)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name
-        how = choice(req, request)
         gens = [run(ids, sp, how, f"{rid}-{i}") for i, (ids, sp) in enumerate(zip(encoded, params))]
         want_lp = req.logprobs is not None
         if not req.stream:
@@ -272,9 +274,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if tools is not None:
             so = tools.constraint
         params = params_for(req, len(ids), max_tokens, logprobs, so)
+        how = choice(req, request)  # before the compile: a refused precision costs no compile, no count
         await compiled(so, "tool_calls" if tools is not None else None)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name
-        gen = run(ids, params, choice(req, request), rid)
+        gen = run(ids, params, how, rid)
         if not req.stream:
             out = (await collect(request, [gen]))[0]
             return R.chat_body(rid, model, created, out, req.logprobs, tokenizer, tools)

@@ -14,7 +14,7 @@ NO_EFFECT_FIELDS = ("user", "metadata")
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN / Infinity in a float: a 400
 
 
 class StreamOptions(_Base):

@@ -31,7 +31,11 @@ class ToolCallPlan:
 
 def plan_tool_calls(req: ChatCompletionRequest) -> ToolCallPlan | None:
     """None when the request calls no tools; ValueError (a 400) for a choice we cannot serve."""
-    if not req.tools or req.tool_choice == "none":
+    if req.tool_choice == "none":
+        return None
+    if not req.tools:
+        if req.tool_choice is not None:  # OpenAI refuses it too: there is nothing to call
+            raise ValueError("tool_choice needs `tools`: this request gives none")
         return None
     if req.tool_choice in (None, "auto"):
         raise ValueError(AUTO_REFUSED)
