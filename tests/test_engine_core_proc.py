@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from cluster_fixture import wait_for
 from structured_fixture import with_tokenizer
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
@@ -29,15 +30,6 @@ async def _final(llm: AsyncLLM, prompt, params, **kw):
     async for out in llm.generate(prompt, params, **kw):
         pass
     return out
-
-
-def _wait(cond, timeout: float = 5.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +68,7 @@ def test_leaving_early_aborts_in_the_core(proc_llm):
                 break
         await gen.aclose()
     asyncio.run(run())
-    assert _wait(lambda: proc_llm.stats.num_running == 0 and proc_llm.stats.num_waiting == 0, 2.0)
+    assert wait_for(lambda: proc_llm.stats.num_running == 0 and proc_llm.stats.num_waiting == 0, 2.0)
     assert proc_llm.num_in_flight == 0
 
 

@@ -83,6 +83,17 @@ def _stream(url: str, ended: list, started: threading.Event | None = None) -> No
     ended.append((time.monotonic(), how))
 
 
+def _streams(url: str, n: int) -> tuple[list, list[threading.Thread]]:
+    """n streaming clients, returned once each has its first token: (ended, threads)."""
+    ended: list = []
+    started = [threading.Event() for _ in range(n)]
+    threads = [threading.Thread(target=_stream, args=(url, ended, s)) for s in started]
+    for t in threads:
+        t.start()
+    assert all(s.wait(60) for s in started)
+    return ended, threads
+
+
 def test_disconnect_then_sigterm_drains_and_exits_zero(model_dir):
     srv = Served(model_dir, "--shutdown-timeout", "3")
     try:
@@ -94,12 +105,7 @@ def test_disconnect_then_sigterm_drains_and_exits_zero(model_dir):
             time.sleep(0.05)
         assert srv.running() == 0, "the disconnected request still runs"
         # SIGTERM with requests in flight: 503 for new ones, exit 0 within the timeout
-        ended: list = []
-        started = [threading.Event() for _ in range(2)]
-        threads = [threading.Thread(target=_stream, args=(srv.url, ended, s)) for s in started]
-        for t in threads:
-            t.start()
-        assert all(s.wait(30) for s in started)
+        ended, threads = _streams(srv.url, 2)
         srv.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         time.sleep(0.3)
@@ -118,12 +124,7 @@ def test_engine_core_kill_ends_16_streams_within_2s(model_dir):
     srv = Served(model_dir)
     try:
         [engine_pid] = srv.engine_pids()
-        ended: list = []
-        started = [threading.Event() for _ in range(16)]
-        threads = [threading.Thread(target=_stream, args=(srv.url, ended, s)) for s in started]
-        for t in threads:
-            t.start()
-        assert all(s.wait(60) for s in started)
+        ended, threads = _streams(srv.url, 16)
         os.kill(engine_pid, signal.SIGKILL)
         killed = time.monotonic()
         for t in threads:

@@ -14,10 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-import zmq
-
 from tandem.config import EngineConfig
+from tandem.engine.channel import Channel
 from tandem.engine.core_messages import EngineCoreEvent, EngineDead, Ready, Shutdown
 
 log = logging.getLogger(__name__)
@@ -31,16 +29,8 @@ class EngineCoreClient:
         self._on_event, self._on_dead = on_event, on_dead
         self._dir = tempfile.mkdtemp(prefix="tandem-core-")
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        self._ctx = zmq.Context()
-        self._ctx.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: a send never blocks the event loop
-        self._ctx.setsockopt(zmq.RCVHWM, 0)
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(input_addr)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(output_addr)
-        self._send_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreEvent)
+        self._channel = Channel(output_addr, input_addr, bind=True, decode_type=EngineCoreEvent)
+        self.send = self._channel.send
         self._closed = False
         self.process: multiprocessing.process.BaseProcess | None = None
         self._thread: threading.Thread | None = None
@@ -89,12 +79,12 @@ class EngineCoreClient:
     def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._output.poll(int(DEATH_CHECK_S * 1000)):
-                msg = self._decoder.decode(self._output.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, EngineDead):
-                    raise RuntimeError(msg.message)
+            if self._channel.poll(int(DEATH_CHECK_S * 1000)):
+                for msg in self._channel.receive():
+                    if isinstance(msg, EngineDead):
+                        raise RuntimeError(msg.message)
+                    if isinstance(msg, Ready):  # the first message the core sends
+                        return msg
             elif not self.alive:
                 raise RuntimeError(f"the engine core exited before it was ready{self._exit_code()}")
         raise TimeoutError(f"the engine core was not ready within {timeout:g} s")
@@ -103,27 +93,15 @@ class EngineCoreClient:
         code = self.process.exitcode if self.process is not None else None
         return f" (exit code {code})" if code is not None else ""
 
-    def send(self, msg: Any) -> None:
-        data = self._encoder.encode(msg)
-        with self._send_lock:
-            if not self._closed:
-                self._input.send(data, copy=False)
-
     def _receive(self) -> None:
         while not self._closed:
-            try:
-                if self._output.poll(int(DEATH_CHECK_S * 1000)):
-                    while True:
-                        try:
-                            data = self._output.recv(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_event(self._decoder.decode(data))
-                    continue
-            except zmq.ZMQError:
-                if self._closed:
-                    return
-                raise
+            if self._channel.poll(int(DEATH_CHECK_S * 1000)):
+                for msg in self._channel.receive():
+                    try:
+                        self._on_event(msg)
+                    except Exception:  # one bad event must not stop the receiving
+                        log.exception("engine-core event not handled")
+                continue
             if not self.alive and not self._closed:
                 self._on_dead(f"the engine core died{self._exit_code()}")
                 return
@@ -141,12 +119,9 @@ class EngineCoreClient:
                 self.process.join(5)
         elif self._thread is not None:
             self._thread.join(timeout)
-        with self._send_lock:
-            self._closed = True
+        self._closed = True
         receiver = getattr(self, "_receiver", None)
         if receiver is not None and receiver is not threading.current_thread():
             receiver.join(2)
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._ctx.term()
+        self._channel.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -15,11 +15,9 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
-import zmq
-
 from tandem.config import EngineConfig
 from tandem.core.request import RequestStatus
+from tandem.engine.channel import Channel
 from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
 from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreInput, EngineCoreOutputs,
                                          EngineCoreRequest, EngineDead, Ready, RequestErrors, Shutdown,
@@ -33,16 +31,8 @@ PR_SET_PDEATHSIG = 1
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  executor_factory: ExecutorFactory = model_runner_factory) -> None:
-        self._ctx = zmq.Context()
-        self._ctx.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: a send never holds up a step
-        self._ctx.setsockopt(zmq.RCVHWM, 0)
-        self._input = self._ctx.socket(zmq.PULL)
-        self._input.connect(input_addr)
-        self._output = self._ctx.socket(zmq.PUSH)
-        self._output.connect(output_addr)
-        self._send_lock = threading.Lock()  # utility Futures reply from their own threads
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+        self._channel = Channel(input_addr, output_addr, bind=False, decode_type=EngineCoreInput)
+        self._send = self._channel.send  # also from utility Futures' threads
         try:
             self.core = EngineCore(config, executor_factory)
         except BaseException as e:
@@ -57,15 +47,8 @@ class EngineCoreProc:
                          ex.num_kv_blocks, ex.variants.default, dict(ex.variants.unavailable),
                          dict(ex.variants.weight_bytes), os.getpid(), self.core.scheduler_stats()))
 
-    def _send(self, msg: Any) -> None:
-        data = self._encoder.encode(msg)
-        with self._send_lock:
-            self._output.send(data, copy=False)
-
     def close(self) -> None:
-        self._input.close(linger=0)
-        self._output.close(linger=1000)
-        self._ctx.term()
+        self._channel.close(linger_ms=1000)  # what is sent still leaves
 
     # ---- the busy loop --------------------------------------------------------------
     def run(self) -> None:
@@ -97,14 +80,9 @@ class EngineCoreProc:
             self._send(out)
 
     def _pending(self, timeout_ms: int) -> list[Any]:
-        msgs = []
-        if timeout_ms and not self._input.poll(timeout_ms):
-            return msgs
-        while True:
-            try:
-                msgs.append(self._decoder.decode(self._input.recv(zmq.NOBLOCK, copy=False)))
-            except zmq.Again:
-                return msgs
+        if timeout_ms and not self._channel.poll(timeout_ms):
+            return []
+        return self._channel.receive()
 
     def _drain(self, timeout_ms: int) -> bool:
         held, self._held = self._held, []
