@@ -104,22 +104,19 @@ class AsyncLLM:
                  priority: int | None = None, precision: str | None = None,
                  kv_transfer: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
         """Queues the request at once (so admission control counts it), then yields a
-        snapshot per step that produced tokens; the last one has finished=True. Iterating
-        raises ValueError on bad input (nothing queued). Leaving early aborts the request.
+        snapshot per step that produced tokens; the last one has finished=True. Bad input is a
+        ValueError (nothing queued): the front end's rules at the call, the core's (a reused id,
+        a constraint that does not compile) while iterating. Leaving early aborts the request.
         `kv_transfer`: handed to the engine core's on_add hooks with the add (P/D), which run
         whether the add is accepted or not, before any step can schedule the request."""
         if not self.alive:
             raise EngineDeadError(self._dead or "the engine core is not running")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        request = self.input_processor.process(request_id, prompt, params, None, priority, precision)
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
-        try:
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            request = self.input_processor.process(request_id, prompt, params, None, priority, precision)
-        except ValueError as e:
-            stream.accepted.set_exception(e)
-            return self._stream(request_id, stream, queued=False)
         request.kv_transfer = kv_transfer
         with self._lock:
             self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None,
@@ -130,8 +127,8 @@ class AsyncLLM:
         self._client.send(request)
         return self._stream(request_id, stream)
 
-    async def _stream(self, request_id: str, stream: _Stream, queued: bool = True) -> AsyncIterator[RequestOutput]:
-        finished = not queued
+    async def _stream(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
         try:
             await stream.accepted  # raises the front end's or the core's ValueError
             while True:
