@@ -10,19 +10,18 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
+from route_fixture import EMPTY, FakeLLM
 from tandem.config import EngineConfig
-from tandem.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.precision import PrecisionRouter
 from tandem.server.errors import add_error_handlers
 from tandem.server.routes import chat, completions, health, models, tokenize
 from tandem.server.state import EngineFacts, ServerConfig, ServingState
 
-TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if style is defined %}style: {{ style }}\n{% endif %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 WORDS = ["<unk>", "user", "assistant", "tools", "style", ":", "hi", "there", "terse", "get_weather"]
-EMPTY = "the prompt is empty"  # the engine's message (engine input rules)
 
 
 def word_tokenizer():
@@ -35,27 +34,6 @@ def word_tokenizer():
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
     fast.chat_template = TEMPLATE
     return fast
-
-
-class FakeLLM:
-    """The engine surface the generate routes use. It refuses an empty prompt as the engine does,
-    and answers any other with one finished choice: the text "ok"."""
-
-    alive, num_waiting = True, 0
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[list[int], object]] = []
-
-    def generate(self, prompt_ids, params, request_id=None, priority=None, precision=None):
-        self.requests.append((prompt_ids, params))
-
-        async def stream():
-            if not prompt_ids:
-                raise ValueError(EMPTY)
-            out = CompletionOutput(0, "ok", [6], "length", delta_text="ok", delta_token_ids=[6])
-            yield RequestOutput(request_id, None, prompt_ids, [out], RequestMetrics(0.0, 0.1, 0.2, 0.2, 0.3),
-                                finished=True)
-        return stream()
 
 
 def fake_tokenize(prompt):
@@ -116,6 +94,10 @@ def test_chat_alone_renders_the_one_chat_prompt():
     r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": {"style": "terse"},
                                                   "add_generation_prompt": False})
     assert r.status_code == 200 and state.llm.requests[-1][0] == word_tokenizer().encode("user: hi\nstyle: terse\n")
+    alone = client.post("/v1/chat/completions", json={"messages": messages, "top_logprobs": 2})
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "top_logprobs"
+    many = client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 30})
+    assert many.status_code == 400 and "logprobs must be in [0, 20]" in many.json()["error"]["message"]
 
 
 def test_tokenize_alone_follows_add_generation_prompt_tools_and_kwargs():

@@ -44,6 +44,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         raise APIError(400, str(e), param="messages") from None
     ids = S.encode(state, text)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs `logprobs: true`", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if tools is not None:
         so = tools.constraint
