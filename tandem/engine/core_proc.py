@@ -171,3 +171,5 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         log.exception("engine core failed to start")
         sys.exit(1)
     proc.run()
+    logging.shutdown()
+    os._exit(0)  # the sockets are closed and nothing else is left to write: skip torch's teardown

@@ -67,6 +67,7 @@ def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
 def main(args: argparse.Namespace) -> None:
     """Two processes: this one (HTTP, tokenising, detokenising, SSE; one torch thread) and the
     engine core (scheduler, executor, KV pool; the cores), which dies with this one."""
+    import logging
     import sys
 
     import torch
@@ -101,7 +102,12 @@ def main(args: argparse.Namespace) -> None:
     app.add_middleware(RefuseWhenStopping, lifecycle=lifecycle)
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                              timeout_graceful_shutdown=5), lifecycle).run()
+                              timeout_graceful_shutdown=1), lifecycle).run()
     finally:
         llm.shutdown()
-    sys.exit(lifecycle.exit_code)
+    # Everything is written (the request log closes per line); skip the interpreter's teardown
+    # (torch's destructors take 1-2 s here), so a drained server is gone within --shutdown-timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(lifecycle.exit_code)

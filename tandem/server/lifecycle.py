@@ -1,6 +1,7 @@
 """How `tandem serve` stops. SIGTERM (or Ctrl-C): stop admitting (every request but /metrics
-gets a 503), let the requests in flight finish for up to `shutdown_timeout` seconds, end the
-rest with an error their clients see, exit 0; a second signal exits at once. Engine-core death:
+gets a 503), let the requests in flight finish, end those left when `shutdown_timeout` seconds
+are nearly up (less STOP_S, what stopping takes) with an error their clients see, and exit 0
+within the timeout; a second signal exits at once. Engine-core death:
 every request in flight has already ended with an error (AsyncLLM), /health answers 503, and
 the server exits 1 after `DEAD_GRACE_S`, so a supervisor (systemd, Kubernetes, `tandem cluster
 up`) restarts the pair: the KV cache and every request's state died with the core, so an
@@ -18,6 +19,8 @@ from tandem.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 DEAD_GRACE_S = 0.5  # error events and 5xx answers reach their clients before the server exits
+STOP_S = 1.5  # what stopping takes after the aborts (the grace, uvicorn, the engine core): kept
+# out of the shutdown timeout, so the process is gone within it
 EXEMPT = ("/metrics",)
 
 
@@ -40,7 +43,7 @@ class Lifecycle:
     def drain(self) -> None:
         """SIGTERM: wait for the requests in flight, abort what is left, then stop the server."""
         self.draining = True
-        deadline = time.monotonic() + self.shutdown_timeout
+        deadline = time.monotonic() + max(self.shutdown_timeout - STOP_S, 0.0)
         while self.llm.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.llm.num_in_flight:

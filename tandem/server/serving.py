@@ -108,26 +108,36 @@ def generate(state: ServingState, prompt_ids: list[int], params: SamplingParams,
 
 async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Run to completion (the last output of each); the first failure ends them all, and so does
-    the client going away."""
+    the client going away (which aborts them in the engine)."""
     async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         out = None
         async for out in gen:
             pass
         return out
     tasks = [asyncio.ensure_future(last(g)) for g in gens]
+    gone = asyncio.ensure_future(disconnected(request))
+    pending = {*tasks, gone}
     try:
         while True:
-            done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:  # the answer goes nowhere; the finally aborts the requests
+                raise APIError(499, "the client closed the request", "client_closed")
             failed = next((t for t in done if t.exception() is not None), None)
             if failed is not None:
                 raise failed.exception()
-            if not pending:
+            if pending == {gone}:
                 return [t.result() for t in tasks]
-            if await request.is_disconnected():
-                raise asyncio.CancelledError
     finally:
-        for t in tasks:
+        for t in [*tasks, gone]:
             t.cancel()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone. The request body is read already, so the next ASGI
+    message is the disconnect (a blocking receive: `is_disconnected()` only peeks, and sees
+    nothing behind an http middleware)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
