@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,9 +193,12 @@ def test_metrics_and_request_log(copy_models, tmp_path):
 
     from tandem.server.metrics import ServerMetrics
     llm = _llm(copy_models["llama"], True)
-    metrics = ServerMetrics(llm.engine, "tiny", request_log=str(tmp_path / "requests.jsonl"))
+    # what the server's metrics read: the engine core's stats (sent after each step) and its precisions
+    served = SimpleNamespace(precisions=llm.engine.precisions, weight_bytes={})
+    metrics = ServerMetrics(served, "tiny", request_log=str(tmp_path / "requests.jsonl"))
     for out in llm.generate(_prompts()[-1:], GREEDY):
         metrics.on_finished(out)
+    served.stats = llm.engine.core.scheduler_stats()
     stats = llm.engine.core.scheduler.spec_stats
     text = generate_latest(metrics.registry).decode()
     assert f'tandem:spec_decode_num_drafts_total{{model_name="tiny"}} {float(stats.num_drafts)}' in text
