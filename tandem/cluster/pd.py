@@ -8,6 +8,7 @@ PD_KEYS such as a grammar constraint) goes the plain way."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -20,7 +21,7 @@ from tandem.cluster.pd_decode import DecodeChain, DecodeLeg, kv_sent
 from tandem.cluster.pd_format import PDFormat
 from tandem.cluster.pool import Instance
 from tandem.cluster.proxy import Retry, json_error
-from tandem.cluster.routing import route_pd
+from tandem.cluster.routing import InstanceState, route_pd
 
 if TYPE_CHECKING:
     from tandem.cluster.router import Router
@@ -37,6 +38,21 @@ PD_KEYS = frozenset(SAMPLING_KEYS + ("model", "prompt", "messages", "add_generat
 ROOM_WAIT_S = 5.0  # how long a request waits for a decode instance with room for its KV
 
 
+def requested_max_tokens(path: str, body: dict) -> int | None:
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not path.endswith("/chat/completions") and max_tokens is None:
+        return 16  # the completions API's default
+    return max_tokens
+
+
+def splittable(body: dict, max_tokens: int | None) -> bool:
+    """Whether the split serves the request exactly: one choice, no logprobs or echo, more than
+    one token, and no field outside PD_KEYS."""
+    logprobs = body.get("logprobs")
+    return (body.get("n", 1) == 1 and (logprobs is None or logprobs is False) and not body.get("echo")
+            and max_tokens != 1 and PD_KEYS.issuperset(body))
+
+
 class PDHandoff:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -50,23 +66,12 @@ class PDHandoff:
                      hashes: list[int]) -> Response:
         r = self.router
         raw = json.dumps(body).encode()
-
-        def plain():
-            return r.proxy.forward(model, path, raw, stream, hashes, len(ids or ()), r.rcfg.max_attempts)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not path.endswith("/chat/completions") and max_tokens is None:
-            max_tokens = 16  # the completions API's default
-        logprobs = body.get("logprobs")
-        if not ids or body.get("n", 1) != 1 or (logprobs is not None and logprobs is not False) \
-                or body.get("echo") or max_tokens == 1 or not PD_KEYS.issuperset(body):
+        plain = functools.partial(r.proxy.forward, model, path, raw, stream, hashes, len(ids or ()),
+                                  r.rcfg.max_attempts)
+        max_tokens = requested_max_tokens(path, body)
+        if not ids or not splittable(body, max_tokens):
             return await plain()
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while True:
-            views = [i.view() for i in r.pool.group(model)]
-            pre, dec = route_pd(views, len(ids), len(ids) + (max_tokens or 1), hashes, r.rcfg.weights)
-            if dec is not None or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(r.rcfg.poll_interval_s)
+        pre, dec = await self._pair(model, ids, max_tokens, hashes)
         if dec is None:
             r.metrics.failures.labels(model, "no_decode_room").inc()
             return json_error(503, f"model `{model}`: no decode instance has room for {len(ids) + (max_tokens or 1)} "
@@ -75,12 +80,33 @@ class PDHandoff:
         if pre is None:  # an idle decode instance prefills this short prompt itself
             out = await r.proxy.attempt(dec_inst, path, raw, stream, len(ids))
             return out if not isinstance(out, Retry) else await plain()
-        pre_inst = r.pool.instances[pre.instance_id]
+        out = await self._split(model, path, body, stream, ids, r.pool.instances[pre.instance_id], dec_inst,
+                                max_tokens)
+        return out if out is not None else await plain()
+
+    async def _pair(self, model: str, ids: list[int], max_tokens: int | None,
+                    hashes: list[int]) -> tuple[InstanceState | None, InstanceState | None]:
+        """(prefill, decode) views by `route_pd`, waiting up to ROOM_WAIT_S for a decode instance
+        with room for the request's KV (decode None: none had it)."""
+        r = self.router
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            views = [i.view() for i in r.pool.group(model)]
+            pre, dec = route_pd(views, len(ids), len(ids) + (max_tokens or 1), hashes, r.rcfg.weights)
+            if dec is not None or time.monotonic() > deadline:
+                return pre, dec
+            await asyncio.sleep(r.rcfg.poll_interval_s)
+
+    async def _split(self, model: str, path: str, body: dict, stream: bool, ids: list[int], pre_inst: Instance,
+                     dec_inst: Instance, max_tokens: int | None) -> Response | None:
+        """The prefill leg, then the decode legs, as one response; None if either could not
+        start (the caller serves it the plain way)."""
+        r = self.router
         tid, sampling = uuid.uuid4().hex, {k: body[k] for k in SAMPLING_KEYS if k in body}
         first = await self._prefill(pre_inst, dec_inst, ids, tid, sampling)
-        if first is None:  # prefill instance gone or refused: serve it the plain way
+        if first is None:  # prefill instance gone or refused
             r.metrics.retries.labels(model, "prefill_failed").inc()
-            return await plain()
+            return None
         fmt = PDFormat(model, path.endswith("/chat/completions"), len(ids), body)
         leg = DecodeLeg(fmt.rid, model, dec_inst, len(ids) + (max_tokens or 1))
         events = self.chain.events(leg, pre_inst, ids + first["token_ids"], first, sampling, max_tokens, tid)
@@ -90,7 +116,7 @@ class PDHandoff:
             if isinstance(e, httpx.TransportError):
                 r.pool.mark_failed(dec_inst, f"{type(e).__name__}: {e}")
             r.metrics.retries.labels(model, "decode_failed").inc()
-            return await plain()
+            return None
         served = {"x-tandem-instance": f"{pre_inst.id}+{dec_inst.id}"}
         if stream:
             return StreamingResponse(fmt.sse(head, events), media_type="text/event-stream", headers=served)

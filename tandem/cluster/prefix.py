@@ -40,13 +40,10 @@ class PromptTokenizer:
         """The prompt's token ids as the instance will see them (first prompt of a batch), or None."""
         try:
             if path.endswith("/chat/completions"):
-                if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                if self.tokenizer is None:
                     return None
-                req = ChatCompletionRequest.model_validate(body)
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.text()} for m in req.messages], tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt)
-                return self.tokenizer.encode(text)
+                # the instance's own chat prompt (engine/chat.py: tools, template kwargs and all)
+                return self.tokenizer.encode(ChatCompletionRequest.model_validate(body).chat_prompt(self.tokenizer))
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]

@@ -13,9 +13,7 @@ import logging
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.cluster.config import ClusterConfig, ModelGroup
@@ -26,15 +24,11 @@ from tandem.cluster.prefix import PromptTokenizer, prefix_hashes
 from tandem.cluster.proxy import Proxy, json_error
 from tandem.cluster.roles import RoleLoop
 from tandem.cluster.router_metrics import RouterMetrics
+from tandem.cluster.router_routes import api
 from tandem.server.dashboard import add_router_dashboard
 from tandem.server.middleware import BodySizeLimit
 
 log = logging.getLogger(__name__)
-
-
-class MigrateRequest(BaseModel):
-    request_id: str
-    to: str | None = None  # an instance id; None: the decode instance with the most free KV
 
 
 class Router:
@@ -107,63 +101,31 @@ class Router:
                                       "available_instances": models}
 
 
+async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+    return json_error(e.status_code, str(e.detail))
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    """Poll the instances once (route from real state from the first request on), then run the
+    poller, the elastic role loop and the migration loop until shutdown."""
+    router: Router = app.state.router
+    await router.pool.poll_once()
+    tasks = [asyncio.create_task(loop.run()) for loop in (router.pool, router.roles, router.migration)]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await router.client.aclose()
+
+
 def build_router(cfg: ClusterConfig, instances: list[Instance],
                  tokenizers: dict[str, PromptTokenizer] | None = None) -> FastAPI:
-    router = Router(cfg, instances, tokenizers)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        await router.pool.poll_once()  # route from real state from the first request on
-        tasks = [asyncio.create_task(loop.run()) for loop in (router.pool, router.roles, router.migration)]
-        try:
-            yield
-        finally:
-            for t in tasks:
-                t.cancel()
-            await router.client.aclose()
-
     app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.router = router
+    app.state.router = router = Router(cfg, instances, tokenizers)
+    app.include_router(api)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(BodySizeLimit, max_bytes=cfg.router.max_body_bytes)
     add_router_dashboard(app, router)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        return json_error(e.status_code, str(e.detail))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await router.route(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.route(request, "chat")
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request):
-        return await router.route(request, "embedding")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": g.name, "object": "model", "created": 0, "owned_by": "tandem",
-                                            "kind": g.kind} for g in router.groups.values()]}
-
-    @app.get("/health")
-    async def health():
-        ok, body = router.health()
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.post("/tandem/migrate")
-    async def migrate(body: MigrateRequest):
-        """Operator: move a decoding P/D request (by its response `id`) to another decode instance."""
-        return await router.pd.chain.migrate(body.request_id, body.to)
-
-    @app.get("/cluster/state")
-    async def cluster_state():
-        return router.cluster_state()
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(await router.metrics.exposition(router.client), media_type=CONTENT_TYPE_LATEST)
-
     return app

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
+from tandem.engine.chat import apply_chat_template
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.engine.output_processor import RequestOutput
 
@@ -56,11 +57,12 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template, then generate."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
+        """Render each conversation with the one chat prompt (as the server does), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+        prompts = [apply_chat_template(self.tokenizer, c, tools, add_generation_prompt, chat_template_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

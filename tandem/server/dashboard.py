@@ -6,11 +6,13 @@ With an API key the data needs `Authorization: Bearer KEY` (the page asks for th
 shows nothing without it); the page and its scripts hold no figures and are served openly."""
 from __future__ import annotations
 
+import functools
 import hmac
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from prometheus_client import generate_latest
 
@@ -21,40 +23,62 @@ FILES = {"dashboard.js": "dashboard.js", "dashboard.css": "dashboard.css",
          "uPlot.iife.min.js": "vendor/uPlot.iife.min.js", "uPlot.min.css": "vendor/uPlot.min.css"}
 
 
-def add_dashboard_routes(app: FastAPI, kind: str, title: str, exposition: Callable[[], Awaitable[str]],
-                         api_key: str | None = None, instances: Callable[[], dict] | None = None) -> None:
-    """kind: "server" or "router" (the router's page adds the instances and the P/D transfers)."""
-    series = DashboardSeries()
-    page = (STATIC / "dashboard.html").read_text().replace("{{TITLE}}", title).replace("{{KIND}}", kind)
+router = APIRouter()
 
-    @app.get("/dashboard", response_class=HTMLResponse)
-    async def dashboard():
-        return page
 
-    @app.get("/dashboard/static/{name}")
-    async def static(name: str):
-        if name not in FILES:
-            return JSONResponse({"error": {"message": f"no file {name}"}}, status_code=404)
-        return FileResponse(STATIC / FILES[name])
+@dataclass(slots=True)
+class Dashboard:
+    """One app's page and samples, on `app.state.dashboard`. kind: "server" or "router" (the
+    router's page adds the instances and the P/D transfers)."""
 
-    @app.get("/dashboard/data")
-    async def data(request: Request):
-        if api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
-            return JSONResponse({"error": {"message": "this server needs its API key (Authorization: Bearer KEY)",
-                                           "type": "invalid_api_key", "code": 401}}, status_code=401)
-        point = series.add(await exposition())
-        return {"kind": kind, "title": title, "now": point, "series": series.series(),
-                "instances": instances() if instances else None}
+    kind: str
+    title: str
+    exposition: Callable[[], Awaitable[str]]
+    api_key: str | None = None
+    instances: Callable[[], dict] | None = None
+    series: DashboardSeries = field(default_factory=DashboardSeries)
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard(request: Request):
+    d: Dashboard = request.app.state.dashboard
+    return _page().replace("{{TITLE}}", d.title).replace("{{KIND}}", d.kind)
+
+
+@router.get("/dashboard/static/{name}")
+async def static(name: str):
+    if name not in FILES:
+        return JSONResponse({"error": {"message": f"no file {name}"}}, status_code=404)
+    return FileResponse(STATIC / FILES[name])
+
+
+@router.get("/dashboard/data")
+async def data(request: Request):
+    d: Dashboard = request.app.state.dashboard
+    if d.api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {d.api_key}"):
+        return JSONResponse({"error": {"message": "this server needs its API key (Authorization: Bearer KEY)",
+                                       "type": "invalid_api_key", "code": 401}}, status_code=401)
+    point = d.series.add(await d.exposition())
+    return {"kind": d.kind, "title": d.title, "now": point, "series": d.series.series(),
+            "instances": d.instances() if d.instances else None}
+
+
+@functools.cache
+def _page() -> str:
+    return (STATIC / "dashboard.html").read_text()
 
 
 def add_server_dashboard(app: FastAPI, registry, api_key: str | None, model: str) -> None:
     async def exposition() -> str:
         return generate_latest(registry).decode()
-    add_dashboard_routes(app, "server", f"tandem serve: {model}", exposition, api_key)
+    app.state.dashboard = Dashboard("server", f"tandem serve: {model}", exposition, api_key)
+    app.include_router(router)
 
 
-def add_router_dashboard(app: FastAPI, router) -> None:
+def add_router_dashboard(app: FastAPI, cluster) -> None:
+    """cluster: the `Router` (cluster/router.py)."""
     async def exposition() -> str:
-        return (await router.metrics.exposition(router.client)).decode()
-    add_dashboard_routes(app, "router", "tandem router: " + ", ".join(router.groups), exposition,
-                         instances=router.cluster_state)
+        return (await cluster.metrics.exposition(cluster.client)).decode()
+    app.state.dashboard = Dashboard("router", "tandem router: " + ", ".join(cluster.groups), exposition,
+                                    instances=cluster.cluster_state)
+    app.include_router(router)
