@@ -10,6 +10,7 @@ extras (block size, per level).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
@@ -18,7 +19,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 from tandem.cluster.routing import ROLES
-from tandem.core.queues import LEVELS
+from tandem.core.instance_state import Backlog, instance_load, request_backlog
 
 MAX_PREFIXES = 4096  # newest cached block hashes reported to the router
 
@@ -38,7 +39,7 @@ class InstanceSnapshot:
         self.model, self.role, self.elastic = model, role, elastic
         self.full_interval = full_interval
         self._last_full = float("-inf")
-        self._backlog, self._preempted, self._prefixes = 0, 0, []
+        self._backlog, self._prefixes = Backlog(0, 0), []
         self.data: dict = {}
         self.update(engine)  # the loop is idle before the first request: safe to read here
 
@@ -48,19 +49,13 @@ class InstanceSnapshot:
         now = time.monotonic()
         if now - self._last_full >= self.full_interval or not engine.has_unfinished_requests():
             self._last_full = now
-            self._backlog = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
-                max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in s.running)
-            self._preempted = sum(1 for r in s.waiting if r.num_preemptions)
+            self._backlog = request_backlog(s)
             # newest first: the index keeps caching order
             self._prefixes = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
         self.data = {
             "model": self.model, "role": self.role, "elastic": self.elastic,
-            "num_waiting": len(s.waiting), "num_running": len(s.running),
-            "waiting_by_level": {f"L{lv}": s.waiting.count(lv) for lv in LEVELS},
-            "waiting_prefill_tokens": self._backlog, "num_preempted": self._preempted,
-            "kv_usage": kv.usage, "kv_free_tokens": kv.num_free_blocks * kv.block_size,
-            "block_size": kv.block_size, "max_model_len": engine.max_model_len,
-            "cached_prefixes": self._prefixes,
+            **dataclasses.asdict(instance_load(s, self._backlog)),
+            "max_model_len": engine.max_model_len, "cached_prefixes": self._prefixes,
         }
 
     def set_role(self, role: str) -> None:
