@@ -102,7 +102,8 @@ def instance_died(inst: Instance, spec: InstanceSpec, why: str) -> bool:
     inst.state = dataclasses.replace(inst.state, healthy=False)
     inst.last_error = f"died: {why.splitlines()[0]}"
     action = "restarting it (restart: true)" if spec.group.restart else "left out (restart: false)"
-    log.error("instance %s (%s) died: %s\n%s", inst.id, spec.group.name, why, action)
+    head, _, rest = why.partition("\n")
+    log.error("instance %s (%s) died: %s; %s%s", inst.id, spec.group.name, head, action, "\n" + rest if rest else "")
     return spec.group.restart
 
 
@@ -143,6 +144,13 @@ def stop_on_signals():
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="cluster.yaml (see examples/cluster.yaml)")
+    p.add_argument("--host", default=None, help="router host (default: router.host of the config)")
+    p.add_argument("--port", type=int, default=None, help="router port (default: router.port of the config)")
+    p.add_argument("--log-level", default="info")
 
 
 def main(args: argparse.Namespace) -> None:
