@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cluster_fixture import serving
+from cluster_fixture import serving, wait_for
 from tandem.cluster.config import parse_cluster_config
 from tandem.cluster.router import build_router
 
@@ -20,7 +20,7 @@ def test_ray_instances_behind_the_router(tiny_model_dirs):
         "backend": "ray", "ray": {"address": None},
         "models": [{"name": "tiny", "model": tiny_model_dirs["llama"], "instances": 2,
                     "engine": {"dtype": "float32", "kv_cache_memory": 4 << 20},
-                    "resources": {"num_cpus": 1, "num_gpus": 0}}],
+                    "resources": {"num_cpus": 1, "num_gpus": 0}, "restart": True}],
         "router": {"poll_interval_s": 0.2}})
     backend = RayBackend(cfg)
     try:
@@ -40,6 +40,10 @@ def test_ray_instances_behind_the_router(tiny_model_dirs):
                 r = httpx.post(url + "/v1/completions", timeout=60, json={
                     "model": "tiny", "prompt": [9, 9, k], "max_tokens": 2, "ignore_eos": True})
                 assert r.status_code == 200 and r.headers["x-tandem-instance"] == "tiny-1"
+            old_url = instances[0].url
+            backend.check()  # what `tandem cluster up` runs every 0.5 s: the dead actor comes back
+            assert "tiny-0" not in backend.left_out and instances[0].url != old_url
+            assert wait_for(lambda: httpx.get(url + "/cluster/state").json()["tiny-0"]["healthy"], 10)
     finally:
         backend.stop()
     assert not ray.is_initialized()
