@@ -99,10 +99,10 @@ def wait_healthy(urls: dict[str, str], alive=lambda _id: None, timeout: float = 
 def instance_died(inst: Instance, spec: InstanceSpec, why: str) -> bool:
     """Report an instance that died and take it out of routing at once (the router's poll
     would find out within poll_interval_s); True when its group says to start it again."""
-    inst.state = dataclasses.replace(inst.state, healthy=False)
-    inst.last_error = f"died: {why.splitlines()[0]}"
-    action = "restarting it (restart: true)" if spec.group.restart else "left out (restart: false)"
     head, _, rest = why.partition("\n")
+    inst.state = dataclasses.replace(inst.state, healthy=False)
+    inst.last_error = f"died: {head}"
+    action = "restarting it (restart: true)" if spec.group.restart else "left out (restart: false)"
     log.error("instance %s (%s) died: %s; %s%s", inst.id, spec.group.name, head, action, "\n" + rest if rest else "")
     return spec.group.restart
 

@@ -69,6 +69,7 @@ class LocalBackend:
             if why is None:
                 continue
             _kill_group(proc)  # whatever it left behind
+            proc.wait()
             inst, spec = self.instances[iid], self.specs[iid]
             if not instance_died(inst, spec, why):
                 self.left_out.add(iid)
