@@ -1,10 +1,10 @@
 """Engine configuration: one dataclass, filled from keyword arguments, CLI flags or YAML."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-import logging
 
 import yaml
 
@@ -18,6 +18,12 @@ KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "spe
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
 PRECISION_CLASSES = ("interactive", "standard", "background")  # the request priorities
 ROLES = ("colocated", "prefill", "decode")  # an instance's role in a cluster's model group
+
+
+def cache_root() -> Path:
+    """Where converted GGUFs live: $TANDEM_CACHE_DIR, else ~/.cache/tandem/models (compiled
+    kernels go beside it). Here, below models/ and kernels/, so both can read it."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem" / "models")
 
 
 @dataclass(slots=True)

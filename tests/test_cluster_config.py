@@ -55,6 +55,9 @@ def test_instance_command(tmp_path):
     ({"models": [{"name": "a"}], "router": {"migration": {"cooldown_s": -1}}}, "cooldown_s >= 0"),
     ({"models": [{"name": "a"}], "router": {"migration": False}}, "router.migration: a mapping"),
     ({"models": [{"name": "a"}], "router": {"migration": {"kv_use": 0.9}}}, "unknown option"),
+    ({"models": [{"name": "a", "restart": "maybe"}]}, r"models\[0\].restart: true or false"),
+    ({"models": [{"name": "a", "restart": True}], "kv_transfer": {"connector": "torch_dist"}}, "cannot rejoin"),
+    ({"models": [{"name": "a"}], "stop_timeout_s": 0}, "stop_timeout_s"),
 ])
 def test_bad_configs(doc, error):
     with pytest.raises(ValueError, match=error):

@@ -15,7 +15,7 @@ import pytest
 
 from cluster_fixture import serving
 from tandem.cluster.config import parse_cluster_config
-from tandem.cluster.launcher import LocalBackend
+from tandem.cluster.local_backend import LocalBackend
 from tandem.cluster.router import build_router
 
 pytestmark = pytest.mark.slow

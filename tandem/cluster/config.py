@@ -5,6 +5,7 @@ at `tandem cluster up` and not minutes later on the first request.
 ```yaml
 backend: local            # local | ray
 ray: {address: null}      # null/"local": start a one-node Ray here; "auto" or host:port: join
+stop_timeout_s: 45        # on SIGTERM/SIGINT: how long instances may drain before SIGKILL
 router: {host: 127.0.0.1, port: 8000, weights: {prefix: 1.0, load: 1.0}, migration: {kv_usage: 0.9}}
 kv_transfer: {connector: shm}  # shm (one host) | torch_dist (gloo / NCCL point-to-point, across hosts)
 models:
@@ -14,6 +15,8 @@ models:
     instances: 3          # or roles: {prefill: 1, decode: 2, colocated: 0, elastic: 0}
     engine: {kv_cache_memory: 268435456}   # any EngineConfig field
     resources: {num_gpus: 0, num_cpus: 1}  # per instance (Ray placement)
+    restart: false        # an instance that dies: false = left out (the router routes around
+                          # it), true = started again (not with torch_dist: it cannot rejoin)
 ```
 """
 from __future__ import annotations
@@ -31,6 +34,9 @@ from tandem.config import EngineConfig
 
 ROLE_KEYS = ("colocated", "prefill", "decode", "elastic")
 ELASTIC_START = "decode"  # elastic instances start as decode and are moved by the controller
+# SIGTERM/SIGINT: instances drain (finish what is in flight) this long, then get SIGKILL.
+# Longer than `tandem serve --shutdown-timeout` (30 s), so a drain is not cut short.
+STOP_TIMEOUT_S = 45.0
 
 
 @dataclass(slots=True)
@@ -42,6 +48,7 @@ class ModelGroup:
     engine: dict[str, Any] = field(default_factory=dict)
     resources: dict[str, float] = field(default_factory=dict)
     urls: list[str] = field(default_factory=list)  # instances already running elsewhere: not launched
+    restart: bool = False  # start an instance of this group again when it dies (else it is left out)
 
     def instance_roles(self) -> list[tuple[str, bool]]:
         """(starting role, elastic) of each instance to launch."""
@@ -99,6 +106,7 @@ class ClusterConfig:
     ray_address: str | None = None
     log_dir: str = "logs/cluster"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    stop_timeout_s: float = STOP_TIMEOUT_S
 
 
 def _dataclass(cls, values: dict, where: str):
@@ -126,6 +134,8 @@ def _group(doc: dict, i: int) -> ModelGroup:
     if bad:
         raise ValueError(f"{where}.roles: unknown role(s) {', '.join(sorted(bad))}; use {', '.join(ROLE_KEYS)}")
     group = _dataclass(ModelGroup, {**doc, "roles": {k: int(v) for k, v in roles.items()}}, where)
+    if not isinstance(group.restart, bool):
+        raise ValueError(f"{where}.restart: true or false, got {group.restart!r}")
     if group.kind not in ("chat", "embedding"):
         raise ValueError(f"{where}.kind: chat or embedding, got {group.kind!r}")
     if group.kind == "embedding" and group.disaggregated:
@@ -159,10 +169,18 @@ def parse_cluster_config(doc: dict, where: str = "cluster config") -> ClusterCon
         raise ValueError(f"{where}: backend is local or ray, got {backend!r}")
     ray = doc.get("ray") or {}
     kv_transfer = _dataclass(KVTransferConfig, dict(doc.get("kv_transfer") or {}), "kv_transfer")
-    unknown = set(doc) - {"models", "router", "backend", "ray", "log_dir", "kv_transfer"}
+    unknown = set(doc) - {"models", "router", "backend", "ray", "log_dir", "kv_transfer", "stop_timeout_s"}
     if unknown:
         raise ValueError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
-    return ClusterConfig(models, router, backend, ray.get("address"), doc.get("log_dir", "logs/cluster"), kv_transfer)
+    for i, m in enumerate(models):
+        if m.restart and m.kind == "chat" and kv_transfer.connector == "torch_dist":
+            raise ValueError(f"models[{i}].restart: a restarted instance cannot rejoin the torch_dist KV "
+                             "transfer group; use restart: false, or kv_transfer.connector: shm")
+    stop = doc.get("stop_timeout_s", STOP_TIMEOUT_S)
+    if isinstance(stop, bool) or not isinstance(stop, (int, float)) or stop <= 0:
+        raise ValueError(f"{where}: stop_timeout_s is a number of seconds > 0, got {stop!r}")
+    return ClusterConfig(models, router, backend, ray.get("address"), doc.get("log_dir", "logs/cluster"), kv_transfer,
+                         float(stop))
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:

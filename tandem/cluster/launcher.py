@@ -1,15 +1,18 @@
 """`tandem cluster up --config cluster.yaml`: start every instance (local processes, or Ray
-actors), wait until each answers /health, then serve the router in this process. Ctrl-C (or
-any exit) stops the instances it started."""
+actors), wait until each answers /health, then serve the router in this process. An instance
+that dies is reported and restarted or left out (its group's `restart`). SIGTERM or SIGINT
+(or any exit) drains and stops every instance it started, and it exits once they are gone."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from tandem.cluster.config import ClusterConfig, ModelGroup, load_cluster_config
 from tandem.cluster.pool import Instance
 
 log = logging.getLogger(__name__)
+CHECK_INTERVAL_S = 0.5  # how often the instances are checked for one that died
 
 
 @dataclass(slots=True)
@@ -92,62 +96,54 @@ def wait_healthy(urls: dict[str, str], alive=lambda _id: None, timeout: float = 
         time.sleep(0.2)
 
 
-class LocalBackend:
-    """Each instance is a `tandem serve` (or embedding server) subprocess on a free port."""
-
-    def __init__(self, cfg: ClusterConfig) -> None:
-        self.cfg = cfg
-        self.log_dir = Path(cfg.log_dir)
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, timeout: float = 600.0) -> list[Instance]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        out, urls = [], {}
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        try:
-            for spec in plan(self.cfg):
-                port = free_port()
-                cmd = instance_command(spec, port, self.log_dir / f"{spec.id}.yaml")
-                with open(self.log_dir / f"{spec.id}.log", "wb") as logf:
-                    self.procs[spec.id] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                                           env={**env, "OMP_NUM_THREADS": str(spec.num_threads)})
-                urls[spec.id] = f"http://127.0.0.1:{port}"
-                out.append(spec.instance(urls[spec.id]))
-            wait_healthy(urls, self._exited, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return out + external_instances(self.cfg)
-
-    def rendezvous_host(self) -> str:
-        """Where instances reach a store this process serves (torch_dist KV transfer)."""
-        return "127.0.0.1"
-
-    def _exited(self, iid: str) -> str | None:
-        code = self.procs[iid].poll()
-        if code is None:
-            return None
-        tail = (self.log_dir / f"{iid}.log").read_text(errors="replace")[-2000:]
-        return f"exit code {code}; log {self.log_dir / f'{iid}.log'}:\n{tail}"
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+def instance_died(inst: Instance, spec: InstanceSpec, why: str) -> bool:
+    """Report an instance that died and take it out of routing at once (the router's poll
+    would find out within poll_interval_s); True when its group says to start it again."""
+    head, _, rest = why.partition("\n")
+    inst.state = dataclasses.replace(inst.state, healthy=False)
+    inst.last_error = f"died: {head}"
+    action = "restarting it (restart: true)" if spec.group.restart else "left out (restart: false)"
+    log.error("instance %s (%s) died: %s; %s%s", inst.id, spec.group.name, head, action, "\n" + rest if rest else "")
+    return spec.group.restart
 
 
 def make_backend(cfg: ClusterConfig):
     if cfg.backend == "ray":
         from tandem.cluster.ray_backend import RayBackend
         return RayBackend(cfg)
+    from tandem.cluster.local_backend import LocalBackend
     return LocalBackend(cfg)
+
+
+class Shutdown(Exception):
+    """SIGTERM or SIGINT: stop the cluster."""
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT raise Shutdown in the main thread, once, and not after the function
+    this yields is called (the cleanup has begun): a signal then is only logged, since raising
+    would cut the instances' cleanup short."""
+    armed = True
+
+    def handler(signum: int, _frame) -> None:
+        nonlocal armed
+        name = signal.Signals(signum).name
+        if not armed:
+            log.warning("%s: already stopping (instances still running get SIGKILL after stop_timeout_s)", name)
+            return
+        armed = False
+        raise Shutdown(name)
+
+    def disarm() -> None:
+        nonlocal armed
+        armed = False
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield disarm
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,6 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    """Start the instances, serve the router on a thread, and watch the instances from the main
+    thread until SIGTERM/SIGINT; then stop the router taking requests, drain and stop every
+    instance, and return only once they are gone."""
     import uvicorn
 
     from tandem.cluster.kv_group import join_kv_group
@@ -166,13 +165,29 @@ def main(args: argparse.Namespace) -> None:
     cfg.router.host = args.host or cfg.router.host
     cfg.router.port = args.port or cfg.router.port
     backend = make_backend(cfg)
-    instances = backend.start()
-    try:
-        kv_store = join_kv_group(cfg, instances, backend.rendezvous_host())  # noqa: F841 - lives with the group
-        for inst in instances:
-            log.info("instance %s (%s, %s) at %s", inst.id, inst.model, inst.kind, inst.url)
-        log.info("router on http://%s:%d", cfg.router.host, cfg.router.port)
-        uvicorn.run(build_router(cfg, instances), host=cfg.router.host, port=cfg.router.port,
-                    log_level=args.log_level)
-    finally:
-        backend.stop()
+    server = router = None
+    with stop_on_signals() as stopping:
+        try:
+            instances = backend.start()
+            kv_store = join_kv_group(cfg, instances, backend.rendezvous_host())  # noqa: F841 - lives with the group
+            for inst in instances:
+                log.info("instance %s (%s, %s) at %s", inst.id, inst.model, inst.kind, inst.url)
+            server = uvicorn.Server(uvicorn.Config(
+                build_router(cfg, instances), host=cfg.router.host, port=cfg.router.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(cfg.stop_timeout_s)))
+            router = threading.Thread(target=server.run, name="router")
+            router.start()
+            log.info("router on http://%s:%d", cfg.router.host, cfg.router.port)
+            while router.is_alive():
+                backend.check()
+                router.join(CHECK_INTERVAL_S)
+            raise SystemExit("the router stopped (see its log above)")
+        except Shutdown as e:
+            log.info("%s: stopping the router and every instance", e)
+        finally:
+            stopping()
+            if server is not None:
+                server.should_exit = True  # takes no new connection; streams in flight go on
+            backend.stop()
+            if router is not None:
+                router.join(cfg.stop_timeout_s)

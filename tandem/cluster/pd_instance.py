@@ -123,7 +123,7 @@ def add_pd_routes(app: FastAPI, llm: ClusterLLM, model_name: str) -> None:
 
     @app.post("/tandem/kv_group")
     async def kv_group(req: KVGroupRequest):
-        device = llm.engine.kv_handoff.runner.kv_cache.device
+        device = llm.engine.executor.kv_device
         try:
             await asyncio.to_thread(links.join, req.rank, req.world_size, req.host, req.port, req.backend,
                                     req.timeout_s, device)

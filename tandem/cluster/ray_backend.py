@@ -4,15 +4,18 @@ actors by the resources the config asks for (`num_gpus`, `num_cpus`). The router
 it only sees URLs. Nodes need tandem installed in the same Python environment."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.launcher import InstanceSpec, external_instances, free_port, plan, wait_healthy
+from tandem.cluster.launcher import InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy
 from tandem.cluster.pool import Instance
 
+log = logging.getLogger(__name__)
 LOCAL = (None, "", "local")
+CHECK_TIMEOUT_S = 5.0  # an actor that does not answer within this is busy, not known dead
 
 
 class InstanceServer:
@@ -37,7 +40,8 @@ class InstanceServer:
             url_host = ray.util.get_node_ip_address()
         self._url = f"http://{url_host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host=bind_host, port=port, log_level="warning"))
-        threading.Thread(target=self.server.run, daemon=True).start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -45,8 +49,11 @@ class InstanceServer:
     def url(self) -> str:
         return self._url
 
-    def stop(self) -> None:
+    def stop(self, timeout: float) -> None:
+        """Drain: take no new connection, let responses in flight finish (up to `timeout`),
+        then stop the engine."""
         self.server.should_exit = True
+        self.thread.join(timeout)
         if self.llm is not None:
             self.llm.shutdown()
 
@@ -55,7 +62,11 @@ class RayBackend:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
         self.actors: dict[str, object] = {}
+        self.specs: dict[str, InstanceSpec] = {}
+        self.instances: dict[str, Instance] = {}
+        self.left_out: set[str] = set()  # died and not restarted
         self.started_ray = False
+        self.start_timeout = 600.0
 
     def start(self, timeout: float = 600.0) -> list[Instance]:
         import ray
@@ -70,21 +81,26 @@ class RayBackend:
                 ray.init(address=self.cfg.ray_address, log_to_driver=False)
             self.started_ray = True
         # Loopback on one node; across nodes, bind every interface and advertise the node's IP.
-        bind, url_host = ("127.0.0.1", "127.0.0.1") if local else ("0.0.0.0", None)
-        cls = ray.remote(InstanceServer)
+        self._hosts = ("127.0.0.1", "127.0.0.1") if local else ("0.0.0.0", None)
+        self.start_timeout = timeout
         try:
             for spec in specs:
-                res = spec.group.resources
-                self.actors[spec.id] = cls.options(
-                    name=None, num_cpus=res.get("num_cpus", 1), num_gpus=res.get("num_gpus", 0),
-                    max_restarts=0).remote(spec, bind, url_host)
+                self.specs[spec.id] = spec
+                self.actors[spec.id] = self._actor(spec)
             urls = dict(zip(self.actors, ray.get([a.url.remote() for a in self.actors.values()], timeout=timeout)))
             wait_healthy(urls, timeout=timeout)
         except BaseException:
             self.stop()
             raise
-        by_id = {s.id: s for s in specs}
-        return [by_id[i].instance(u) for i, u in urls.items()] + external_instances(self.cfg)
+        self.instances = {i: self.specs[i].instance(u) for i, u in urls.items()}
+        return list(self.instances.values()) + external_instances(self.cfg)
+
+    def _actor(self, spec: InstanceSpec):
+        import ray
+        res = spec.group.resources
+        return ray.remote(InstanceServer).options(
+            name=None, num_cpus=res.get("num_cpus", 1), num_gpus=res.get("num_gpus", 0),
+            max_restarts=0).remote(spec, *self._hosts)
 
     def rendezvous_host(self) -> str:
         """Where actors reach a store this (driver) process serves: loopback on a one-node Ray
@@ -99,13 +115,41 @@ class RayBackend:
         import ray
         ray.kill(self.actors[instance_id], no_restart=True)
 
-    def stop(self) -> None:
+    def check(self) -> None:
+        """An actor that died is reported, then started again (a new actor, at a new URL the
+        router is given) or left out."""
         import ray
-        for actor in self.actors.values():
+        for iid, actor in list(self.actors.items()):
+            if iid in self.left_out or iid not in self.instances:
+                continue
             try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:  # already dead or unreachable: kill below either way
-                pass
+                ray.get(actor.url.remote(), timeout=CHECK_TIMEOUT_S)
+                continue
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError as e:
+                why = str(e)
+            inst, spec = self.instances[iid], self.specs[iid]
+            if not instance_died(inst, spec, why):
+                self.left_out.add(iid)
+                continue
+            try:
+                self.actors[iid] = self._actor(spec)
+                url = ray.get(self.actors[iid].url.remote(), timeout=self.start_timeout)
+                wait_healthy({iid: url}, timeout=self.start_timeout)
+                inst.url = url
+                log.info("instance %s is back at %s", iid, url)
+            except (ray.exceptions.RayError, RuntimeError, TimeoutError) as e:
+                log.error("instance %s did not come back, left out: %s", iid, e)
+                self.left_out.add(iid)
+
+    def stop(self) -> None:
+        """Every actor drains at once (up to `stop_timeout_s`), then is killed."""
+        import ray
+        pending = [actor.stop.remote(self.cfg.stop_timeout_s) for actor in self.actors.values()]
+        if pending:  # an actor already dead answers with its error: killed below either way
+            ray.wait(pending, num_returns=len(pending), timeout=self.cfg.stop_timeout_s + 5)
+        for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         self.actors.clear()
         if self.started_ray:

@@ -117,10 +117,7 @@ class Scheduler:
         self._drafts_planned = False
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
-        l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
-        # At least one token: a running L2 that the seat floor shields from preemption must also
-        # advance, or an L1 short of blocks preempts itself, step after step, forever.
-        reserve = min(max(1, int(cfg.l2_min_share * budget)), budget - 1) if l2_work and cfg.l2_min_share > 0 else 0
+        reserve = self.l2_token_reserve()
         # While interactive (L1) traffic is present, lower levels prefill only
         # lower_prefill_tokens per step (their share, or what keeps a step near l1_step_time):
         # a step stays short, so an arriving L1 request waits at most one short step, and
@@ -142,6 +139,15 @@ class Scheduler:
                 step.lower_prefill_cap, step.throttled = budget, False  # L1 cannot get in now: let the rest finish sooner
         self._end_step(step)
         return out
+
+    def l2_token_reserve(self) -> int:
+        """Tokens of a step's budget that L1 may not take: L2's guaranteed share, while L2 has
+        work (multilevel only). At least one token: a running L2 that the seat floor shields
+        from preemption must also advance, or an L1 short of blocks preempts itself, step after
+        step, forever."""
+        cfg, budget = self.config, self.config.max_num_batched_tokens
+        l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
+        return min(max(1, int(cfg.l2_min_share * budget)), budget - 1) if l2_work and cfg.l2_min_share > 0 else 0
 
     def top_up(self, out: SchedulerOutput) -> None:
         """Admit, into the step just planned (`out`, not yet run), requests that arrived since

@@ -10,10 +10,12 @@ extras (block size, per level); the API side adds model, role and elastic."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 from typing import TYPE_CHECKING
 
+from tandem.core.instance_state import Backlog, instance_load, request_backlog
 from tandem.core.queues import LEVELS
 from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.step_pipeline import ExecutedStep
@@ -29,7 +31,7 @@ class StepStats:
         self.core = core
         self.full_interval = full_interval
         self._last_full = float("-inf")
-        self._backlog, self._preempted, self._prefixes = 0, 0, []
+        self._backlog, self._prefixes = Backlog(0, 0), []
         self.busy_since = 0.0  # perf_counter when the engine last got work after being empty
         self._last_execute_end: float | None = None
         self._compiles: list[tuple[str, float]] = []  # appended by the grammar compiler's workers
@@ -75,7 +77,7 @@ class StepStats:
             preemptions_by_mode=dict(s.preemptions_by_mode),
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=list(spec.accepted_per_pos),
-            instance=self.instance_load(waiting), grammar_compiles=self._take_compiles(),
+            instance=self.instance_load(), grammar_compiles=self._take_compiles(),
         )
 
     def _take_compiles(self) -> list[tuple[str, float]]:
@@ -83,23 +85,17 @@ class StepStats:
         taken, self._compiles[:n] = self._compiles[:n], []
         return taken
 
-    def instance_load(self, waiting_by_level: dict[str, int]) -> dict:
-        """The router's view of this instance's load (without model / role / elastic)."""
+    def instance_load(self) -> dict:
+        """The router's view of this instance's load (without model / role / elastic): the
+        figures of `core/instance_state.py`, which the simulated instance uses too; the backlog
+        scan and the cached-prefix list at most every `full_interval` while busy."""
         core = self.core
         s, kv = core.scheduler, core.kv_manager
         now = time.monotonic()
         if now - self._last_full >= self.full_interval or not core.has_unfinished_requests():
             self._last_full = now
-            self._backlog = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
-                max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in s.running)
-            self._preempted = sum(1 for r in s.waiting if r.num_preemptions)
+            self._backlog = request_backlog(s)
             # newest first: the index keeps caching order
             self._prefixes = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
-        return {
-            "num_waiting": len(s.waiting), "num_running": len(s.running),
-            "waiting_by_level": waiting_by_level,
-            "waiting_prefill_tokens": self._backlog, "num_preempted": self._preempted,
-            "kv_usage": kv.usage, "kv_free_tokens": kv.num_free_blocks * kv.block_size,
-            "block_size": kv.block_size, "max_model_len": core.max_model_len,
-            "cached_prefixes": self._prefixes,
-        }
+        return {**dataclasses.asdict(instance_load(s, self._backlog)),
+                "max_model_len": core.max_model_len, "cached_prefixes": self._prefixes}

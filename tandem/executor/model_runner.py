@@ -12,9 +12,11 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
-from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan, resolve_attention_backend
+from tandem.executor.attention import (
+    AttentionMetadata, DecodeBucket, PrefillSpan, TorchAttention, resolve_attention_backend,
+)
 from tandem.executor.cuda_graphs import CUDAGraphRunner
-from tandem.executor.device import default_kv_cache_memory, resolve_device, to_device
+from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
 from tandem.kernels import cpu_paged_attention
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.proposers import NgramProposer
@@ -50,7 +52,8 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_hf(load_config(model_dir))
-        self.variants = build_variants(config, model_dir, self.model_config, self.device)
+        self.variants = build_variants(config, model_dir, self.model_config, self.device,
+                                       resolve_dtype(config.dtype, self.device), TorchAttention)
         self.dtype = self.variants.dtype
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
 
@@ -65,6 +68,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.kv_device = self.kv_cache.device
         self.num_host_blocks = config.swap_space // per_block
         self._host_kv_cache: torch.Tensor | None = None  # allocated at the first swap-out
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_kv_blocks, self.block_size,
@@ -104,28 +108,24 @@ class ModelRunner:
         return 2 * kv_bytes / copy_bandwidth, 1.0 / prefill_rate
 
     def _swap(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (all layers, K and V) from src to dst."""
-        shape = lambda t: t.view(t.shape[0], 2, -1, self.block_size, *t.shape[3:])  # noqa: E731
-        src_ids = torch.tensor([a for a, _ in pairs], device=src.device)
-        dst_ids = torch.tensor([b for _, b in pairs], device=dst.device)
-        blocks = shape(src).index_select(2, src_ids).to(dst.device, non_blocking=True)
-        shape(dst).index_copy_(2, dst_ids, blocks)
+        """Copy whole blocks (all layers, K and V) from src to dst (device and host tiers)."""
+        blocks = _read_blocks(src, [a for a, _ in pairs], self.block_size)
+        _write_blocks(dst, [b for _, b in pairs], blocks.to(dst.device, non_blocking=True), self.block_size)
 
-    # ---- KV transfer (P/D) ----------------------------------------------------------
-    def _kv_blocks(self) -> torch.Tensor:
-        """The KV cache as [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (a view)."""
-        c = self.kv_cache
-        return c.view(c.shape[0], 2, -1, self.block_size, *c.shape[3:])
-
+    # ---- KV blocks (P/D) ------------------------------------------------------------
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of the blocks' K/V, all layers, on the cache's device."""
-        return self._kv_blocks().index_select(2, torch.tensor(block_ids, dtype=torch.long, device=self.device))
+        return _read_blocks(self.kv_cache, block_ids, self.block_size)
 
     def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None) -> None:
         """Place [num_layers, 2, n, ...] blocks, or one layer's [2, n, ...] when `layer` is given."""
-        dst = self._kv_blocks() if layer is None else self._kv_blocks()[layer]
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        dst.index_copy_(dst.dim() - 4, ids, kv.to(self.device, self.dtype))
+        cache = self.kv_cache  # [num_layers, 2, slots, heads, head_dim]
+        expect = (self.block_size, *cache.shape[3:])
+        if tuple(kv.shape[-3:]) != expect or (layer is None and kv.shape[0] != cache.shape[0]):
+            raise ValueError(f"KV payload blocks of shape {tuple(kv.shape)} do not fit this cache "
+                             f"({cache.shape[0]} layers of blocks {expect})")
+        _write_blocks(cache if layer is None else cache[layer], block_ids, kv.to(self.device, self.dtype),
+                      self.block_size)
 
     # ---- persistent batch -----------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -296,6 +296,21 @@ class ModelRunner:
         logits_index = to_device(np.array(logits_indices(
             qsl[1:][logits_rows].tolist(), [len(states[i].spec_token_ids) for i in logits_rows]), dtype=np.int64), dev)
         return input_ids, to_device(positions, dev), meta, logits_rows, logits_index
+
+
+def _blocks_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., 2, slots, heads, dim] as [..., 2, blocks, block_size, heads, dim] (a view)."""
+    return cache.view(*cache.shape[:-3], -1, block_size, *cache.shape[-2:])
+
+
+def _read_blocks(cache: torch.Tensor, block_ids: list[int], block_size: int) -> torch.Tensor:
+    blocks = _blocks_view(cache, block_size)
+    return blocks.index_select(blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device))
+
+
+def _write_blocks(cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor, block_size: int) -> None:
+    blocks = _blocks_view(cache, block_size)
+    blocks.index_copy_(blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device), kv)
 
 
 def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:

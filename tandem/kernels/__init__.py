@@ -65,7 +65,7 @@ def _load(name: str, source: str, cflags: list[str]):
     try:
         from torch.utils.cpp_extension import load
 
-        from tandem.models.loader import cache_root
+        from tandem.config import cache_root
         build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels")
         return load(name=name, sources=[str(src)], extra_cflags=["-O3", "-march=native", *cflags],
                     extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], build_directory=str(build), verbose=False)

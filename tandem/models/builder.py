@@ -17,7 +17,7 @@ from torch import nn
 
 from tandem.models.gguf_quants import Int4Codes, read_int4_tensors
 from tandem.models.layers import Linear
-from tandem.models.llama import LlamaForCausalLM, ModelConfig
+from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import iter_weights
 from tandem.models.quantization import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear
 
@@ -47,10 +47,10 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
 
 
 def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
-                gguf_path: Path | None = None) -> LlamaForCausalLM:
+                attention: AttentionFactory, gguf_path: Path | None = None) -> LlamaForCausalLM:
     """weights: "float" (the activation dtype) or one of QUANTIZED."""
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, attention)
     model.load_weights(iter_weights(model_dir))
     model.to(dtype)
     model.rotary.cos_sin = model.rotary.cos_sin.float()

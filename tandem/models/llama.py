@@ -1,14 +1,18 @@
 """The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over flattened
-variable-length batches with a paged KV cache."""
+variable-length batches with a paged KV cache.
+
+The attention backend is given to the model (the model runner passes executor/attention.py's):
+how K/V are cached and attended, and the per-step metadata that says where, belong to the
+executor; the model only projects, rotates and passes them on."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from tandem.executor.attention import AttentionMetadata, TorchAttention
 from tandem.models.layers import (
     Linear, RMSNorm, RotaryEmbedding, SiluAndMul, StepRope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
 )
@@ -74,8 +78,20 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]: write k, v into kv_cache where `meta` says, attend,
+        return [T, Hq * D]. `meta` is the backend's own per-step metadata."""
+        ...
+
+
+# (num_heads, num_kv_heads, head_dim) -> one layer's backend
+AttentionFactory = Callable[[int, int, int], AttentionBackend]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
         super().__init__()
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
@@ -84,9 +100,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = TorchAttention(self.nq, self.nkv, self.hd)
+        self.attn = attention(self.nq, self.nkv, self.hd)
 
-    def forward(self, x, rope: StepRope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope: StepRope, kv_cache, meta: Any) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         rotated = not self.qk_norm and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
@@ -111,9 +127,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, attention)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -124,12 +140,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -148,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor], meta: Any,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)

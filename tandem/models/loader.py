@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tandem.config import cache_root
 from tandem.models.gguf_convert import CONVERTER_VERSION, convert_gguf
 
 MODEL_ALIASES: dict[str, str] = {
@@ -108,11 +109,6 @@ def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer  # slow import; keep it off the module import path
 
     return AutoTokenizer.from_pretrained(folder)
-
-
-def cache_root() -> Path:
-    """Where converted GGUFs live: $TANDEM_CACHE_DIR, else ~/.cache/tandem/models."""
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem" / "models")
 
 
 def _alias_path(alias: str) -> Path:

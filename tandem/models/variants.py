@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.executor.device import resolve_dtype
 from tandem.models.builder import FLOAT_NAMES, build_model, resolve_precision, weight_bytes
-from tandem.models.llama import LlamaForCausalLM, ModelConfig
+from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import gguf_source
 
 log = logging.getLogger(__name__)
@@ -30,8 +29,9 @@ class ModelVariants:
     unavailable: dict[str, str] = field(default_factory=dict)  # precision -> why it was not built
 
 
-def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device) -> ModelVariants:
-    dtype = resolve_dtype(config.dtype, device)
+def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device,
+                   dtype: torch.dtype, attention: AttentionFactory) -> ModelVariants:
+    """`dtype`: the engine's `dtype` resolved for the device (the executor's choice)."""
     default = config.quantization or FLOAT_NAMES[dtype]
     if config.dtype == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
@@ -42,7 +42,7 @@ def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, devi
             if variant_dtype != dtype:
                 raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
                                  "variants share one KV pool")
-            model = build_model(model_dir, cfg, weights, device, dtype, gguf_source(config.model))
+            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(config.model))
         except (ValueError, RuntimeError) as e:
             if config.precision_fallback in (None, name):  # nothing could serve its requests
                 what = "the fallback " if name == config.precision_fallback else ""

@@ -28,8 +28,8 @@ def fast_forward(inst: SimInstance, now: float, horizon: float) -> float | None:
     if sched.waiting or not running:
         return None
     n, bs = len(running), kv.block_size
-    reserve = int(sched.config.l2_min_share * sched.config.max_num_batched_tokens) if sched.multilevel else 0
-    if n > sched.config.max_num_batched_tokens - reserve:
+    # every request decodes each step only if L1's cap leaves room for all of them
+    if n > sched.config.max_num_batched_tokens - sched.l2_token_reserve():
         return None
     k_max = 1 << 30
     for r in running:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from tandem.cluster.routing import InstanceState
 from tandem.config import EngineConfig
+from tandem.core.instance_state import instance_load
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.queues import classify
@@ -57,11 +58,13 @@ class SimInstance:
         return self.scheduler.num_unfinished
 
     def state(self, model: str) -> InstanceState:
-        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
-        free = self.kv.num_free_blocks * self.kv.block_size - self.reserved_tokens
+        """What the router would poll from this instance (the same builder as the real one);
+        KV promised to transfers in flight is not free."""
+        load = instance_load(self.scheduler)
         return InstanceState(self.instance_id, model, self.role, self.elastic, True, self.draining,
-                             len(self.scheduler.waiting), len(self.scheduler.running), waiting,
-                             self.kv.usage, max(free, 0), self.kv.pool.cached_hashes)
+                             load.num_waiting, load.num_running, load.waiting_prefill_tokens, load.kv_usage,
+                             max(load.kv_free_tokens - self.reserved_tokens, 0), self.kv.pool.cached_hashes,
+                             load.num_preempted)
 
     # ---- stepping -----------------------------------------------------------------
     def start_step(self, now: float, horizon: float, coalesce: bool = True) -> float | None:

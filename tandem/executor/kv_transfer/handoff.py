@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.core.kv_cache_manager import KVCacheManager, KVReservation
 from tandem.core.request import Request, RequestStatus
+from tandem.executor.base import Executor
 from tandem.executor.kv_transfer.base import LayerSink
 from tandem.executor.kv_transfer.payload import KVPayload
-
-if TYPE_CHECKING:
-    from tandem.executor.model_runner import ModelRunner
 
 
 class KVPoolFullError(RuntimeError):
@@ -29,9 +26,9 @@ class KVPoolFullError(RuntimeError):
 class KVHandoff:
     """Engine methods run on the engine thread, between steps; `writer` may run anywhere."""
 
-    def __init__(self, kv_manager: KVCacheManager, runner: ModelRunner,
+    def __init__(self, kv_manager: KVCacheManager, executor: Executor,
                  in_flight: Callable[[], list[Future]] = list) -> None:
-        self.kv, self.runner = kv_manager, runner
+        self.kv, self.executor = kv_manager, executor
         # Steps still running (async scheduling): a reserved block may have been freed by a
         # request whose last step is one of them and still writes it, so writes wait for them.
         self._in_flight = in_flight
@@ -46,7 +43,7 @@ class KVHandoff:
         self._need_caching()
         wait(self._in_flight())
         blocks = self.kv.cached_prefix(token_ids)
-        kv = self.runner.read_kv_blocks([b.block_id for b in blocks])
+        kv = self.executor.read_kv_blocks([b.block_id for b in blocks])
         return KVPayload(list(token_ids[:len(blocks) * self.kv.block_size]), self.kv.block_size, kv)
 
     # ---- decode side --------------------------------------------------------------
@@ -102,17 +99,11 @@ class KVHandoff:
         return sum(len(res.blocks) for res in self._pins.values())
 
     def _write(self, res: KVReservation, kv: torch.Tensor, layer: int | None) -> None:
-        cache = self.runner.kv_cache  # [num_layers, 2, slots, heads, head_dim]
-        expect = (self.kv.block_size, *cache.shape[3:])
-        if tuple(kv.shape[-3:]) != expect or (layer is None and kv.shape[0] != cache.shape[0]):
-            raise ValueError(f"KV payload blocks of shape {tuple(kv.shape)} do not fit this cache "
-                             f"({cache.shape[0]} layers of blocks {expect})")
         fresh = [i for i in res.fresh if i < kv.shape[-4]]
-        if not fresh:
-            return
         if len(fresh) < kv.shape[-4]:  # blocks already cached here are not overwritten
-            kv = kv.index_select(kv.dim() - 4, torch.tensor(fresh, device=kv.device))
-        self.runner.write_kv_blocks([res.blocks[i].block_id for i in fresh], kv, layer)
+            kv = kv.index_select(kv.dim() - 4, torch.tensor(fresh, dtype=torch.long, device=kv.device))
+        # even with nothing fresh: the executor checks that the payload fits its cache
+        self.executor.write_kv_blocks([res.blocks[i].block_id for i in fresh], kv, layer)
 
     def _need_caching(self) -> None:
         if not self.kv.enable_caching:

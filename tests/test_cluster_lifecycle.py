@@ -1,0 +1,135 @@
+"""`tandem cluster up` as a user runs it (a process, tiny model, two model groups of one local
+instance each): an instance that dies is reported and restarted or left out as its group says;
+SIGTERM drains and stops every process the launcher started, and the launcher exits 0 only once
+they are gone (before issue 13, SIGTERM killed the launcher and left its instances running)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from cluster_fixture import wait_for
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 8310
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _alive(procs) -> list[psutil.Process]:
+    """is_running() compares the start time too, so a reused pid does not count."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _state() -> dict:
+    return httpx.get(f"http://127.0.0.1:{PORT}/cluster/state", timeout=2, trust_env=False).json()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs, tmp_path_factory):
+    """A running `tandem cluster up`: (process, its log file, the processes it started). Whatever
+    it leaves is killed after. No native kernels: their first build (or another checkout's,
+    holding the shared build lock) would stall an instance's first request for 20 s or more."""
+    tmp = tmp_path_factory.mktemp("cluster-up")
+    engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
+    doc = {"log_dir": str(tmp / "logs"), "stop_timeout_s": 20, "router": {"poll_interval_s": 0.2},
+           "models": [{"name": "a", "model": tiny_model_dirs["llama"], "instances": 1, "engine": engine,
+                       "restart": True},
+                      {"name": "b", "model": tiny_model_dirs["llama"], "instances": 1, "engine": engine}]}
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump(doc))
+    log = tmp / "launcher.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "cluster", "up", "--config",
+                                 str(tmp / "cluster.yaml"), "--port", str(PORT)], cwd=tmp, stdout=out,
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_NO_NATIVE": "1"})
+    seen: set[psutil.Process] = set()
+    try:
+        assert wait_for(lambda: _healthy(proc, ["a-0", "b-0"]), 240), log.read_text()[-3000:]
+        seen.update(_descendants(proc.pid))
+        yield proc, log, seen
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for p in _alive(seen | set(_descendants_or_none(proc))):
+            p.kill()
+
+
+def _descendants_or_none(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return _descendants(proc.pid)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _healthy(proc: subprocess.Popen, ids: list[str]) -> bool:
+    assert proc.poll() is None, "tandem cluster up exited"
+    try:
+        state = _state()
+    except httpx.HTTPError:
+        return False
+    return all(state.get(i, {}).get("healthy") for i in ids)
+
+
+def _instance_proc(proc: subprocess.Popen, group: str) -> psutil.Process:
+    """The launcher's child serving `group` (the instance's own children are below it)."""
+    (p,) = [p for p in _alive(psutil.Process(proc.pid).children())
+            if f"--served-model-name {group}" in " ".join(p.cmdline())]
+    return p
+
+
+def test_a_dead_instance_is_restarted_or_left_out(cluster):
+    proc, log, seen = cluster
+    before = _state()
+    for group in ("a", "b"):
+        _instance_proc(proc, group).kill()
+    assert wait_for(lambda: not _state()["b-0"]["healthy"], 5)
+    assert wait_for(lambda: _healthy(proc, ["a-0"]) and _state()["a-0"]["url"] != before["a-0"]["url"], 120), \
+        log.read_text()[-3000:]
+    assert wait_for(lambda: "left out (restart: false)" in log.read_text(), 30), log.read_text()[-3000:]
+    text = log.read_text()
+    assert "instance b-0 (b) died" in text
+    assert "instance a-0 (a) died" in text and "instance a-0 is back" in text
+    time.sleep(1.0)  # a few more polls: b stays out
+    assert not _state()["b-0"]["healthy"]
+    r = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=30, trust_env=False,
+                   json={"model": "a", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    seen.update(_descendants(proc.pid))  # the restarted instance too
+
+
+def test_sigterm_stops_every_process_it_started(cluster):
+    proc, log, seen = cluster
+    seen.update(_descendants(proc.pid))
+    assert _alive(seen), "no process of the cluster is running before the signal"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tandem cluster up still running 60 s after SIGTERM:\n" + log.read_text()[-3000:])
+    left = _alive(seen)
+    assert not left, f"left running: {[(p.pid, ' '.join(p.cmdline())) for p in left]}"
+    assert code == 0, log.read_text()[-3000:]
+    assert "SIGTERM: stopping the router and every instance" in log.read_text()
