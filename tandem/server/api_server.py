@@ -18,6 +18,7 @@ from tandem.engine.async_llm import AsyncLLM
 from tandem.server import responses as R
 from tandem.server.dashboard import add_server_dashboard
 from tandem.server.metrics import ServerMetrics
+from tandem.server.pd_routes import add_pd_routes
 from tandem.server.middleware import BodySizeLimit
 from tandem.server.precision import check_key_classes, key_priority, model_cards, request_precision, split_model
 from tandem.server.protocol import (NO_EFFECT_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -63,9 +64,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     llm.on_step = on_step
     add_instance_routes(app, snapshot)
     add_server_dashboard(app, metrics.registry, config.api_key, config.model_name)
-    if hasattr(llm, "call"):  # a ClusterLLM: can run the P/D handoff on the engine thread
-        from tandem.cluster.pd_instance import add_pd_routes
-        add_pd_routes(app, llm, config.model_name)
+    add_pd_routes(app, llm, config.model_name)
     tokenizer = llm.tokenizer
     max_model_len = llm.engine.max_model_len
 
