@@ -17,6 +17,7 @@ KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "spe
 # (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
 PRECISION_CLASSES = ("interactive", "standard", "background")  # the request priorities
+ROLES = ("colocated", "prefill", "decode")  # an instance's role in a cluster's model group
 
 
 @dataclass(slots=True)

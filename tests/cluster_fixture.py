@@ -12,14 +12,14 @@ from tandem.cluster.config import parse_cluster_config
 from tandem.cluster.launcher import external_instances
 from tandem.cluster.router import build_router
 from tandem.config import EngineConfig
-from tandem.cluster.pd_instance import ClusterLLM
+from tandem.engine.async_llm import AsyncLLM
 from tandem.server.api_server import ServerConfig, build_app
 
 
 @contextmanager
 def tiny_instance(model_dir: str, name: str = "tiny", role: str = "colocated", elastic: bool = False, **engine):
     opts = dict(model=model_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1) | engine
-    llm = ClusterLLM(EngineConfig(**opts))
+    llm = AsyncLLM(EngineConfig(**opts), in_process=True)
     try:
         with serving(build_app(llm, ServerConfig(model_name=name, role=role, elastic=elastic))) as (url, srv):
             yield url, llm, srv

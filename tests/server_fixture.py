@@ -38,7 +38,9 @@ def serving(app):
 
 @contextmanager
 def running_server(engine: EngineConfig, server: ServerConfig):
-    llm = AsyncLLM(engine)
+    """The engine core on a thread of the test process (AsyncLLM's in-process mode): the same
+    messages as the separate process, without its start-up."""
+    llm = AsyncLLM(engine, in_process=True)
     try:
         with serving(build_app(llm, server)) as (url, _):
             yield url, llm

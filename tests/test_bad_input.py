@@ -52,14 +52,14 @@ def test_bad_requests_do_not_disturb_running_ones(llm):
             if out.finished:
                 final = out
     assert final.request_id == rid and final.outputs[0].token_ids == ref
-    assert engine.kv_manager.num_free_blocks == engine.executor.num_kv_blocks
+    assert engine.core.kv_manager.num_free_blocks == engine.core.executor.num_kv_blocks
 
 
 def test_generate_rejects_batch_without_running_any(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[1, 2, 3], []], GREEDY)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv_manager.num_free_blocks == llm.engine.executor.num_kv_blocks
+    assert llm.engine.core.kv_manager.num_free_blocks == llm.engine.core.executor.num_kv_blocks
 
 
 @pytest.mark.parametrize("model,match", [

@@ -42,8 +42,8 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 
 def _assert_all_blocks_free(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    assert kv.num_free_blocks == llm.engine.executor.num_kv_blocks and not kv.req_to_blocks
+    kv = llm.engine.core.kv_manager
+    assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks and not kv.req_to_blocks
     kv.release_pending_host_blocks()
     assert kv.num_free_host_blocks == kv.num_host_blocks
 
@@ -87,7 +87,7 @@ def test_preemption_matches_hf(kind, mode, async_scheduling, tiny_model_dirs, re
     llm = _llm(tiny_model_dirs[kind], block_size=4, kv_cache_memory=per_token * 4 * 24,
                enable_prefix_caching=False, preemption_mode=mode, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.preemptions_by_mode[mode] > 0
+    assert llm.engine.core.scheduler.preemptions_by_mode[mode] > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
     _assert_all_blocks_free(llm)
 
@@ -109,7 +109,7 @@ def test_multilevel_preemption_matches_hf(mode, async_scheduling, tiny_model_dir
     for i, p in enumerate(prompts[3:]):
         engine.add_request(p, GREEDY, request_id=f"chat{i}", priority=1)
     results = _run(engine)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     assert [results[f"bg{i}"] for i in range(3)] + [results[f"chat{i}"] for i in range(3)] == ref
     _assert_all_blocks_free(llm)
 
@@ -121,7 +121,7 @@ def test_prefix_cache_hits_match_hf(kind, async_scheduling, tiny_model_dirs, ref
     llm = _llm(tiny_model_dirs[kind], block_size=8, async_scheduling=async_scheduling)
     first = llm.generate(prefixed[:1], GREEDY)
     rest = llm.generate(prefixed[1:], GREEDY)
-    stats = llm.engine.kv_manager.stats
+    stats = llm.engine.core.kv_manager.stats
     assert stats.hits >= 2 * 40 // 8 * 8  # both later prompts reuse the 40-token shared prefix
     assert [o.outputs[0].token_ids for o in first + rest] == ref
     assert all(o.metrics.num_cached_tokens >= 0 for o in rest)
@@ -136,7 +136,7 @@ def test_n_greater_than_one_shares_prompt(kind, async_scheduling, tiny_model_dir
     outs = llm.generate(prompts[:2], params)
     for out, r in zip(outs, ref[:2]):
         assert [c.token_ids for c in out.outputs] == [r] * 3
-    assert llm.engine.kv_manager.stats.hits > 0
+    assert llm.engine.core.kv_manager.stats.hits > 0
     _assert_all_blocks_free(llm)
 
 
@@ -209,61 +209,73 @@ def test_failed_step_drops_the_steps_planned_on_it():
     pipeline.shutdown()
 
 
-class _RecordingEngine:
-    """Stands in for LLMEngine under AsyncLLM's command handling: records the calls."""
+class _RecordingCore:
+    """Stands in for EngineCore under the engine-core loop's command handling: records the calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def add_request(self, prompt, params, request_id, priority=None, precision=None):
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        self.calls.append(("add", request_id))
+    def add_request(self, request):
+        self.calls.append(("add", request.request_id))
 
-    def abort_request(self, request_id):
-        self.calls.append(("abort", request_id))
+    def abort_requests(self, request_ids, status):
+        self.calls.append(("abort", request_ids[0]))
 
 
 def _command_handler():
-    import asyncio
-    import queue
+    from tandem.engine.core_messages import AbortRequests, EngineCoreRequest
+    from tandem.engine.core_proc import EngineCoreProc
+    proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the commands are fed by hand
+    proc.core, proc._held, sent, inbox = _RecordingCore(), [], [], []
+    proc._send = sent.append
 
-    from tandem.engine.async_llm import AsyncLLM, _Stream
-    llm = AsyncLLM.__new__(AsyncLLM)  # no engine thread: the handlers are called by hand
-    llm.engine, llm.on_step, llm._streams = _RecordingEngine(), None, {}
-    llm._commands, llm._held = queue.SimpleQueue(), []
-    loop = asyncio.new_event_loop()
+    def pending(timeout_ms):
+        taken = list(inbox)
+        inbox.clear()
+        return taken
+    proc._pending = pending
 
-    def add(rid, prompt=(1, 2), after_add=None):
-        llm._commands.put(("add", (list(prompt), SamplingParams(), rid, None, _Stream(loop, None),
-                                   loop.create_future(), after_add)))
-    return llm, add, loop
+    def add(rid):
+        inbox.append(EngineCoreRequest(rid, [1, 2], [SamplingParams()], 0.0, 2, "fp32"))
+
+    def abort(rid):
+        inbox.append(AbortRequests([rid]))
+    return proc, add, abort
 
 
 def test_arrivals_between_steps_keep_command_order():
     """Between overlapped steps only adds are taken, up to the first abort; the abort and
     everything behind it (even an add) run at the next drain, in order."""
-    llm, add, loop = _command_handler()
+    proc, add, abort = _command_handler()
     add("a")
-    llm._commands.put(("abort", "x"))
+    abort("x")
     add("b")
-    llm._admit_arrivals()
-    assert llm.engine.calls == [("add", "a")]
-    llm._drain_commands()
-    assert llm.engine.calls == [("add", "a"), ("abort", "x"), ("add", "b")]
-    loop.close()
+    proc._admit_arrivals()
+    assert proc.core.calls == [("add", "a")]
+    proc._drain(0)
+    assert proc.core.calls == [("add", "a"), ("abort", "x"), ("add", "b")]
 
 
-def test_after_add_runs_also_when_the_add_is_refused():
-    """P/D commits received KV in after_add; a refused add must still let it run, or the
+def test_on_add_runs_also_when_the_add_is_refused(tiny_model_dirs):
+    """P/D commits received KV in on_add; a refused add must still let it run, or the
     reservation it holds is never released."""
-    llm, add, loop = _command_handler()
+    from tandem.engine.core_messages import EngineCoreRequest
+    core = _llm(tiny_model_dirs["llama"]).engine.core
     seen = []
-    add("bad", prompt=(), after_add=lambda engine: seen.append("bad"))
-    add("ok", after_add=lambda engine: seen.append("ok"))
-    llm._drain_commands()
-    assert seen == ["bad", "ok"] and llm.engine.calls == [("add", "ok")]
-    loop.close()
+
+    class Hook:
+        def on_add(self, request_id, kv_transfer, accepted):
+            seen.append((request_id, kv_transfer, accepted))
+    core.register_utilities(Hook())
+    variant = core.executor.variants.default
+    req = EngineCoreRequest("r", [1, 2], [SamplingParams()], 0.0, 2, variant, kv_transfer={"t": 1})
+    core.add_request(req)
+    with pytest.raises(ValueError, match="duplicate"):
+        core.add_request(req)
+    core.add_request(EngineCoreRequest("plain", [1, 2], [SamplingParams()], 0.0, 2, variant))
+    assert seen == [("r", {"t": 1}, True), ("r", {"t": 1}, False)]
+    core.abort_requests(["r", "plain"])
+    assert not core.has_unfinished_requests()
 
 
 def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs, capsys):
@@ -276,7 +288,7 @@ def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs
     prompts = _prompts(3, 3, 20, 30)
     llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(lines) == llm.engine.num_steps and all(s["seconds"] > 0 for s in lines)
+    assert len(lines) == llm.engine.core.stats.num_steps and all(s["seconds"] > 0 for s in lines)
     # every prompt token once, then one token per step for each of the 4 later outputs
     assert sum(s["tokens"] for s in lines) == sum(map(len, prompts)) + 3 * 4
     assert max(s["tokens"] for s in lines) <= 16

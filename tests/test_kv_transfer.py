@@ -49,12 +49,12 @@ def _run(engine, prompt: list[int], params: SamplingParams, request_id: str) -> 
 def prefill(engine, prompt: list[int], request_id: str) -> tuple[int, KVPayload]:
     """Prefill role: the prompt and its first token, then the KV of its whole blocks."""
     first = _run(engine, prompt, greedy(1), request_id)[0]
-    return first, engine.kv_handoff.export(prompt)
+    return first, engine.core.kv_handoff.export(prompt)
 
 
 def decode(engine, prompt: list[int], first: int, connector, transfer_id: str) -> list[int]:
     """Decode role: reserve, receive layer by layer into the reserved blocks, continue."""
-    handoff = engine.kv_handoff
+    handoff = engine.core.kv_handoff
     res = handoff.reserve(prompt)
     payload, _ = connector.recv(transfer_id, timeout=30, on_layer=handoff.writer(res))
     engine.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=transfer_id)
@@ -68,8 +68,8 @@ def decode(engine, prompt: list[int], first: int, connector, transfer_id: str) -
 
 
 def assert_no_blocks_held(engine) -> None:
-    assert engine.kv_handoff.num_pinned_blocks == 0
-    assert engine.kv_manager.num_free_blocks == engine.executor.num_kv_blocks
+    assert engine.core.kv_handoff.num_pinned_blocks == 0
+    assert engine.core.kv_manager.num_free_blocks == engine.core.executor.num_kv_blocks
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def test_mixed_engine_gives_each_request_its_variant_alone_tokens(tiny_model_dir
         outs = _llm(path, quantization=p).generate(mine, GREEDY)
         alone[p] = [o.outputs[0].token_ids for o in outs]
     mixed = _llm(path, **MIXED)
-    assert set(mixed.engine.executor.variants.models) == {"bf16", "int8", "int4"}
+    assert set(mixed.engine.core.executor.variants.models) == {"bf16", "int8", "int4"}
     ids = [mixed.engine.add_request(q, GREEDY, precision=p) for q, p in zip(prompts, precisions)]
     done = {}
     while mixed.engine.has_unfinished_requests():
@@ -51,18 +51,18 @@ def test_mixed_engine_gives_each_request_its_variant_alone_tokens(tiny_model_dir
 def test_prefix_cache_is_per_variant(tiny_model_dirs):
     llm = _llm(tiny_model_dirs["llama"], **MIXED)
     prompt = _prompts(1, seed=9)[0] * 3  # several whole blocks
-    first = llm.engine.kv_manager.stats.hits
+    first = llm.engine.core.kv_manager.stats.hits
     llm.engine.add_request(prompt, GREEDY, precision="int8")
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     llm.engine.add_request(prompt, GREEDY, precision="int4")
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    assert llm.engine.kv_manager.stats.hits == first  # int4 did not reuse int8's KV
+    assert llm.engine.core.kv_manager.stats.hits == first  # int4 did not reuse int8's KV
     llm.engine.add_request(prompt, GREEDY, precision="int4")
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    assert llm.engine.kv_manager.stats.hits > first  # but its own
+    assert llm.engine.core.kv_manager.stats.hits > first  # but its own
 
 
 def test_choice_order_field_then_class_then_default(tiny_model_dirs):
@@ -87,7 +87,7 @@ def test_unbuildable_variant_falls_back_with_a_count(tmp_path, caplog):
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     llm = _llm(str(tmp_path), quantization="int8", precision_fallback="bf16", precision_classes={"background": "int4"})
-    assert "int4" in llm.engine.executor.variants.unavailable
+    assert "int4" in llm.engine.core.executor.variants.unavailable
     out = llm.generate([[1, 2, 3]], GREEDY)[0]  # no priority: the default
     assert out.precision == "int8"
     rid = llm.engine.add_request([1, 2, 3], GREEDY, priority=3)

@@ -70,7 +70,7 @@ def test_completion_n2_logprobs_usage(client):
 
 def test_stop_strings_and_greedy_matches_offline(client, server):
     full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
-    ids = server[1].engine.tokenize("1, 2, 3, 4,")
+    ids = server[1].tokenize("1, 2, 3, 4,")
     assert full.choices[0].text  # the reference text
     stop_at = full.choices[0].text.split(",")[1]
     stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,

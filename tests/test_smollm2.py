@@ -35,7 +35,7 @@ def test_batched_greedy_matches_hf(smollm):
     # The shared system prompt is served from the prefix cache on a second pass.
     again = llm.generate(prompts[:3], GREEDY)
     assert [o.outputs[0].token_ids for o in again] == ref[:3]
-    assert llm.engine.kv_manager.stats.hits > 0
+    assert llm.engine.core.kv_manager.stats.hits > 0
 
 
 def test_chunked_and_preempted_greedy_matches_hf(smollm):
@@ -47,7 +47,7 @@ def test_chunked_and_preempted_greedy_matches_hf(smollm):
     llm = LLM(path, dtype="float32", kv_cache_memory=per_block * 12, max_num_batched_tokens=32,
               enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 

@@ -63,10 +63,10 @@ def plain(copy_models):
 
 
 def _assert_drafts_accepted_and_rejected(llm: LLM) -> None:
-    stats = llm.engine.scheduler.spec_stats
+    stats = llm.engine.core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    kv = llm.engine.kv_manager
-    assert kv.num_free_blocks == llm.engine.executor.num_kv_blocks and not kv.req_to_blocks
+    kv = llm.engine.core.kv_manager
+    assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks and not kv.req_to_blocks
 
 
 def _per_token(path: str) -> int:
@@ -93,7 +93,7 @@ def test_greedy_equals_no_speculation(kind, scenario, copy_models, plain):
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain[kind]
     if scenario in ("recompute", "swap"):
-        assert llm.engine.scheduler.preemptions_by_mode[scenario] > 0
+        assert llm.engine.core.scheduler.preemptions_by_mode[scenario] > 0
     _assert_drafts_accepted_and_rejected(llm)
 
 
@@ -103,7 +103,7 @@ def test_prefix_hits_and_n_greater_than_one(kind, copy_models, plain):
     prompts = _prompts()
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-    assert llm.engine.kv_manager.stats.hits > 0
+    assert llm.engine.core.kv_manager.stats.hits > 0
     assert [o.outputs[0].token_ids for o in first] == plain[kind]
     assert [[c.token_ids for c in o.outputs] for o in again] == [[r, r] for r in plain[kind]]
     _assert_drafts_accepted_and_rejected(llm)
@@ -113,7 +113,7 @@ def test_adaptive_k_keeps_greedy_output(copy_models, plain):
     llm = _llm(copy_models["llama"], dict(SPEC, adaptive=True))
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
-    assert llm.engine.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
+    assert llm.engine.core.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):
@@ -129,7 +129,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):
         assert out.outputs[0].finish_reason == "stop"
     for out, r, p in zip(outs[len(ref):], ref, lengths):
         assert out.outputs[0].token_ids == r[:p.max_tokens] and out.outputs[0].finish_reason == "length"
-    stats = llm.engine.scheduler.spec_stats
+    stats = llm.engine.core.scheduler.spec_stats
     assert max(i for i, n in enumerate(stats.accepted_per_pos) if n) >= 2  # runs of 3+ accepted
 
 
@@ -142,7 +142,7 @@ def test_opt_out_request_is_served_without_drafts(copy_models, plain):
     seen = {}
     while engine.has_unfinished_requests():
         for req_id in ("out", "in"):
-            req = engine.scheduler.requests.get(req_id)
+            req = engine.core.scheduler.requests.get(req_id)
             if req is not None:
                 seen[req_id] = req.num_draft_tokens
         for o in engine.step():
@@ -159,7 +159,7 @@ def test_seeded_sampling_is_reproducible(copy_models):
     a = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
     b = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
     assert a == b
-    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -195,7 +195,7 @@ def test_metrics_and_request_log(copy_models, tmp_path):
     metrics = ServerMetrics(llm.engine, "tiny", request_log=str(tmp_path / "requests.jsonl"))
     for out in llm.generate(_prompts()[-1:], GREEDY):
         metrics.on_finished(out)
-    stats = llm.engine.scheduler.spec_stats
+    stats = llm.engine.core.scheduler.spec_stats
     text = generate_latest(metrics.registry).decode()
     assert f'tandem:spec_decode_num_drafts_total{{model_name="tiny"}} {float(stats.num_drafts)}' in text
     assert f'tandem:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(stats.num_accepted_tokens)}' in text

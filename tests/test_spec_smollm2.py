@@ -29,7 +29,7 @@ def test_greedy_equals_no_speculation(runs):
     off, on, chats, params = runs
     ref = [o.outputs[0].token_ids for o in off.chat(chats, params)]
     assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == ref
-    stats = on.engine.scheduler.spec_stats
+    stats = on.engine.core.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # the grounded prompts copy
 
 

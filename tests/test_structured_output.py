@@ -99,7 +99,7 @@ def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     llm = _llm(model_dir, block_size=4, kv_cache_memory=per_token * 4 * 24, enable_prefix_caching=False,
                preemption_mode=mode, scheduler_policy=policy, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
     for so, o in zip(sos, outs):
         _check(so, o.outputs[0].text, o.outputs[0].finish_reason)
@@ -152,7 +152,7 @@ HUGE = {"type": "object", "properties": {
 ])
 def test_bad_constraints_are_refused_and_the_engine_keeps_serving(model_dir, so, words):
     llm = _llm(model_dir)
-    llm.engine.grammar_compiler.timeout_s = 0.2
+    llm.engine.core.grammar_compiler.timeout_s = 0.2
     with pytest.raises(ValueError, match=words):
         llm.generate(_prompts(1), _params(so))
     assert not llm.engine.has_unfinished_requests()
@@ -175,7 +175,7 @@ def test_structured_outputs_params_validation():
 
 def test_compiled_grammars_are_cached_by_text(model_dir):
     llm = _llm(model_dir)
-    compiler = llm.engine.grammar_compiler
+    compiler = llm.engine.core.grammar_compiler
     first = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     assert compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2))) is first
     assert compiler.compile(StructuredOutputsParams(regex="a+")) is not first
@@ -206,7 +206,7 @@ def test_speculation_drafts_nothing_for_constrained_requests(model_dir):
     same prompt is. The prompt repeats a span so prompt lookup has matches."""
     llm = _llm(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     repeat = [5, 6, 7, 8] * 10
-    stats = llm.engine.scheduler.spec_stats
+    stats = llm.engine.core.scheduler.spec_stats
     for so in KINDS:
         out = llm.generate([repeat], _params(so, max_tokens=40))[0].outputs[0]
         _check(so, out.text, out.finish_reason)

@@ -160,11 +160,11 @@ def test_a_schema_too_large_to_compile_in_time_is_a_400(server):
     huge = {"type": "object", "properties": {
         f"p{i}": {"type": "object", "properties": {f"q{j}": {"enum": [f"v{k}" for k in range(50)]} for j in range(50)},
                   "required": [f"q{j}" for j in range(50)]} for i in range(40)}}
-    llm.engine.grammar_compiler.timeout_s = 0.2
+    llm.engine_core.grammar_compiler.timeout_s = 0.2
     try:
         r = _post(url, "/v1/completions", {"prompt": "x", "guided_json": huge})
     finally:
-        llm.engine.grammar_compiler.timeout_s = 10.0
+        llm.engine_core.grammar_compiler.timeout_s = 10.0
     assert r.status_code == 400 and "did not compile within 0.2 s" in r.json()["error"]["message"]
 
 

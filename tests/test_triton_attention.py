@@ -130,10 +130,10 @@ def test_engine_on_triton_matches_hf(kind, tiny_model_dirs):
     ref = hf_greedy(tiny_model_dirs[kind], prompts + [shared + [4, 5]], 6)
     llm = LLM(tiny_model_dirs[kind], dtype="float32", device=str(DEVICE), kv_cache_memory=1 << 22, block_size=8,
               max_num_batched_tokens=32, attention_backend="triton")
-    assert llm.engine.executor.attention_backend == "triton"
+    assert llm.engine.core.executor.attention_backend == "triton"
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate(prompts, params) + llm.generate([shared + [4, 5]], params)
-    assert llm.engine.kv_manager.stats.hits >= 40 // 8 * 8
+    assert llm.engine.core.kv_manager.stats.hits >= 40 // 8 * 8
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
@@ -155,7 +155,7 @@ def _graph_runner(model_dir: str, max_num_seqs: int):
 
     llm = LLM(model_dir, dtype="float32", device=str(DEVICE), kv_cache_memory=1 << 22,
               max_num_seqs=max_num_seqs, attention_backend="triton", enforce_eager=True)
-    ex = llm.engine.executor
+    ex = llm.engine.core.executor
     runner = CUDAGraphRunner(ex.model, ex.kv_caches, ex.block_size, 8, max_num_seqs, DEVICE)
     runner.graphs = {b: (_EagerGraph(runner, b, logits), logits)
                      for b in runner.sizes for logits in [runner._forward(b).clone()]}
@@ -166,7 +166,7 @@ def test_graph_padding_rows_write_no_kv(tiny_model_dirs):
     """A step smaller than the one before it in the same bucket leaves the rows it does not use
     as padding: their old slots are not written again."""
     llm, runner = _graph_runner(tiny_model_dirs["llama"], 4)  # buckets 1, 2, 4
-    ex = llm.engine.executor
+    ex = llm.engine.core.executor
 
     def step(slots: list[int]) -> None:
         n = len(slots)
@@ -201,7 +201,7 @@ def test_graph_runner_buffers_match_eager(tiny_model_dirs):
         replays.append(CUDAGraphRunner.run(runner, *args))
         return replays[-1]
     runner.run = counting_run
-    llm.engine.executor.graph_runner = runner
+    llm.engine.core.executor.graph_runner = runner
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_new]
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == ref

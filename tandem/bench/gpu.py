@@ -98,10 +98,10 @@ def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int
             mismatched = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
             report.setdefault(name, {})["eager" if eager else "graphs"] = {
                 "equal": not mismatched, "mismatched": mismatched, "requests": len(ps),
-                "graphs_captured": llm.engine.executor.graph_runner is not None,
-                "preemptions": llm.engine.scheduler.num_preemptions,
-                "prefix_hit_tokens": llm.engine.kv_manager.stats.hits}
-            llm.engine.pipeline.shutdown()
+                "graphs_captured": llm.engine.core.executor.graph_runner is not None,
+                "preemptions": llm.engine.core.scheduler.num_preemptions,
+                "prefix_hit_tokens": llm.engine.core.kv_manager.stats.hits}
+            llm.engine.core.pipeline.shutdown()
     return report
 
 
@@ -110,7 +110,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     from tandem import SamplingParams
     llm = _new_llm(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
                    max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, enforce_eager=eager)
-    engine, ex = llm.engine, llm.engine.executor
+    engine, ex = llm.engine, llm.engine.core.executor
     weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
     weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in ex.model.modules()
                         if getattr(m, "packed", None) is not None)
@@ -125,7 +125,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     for b in batches:
         ids = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params)
                for _ in range(b)]
-        while any(r.num_computed_tokens < args.decode_prompt for r in engine.scheduler.requests.values()):
+        while any(r.num_computed_tokens < args.decode_prompt for r in engine.core.scheduler.requests.values()):
             engine.step()
         for _ in range(3):  # steady state: every request decoding, the pipeline full
             engine.step()
@@ -150,7 +150,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
             engine.abort_request(i)
         while engine.has_unfinished_requests():
             engine.step()
-    llm.engine.pipeline.shutdown()
+    llm.engine.core.pipeline.shutdown()
     return out
 
 

@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, dtype=args.dtype, quantization=precisions[0], precision_classes={
         cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])},
         kv_cache_memory=256 << 20, enable_prefix_caching=False)
-    engine, runner = llm.engine, llm.engine.executor
+    engine, runner = llm.engine, llm.engine.core.executor
     text_ids = llm.tokenizer.encode(TEXT.read_text())
     batch = prompts(llm.tokenizer)
     report = {"text_tokens": len(text_ids), "num_prompts": len(batch), "max_tokens": args.max_tokens, "variants": {}}

@@ -35,8 +35,8 @@ def run_config(args, _requests=None) -> dict:
     for name, batch in _cases(args):
         prompts = sets[name][:args.num_prompts] if batch == 1 else \
             [sets[name][i % len(sets[name])] for i in range(batch)]
-        engine.reset_stats()
-        stats = engine.scheduler.spec_stats
+        engine.core.stats.reset()
+        stats = engine.core.scheduler.spec_stats
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         start, outs = time.perf_counter(), []
         for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
@@ -46,11 +46,11 @@ def run_config(args, _requests=None) -> dict:
         delta = type(stats)(stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
                             stats.num_accepted_tokens - before[2])
         results.append({"set": name, "batch": batch, "output_tokens": sum(map(len, tokens)), "seconds": seconds,
-                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": engine.num_steps,
-                        "ms_per_step": engine.phase_times["execute"] / max(engine.num_steps, 1) * 1e3,
+                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": engine.core.stats.num_steps,
+                        "ms_per_step": engine.core.stats.phase_times["execute"] / max(engine.core.stats.num_steps, 1) * 1e3,
                         "spec_decode": spec_summary(delta) if spec else None, "token_ids": tokens})
-    return {"dtype": str(engine.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
-            "async_scheduling": engine.pipeline.overlap, "cases": results}
+    return {"dtype": str(engine.core.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
+            "async_scheduling": engine.core.pipeline.overlap, "cases": results}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

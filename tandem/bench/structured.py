@@ -61,18 +61,18 @@ def run(args) -> dict:
     llm.generate(prompts[:2], [params(0, True), params(1, False)])  # warm-up, grammar compiled
     arms: dict[str, dict] = {"none": {"tokens": 0, "seconds": 0.0, "mask_s": 0.0, "execute_s": 0.0},
                              "constrained": {"tokens": 0, "seconds": 0.0, "mask_s": 0.0, "execute_s": 0.0}}
-    runner = engine.executor
+    runner = engine.core.executor
     for _ in range(args.rounds):
         for arm in arms:
             mask_before = runner.structured_output.seconds
-            engine.reset_stats()
+            engine.core.stats.reset()
             start = time.perf_counter()
             outs = llm.generate(prompts, [params(i, arm == "constrained") for i in range(len(prompts))])
             a = arms[arm]
             a["seconds"] += time.perf_counter() - start
             a["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
             a["mask_s"] += runner.structured_output.seconds - mask_before
-            a["execute_s"] += engine.phase_times["execute"]
+            a["execute_s"] += engine.core.stats.phase_times["execute"]
     for a in arms.values():
         a["output_throughput"] = a["tokens"] / a["seconds"]
         a["mask_share_of_execute"] = a["mask_s"] / max(a["execute_s"], 1e-9)

@@ -26,10 +26,10 @@ class InstanceServer:
             app, self.llm = build_embedding_app(Embedder(g.model, spec.num_threads), g.name), None
         else:
             from tandem.config import EngineConfig
-            from tandem.cluster.pd_instance import ClusterLLM
+            from tandem.engine.async_llm import AsyncLLM
             from tandem.server.api_server import ServerConfig, build_app
             engine = EngineConfig.from_dict({"model": g.model, **g.engine, "num_threads": spec.num_threads})
-            self.llm = ClusterLLM(engine)
+            self.llm = AsyncLLM(engine)  # the engine core in its own process, as under tandem serve
             app = build_app(self.llm, ServerConfig(model_name=g.name, role=spec.role, elastic=spec.elastic))
         port = free_port(bind_host)
         if url_host is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-ROLES = ("colocated", "prefill", "decode")
+from tandem.config import ROLES
 
 
 @dataclass(slots=True)

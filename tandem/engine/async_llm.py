@@ -1,23 +1,27 @@
-"""The engine behind a server: the step loop runs on its own thread, and each request
-streams its outputs to the asyncio side through a queue. Adds and aborts reach the loop as
-commands, so the engine itself is only ever touched by one thread."""
+"""The engine behind a server: the front end (tokenise + the prompt rules, detokenise + stop
+strings) in the API process, the engine core in its own process (or, `in_process=True`, on a
+thread of this one, with the same messages: for tests). Each request streams its outputs to the
+asyncio side through a queue; outputs are processed on the client's receiver thread."""
 from __future__ import annotations
 
 import asyncio
 import copy
 import itertools
 import logging
-import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
-from tandem.engine.llm_engine import LLMEngine, PromptType
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.core_client import EngineCoreClient
+from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreOutputs, EngineDead, RequestErrors,
+                                         SchedulerStats, UtilityCall, UtilityResult, child_ids, remote_error)
+from tandem.engine.input_processor import InputProcessor, PromptType
+from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.engine.precision import PrecisionRouter
+from tandem.models.loader import load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +34,11 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    accepted: asyncio.Future
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the asyncio side may read while the engine thread moves on."""
+    """A copy the asyncio side may read while the receiver thread moves on."""
     snap = copy.copy(out)
     snap.outputs = [copy.copy(o) for o in out.outputs]
     for o in snap.outputs:
@@ -45,67 +50,91 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig,
-                 on_step: Callable[[LLMEngine, float | None, list[RequestOutput]], None] | None = None) -> None:
-        self.engine = LLMEngine(config)
-        # Metrics hook, on the engine thread: after each step (with its duration), and with
+    def __init__(self, config: EngineConfig, in_process: bool = False,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(resolve_model(config.model))
+        # Metrics hook, on the receiver thread: after each step (with its duration) and with
         # None for requests that ended outside a step (aborted).
-        self.on_step = on_step
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._held: list[tuple[str, Any]] = []  # commands _admit_arrivals left for the next drain
+        self.on_step: Callable[[float | None, list[RequestOutput], SchedulerStats | None], None] | None = None
+        self.on_dead = on_dead  # called once, on the receiver thread, when the engine core dies
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = SchedulerStats()  # the engine's state after its latest step (first: the handshake's)
+        self._lock = threading.Lock()  # the output processor and the tables below
         self._streams: dict[str, _Stream] = {}
-        self._wake = threading.Event()
-        self._stop = False
+        self._unanswered_adds = 0
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
-        self.engine.on_step_boundary = self._admit_arrivals
-        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+        self._client = EngineCoreClient(config, self._on_event, self._on_dead, in_process)
+        ready = self._client.ready
+        # The engine facts (from the core's ready handshake).
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.eos_token_id, self.block_size, self.num_kv_blocks = ready.eos_token_id, ready.block_size, ready.num_kv_blocks
+        self.weight_bytes = ready.weight_bytes
+        self.engine_pid = ready.pid
+        self.engine_core = self._client.engine_core  # in_process only: the EngineCore (tests); else None
+        self.stats = ready.stats
+        self.precisions = PrecisionRouter(config, ready.default_precision, ready.unavailable_precisions)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.max_model_len,
+                                              self.precisions)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._dead is None and self._client.alive
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+        """Waiting in the core as of its latest step, plus adds it has not answered yet."""
+        return self.stats.num_waiting + self._unanswered_adds
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        return self.input_processor.tokenize(prompt)
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-        self.engine.pipeline.shutdown()
+        self._client.shutdown()
 
     # ---- asyncio side -------------------------------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                 priority: int | None = None, after_add: Callable[[LLMEngine], None] | None = None,
-                 precision: str | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int | None = None, precision: str | None = None,
+                 kv_transfer: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
         """Queues the request at once (so admission control counts it), then yields a
-        snapshot per step that produced tokens; the last one has finished=True. Iterating
-        raises ValueError on bad input (nothing queued). Leaving early aborts the request.
-        `after_add(engine)` runs on the engine thread right after the add is tried, accepted
-        or not, before any step can schedule the request (P/D: index its received KV, which is
-        released the usual way if the request never runs); its errors are logged."""
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine loop is not running")
+        snapshot per step that produced tokens; the last one has finished=True. Bad input is a
+        ValueError (nothing queued): the front end's rules at the call, the core's (a reused id,
+        a constraint that does not compile) while iterating. Leaving early aborts the request.
+        `kv_transfer`: handed to the engine core's on_add hooks with the add (P/D), which run
+        whether the add is accepted or not, before any step can schedule the request."""
+        if not self.alive:
+            raise EngineDeadError(self._dead or "the engine core is not running")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
-        accepted = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
-        self._commands.put(("add", (prompt, params, request_id, priority, stream, accepted, after_add, precision)))
-        self._wake.set()
-        return self._stream(request_id, stream, accepted)
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        request = self.input_processor.process(request_id, prompt, params, None, priority, precision)
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        request.kv_transfer = kv_transfer
+        with self._lock:
+            self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None,
+                                      request.prompt_token_ids, list(zip(child_ids(request_id, params.n), request.params)),
+                                      request.arrival_time, request.priority, request.precision)
+            self._streams[request_id] = stream
+            self._unanswered_adds += 1
+        self._client.send(request)
+        return self._stream(request_id, stream)
 
-    async def _stream(self, request_id: str, stream: _Stream, accepted: asyncio.Future) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
-            await accepted  # raises the engine's ValueError
+            await stream.accepted  # raises the front end's or the core's ValueError
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item
@@ -116,91 +145,116 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        with self._lock:
+            self._streams.pop(request_id, None)
+            outs = self.output_processor.abort(self.output_processor.child_ids(request_id))
+        self._client.send(AbortRequests([request_id]))
+        if outs and self.on_step is not None:
+            self.on_step(None, outs, None)
 
-    # ---- engine thread ------------------------------------------------------------
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop:
-            self._drain_commands()
-            if not engine.has_unfinished_requests():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            start = time.perf_counter()
-            try:
-                outputs = engine.step()
-            except Exception as e:  # keep serving: fail what was in flight, free its blocks
-                log.exception("engine step failed")
-                self._fail_all(RuntimeError(f"engine error: {e}"))
-                continue
-            elapsed = time.perf_counter() - start
-            if self.on_step is not None:
-                self.on_step(engine, elapsed, outputs)
+    def abort_all(self, message: str) -> None:
+        """End every request in flight with `message` as the error its client sees."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._client.send(AbortRequests([request_id]))
+            with self._lock:
+                outs = self.output_processor.abort(self.output_processor.child_ids(request_id))
+            if outs and self.on_step is not None:
+                self.on_step(None, outs, None)
+            _put(stream, RuntimeError(message))
+
+    async def call_utility(self, name: str, *args: Any) -> Any:
+        """Run the engine-core utility `name(*args)` between two steps; its result (a Future's
+        once it resolves). ValueError, KVPoolFullError and TimeoutError are raised as
+        themselves, any other error as RuntimeError."""
+        if not self.alive:
+            raise EngineDeadError(self._dead or "the engine core is not running")
+        loop = asyncio.get_running_loop()
+        call_id = next(self._call_ids)
+        future = loop.create_future()
+        with self._lock:
+            self._calls[call_id] = (loop, future)
+        self._client.send(UtilityCall(call_id, name, list(args)))
+        return await future
+
+    # ---- receiver thread ----------------------------------------------------------
+    def _on_event(self, msg: Any) -> None:
+        if isinstance(msg, EngineCoreOutputs):
+            self._on_outputs(msg)
+        elif isinstance(msg, AddResult):
+            self._on_added(msg)
+        elif isinstance(msg, UtilityResult):
+            with self._lock:
+                loop, future = self._calls.pop(msg.call_id)
+            error = remote_error(*msg.error) if msg.error is not None else None
+            loop.call_soon_threadsafe(_resolve, future, msg.result, error)
+        elif isinstance(msg, RequestErrors):
+            for request_id in msg.request_ids:
+                with self._lock:
+                    stream = self._streams.pop(request_id, None)
+                    self.output_processor.abort(self.output_processor.child_ids(request_id), "error")
+                if stream is not None:
+                    _put(stream, RuntimeError(msg.message))
+        elif isinstance(msg, EngineDead):
+            self._on_dead(msg.message)
+
+    def _on_added(self, msg: AddResult) -> None:
+        with self._lock:
+            self._unanswered_adds -= 1
+            stream = self._streams.get(msg.request_id)
+            if stream is not None and msg.error is not None:
+                del self._streams[msg.request_id]
+                self.output_processor.abort(self.output_processor.child_ids(msg.request_id))
+        if stream is not None:
+            error = remote_error(*msg.error) if msg.error is not None else None
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None, error)
+
+    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        if msg.stats is not None:
+            self.stats = msg.stats
+        with self._lock:
+            self.output_processor.on_scheduled(msg.scheduled)
+            outputs, stopped = self.output_processor.process(msg.outputs, msg.timestamp)
+            deliveries = []
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _snapshot(out))
+                    deliveries.append((stream, _snapshot(out)))
                     if out.finished:
                         del self._streams[out.request_id]
+        if stopped:  # a stop string ended these sequences: the core still runs them
+            self._client.send(AbortRequests(stopped, stopped=True))
+        if self.on_step is not None:
+            self.on_step(msg.step_seconds, outputs, msg.stats)
+        for stream, snap in deliveries:
+            _put(stream, snap)
 
-    def _pending_commands(self) -> Iterator[tuple[str, Any]]:
-        while True:
-            try:
-                yield self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _drain_commands(self) -> None:
-        held, self._held = self._held, []
-        for kind, arg in [*held, *self._pending_commands()]:
-            if kind == "add":
-                self._add(*arg)
-            else:
-                self._streams.pop(arg, None)
-                out = self.engine.abort_request(arg)
-                if out is not None and self.on_step is not None:
-                    self.on_step(self.engine, None, [out])
-
-    def _admit_arrivals(self) -> None:
-        """Between two overlapped steps: take in new requests, up to the first abort. That
-        abort and all behind it wait for the next drain, in order, since a block freed now
-        could be handed to an arrival within the step that still reads it."""
-        for command in self._pending_commands():
-            if command[0] == "add" and not self._held:
-                self._add(*command[1])
-            else:
-                self._held.append(command)
-
-    def _add(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int | None,
-             stream: _Stream, accepted: asyncio.Future, after_add: Callable[[LLMEngine], None] | None,
-             precision: str | None = None) -> None:
-        try:
-            self.engine.add_request(prompt, params, request_id, priority=priority, precision=precision)
-        except Exception as e:
-            stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
-        else:
-            self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, accepted)
-        if after_add is not None:
-            try:
-                after_add(self.engine)
-            except Exception:
-                log.warning("after_add hook of %s failed; the request goes on without it", request_id, exc_info=True)
-
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-        self._streams.clear()
+    def _on_dead(self, message: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = message
+        log.error("%s: failing every request in flight", message)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        error = EngineDeadError(message)
+        for stream in streams.values():
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None, error)
+            _put(stream, error)
+        for loop, future in calls.values():
+            loop.call_soon_threadsafe(_resolve, future, None, error)
+        if self.on_dead is not None:
+            self.on_dead(message)
 
 
-def _set_result(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
+def _put(stream: _Stream, item: Any) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # the stream's event loop is closed: nobody is listening
+        pass
 
 
-def _set_exception(fut: asyncio.Future, e: Exception) -> None:
-    if not fut.done():
-        fut.set_exception(e)
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(result)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.core_messages import ScheduledEvent
 from tandem.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -64,6 +65,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.children: dict[str, _Child] = {}  # child request id -> state
+        self.parents: dict[str, list[str]] = {}  # request id -> its child ids
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             children: list[tuple[str, object]], arrival_time: float, priority: int = 2,
@@ -75,6 +77,13 @@ class OutputProcessor:
             parent.outputs.append(out)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             self.children[child_id] = _Child(out, detok, parent, params.include_stop_str_in_output)
+        self.parents[request_id] = [cid for cid, _ in children]
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return self.parents.get(request_id, [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
 
     def abort(self, child_ids: list[str], reason: str = "abort") -> list[RequestOutput]:
         touched = {}
@@ -85,20 +94,20 @@ class OutputProcessor:
                 touched[id(child.parent)] = child.parent
         return [self._finish_if_done(p) for p in touched.values()]
 
-    def on_scheduled(self, child_id: str, when: float | None, num_cached_tokens: int, num_preemptions: int) -> None:
-        """First admission of a request (and re-admissions after preemption)."""
-        child = self.children.get(child_id)
-        if child is None:
-            return
-        m = child.parent.metrics
-        if m.first_scheduled_time is None:
-            m.first_scheduled_time, m.num_cached_tokens = when, num_cached_tokens
-        m.num_preemptions = max(m.num_preemptions, num_preemptions)
+    def on_scheduled(self, events: list[ScheduledEvent]) -> None:
+        """First admissions of requests (and re-admissions after preemption)."""
+        for ev in events:
+            child = self.children.get(ev.request_id)
+            if child is None:
+                continue
+            m = child.parent.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time, m.num_cached_tokens = ev.time, ev.num_cached_tokens
+            m.num_preemptions = max(m.num_preemptions, ev.num_preemptions)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests and the child ids a stop string finished (the
-        scheduler must free them)."""
-        now = time.monotonic()
+    def process(self, core_outputs: list[EngineCoreOutput], now: float) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests and the child ids a stop string finished (the core
+        must free them). `now`: when the core had these tokens (time.monotonic())."""
         touched: dict[int, RequestOutput] = {}
         stopped: list[str] = []
         for co in core_outputs:
@@ -143,9 +152,9 @@ class OutputProcessor:
                 del self.children[co.req_id]
         return [self._finish_if_done(p) for p in touched.values()], stopped
 
-    @staticmethod
-    def _finish_if_done(parent: RequestOutput) -> RequestOutput:
+    def _finish_if_done(self, parent: RequestOutput) -> RequestOutput:
         if all(o.finished for o in parent.outputs):
             parent.finished = True
             parent.metrics.finished_time = time.monotonic()
+            self.parents.pop(parent.request_id, None)
         return parent

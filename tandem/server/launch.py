@@ -1,4 +1,4 @@
-"""`tandem serve`: flags and YAML config -> engine + server -> uvicorn."""
+"""`tandem serve`: flags and YAML config -> engine core process + API server -> uvicorn."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted")
 
 
 def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
@@ -63,11 +65,18 @@ def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> None:
+    """Two processes: this one (HTTP, tokenising, detokenising, SSE; one torch thread) and the
+    engine core (scheduler, executor, KV pool; the cores), which dies with this one."""
+    import sys
+
+    import torch
     import uvicorn
 
-    from tandem.cluster.pd_instance import ClusterLLM  # AsyncLLM + the engine-thread calls P/D needs
+    from tandem.engine.async_llm import AsyncLLM
     from tandem.server.api_server import ServerConfig, build_app
+    from tandem.server.lifecycle import Lifecycle, RefuseWhenStopping, Server
 
+    torch.set_num_threads(1)  # no torch math here: the engine process has the cores
     engine_opts, server_opts = {}, {}
     if args.config:
         engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
@@ -85,9 +94,14 @@ def main(args: argparse.Namespace) -> None:
     for key in ("api_key", "max_waiting", "request_log", "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
-    llm = ClusterLLM(engine_config)
+    llm = AsyncLLM(engine_config)
+    lifecycle = Lifecycle(llm, args.shutdown_timeout)
+    llm.on_dead = lifecycle.engine_died
     app = build_app(llm, server)
+    app.add_middleware(RefuseWhenStopping, lifecycle=lifecycle)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                              timeout_graceful_shutdown=5), lifecycle).run()
     finally:
         llm.shutdown()
+    sys.exit(lifecycle.exit_code)

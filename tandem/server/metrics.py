@@ -1,18 +1,18 @@
-"""Prometheus metrics and the per-request JSON-lines log, fed from the engine thread."""
+"""Prometheus metrics and the per-request JSON-lines log, fed from AsyncLLM's receiver thread
+with each step's outputs and the engine core's stats."""
 from __future__ import annotations
 
 import json
 import threading
 import time
-import collections
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.core.queues import LEVELS
-from tandem.core.spec_decode import SpecDecodeStats
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.output_processor import RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -31,57 +31,56 @@ def request_timings(out: RequestOutput) -> dict[str, float]:
 
 
 class _EngineCollector:
-    """Engine state read at scrape time: queue sizes, KV pool, prefix cache, preemptions."""
+    """Engine state read at scrape time from the engine core's latest stats (sent with each
+    step): queue sizes, KV pool, prefix cache, preemptions; precisions from the front end."""
 
-    def __init__(self, engine: LLMEngine, model: str) -> None:
-        self.engine, self.model = engine, model
+    def __init__(self, llm: AsyncLLM, model: str) -> None:
+        self.llm, self.model = llm, model
 
     def collect(self):
-        s, kv = self.engine.scheduler, self.engine.kv_manager
+        s = self.llm.stats
         labels = ["model_name"]
         for name, doc, value in [
-            ("tandem:num_requests_running", "Requests in the running batch.", len(s.running)),
-            ("tandem:num_requests_waiting", "Requests waiting to be scheduled.", len(s.waiting)),
-            ("tandem:kv_cache_usage_perc", "Share of KV blocks owned by requests (0-1).", kv.usage),
-            ("tandem:kv_cache_free_blocks", "KV blocks free (including evictable cached ones).", kv.num_free_blocks),
-            ("tandem:kv_cache_total_blocks", "KV blocks in the pool.", kv.pool.num_blocks),
-            ("tandem:kv_cache_utilization", "Tokens stored / capacity of owned blocks.", kv.utilization),
-            ("tandem:kv_host_free_blocks", "Host-tier (swap) KV blocks free.", kv.num_free_host_blocks),
-            ("tandem:kv_host_total_blocks", "Host-tier (swap) KV blocks (0: no swap space).", kv.num_host_blocks),
-            ("tandem:num_requests_swapped", "Preempted requests whose KV is in the host tier.", len(kv.req_to_host_blocks)),
+            ("tandem:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("tandem:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("tandem:kv_cache_usage_perc", "Share of KV blocks owned by requests (0-1).", s.kv_usage),
+            ("tandem:kv_cache_free_blocks", "KV blocks free (including evictable cached ones).", s.kv_free_blocks),
+            ("tandem:kv_cache_total_blocks", "KV blocks in the pool.", s.kv_total_blocks),
+            ("tandem:kv_cache_utilization", "Tokens stored / capacity of owned blocks.", s.kv_utilization),
+            ("tandem:kv_host_free_blocks", "Host-tier (swap) KV blocks free.", s.host_free_blocks),
+            ("tandem:kv_host_total_blocks", "Host-tier (swap) KV blocks (0: no swap space).", s.host_total_blocks),
+            ("tandem:num_requests_swapped", "Preempted requests whose KV is in the host tier.", s.num_swapped),
         ]:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self.model], value)
             yield g
         for name, doc, value in [
-            ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.stats.queries),
-            ("tandem:prefix_cache_hits", "Prompt tokens served from the prefix cache.", kv.stats.hits),
+            ("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
+            ("tandem:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits),
             ("tandem:num_preemptions", "Requests preempted (swap or recompute).", s.num_preemptions),
         ]:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
             yield c
-        yield from _precision_families(self.engine, self.model)
-        yield from _spec_decode_families(s.spec_stats, self.model)
+        yield from _precision_families(self.llm, self.model)
+        yield from _spec_decode_families(s, self.model)
         by_mode = CounterMetricFamily("tandem:preemptions_by_mode", "Preemptions by mode.", labels=labels + ["mode"])
         for mode in ("swap", "recompute"):
-            by_mode.add_metric([self.model, mode], s.preemptions_by_mode[mode])
+            by_mode.add_metric([self.model, mode], s.preemptions_by_mode.get(mode, 0))
         yield by_mode
-        running = collections.Counter(r.level for r in s.running)
         for name, doc, counts in [
-            ("tandem:num_requests_running_by_level", "Running requests per queue level.", running),
-            ("tandem:num_requests_waiting_by_level", "Waiting requests per queue level.",
-             {level: s.waiting.count(level) for level in LEVELS}),
+            ("tandem:num_requests_running_by_level", "Running requests per queue level.", s.running_by_level),
+            ("tandem:num_requests_waiting_by_level", "Waiting requests per queue level.", s.waiting_by_level),
         ]:
             g = GaugeMetricFamily(name, doc, labels=labels + ["level"])
             for level in LEVELS:
-                g.add_metric([self.model, f"L{level}"], counts.get(level, 0))
+                g.add_metric([self.model, f"L{level}"], counts.get(f"L{level}", 0))
             yield g
 
 
-def _precision_families(engine: LLMEngine, model: str):
+def _precision_families(llm: AsyncLLM, model: str):
     """Requests per precision served, fallbacks (requested, served, reason), weight bytes per variant."""
-    router, lbl = engine.precisions, ["model_name"]
+    router, lbl = llm.precisions, ["model_name"]
     by_precision = CounterMetricFamily("tandem:requests_by_precision", "Requests by the precision that served them.",
                                        labels=lbl + ["precision"])
     for precision in router.served:
@@ -93,17 +92,17 @@ def _precision_families(engine: LLMEngine, model: str):
         fallback.add_metric([model, requested, served, reason], count)
     yield fallback
     weights = GaugeMetricFamily("tandem:model_weight_bytes", "Bytes of weights each variant holds.", labels=lbl + ["precision"])
-    for precision, size in engine.executor.variants.weight_bytes.items():
+    for precision, size in llm.weight_bytes.items():
         weights.add_metric([model, precision], size)
     yield weights
 
 
-def _spec_decode_families(stats: SpecDecodeStats, model: str):
+def _spec_decode_families(stats: SchedulerStats, model: str):
     """vLLM's speculative decoding counters (each exposed with a _total suffix)."""
     for name, doc, value in [
-        ("tandem:spec_decode_num_drafts", "Verify steps: a request with drafts in a step.", stats.num_drafts),
-        ("tandem:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
-        ("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+        ("tandem:spec_decode_num_drafts", "Verify steps: a request with drafts in a step.", stats.spec_num_drafts),
+        ("tandem:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
+        ("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
     ]:
         c = CounterMetricFamily(name, doc, labels=["model_name"])
         c.add_metric([model], value)
@@ -111,13 +110,13 @@ def _spec_decode_families(stats: SpecDecodeStats, model: str):
     per_pos = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted, by position in the draft (0 = first).",
                                   labels=["model_name", "position"])
-    for pos, value in enumerate(stats.accepted_per_pos):
+    for pos, value in enumerate(stats.spec_accepted_per_pos):
         per_pos.add_metric([model, str(pos)], value)
     yield per_pos
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model: str, request_log: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, model: str, request_log: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r, lbl = self.registry, ["model_name"]
@@ -138,16 +137,19 @@ class ServerMetrics:
             "(json, json_object, regex, choice, grammar, tool_calls).", lbl + ["kind"], registry=r)
         self.grammar_compile = Histogram("tandem:grammar_compile_time_seconds", "Grammar compile time (cache misses).",
                                          lbl + ["kind"], buckets=_COMPILE, registry=r)
-        engine.grammar_compiler.on_compile = lambda kind, s: self.grammar_compile.labels(model, kind).observe(s)
-        self.registry.register(_EngineCollector(engine, model))
+        self.registry.register(_EngineCollector(llm, model))
         self._last_token: dict[str, float] = {}
         self._log_path = Path(request_log) if request_log else None
         self._log_lock = threading.Lock()
         if self._log_path:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    def on_step(self, engine: LLMEngine, elapsed: float | None, outputs: list[RequestOutput]) -> None:
+    def on_step(self, elapsed: float | None, outputs: list[RequestOutput], stats: SchedulerStats | None) -> None:
+        """AsyncLLM.on_step: a step's outputs (elapsed: its seconds), or requests that ended
+        outside a step (None); the stats it came with."""
         now = time.monotonic()
+        for kind, seconds in stats.grammar_compiles if stats is not None else ():
+            self.grammar_compile.labels(self.model, kind).observe(seconds)
         if elapsed is not None:
             self.step.labels(self.model).observe(elapsed)
         for out in outputs:

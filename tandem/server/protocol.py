@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.engine.chat import apply_chat_template
 
 PRIORITIES = {"interactive": 1, "standard": 2, "background": 3, 1: 1, 2: 2, 3: 3}
 NO_EFFECT_FIELDS = ("user", "metadata")
@@ -42,7 +43,7 @@ class StructuredOutputsField(_Base):
     grammar: str | None = None
 
 
-class _SamplingFields(_Base):
+class SamplingFields(_Base):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -126,10 +127,10 @@ class _SamplingFields(_Base):
         return PRIORITIES[self.priority] if self.priority is not None else None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = None  # its range: SamplingParams
 
 
 class ContentPart(_Base):
@@ -181,23 +182,45 @@ class NamedToolChoice(_Base):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
+def _render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool,
+                chat_template_kwargs: dict[str, Any] | None) -> str:
+    """A request's conversation through the one chat prompt (engine/chat.py); ValueError."""
+    return apply_chat_template(tokenizer, [m.template_dict() for m in messages],
+                               [t.model_dump() for t in tools] if tools else None, add_generation_prompt,
+                               chat_template_kwargs)
+
+
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = None  # its range: SamplingParams (logprobs)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
+    def chat_prompt(self, tokenizer) -> str:
+        """The prompt text, with the tools the request may call (none under tool_choice "none")."""
+        tools = self.tools if self.tool_choice != "none" else None
+        return _render_chat(tokenizer, self.messages, tools, self.add_generation_prompt, self.chat_template_kwargs)
+
 
 class TokenizeRequest(_Base):
+    """vLLM's /tokenize: a prompt, or messages rendered as a chat request would render them."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
+
+    def chat_prompt(self, tokenizer) -> str:
+        return _render_chat(tokenizer, self.messages or [], self.tools, self.add_generation_prompt,
+                           self.chat_template_kwargs)
 
 
 class DetokenizeRequest(_Base):

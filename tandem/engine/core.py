@@ -1,0 +1,237 @@
+"""The engine core: scheduler + executor + KV pool + the step pipeline. In: requests already
+tokenised and validated (EngineCoreRequest); out: per-step EngineCoreOutputs deltas and stats.
+The step loop is schedule -> execute -> update, overlapped with async scheduling (see
+step_pipeline.py). It runs in the engine-core process behind a server (core_proc.py) and in
+the caller's process offline (llm_engine.py)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from tandem.config import EngineConfig
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.outputs import EngineCoreOutput
+from tandem.core.request import Request, RequestStatus
+from tandem.core.sampling_params import StructuredOutputsParams
+from tandem.core.scheduler import Scheduler
+from tandem.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, ScheduledEvent, SchedulerStats, child_ids
+from tandem.engine.core_stats import StepStats
+from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
+from tandem.engine.step_trace import StepTrace
+from tandem.executor.base import Executor
+from tandem.executor.grammar_compiler import GrammarCompiler
+from tandem.executor.kv_transfer.handoff import KVHandoff
+from tandem.models.llama import ModelConfig
+from tandem.models.loader import load_config, load_tokenizer, resolve_model
+
+log = logging.getLogger(__name__)
+ExecutorFactory = Callable[[EngineConfig, Any, GrammarCompiler], Executor]
+
+
+def model_runner_factory(config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler) -> Executor:
+    """The default executor: the model runner (imported here: torch only where it runs)."""
+    from tandem.executor.model_runner import ModelRunner
+    return ModelRunner(config, model_dir, grammar_compiler)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)  # the grammar compiler's vocabulary
+        mcfg = ModelConfig.from_hf(load_config(self.model_dir))
+        self.vocab_size = mcfg.vocab_size
+        eos = mcfg.eos_token_ids[:1]
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.eos_token_id = eos[0] if eos else None
+        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), config.async_scheduling)
+        # Structured outputs: compiles constraints off the step path; the executor masks with them.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
+        # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
+        # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
+        self.executor: Executor = self.pipeline.call(executor_factory, config, self.model_dir, self.grammar_compiler)
+        capacity = self.executor.num_kv_blocks * self.executor.block_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings, capacity)
+        self.kv_manager = KVCacheManager(
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            config.max_prefix_tokens, config.min_match_length, self.executor.num_host_blocks,
+        )
+        # P/D export / import of KV blocks; a write waits for the steps in flight
+        self.kv_handoff = KVHandoff(self.kv_manager, self.executor, lambda: self.pipeline.in_flight())
+        swap_cost, recompute_cost = self.executor.preemption_costs()
+        self.scheduler = Scheduler(
+            config.scheduler_config(self.max_model_len, swap_cost, recompute_cost),
+            self.kv_manager, time.monotonic,
+        )
+        self._children: dict[str, list[str]] = {}
+        self._utilities: list[Any] = []
+        self._waiters = ThreadPoolExecutor(2, thread_name_prefix="tandem-utility")  # utilities that wait
+        self._scheduled: list[ScheduledEvent] = []
+        # Called between two overlapped steps, before the later one is topped up: the core
+        # process takes in the requests that arrived while the earlier one ran.
+        self.on_step_boundary: Callable[[], None] | None = None
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
+        self.stats = StepStats(self)
+
+    # ---- admission ----------------------------------------------------------------
+    def register_utilities(self, obj: Any) -> None:
+        """Its public methods become utilities (AsyncLLM.call_utility); its on_add(request_id,
+        kv_transfer, accepted) runs right after each add that carries kv_transfer."""
+        self._utilities.append(obj)
+
+    def utility(self, name: str) -> Callable[..., Any]:
+        for obj in [self, *self._utilities]:
+            fn = getattr(obj, name, None) if not name.startswith("_") else None
+            if callable(fn) and (obj is not self or name in _CORE_UTILITIES):
+                return fn
+        raise ValueError(f"no engine-core utility {name!r}")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request's sequences; ValueError (nothing queued) for a reused id or a
+        constraint that does not compile. The on_add hooks run either way, before any step."""
+        try:
+            self._add(request)
+        except Exception:
+            self._on_add(request, accepted=False)
+            raise
+        self._on_add(request, accepted=True)
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        rid = request.request_id
+        ids = child_ids(rid, len(request.params))
+        if rid in self._children or any(c in self.scheduler.requests for c in ids):
+            raise ValueError(f"duplicate request id {rid!r}")
+        for params in request.params[:1]:
+            if params.structured_outputs is not None:
+                # Compiled (or found in the cache) before anything is queued; the server
+                # compiles it first through the compile_grammar utility, off the step loop.
+                self.grammar_compiler.get(params.structured_outputs)
+        if not self.has_unfinished_requests():
+            self.stats.busy_since = time.perf_counter()
+        first = None
+        for cid, params in zip(ids, request.params):
+            req = Request(cid, request.prompt_token_ids, params, request.arrival_time, self.eos_token_id,
+                          priority=request.priority, precision=request.precision, cache_salt=request.cache_salt,
+                          prefill_after=first if self.config.enable_prefix_caching else None)
+            first = first or req
+            self.scheduler.add_request(req)
+        self._children[rid] = ids
+
+    def _on_add(self, request: EngineCoreRequest, accepted: bool) -> None:
+        if request.kv_transfer is None:
+            return
+        for obj in self._utilities:
+            hook = getattr(obj, "on_add", None)
+            if hook is None:
+                continue
+            try:
+                hook(request.request_id, request.kv_transfer, accepted)
+            except Exception:
+                log.warning("on_add of %s failed; the request goes on without it", request.request_id, exc_info=True)
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests (by parent id) or single sequences; unknown ids are ignored."""
+        seqs = []
+        for rid in request_ids:
+            if rid in self._children:
+                seqs += self._children.pop(rid)
+            else:
+                seqs.append(rid)
+        self.scheduler.finish_requests(seqs, status)
+        self.kv_handoff.release_admitted(self.scheduler.requests)
+        self._forget_finished()
+
+    def abort_request(self, request_id: str) -> None:
+        self.abort_requests([request_id])
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._children)
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests not finished, or a step still to hand back (async scheduling)."""
+        return bool(self._children) or len(self.pipeline) > 0
+
+    def compile_grammar(self, structured_outputs: StructuredOutputsParams | dict) -> Future:
+        """Utility: compile a constraint (or find it cached) off the step loop. A Future of None,
+        failing with the ValueError that names what is wrong (or that it took too long)."""
+        if isinstance(structured_outputs, dict):  # as it crossed the socket
+            structured_outputs = msgspec.convert(structured_outputs, StructuredOutputsParams)
+        return self._waiters.submit(self._wait_compiled, structured_outputs)
+
+    def _wait_compiled(self, structured_outputs: StructuredOutputsParams) -> None:
+        self.grammar_compiler.get(structured_outputs)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.stats.snapshot()
+
+    # ---- one step -----------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs | None:
+        """Schedule a step and return the outputs of one executed step (None: none came
+        back yet). Without async scheduling that is the step just scheduled. With it, the step
+        just scheduled runs while the one before it is processed: the first call returns None
+        and each later one the outputs of the step before, and the step just scheduled waits
+        for that one to end and is topped up with what arrived meanwhile (Scheduler.top_up)."""
+        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.plan_speculation():
+            # Drafts follow a request's last token: a step that drafts is planned only once the
+            # one in flight has returned (no overlap; steps where AdaptiveK says 0 overlap).
+            return self._finish(self.pipeline.pop())
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.stats.phase_times["schedule"] += time.perf_counter() - t0
+        done = None
+        if not sched.is_empty or sched.finished_req_ids or sched.preempted_req_ids:
+            if self.pipeline.overlap and len(self.pipeline):
+                # Overlap: the step just planned waits for the one in flight, then takes in
+                # what arrived meanwhile, so an arrival waits for one step, not two.
+                try:
+                    done = self.pipeline.pop()
+                except BaseException:
+                    self.scheduler.requeue_finished(sched.finished_req_ids)  # the planned step never runs
+                    raise
+                t0 = time.perf_counter()
+                if self.on_step_boundary is not None:
+                    self.on_step_boundary()
+                self.scheduler.top_up(sched)
+                self.stats.phase_times["schedule"] += time.perf_counter() - t0
+            self.kv_handoff.release_admitted(self.scheduler.requests)  # P/D: admitted requests hold their blocks now
+            for new in sched.scheduled_new_reqs:
+                req = self.scheduler.requests[new.req_id]
+                self._scheduled.append(ScheduledEvent(new.req_id, req.first_scheduled_time,
+                                                      req.num_cached_tokens, req.num_preemptions))
+            self.pipeline.submit(sched)
+        if done is None:
+            if len(self.pipeline) == 0 or (self.pipeline.overlap and not sched.is_empty):
+                return None  # idle, or the first step of a busy spell: it runs while the caller returns
+            done = self.pipeline.pop()
+        return self._finish(done)
+
+    def _finish(self, done: ExecutedStep) -> EngineCoreOutputs:
+        t1 = time.perf_counter()
+        outputs: list[EngineCoreOutput] = self.scheduler.update_from_output(done.sched, done.result)
+        self._forget_finished(outputs)
+        now = time.monotonic()
+        self.stats.phase_times["update"] += time.perf_counter() - t1
+        self.stats.record(done)
+        if self.step_trace is not None:
+            self.step_trace.write(done, self.scheduler)
+        scheduled, self._scheduled = self._scheduled, []
+        return EngineCoreOutputs(outputs, now, scheduled, done.end - done.start)
+
+    def _forget_finished(self, outputs: list[EngineCoreOutput] = ()) -> None:
+        """Drop parents none of whose sequences the scheduler still holds."""
+        if not any(o.finish_reason is not None for o in outputs) and outputs:
+            return
+        live = self.scheduler.requests
+        for rid in [r for r, ids in self._children.items() if not any(c in live for c in ids)]:
+            del self._children[rid]
+
+
+# EngineCore's own methods callable as utilities (call_utility).
+_CORE_UTILITIES = frozenset({"compile_grammar", "scheduler_stats", "abort_request"})

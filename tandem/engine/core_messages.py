@@ -1,0 +1,152 @@
+"""What crosses between the API process and the engine-core process (msgpack, msgspec structs):
+requests in, per-step output deltas and stats out. The in-process mode sends the same messages."""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tandem.core.outputs import EngineCoreOutput
+from tandem.core.sampling_params import SamplingParams
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's sequences in the core: itself, or `i_<id>` for n > 1."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    """A request already tokenised and validated by the front end; one SamplingParams per
+    sequence (n > 1: each with its own seed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]
+    arrival_time: float
+    priority: int
+    precision: str
+    cache_salt: str | None = None
+    kv_transfer: dict[str, Any] | None = None  # opaque to the core: handed to the registered on_add hooks
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]  # parent ids, or a sequence's id (a stop string ended it)
+    stopped: bool = False  # finished by a stop string (FINISHED_STOPPED), not aborted
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    call_id: int
+    name: str
+    args: list[Any]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+
+
+class SchedulerStats(msgspec.Struct):
+    """The engine's state after a step (what /metrics and the dashboard read)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    running_by_level: dict[str, int] = {}
+    waiting_by_level: dict[str, int] = {}
+    kv_usage: float = 0.0
+    kv_utilization: float = 0.0
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    host_free_blocks: int = 0
+    host_total_blocks: int = 0
+    num_swapped: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    preemptions_by_mode: dict[str, int] = {}
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
+    instance: dict[str, Any] = {}  # the instance's load report (GET /tandem/state)
+    grammar_compiles: list[tuple[str, float]] = []  # (kind, seconds) compiled since the last stats
+
+
+class ScheduledEvent(msgspec.Struct, array_like=True):
+    """A sequence admitted (first time, or again after preemption)."""
+
+    request_id: str
+    time: float | None
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    """One step's deltas (or, with step_seconds None, a state change outside a step)."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float  # time.monotonic() when the step's tokens were known
+    scheduled: list[ScheduledEvent] = []
+    step_seconds: float | None = None
+    stats: SchedulerStats | None = None
+
+
+class RequestErrors(msgspec.Struct, tag="errors"):
+    """Requests the core ended on an error of its own (a failed step): their clients get it."""
+
+    request_ids: list[str]
+    message: str
+
+
+class AddResult(msgspec.Struct, tag="added"):
+    request_id: str
+    error: tuple[str, str] | None = None  # (type name, message)
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result"):
+    call_id: int
+    result: Any = None
+    error: tuple[str, str] | None = None
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """The handshake: the facts the API side needs, sent once the engine is built."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    num_kv_blocks: int
+    default_precision: str
+    unavailable_precisions: dict[str, str]
+    weight_bytes: dict[str, int]
+    pid: int
+    stats: SchedulerStats  # the state before any request
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    """The core loop failed for good (sent if it can be)."""
+
+    message: str
+
+
+EngineCoreEvent = EngineCoreOutputs | RequestErrors | AddResult | UtilityResult | Ready | EngineDead
+
+
+def error_of(e: BaseException) -> tuple[str, str]:
+    """An engine-core error as it crosses: (type name, message)."""
+    return type(e).__name__, str(e)
+
+
+def remote_error(type_name: str, message: str) -> Exception:
+    """An engine-core error as the API side raises it: ValueError, TimeoutError and
+    KVPoolFullError as themselves, anything else as RuntimeError."""
+    if type_name == "ValueError":
+        return ValueError(message)
+    if type_name == "TimeoutError":
+        return TimeoutError(message)
+    if type_name == "KVPoolFullError":
+        from tandem.executor.kv_transfer.handoff import KVPoolFullError
+        return KVPoolFullError(message)
+    return RuntimeError(f"{type_name}: {message}")

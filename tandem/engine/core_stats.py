@@ -1,0 +1,105 @@
+"""The engine core's figures, computed in the engine process and sent with each step: phase
+times and KV pool figures over all steps (benches), the scheduler's state now (/metrics, the
+dashboard) and the instance's load report for the router (GET /tandem/state).
+
+The load report's queue counts and KV figures are taken every step (O(1)); the per-request
+prefill backlog, the preempted requests waiting and the cached-prefix summary at most every
+`full_interval` seconds, and always when the engine goes idle, so an idle instance never
+reports stale load. Its keys are `tandem.cluster.routing.InstanceState`'s fields plus a few
+extras (block size, per level); the API side adds model, role and elastic."""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from tandem.core.queues import LEVELS
+from tandem.engine.core_messages import SchedulerStats
+from tandem.engine.step_pipeline import ExecutedStep
+
+if TYPE_CHECKING:
+    from tandem.engine.core import EngineCore
+
+MAX_PREFIXES = 4096  # newest cached block hashes reported to the router
+
+
+class StepStats:
+    def __init__(self, core: EngineCore, full_interval: float = 0.2) -> None:
+        self.core = core
+        self.full_interval = full_interval
+        self._last_full = float("-inf")
+        self._backlog, self._preempted, self._prefixes = 0, 0, []
+        self.busy_since = 0.0  # perf_counter when the engine last got work after being empty
+        self._last_execute_end: float | None = None
+        self._compiles: list[tuple[str, float]] = []  # appended by the grammar compiler's workers
+        core.grammar_compiler.on_compile = lambda kind, seconds: self._compiles.append((kind, seconds))
+        self.reset()
+
+    def reset(self) -> None:
+        """Seconds per phase over all steps: schedule and update (engine thread), execute
+        (the executor busy) and gap (the executor idle between two steps while the engine had
+        work: what overlap removes). KV pool figures after each step: utilisation (tokens
+        stored / capacity of the blocks held; 1 - internal fragmentation), summed to give a
+        mean, and peak usage of the pool."""
+        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "gap": 0.0}
+        self.num_steps = self.num_gaps = 0
+        self.kv_utilization_sum = 0.0
+        self.kv_usage_peak = 0.0
+
+    def record(self, done: ExecutedStep) -> None:
+        core, kv = self.core, self.core.kv_manager
+        core.scheduler.observe_step(done.sched, done.end - done.start)
+        self.num_steps += 1
+        self.kv_utilization_sum += kv.utilization
+        self.kv_usage_peak = max(self.kv_usage_peak, kv.usage)
+        self.phase_times["execute"] += done.end - done.start
+        # Idle time before the first step after the engine got work is not a gap.
+        if self._last_execute_end is not None and self._last_execute_end >= self.busy_since:
+            self.phase_times["gap"] += done.start - self._last_execute_end
+            self.num_gaps += 1
+        self._last_execute_end = done.end
+
+    def snapshot(self) -> SchedulerStats:
+        s, kv = self.core.scheduler, self.core.kv_manager
+        spec = s.spec_stats
+        waiting = {f"L{lv}": s.waiting.count(lv) for lv in LEVELS}
+        running = collections.Counter(f"L{r.level}" for r in s.running)
+        return SchedulerStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            running_by_level={f"L{lv}": running.get(f"L{lv}", 0) for lv in LEVELS}, waiting_by_level=waiting,
+            kv_usage=kv.usage, kv_utilization=kv.utilization, kv_free_blocks=kv.num_free_blocks,
+            kv_total_blocks=kv.pool.num_blocks, host_free_blocks=kv.num_free_host_blocks,
+            host_total_blocks=kv.num_host_blocks, num_swapped=len(kv.req_to_host_blocks),
+            prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits, num_preemptions=s.num_preemptions,
+            preemptions_by_mode=dict(s.preemptions_by_mode),
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=list(spec.accepted_per_pos),
+            instance=self.instance_load(waiting), grammar_compiles=self._take_compiles(),
+        )
+
+    def _take_compiles(self) -> list[tuple[str, float]]:
+        n = len(self._compiles)
+        taken, self._compiles[:n] = self._compiles[:n], []
+        return taken
+
+    def instance_load(self, waiting_by_level: dict[str, int]) -> dict:
+        """The router's view of this instance's load (without model / role / elastic)."""
+        core = self.core
+        s, kv = core.scheduler, core.kv_manager
+        now = time.monotonic()
+        if now - self._last_full >= self.full_interval or not core.has_unfinished_requests():
+            self._last_full = now
+            self._backlog = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
+                max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in s.running)
+            self._preempted = sum(1 for r in s.waiting if r.num_preemptions)
+            # newest first: the index keeps caching order
+            self._prefixes = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
+        return {
+            "num_waiting": len(s.waiting), "num_running": len(s.running),
+            "waiting_by_level": waiting_by_level,
+            "waiting_prefill_tokens": self._backlog, "num_preempted": self._preempted,
+            "kv_usage": kv.usage, "kv_free_tokens": kv.num_free_blocks * kv.block_size,
+            "block_size": kv.block_size, "max_model_len": core.max_model_len,
+            "cached_prefixes": self._prefixes,
+        }

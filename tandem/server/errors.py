@@ -1,0 +1,48 @@
+"""OpenAI-shaped errors: `APIError` raised by handlers, and the app's exception handlers that
+turn it, a body that fails validation and Starlette's own HTTP errors into one error body."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.server.protocol import NO_EFFECT_FIELDS
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def api_error(_: Request, e: APIError) -> JSONResponse:
+    return error_response(e.status, e.message, e.type, e.param, e.headers)
+
+
+async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+    if first.get("type") == "extra_forbidden":
+        return error_response(400, f"unsupported field `{where}`: this server does not implement it (a field "
+                              f"it cannot honour is refused, not ignored; accepted without effect: "
+                              f"{', '.join(NO_EFFECT_FIELDS)})", param=where)
+    return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+
+
+async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return error_response(e.status_code, str(e.detail),
+                          "not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)

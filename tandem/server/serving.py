@@ -1,0 +1,144 @@
+"""The steps the generate routes (completions, chat) share: admission (model, n, 429), the
+request's constraint, sampling params, priority and precision, the engine's stream with its
+errors as APIError, and the two ways out: a whole body once every output finished, or SSE.
+
+Prompt rules (empty, at or past max_model_len, token ids outside the vocabulary) are the
+engine's: they are not checked here, the engine's ValueError becomes the 400."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.engine.output_processor import RequestOutput
+from tandem.server import responses as R
+from tandem.server.errors import APIError
+from tandem.server.precision import key_priority, request_precision, split_model
+from tandem.server.protocol import SamplingFields
+from tandem.server.state import ServingState
+
+Choice = tuple[int | None, str | None]  # (priority, precision)
+
+
+def check_admission(state: ServingState, model: str | None, n: int) -> None:
+    config = state.config
+    model, _ = split_model(model, config.model_name)
+    if model is not None and model != config.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{config.model_name}`.",
+                       "not_found_error", "model")
+    if n > config.max_n:
+        raise APIError(400, f"n must be at most {config.max_n}, got {n}", param="n")
+    if state.llm.num_waiting >= config.max_waiting:
+        raise APIError(429, f"server overloaded: {state.llm.num_waiting} requests waiting", "rate_limit_error",
+                       headers={"Retry-After": "1"})
+
+
+def encode(state: ServingState, prompt: str | list[int]) -> list[int]:
+    try:
+        return state.facts.tokenize(prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="prompt") from None
+
+
+def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    try:
+        return req.constraint()
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def compile_constraint(state: ServingState, so: StructuredOutputsParams | None, kind: str | None = None) -> None:
+    """Compile the request's constraint (or find it cached) off the engine's step path, so no
+    step waits for it; a bad one is a 400."""
+    if so is None:
+        return
+    try:
+        await state.facts.compile_grammar(so)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    state.metrics.structured_requests.labels(state.config.model_name, kind or so.kind).inc()
+
+
+def sampling_params(state: ServingState, req: SamplingFields, prompt_len: int, max_tokens: int | None,
+                    logprobs: int | None, so: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The request's SamplingParams (their own rules, as ValueError -> 400), and max_tokens within
+    the room the context leaves after a prompt that fits (one that does not is the engine's 400):
+    an OpenAI server refuses what it would otherwise cut short."""
+    limit = state.facts.max_model_len
+    if max_tokens is not None and prompt_len < limit < prompt_len + max_tokens:
+        raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the context "
+                       f"of {limit} tokens", param="max_tokens")
+    try:
+        return req.sampling_params(max_tokens, logprobs, so)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def choose(state: ServingState, req: SamplingFields, request: Request) -> Choice:
+    """(priority, precision): the request's own, else its API key's class; 400 if not served."""
+    config = state.config
+    priority = req.priority_level or key_priority(request.headers.get("authorization"), config.api_key_classes)
+    try:
+        return priority, request_precision(req.precision, split_model(req.model, config.model_name)[1],
+                                           state.facts.precisions)
+    except ValueError as e:
+        raise APIError(400, str(e), param="precision") from None
+
+
+def generate(state: ServingState, prompt_ids: list[int], params: SamplingParams, how: Choice,
+             request_id: str) -> AsyncIterator[RequestOutput]:
+    """The engine's stream of the request, queued now (it counts for 429 from here on); the
+    engine's ValueError, at the call or while iterating, is a 400."""
+    try:
+        stream = state.llm.generate(prompt_ids, params, request_id, how[0], precision=how[1])
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in stream:
+                yield out
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+    return outputs()
+
+
+async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run to completion (the last output of each); the first failure ends them all, and so does
+    the client going away."""
+    async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        out = None
+        async for out in gen:
+            pass
+        return out
+    tasks = [asyncio.ensure_future(last(g)) for g in gens]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t for t in done if t.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()
+            if not pending:
+                return [t.result() for t in tasks]
+            if await request.is_disconnected():
+                raise asyncio.CancelledError
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events of the chunks, then [DONE]; an error mid-stream is the last event."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield R.sse_event(chunk)
+        except APIError as e:
+            yield R.error_event(e.message, e.status, e.type)
+        except RuntimeError as e:
+            yield R.error_event(str(e))
+        yield R.SSE_DONE
+    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,63 @@
+"""What the route handlers share, kept on `app.state.serving`: the engine, the server's config,
+its metrics, and the engine facts they read. The facts are filled in one place
+(`engine_facts`), so where the engine lives (this process or another) is that function's
+business, not every handler's."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+if TYPE_CHECKING:
+    from tandem.core.sampling_params import StructuredOutputsParams
+    from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.precision import PrecisionRouter
+    from tandem.server.metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model_name: str = "smollm2-135m"  # the name clients send as `model`
+    api_key: str | None = None
+    max_waiting: int = 512  # past this many waiting requests, answer 429
+    max_n: int = 16
+    max_body_bytes: int = 4 << 20
+    request_log: str | None = None
+    api_key_classes: dict[str, str] | None = None  # further API keys, each mapped to a request class
+    role: str = "colocated"  # in a cluster: colocated | prefill | decode (tandem.cluster)
+    elastic: bool = False  # may be switched between prefill and decode by the router
+
+
+@dataclass(slots=True)
+class EngineFacts:
+    """Read-only engine facts and the engine's own input rules, as the HTTP side uses them."""
+
+    tokenizer: Any  # a Hugging Face tokenizer, or None (token-id prompts only)
+    tokenize: Callable[[str | list[int]], list[int]]  # the engine's prompt rules; ValueError with its message
+    max_model_len: int
+    vocab_size: int
+    precisions: PrecisionRouter  # the variants served; .check(name) raises ValueError
+    compile_grammar: Callable[[StructuredOutputsParams], Awaitable[Any]]  # off the engine's step path; ValueError
+
+
+def engine_facts(llm: AsyncLLM) -> EngineFacts:
+    """The one place the server reads the engine's facts from: AsyncLLM's attributes (the engine
+    core's ready handshake) and its front end; constraints compile in the engine process."""
+    return EngineFacts(tokenizer=llm.tokenizer, tokenize=llm.tokenize, max_model_len=llm.max_model_len,
+                       vocab_size=llm.vocab_size, precisions=llm.precisions,
+                       compile_grammar=functools.partial(llm.call_utility, "compile_grammar"))
+
+
+@dataclass(slots=True)
+class ServingState:
+    llm: AsyncLLM  # generate / num_waiting / alive
+    config: ServerConfig
+    metrics: ServerMetrics
+    facts: EngineFacts
+
+
+def serving_state(request: Request) -> ServingState:
+    return request.app.state.serving

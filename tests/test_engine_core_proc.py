@@ -1,0 +1,161 @@
+"""The engine core behind ZeroMQ: AsyncLLM against a real engine-core process (the handshake,
+greedy outputs equal to the offline engine, abort, utilities with a Future, errors by type) and
+in the in-process mode (on_add before any step, stop strings aborting in the core)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from cluster_fixture import wait_for
+from structured_fixture import with_tokenizer
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.core.sampling_params import StructuredOutputsParams
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def _opts(model_dir: str) -> dict:
+    return dict(model=model_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
+
+
+async def _final(llm: AsyncLLM, prompt, params, **kw):
+    out = None
+    async for out in llm.generate(prompt, params, **kw):
+        pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs, tmp_path_factory):
+    return with_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("tok") / "m")
+
+
+@pytest.fixture(scope="module")
+def proc_llm(model_dir):
+    llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
+    yield llm
+    llm.shutdown()
+
+
+def test_handshake_facts_and_greedy_outputs_equal_offline(proc_llm, model_dir):
+    offline = LLM(**_opts(model_dir))
+    assert proc_llm.engine_pid != os.getpid() and proc_llm.engine_core is None
+    assert (proc_llm.max_model_len, proc_llm.vocab_size, proc_llm.eos_token_id) == \
+           (offline.engine.max_model_len, offline.engine.vocab_size, offline.engine.eos_token_id)
+    assert proc_llm.precisions.served == offline.engine.precisions.served
+    want = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
+
+    async def run():
+        return await asyncio.gather(*[_final(proc_llm, p, GREEDY) for p in PROMPTS])
+    outs = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in outs] == want
+    m = outs[0].metrics  # the core's timings crossed too
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_leaving_early_aborts_in_the_core(proc_llm):
+    async def run():
+        gen = proc_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await gen.aclose()
+    asyncio.run(run())
+    assert wait_for(lambda: proc_llm.stats.num_running == 0 and proc_llm.stats.num_waiting == 0, 2.0)
+    assert proc_llm.num_in_flight == 0
+
+
+def test_bad_input_is_a_value_error_and_nothing_is_queued(proc_llm):
+    async def run(prompt, params=GREEDY):  # the front end's refusals come at the call, the core's later
+        return await _final(proc_llm, prompt, params)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        asyncio.run(run([]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        asyncio.run(run([10_000]))
+    bad = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="("))
+    with pytest.raises(ValueError, match="invalid regex"):  # the core's refusal, as a ValueError
+        asyncio.run(run([5, 6], bad))
+    assert proc_llm.num_in_flight == 0
+
+
+def test_utility_future_and_errors_cross_the_process(proc_llm):
+    async def run():
+        so = StructuredOutputsParams(choice=["yes", "no"])
+        assert await proc_llm.call_utility("compile_grammar", so) is None  # a Future, resolved
+        with pytest.raises(ValueError, match="invalid regex"):
+            await proc_llm.call_utility("compile_grammar", StructuredOutputsParams(regex="("))
+        with pytest.raises(ValueError, match="no engine-core utility"):
+            await proc_llm.call_utility("nope")
+        stats = await proc_llm.call_utility("scheduler_stats")
+        assert stats["kv_total_blocks"] > 0
+    asyncio.run(run())
+
+
+class _Recorder:
+    """A registered utility object: on_add sees each add with kv_transfer before any step."""
+
+    def __init__(self, core) -> None:
+        self.core, self.seen = core, []
+
+    def on_add(self, request_id, kv_transfer, accepted) -> None:
+        req = self.core.scheduler.requests.get(request_id)
+        self.seen.append((request_id, kv_transfer, accepted, req is None or req.num_computed_tokens == 0))
+
+    def double(self, x: int):
+        from concurrent.futures import Future
+        f: Future = Future()
+        f.set_result(2 * x)
+        return f
+
+
+def test_on_add_and_registered_utilities_in_process(model_dir):
+    llm = AsyncLLM(EngineConfig(**_opts(model_dir)), in_process=True)
+    try:
+        rec = _Recorder(llm.engine_core)
+        llm.engine_core.register_utilities(rec)
+
+        async def run():
+            assert await llm.call_utility("double", 21) == 42
+            await _final(llm, [5, 6, 7], GREEDY, request_id="a", kv_transfer={"transfer_id": "t1"})
+            await _final(llm, [5, 6, 7], GREEDY, request_id="b")  # no kv_transfer: no hook
+        asyncio.run(run())
+        assert rec.seen == [("a", {"transfer_id": "t1"}, True, True)]
+        # an add the core refuses (a constraint that does not compile) still runs the hook
+        bad = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="("))
+        with pytest.raises(ValueError, match="invalid regex"):
+            asyncio.run(_final(llm, [5, 6], bad, request_id="c", kv_transfer={"x": 1}))
+        assert rec.seen[-1] == ("c", {"x": 1}, False, True)
+    finally:
+        llm.shutdown()
+
+
+def test_engine_core_death_fails_every_stream(model_dir):
+    llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
+    died = []
+    llm.on_dead = died.append
+    try:
+        async def run():
+            long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+            gens = [llm.generate([5, 6, 7 + i], long) for i in range(4)]
+            firsts = [await gen.__anext__() for gen in gens]
+            assert all(f.outputs[0].token_ids for f in firsts)
+            os.kill(llm.engine_pid, signal.SIGKILL)
+            start = time.monotonic()
+            for gen in gens:
+                with pytest.raises(EngineDeadError):
+                    async for _ in gen:
+                        pass
+            return time.monotonic() - start
+        assert asyncio.run(run()) < 1.0
+        assert wait_for(lambda: died) and not llm.alive
+        with pytest.raises(EngineDeadError):
+            llm.generate([1, 2], GREEDY)
+    finally:
+        llm.shutdown()
