@@ -108,21 +108,23 @@ def test_pd_burst_all_complete(pd):
     assert all(r.json()["usage"]["completion_tokens"] == 10 for r in rs)
 
 
-@pytest.mark.slow  # two `tandem serve` processes, or two Ray actors: 5-10 s each here
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_pd_over_torch_dist_equals_colocated(tiny_model_dirs, tmp_path, backend):
+@pytest.mark.slow  # two `tandem serve` processes (each with its engine-core process), or two Ray actors: 5-10 s each
+@pytest.mark.parametrize("backend,connector", [("local", "torch_dist"), ("ray", "torch_dist"), ("local", "shm")])
+def test_pd_across_processes_equals_colocated(tiny_model_dirs, tmp_path, backend, connector):
     """Prefill and decode in two processes (or two Ray actors on a one-node Ray head started
-    here) joined by gloo: the KV moves point-to-point (as it would between hosts) and the
-    greedy tokens are those of a co-located run."""
+    here), the KV links in their engine-core processes: joined by gloo, the KV moves
+    point-to-point (as it would between hosts), or over shared memory; the greedy tokens are
+    those of a co-located run."""
     ray = pytest.importorskip("ray") if backend == "ray" else None
     engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
-    doc = {"log_dir": str(tmp_path), "backend": backend, "kv_transfer": {"connector": "torch_dist", "backend": "gloo"},
+    doc = {"log_dir": str(tmp_path), "backend": backend, "kv_transfer": {"connector": connector, **({"backend": "gloo"} if connector == "torch_dist" else {})},
            "models": [{"name": "tiny", "model": with_word_tokenizer(tiny_model_dirs["llama"], tmp_path / "m"),
                        "roles": {"prefill": 1, "decode": 1}, "engine": engine, "resources": {"num_cpus": 1}}]}
     prompts = [list(range(1, 300)), [5, 9] * 150 + [3]]  # over short_prefill_tokens: never decode-only
     greedy = {"temperature": 0}
     with launched_cluster(doc) as (url, router):
-        assert sorted(i.kv_rank for i in router.pool.instances.values()) == [0, 1]
+        ranks = [i.kv_rank for i in router.pool.instances.values()]
+        assert sorted(ranks) == [0, 1] if connector == "torch_dist" else ranks == [None, None]
         assert ray is None or ray.is_initialized()  # the instances are Ray actors
         dec = router.pool.instances["tiny-1"].url
         for prompt in prompts:
