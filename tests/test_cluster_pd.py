@@ -117,7 +117,8 @@ def test_pd_across_processes_equals_colocated(tiny_model_dirs, tmp_path, backend
     those of a co-located run."""
     ray = pytest.importorskip("ray") if backend == "ray" else None
     engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
-    doc = {"log_dir": str(tmp_path), "backend": backend, "kv_transfer": {"connector": connector, **({"backend": "gloo"} if connector == "torch_dist" else {})},
+    kv = {"connector": connector, **({"backend": "gloo"} if connector == "torch_dist" else {})}
+    doc = {"log_dir": str(tmp_path), "backend": backend, "kv_transfer": kv,
            "models": [{"name": "tiny", "model": with_word_tokenizer(tiny_model_dirs["llama"], tmp_path / "m"),
                        "roles": {"prefill": 1, "decode": 1}, "engine": engine, "resources": {"num_cpus": 1}}]}
     prompts = [list(range(1, 300)), [5, 9] * 150 + [3]]  # over short_prefill_tokens: never decode-only
