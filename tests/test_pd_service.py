@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from test_kv_transfer import BS, MAX_NEW, _block_bytes, _llm, _prompts, _run, assert_no_blocks_held, greedy
+from test_kv_transfer import (BS, MAX_NEW, _block_bytes, _llm, _prompts, _run, assert_no_blocks_held,  # noqa: F401
+                              greedy, llama, reference)  # the fixtures too
 from tandem.engine import pd_service
 from tandem.engine.pd_service import PDService
 from tandem.executor.kv_transfer import KVPoolFullError, ShmConnector
@@ -18,16 +19,6 @@ from tandem.executor.kv_transfer import KVPoolFullError, ShmConnector
 def _tid(name: str) -> str:
     """A transfer id no other run on this host uses (shm names are host-wide)."""
     return f"{name}-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_model_dirs) -> str:
-    return tiny_model_dirs["llama"]
-
-
-@pytest.fixture(scope="module")
-def reference(llama) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in _llm(llama).generate(_prompts(), greedy(MAX_NEW))]
 
 
 def _finish(engine, request_id: str) -> list[int]:
