@@ -98,6 +98,23 @@ def test_refused_decode_leg_still_takes_its_transfer(pd):
         assert r.status_code == 400 and "in no group" in r.json()["error"]["message"]
 
 
+def test_decode_leg_refused_after_its_receive_gives_the_kv_back(pd):
+    """The transfer arrived, then the front end refuses the decode request (a token outside the
+    vocabulary): a 400, and the blocks reserved for the KV are free again."""
+    _, _, insts = pd
+    pre, dec = insts[0][0], insts[1][0]
+    prompt, greedy = list(range(1, 100)), {"temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", pre + "/tandem/prefill", timeout=60,
+                      json={"prompt": prompt, "transfer_id": "refused-late", "sampling": greedy}) as s:
+        lines = s.iter_lines()
+        json.loads(next(lines))
+        r = httpx.post(dec + "/tandem/decode", timeout=60, json={
+            "prompt": prompt + [10**9], "transfer_id": "refused-late", "sampling": greedy})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+        assert "error" not in json.loads(next(lines))  # the send completed: the decode side took it
+    assert wait_for(lambda: no_kv_held(dec))
+
+
 def test_pd_burst_all_complete(pd):
     async def burst():
         async with httpx.AsyncClient(timeout=60) as c:

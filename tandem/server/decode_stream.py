@@ -38,9 +38,8 @@ class DecodeLegs:
         move = self._moves.get(request_id)
         return move is not None and not move.done()
 
-    async def stream(self, gen: AsyncIterator[RequestOutput], rid: str, prompt: list[int], usage: bool,
-                     transfer_id: str | None = None) -> AsyncIterator[str]:
-        """`transfer_id`: the KV this leg's request was added with; given back if the add fails."""
+    async def stream(self, gen: AsyncIterator[RequestOutput], rid: str, prompt: list[int],
+                     usage: bool) -> AsyncIterator[str]:
         move = self._moves[rid] = asyncio.get_running_loop().create_future()
         created, final, finish_sent, nxt = int(time.time()), None, set(), None
         try:
@@ -61,10 +60,7 @@ class DecodeLegs:
                     return
             async for line in self._move_out(rid, prompt, final, *move.result()):
                 yield line
-        except (ValueError, RuntimeError) as e:
-            if final is None and transfer_id is not None:  # refused: the engine may never have seen the add
-                with contextlib.suppress(Exception):
-                    await self.llm.call_utility("release_kv", transfer_id)
+        except (ValueError, RuntimeError) as e:  # refused by the core (on_add gave the KV back), or it is gone
             yield R.error_event(str(e))
             yield R.SSE_DONE
         finally:

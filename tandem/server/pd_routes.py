@@ -146,9 +146,12 @@ async def decode(req: DecodeRequest, request: Request):
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     # The engine commits the received blocks with the add, before a step can schedule the
     # request. Not the reserved tokens (or a reused id): released, and it recomputes its prompt.
-    gen = llm.generate(req.prompt, params, rid, priority, kv_transfer={"transfer_id": tid})
-    return StreamingResponse(st.legs.stream(gen, rid, req.prompt, req.stream_usage, tid),
-                             media_type="text/event-stream")
+    try:
+        gen = llm.generate(req.prompt, params, rid, priority, kv_transfer={"transfer_id": tid})
+    except ValueError as e:  # the front end refused it: the core never sees the add, so give the KV back here
+        await llm.call_utility("release_kv", tid)
+        raise HTTPException(400, str(e)) from None
+    return StreamingResponse(st.legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream")
 
 
 @router.post("/tandem/migrate")
