@@ -92,7 +92,7 @@ def test_pd_through_shm_matches_plain_run(llama, reference, async_scheduling):
         conn.send(f"t{i}", payload)
         assert decode(b, prompt, first, conn, f"t{i}") == reference[i]
     # The decode side computed only the tails: every whole prompt block came over.
-    assert b.kv_manager.stats.hits == sum(n // BS * BS for n in LENGTHS)
+    assert b.core.kv_manager.stats.hits == sum(n // BS * BS for n in LENGTHS)
     assert_no_blocks_held(a)
     assert_no_blocks_held(b)
 
@@ -139,36 +139,36 @@ def test_abort_before_admission_releases_the_pin(llama):
     a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmConnector()
     prompt = _prompts()[-1]
     first, payload = prefill(a, prompt, "p")
-    res = b.kv_handoff.reserve(prompt)
+    res = b.core.kv_handoff.reserve(prompt)
     conn.send("t", payload)
-    got, _ = conn.recv("t", timeout=5, on_layer=b.kv_handoff.writer(res))
+    got, _ = conn.recv("t", timeout=5, on_layer=b.core.kv_handoff.writer(res))
     b.add_request(prompt + [first], greedy(4), request_id="t")
-    b.kv_handoff.commit(res, got, "t")
-    total = b.executor.num_kv_blocks
-    assert b.kv_manager.num_free_blocks == total - 5  # pinned: not evictable before admission
+    b.core.kv_handoff.commit(res, got, "t")
+    total = b.core.executor.num_kv_blocks
+    assert b.core.kv_manager.num_free_blocks == total - 5  # pinned: not evictable before admission
     b.abort_request("t")
     assert_no_blocks_held(b)
-    assert b.kv_manager.pool.num_cached_blocks == 5  # still cached, evictable, for a later hit
+    assert b.core.kv_manager.pool.num_cached_blocks == 5  # still cached, evictable, for a later hit
 
 
 def test_reserve_fails_whole_when_the_pool_is_short(llama):
     a, conn = _llm(llama).engine, ShmConnector()
     b = _llm(llama, kv_cache_memory=6 * _block_bytes(llama), max_model_len=40).engine
-    assert b.executor.num_kv_blocks == 6
+    assert b.core.executor.num_kv_blocks == 6
     long, short = _prompts()[-1], _prompts()[2]
-    held = b.kv_handoff.reserve(long)  # 5 of 6 blocks
+    held = b.core.kv_handoff.reserve(long)  # 5 of 6 blocks
     with pytest.raises(KVPoolFullError):
-        b.kv_handoff.reserve(short)  # needs 2
-    assert b.kv_manager.num_free_blocks == 1  # the failed reservation took nothing
+        b.core.kv_handoff.reserve(short)  # needs 2
+    assert b.core.kv_manager.num_free_blocks == 1  # the failed reservation took nothing
     _, payload = prefill(a, short, "p")  # a payload for other tokens is refused, and released
     with pytest.raises(ValueError):
-        b.kv_handoff.commit(held, payload, "x")
+        b.core.kv_handoff.commit(held, payload, "x")
     assert_no_blocks_held(b)
     conn.send("t", payload)
     got, _ = conn.recv("t", timeout=5)
-    res = b.kv_handoff.reserve(short)
-    b.kv_handoff.write(res, got)
-    b.kv_handoff.release(res)  # e.g. the request was refused after the transfer
+    res = b.core.kv_handoff.reserve(short)
+    b.core.kv_handoff.write(res, got)
+    b.core.kv_handoff.release(res)  # e.g. the request was refused after the transfer
     assert_no_blocks_held(b)
 
 
@@ -176,13 +176,14 @@ def test_blocks_cached_on_the_decode_side_are_pinned_not_rewritten(llama, refere
     a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmConnector()
     prompt = _prompts()[-1]
     _run(b, prompt[:20] + [1, 2, 3], greedy(1), "warm")  # blocks 0 and 1 of the prompt cached on b
-    own = b.executor.read_kv_blocks([blk.block_id for blk in b.kv_manager.cached_prefix(prompt)])
+    own = b.core.executor.read_kv_blocks([blk.block_id for blk in b.core.kv_manager.cached_prefix(prompt)])
     assert own.shape[2] == 2
     first, payload = prefill(a, prompt, "p")
     payload.kv[:, :, :2] = 0  # had decode overwritten its own blocks 0 and 1, the output would show it
     conn.send("t", payload)
     assert decode(b, prompt, first, conn, "t") == reference[-1]
-    assert torch.equal(own, b.executor.read_kv_blocks([blk.block_id for blk in b.kv_manager.cached_prefix(prompt)[:2]]))
+    kept = [blk.block_id for blk in b.core.kv_manager.cached_prefix(prompt)[:2]]
+    assert torch.equal(own, b.core.executor.read_kv_blocks(kept))
     assert_no_blocks_held(b)
 
 
@@ -193,11 +194,11 @@ def test_shorter_payload_than_reserved(llama, reference):
     first, payload = prefill(a, prompt, "p")
     assert payload.num_blocks == 2
     conn.send("t", payload)
-    res = b.kv_handoff.reserve(prompt)
-    got, _ = conn.recv("t", timeout=5, on_layer=b.kv_handoff.writer(res))
+    res = b.core.kv_handoff.reserve(prompt)
+    got, _ = conn.recv("t", timeout=5, on_layer=b.core.kv_handoff.writer(res))
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id="t")
-    b.kv_handoff.commit(res, got, "t")
-    assert b.kv_handoff.num_pinned_blocks == 2
+    b.core.kv_handoff.commit(res, got, "t")
+    assert b.core.kv_handoff.num_pinned_blocks == 2
     tokens = []
     while b.has_unfinished_requests():
         for out in b.step():
@@ -213,7 +214,7 @@ def test_writes_wait_for_steps_in_flight(llama):
     from tandem.executor.kv_transfer import KVHandoff
     a, b = _llm(llama).engine, _llm(llama).engine
     step = Future()
-    handoff = KVHandoff(b.kv_manager, b.executor, lambda: [step])
+    handoff = KVHandoff(b.core.kv_manager, b.core.executor, lambda: [step])
     prompt = _prompts()[-1]
     _, payload = prefill(a, prompt, "p")
     res = handoff.reserve(prompt)
