@@ -182,7 +182,8 @@ def test_blocks_cached_on_the_decode_side_are_pinned_not_rewritten(llama, refere
     payload.kv[:, :, :2] = 0  # had decode overwritten its own blocks 0 and 1, the output would show it
     conn.send("t", payload)
     assert decode(b, prompt, first, conn, "t") == reference[-1]
-    assert torch.equal(own, b.core.executor.read_kv_blocks([blk.block_id for blk in b.core.kv_manager.cached_prefix(prompt)[:2]]))
+    kept = [blk.block_id for blk in b.core.kv_manager.cached_prefix(prompt)[:2]]
+    assert torch.equal(own, b.core.executor.read_kv_blocks(kept))
     assert_no_blocks_held(b)
 
 

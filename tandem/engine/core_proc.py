@@ -22,6 +22,7 @@ from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
 from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreInput, EngineCoreOutputs,
                                          EngineCoreRequest, EngineDead, Ready, RequestErrors, Shutdown,
                                          UtilityCall, UtilityResult, error_of)
+from tandem.engine.pd_service import PDService
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 50  # how long an idle loop waits on the socket before looking again
@@ -35,6 +36,7 @@ class EngineCoreProc:
         self._send = self._channel.send  # also from utility Futures' threads
         try:
             self.core = EngineCore(config, executor_factory)
+            self.core.register_utilities(PDService(self.core))  # P/D: the KV links and handoff utilities
         except BaseException as e:
             self._send(EngineDead(f"the engine core failed to start: {type(e).__name__}: {e}"))
             self.close()

@@ -12,6 +12,7 @@ from tandem.server.errors import add_error_handlers
 from tandem.server.instance import InstanceSnapshot, add_instance_routes
 from tandem.server.metrics import ServerMetrics
 from tandem.server.middleware import BodySizeLimit
+from tandem.server.pd_routes import add_pd_routes
 from tandem.server.precision import check_key_classes
 from tandem.server.routes import chat, completions, health, models, tokenize
 from tandem.server.state import ServerConfig, ServingState, engine_facts
@@ -36,7 +37,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
 
 def add_cluster_routes(app: FastAPI, llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics) -> None:
-    """The instance side of a cluster (/tandem/state, /tandem/role), and the per-step hook that
-    feeds the metrics."""
+    """The instance side of a cluster (/tandem/state, /tandem/role, the P/D routes), and the
+    per-step hook that feeds the metrics."""
     llm.on_step = metrics.on_step
     add_instance_routes(app, InstanceSnapshot(llm, config.model_name, config.role, config.elastic))
+    add_pd_routes(app, llm, config.model_name)

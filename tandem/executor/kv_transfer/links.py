@@ -3,14 +3,15 @@ the instance has joined a torch.distributed group, one `TorchDistConnector` per 
 
 Each torch.distributed link runs every send and receive on a thread of its own: NCCL wants one
 thread per communicator, and a blocking point-to-point send waits for its peer's receive, so a
-transfer to one peer never queues behind another peer's. The caller runs the two legs of a
-transfer concurrently (the prefill side sends while the decode side receives)."""
+transfer to one peer never queues behind another peer's. Shared-memory transfers run on a small
+pool of their own (a receive may wait for its file). `send` and `recv` return futures, so the
+engine thread that starts a transfer never waits for the peer; the two legs of a transfer run
+concurrently (the prefill side sends while the decode side receives)."""
 from __future__ import annotations
 
-import asyncio
 import datetime
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,13 @@ from tandem.executor.kv_transfer.shm import ShmConnector
 from tandem.executor.kv_transfer.torch_dist import TorchDistConnector, init_kv_group
 
 
+SHM_THREADS = 8  # shared-memory transfers at once (a decode leg's receive waits for its file)
+
+
 class KVLinks:
     def __init__(self, shm: ShmConnector | None = None) -> None:
         self.shm = shm or ShmConnector()
+        self.pool = ThreadPoolExecutor(SHM_THREADS, thread_name_prefix="kv-shm")  # shm transfers, group joins
         self.rank: int | None = None
         self._links: dict[int, tuple[TorchDistConnector, ThreadPoolExecutor]] = {}
         self._lock = threading.Lock()
@@ -50,10 +55,11 @@ class KVLinks:
         init_kv_group(rank, world_size, backend=backend, store=store, timeout=timeout)
         self.rank = rank
 
-    def connector(self, peer: int | None) -> tuple[KVConnector, ThreadPoolExecutor | None]:
-        """The connector to `peer` and the thread that drives it (None: any thread, shm)."""
+    def connector(self, peer: int | None) -> tuple[KVConnector, ThreadPoolExecutor]:
+        """The connector to `peer` and the thread(s) that drive it; ValueError for a peer there
+        is no link to."""
         if peer is None:
-            return self.shm, None
+            return self.shm, self.pool
         if self.rank is None:
             raise ValueError(f"KV transfer to rank {peer} asked for, but this instance is in no group")
         if peer == self.rank or not 0 <= peer < dist.get_world_size():
@@ -64,11 +70,11 @@ class KVLinks:
                                      ThreadPoolExecutor(1, thread_name_prefix=f"kv-link-{peer}"))
             return self._links[peer]
 
-    async def send(self, peer: int | None, transfer_id: str, payload: KVPayload) -> TransferStats:
+    def send(self, peer: int | None, transfer_id: str, payload: KVPayload) -> Future[TransferStats]:
         conn, thread = self.connector(peer)
-        return await asyncio.get_running_loop().run_in_executor(thread, conn.send, transfer_id, payload)
+        return thread.submit(conn.send, transfer_id, payload)
 
-    async def recv(self, peer: int | None, transfer_id: str, timeout: float | None = None,
-                   on_layer: LayerSink | None = None) -> tuple[KVPayload, TransferStats]:
+    def recv(self, peer: int | None, transfer_id: str, timeout: float | None = None,
+             on_layer: LayerSink | None = None) -> Future[tuple[KVPayload, TransferStats]]:
         conn, thread = self.connector(peer)
-        return await asyncio.get_running_loop().run_in_executor(thread, conn.recv, transfer_id, timeout, on_layer)
+        return thread.submit(conn.recv, transfer_id, timeout, on_layer)
