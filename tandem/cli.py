@@ -27,7 +27,7 @@ def _prepare(args: argparse.Namespace) -> None:
 # (group, name, module with add_arguments/main, help): `tandem [group] name ...`
 COMMANDS = [
     (None, "serve", "tandem.server.launch", "the OpenAI-compatible server"),
-    ("cluster", "up", "tandem.cluster.launcher", "start the instances of a cluster.yaml and serve the router"),
+    ("cluster", "up", "tandem.cluster.launch.launcher", "start the instances of a cluster.yaml and serve the router"),
     ("bench", "offline", "tandem.bench.offline", "offline throughput, optionally against transformers"),
     ("bench", "quality", "tandem.bench.quality", "perplexity, greedy agreement and batch dependence per precision"),
     ("bench", "scheduler", "tandem.bench.scheduler", "scheduler cost per step with a null executor"),

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from server_fixture import serving
 from tandem.cluster.config import parse_cluster_config
-from tandem.cluster.launcher import external_instances
-from tandem.cluster.router import build_router
+from tandem.cluster.launch.launcher import external_instances
+from tandem.cluster.router.app import build_router
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM
 from tandem.server.api_server import ServerConfig, build_app
@@ -54,8 +54,8 @@ def launched_cluster(doc: dict, timeout: float = 120.0):
     """A cluster.yaml document launched as `tandem cluster up` does (local processes or Ray
     actors, the KV transfer group when configured) behind an in-process router. Yields
     (router url, Router)."""
-    from tandem.cluster.kv_group import join_kv_group
-    from tandem.cluster.launcher import make_backend
+    from tandem.cluster.launch.kv_group import join_kv_group
+    from tandem.cluster.launch.launcher import make_backend
     cfg = parse_cluster_config({"router": {"poll_interval_s": 0.2}, **doc})
     backend = make_backend(cfg)
     instances = backend.start(timeout)

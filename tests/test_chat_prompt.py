@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from route_fixture import FakeLLM
 from structured_fixture import with_tokenizer
 from tandem import LLM, SamplingParams
-from tandem.cluster.prefix import PromptTokenizer
+from tandem.cluster.router.prefix import PromptTokenizer
 from tandem.server.errors import add_error_handlers
 from tandem.server.routes import chat, tokenize
 from tandem.server.state import EngineFacts, ServerConfig, ServingState

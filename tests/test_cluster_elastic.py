@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.cluster.elastic import ElasticConfig, RoleController, TimeSchedule
-from tandem.cluster.routing import InstanceState
+from tandem.cluster.policy.elastic import ElasticConfig, RoleController, TimeSchedule
+from tandem.cluster.policy.routing import InstanceState
 
 
 def cluster(backlog: int, kv_usage: float) -> list[InstanceState]:

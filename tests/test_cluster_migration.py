@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from fastapi.responses import JSONResponse
 
-from tandem.cluster.migrate_loop import MigrationLoop
-from tandem.cluster.migration import DecodingRequest, Migration, MigrationConfig, choose_migration, usage_after
-from tandem.cluster.pd_decode import DecodeLeg
-from tandem.cluster.pool import Instance, InstancePool
-from tandem.cluster.routing import InstanceState, RoutingWeights
+from tandem.cluster.router.migrate_loop import MigrationLoop
+from tandem.cluster.policy.migration import DecodingRequest, Migration, MigrationConfig, choose_migration, usage_after
+from tandem.cluster.router.pd_decode import DecodeLeg
+from tandem.cluster.router.pool import Instance, InstancePool
+from tandem.cluster.policy.routing import InstanceState, RoutingWeights
 
 CFG = MigrationConfig(kv_usage=0.9, target_kv_usage=0.8, cooldown_s=10)
 

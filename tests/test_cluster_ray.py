@@ -9,14 +9,14 @@ import pytest
 
 from cluster_fixture import serving, wait_for
 from tandem.cluster.config import parse_cluster_config
-from tandem.cluster.router import build_router
+from tandem.cluster.router.app import build_router
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 
 def test_ray_instances_behind_the_router(tiny_model_dirs):
-    from tandem.cluster.ray_backend import RayBackend
+    from tandem.cluster.launch.ray_backend import RayBackend
     cfg = parse_cluster_config({
         "backend": "ray", "ray": {"address": None},
         "models": [{"name": "tiny", "model": tiny_model_dirs["llama"], "instances": 2,

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_fixture import router_for, tiny_cluster, tiny_instance, wait_for
 from server_fixture import free_port
-from tandem.cluster.prefix import prefix_hashes
+from tandem.cluster.router.prefix import prefix_hashes
 
 
 def body(prompt, max_tokens=4, **kw):

@@ -10,7 +10,8 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tandem.cluster import embedding_routes, router_routes
+from tandem.cluster.launch import embedding_routes
+from tandem.cluster.router import routes as router_routes
 from tandem.server.errors import add_error_handlers
 
 

@@ -24,7 +24,7 @@ def cluster():
                                                    max_model_len=1024)) for r in ("prefill", "decode")]
         groups = [{"name": MODEL, "model": MODEL, "urls": [u for u, _, _ in insts]}]
         try:
-            from tandem.cluster.embedding_server import Embedder, build_embedding_app
+            from tandem.cluster.launch.embedding_server import Embedder, build_embedding_app
             eurl, _ = stack.enter_context(serving(build_embedding_app(Embedder(num_threads=1), "minilm")))
             groups.append({"name": "minilm", "model": "all-minilm-l6-v2", "kind": "embedding", "urls": [eurl]})
         except FileNotFoundError:

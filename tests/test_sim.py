@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tandem.cli import main as cli_main
-from tandem.cluster.elastic import ElasticConfig
+from tandem.cluster.policy.elastic import ElasticConfig
 from tandem.config import EngineConfig
 from tandem.sim.cluster import ClusterConfig, ClusterSim
 from tandem.sim.cost_model import CostModel
@@ -131,7 +131,7 @@ def test_simulate_cli_reports_and_rejects_bad_trace_lines(tmp_path, capsys):
 
 
 def test_policy_core_and_simulator_import_without_torch():
-    code = ("import sys, tandem.sim.cluster, tandem.cluster.routing, tandem.cluster.elastic, "
+    code = ("import sys, tandem.sim.cluster, tandem.cluster.policy.routing, tandem.cluster.policy.elastic, "
             "tandem.tools.simulate_cli; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

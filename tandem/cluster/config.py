@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from tandem.cluster.elastic import ElasticConfig, TimeSchedule
-from tandem.cluster.migration import MigrationConfig
-from tandem.cluster.routing import RoutingWeights
+from tandem.cluster.policy.elastic import ElasticConfig, TimeSchedule
+from tandem.cluster.policy.migration import MigrationConfig
+from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig
 
 ROLE_KEYS = ("colocated", "prefill", "decode", "elastic")

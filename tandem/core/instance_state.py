@@ -1,4 +1,4 @@
-"""The load an instance reports to a router (GET /tandem/state; `cluster/routing.py`'s
+"""The load an instance reports to a router (GET /tandem/state; `cluster/policy/routing.py`'s
 `InstanceState`), built in one place: the real instance (`cluster/instance.py`) and the
 simulated one (`sim/instance.py`) both call `instance_load`, so simulated routing and elastic
 pressure see the load the router sees, chunked prefills and preempted requests included."""

@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from tandem.core.sampling_params import SamplingParams
 
 
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """The prompt rules, in one place (the front end's admission and the scheduler's guard):
+    not empty, and room for at least one output token."""
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty")
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens; this engine serves at most "
+                         f"{max_model_len - 1} (max_model_len {max_model_len})")
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1

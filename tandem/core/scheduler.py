@@ -24,7 +24,7 @@ from tandem.core.outputs import (
 from tandem.core.preemption import l2_hold, pick_victim, preemption_mode
 from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
-from tandem.core.request import Request, RequestStatus
+from tandem.core.request import Request, RequestStatus, check_prompt_length
 from tandem.core.scheduler_config import SchedulerConfig
 from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, AdaptiveK, SpecDecodeStats, num_drafts
 
@@ -64,13 +64,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if req.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if req.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {req.num_prompt_tokens} tokens; this model serves at most "
-                f"{self.config.max_model_len - 1} prompt tokens (max_model_len {self.config.max_model_len})"
-            )
+        check_prompt_length(req.num_prompt_tokens, self.config.max_model_len)
         if req.priority not in (1, 2, 3):
             raise ValueError(f"priority must be 1, 2 or 3, got {req.priority!r}")
         req.max_model_len = self.config.max_model_len

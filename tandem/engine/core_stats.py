@@ -5,7 +5,7 @@ dashboard) and the instance's load report for the router (GET /tandem/state).
 The load report's queue counts and KV figures are taken every step (O(1)); the per-request
 prefill backlog, the preempted requests waiting and the cached-prefix summary at most every
 `full_interval` seconds, and always when the engine goes idle, so an idle instance never
-reports stale load. Its keys are `tandem.cluster.routing.InstanceState`'s fields plus a few
+reports stale load. Its keys are `tandem.cluster.policy.routing.InstanceState`'s fields plus a few
 extras (block size, per level); the API side adds model, role and elastic."""
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import time
 
 from tandem.config import EngineConfig
 from tandem.core.queues import classify
+from tandem.core.request import check_prompt_length
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.core_messages import EngineCoreRequest
 from tandem.engine.precision import PrecisionRouter
@@ -41,12 +42,7 @@ class InputProcessor:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def check_prompt(self, token_ids: list[int]) -> None:
-        """The prompt rules: not empty, and room for at least one output token."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine serves at most "
-                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        check_prompt_length(len(token_ids), self.max_model_len)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None, priority: int | None = None,

@@ -44,5 +44,5 @@ class PrecisionRouter:
 
     def cache_salt(self, precision: str) -> str | None:
         """Prefix-cache namespace: KV of one variant is never reused by another. The default
-        keeps the plain key, which routers hash too (cluster/prefix.py)."""
+        keeps the plain key, which routers hash too (cluster/router/prefix.py)."""
         return None if precision == self.default else precision

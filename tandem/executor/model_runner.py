@@ -17,7 +17,7 @@ from tandem.executor.attention import (
 )
 from tandem.executor.cuda_graphs import CUDAGraphRunner
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
-from tandem.kernels import cpu_paged_attention
+from tandem.kernels import cpu_fused_ops, cpu_paged_attention
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.proposers import NgramProposer
 from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow, logits_indices
@@ -79,6 +79,8 @@ class ModelRunner:
         if self.attention_backend == "torch" and self.device.type == "cpu" and cfg.head_dim in (64, 128):
             ext = cpu_paged_attention()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
+        if self.device.type == "cpu":
+            cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
         self.graph_runner = None
         if (self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager
                 and self.model is not None):

@@ -76,7 +76,7 @@ def add_server_dashboard(app: FastAPI, registry, api_key: str | None, model: str
 
 
 def add_router_dashboard(app: FastAPI, cluster) -> None:
-    """cluster: the `Router` (cluster/router.py)."""
+    """cluster: the `Router` (cluster/router/app.py)."""
     async def exposition() -> str:
         return (await cluster.metrics.exposition(cluster.client)).decode()
     app.state.dashboard = Dashboard("router", "tandem router: " + ", ".join(cluster.groups), exposition,

@@ -2,7 +2,7 @@
 
 The load report is computed in the engine-core process with each step (engine/core_stats.py)
 and arrives with the step's outputs, so the HTTP side never reads engine structures. GET
-/tandem/state serves the latest one as JSON whose keys are `tandem.cluster.routing.InstanceState`'s
+/tandem/state serves the latest one as JSON whose keys are `tandem.cluster.policy.routing.InstanceState`'s
 fields plus a few extras (block size, per level), with this instance's model, role and elastic
 flag; POST /tandem/role sets the role.
 """

@@ -1,6 +1,6 @@
 """The discrete-event cluster simulator: simulated instances running the real scheduler and
-KV pool, placed by the real routing policy (tandem.cluster.routing) and, under P/D, the real
-prefill/decode assignment and elastic role controller (tandem.cluster.elastic). Events are
+KV pool, placed by the real routing policy (tandem.cluster.policy.routing) and, under P/D, the real
+prefill/decode assignment and elastic role controller (tandem.cluster.policy.elastic). Events are
 arrivals, step ends, KV transfers and controller ticks, on one virtual clock."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from tandem.cluster.elastic import ElasticConfig, RoleController, TimeSchedule
-from tandem.cluster.routing import RoutingWeights, choose_instance, route_pd
+from tandem.cluster.policy.elastic import ElasticConfig, RoleController, TimeSchedule
+from tandem.cluster.policy.routing import RoutingWeights, choose_instance, route_pd
 from tandem.config import EngineConfig
 from tandem.sim.cost_model import CostModel
 from tandem.sim.executor import SIM_TOKEN

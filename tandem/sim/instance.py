@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.cluster.routing import InstanceState
+from tandem.cluster.policy.routing import InstanceState
 from tandem.config import EngineConfig
 from tandem.core.instance_state import instance_load
 from tandem.core.kv_cache_manager import KVCacheManager

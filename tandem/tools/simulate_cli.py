@@ -10,8 +10,8 @@ import time
 from tqdm import tqdm
 
 from tandem.bench.report import fmt, jsonable, parse_slo, summarize, table
-from tandem.cluster.elastic import ElasticConfig, TimeSchedule
-from tandem.cluster.routing import RoutingWeights
+from tandem.cluster.policy.elastic import ElasticConfig, TimeSchedule
+from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig, load_yaml
 from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
 from tandem.sim.cost_model import load_cost_model

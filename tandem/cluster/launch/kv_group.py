@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.pool import Instance
+from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import httpx
 import yaml
 
 from tandem.cluster.config import ClusterConfig, ModelGroup, load_cluster_config
-from tandem.cluster.pool import Instance
+from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 0.5  # how often the instances are checked for one that died
@@ -68,7 +68,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def instance_command(spec: InstanceSpec, port: int, config_file: Path) -> list[str]:
     g = spec.group
     if g.kind == "embedding":
-        return [sys.executable, "-m", "tandem.cluster.embedding_server", "--model", g.model,
+        return [sys.executable, "-m", "tandem.cluster.launch.embedding_server", "--model", g.model,
                 "--served-model-name", g.name, "--port", str(port), "--num-threads", str(spec.num_threads),
                 "--log-level", "warning"]
     config_file.write_text(yaml.safe_dump({"serving": {"engine": {**g.engine, "num_threads": spec.num_threads}}}))
@@ -109,9 +109,9 @@ def instance_died(inst: Instance, spec: InstanceSpec, why: str) -> bool:
 
 def make_backend(cfg: ClusterConfig):
     if cfg.backend == "ray":
-        from tandem.cluster.ray_backend import RayBackend
+        from tandem.cluster.launch.ray_backend import RayBackend
         return RayBackend(cfg)
-    from tandem.cluster.local_backend import LocalBackend
+    from tandem.cluster.launch.local_backend import LocalBackend
     return LocalBackend(cfg)
 
 
@@ -159,8 +159,8 @@ def main(args: argparse.Namespace) -> None:
     instance, and return only once they are gone."""
     import uvicorn
 
-    from tandem.cluster.kv_group import join_kv_group
-    from tandem.cluster.router import build_router
+    from tandem.cluster.launch.kv_group import join_kv_group
+    from tandem.cluster.router.app import build_router
     cfg = load_cluster_config(args.config)
     cfg.router.host = args.host or cfg.router.host
     cfg.router.port = args.port or cfg.router.port

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.launcher import (
+from tandem.cluster.launch.launcher import (
     InstanceSpec, external_instances, free_port, instance_command, instance_died, plan, wait_healthy,
 )
-from tandem.cluster.pool import Instance
+from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
 

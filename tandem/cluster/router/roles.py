@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from tandem.cluster.elastic import RoleController
-from tandem.cluster.pool import Instance
+from tandem.cluster.policy.elastic import RoleController
+from tandem.cluster.router.pool import Instance
 
 if TYPE_CHECKING:
-    from tandem.cluster.router import Router
+    from tandem.cluster.router.app import Router
 
 log = logging.getLogger(__name__)
 

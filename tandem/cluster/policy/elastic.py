@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.cluster.routing import InstanceState
+from tandem.cluster.policy.routing import InstanceState
 
 
 @dataclass(slots=True, frozen=True)

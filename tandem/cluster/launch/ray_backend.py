@@ -10,8 +10,8 @@ import threading
 import time
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.launcher import InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy
-from tandem.cluster.pool import Instance
+from tandem.cluster.launch.launcher import InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy
+from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
 LOCAL = (None, "", "local")
@@ -25,7 +25,7 @@ class InstanceServer:
         import uvicorn
         g = spec.group
         if g.kind == "embedding":
-            from tandem.cluster.embedding_server import Embedder, build_embedding_app
+            from tandem.cluster.launch.embedding_server import Embedder, build_embedding_app
             app, self.llm = build_embedding_app(Embedder(g.model, spec.num_threads), g.name), None
         else:
             from tandem.config import EngineConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from fastapi import FastAPI
 
-from tandem.cluster.embedding_routes import EmbeddingState, api
+from tandem.cluster.launch.embedding_routes import EmbeddingState, api
 from tandem.server.errors import add_error_handlers
 from tandem.server.middleware import BodySizeLimit
 
@@ -75,7 +75,7 @@ def build_embedding_app(embedder: Embedder, model_name: str, max_body_bytes: int
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
-    p = argparse.ArgumentParser(prog="python -m tandem.cluster.embedding_server")
+    p = argparse.ArgumentParser(prog="python -m tandem.cluster.launch.embedding_server")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from tandem.cluster.background import Background
-from tandem.cluster.pool import Instance
-from tandem.cluster.proxy import json_error
-from tandem.cluster.router_metrics import RouterMetrics
-from tandem.cluster.routing import choose_decode
+from tandem.cluster.router.background import Background
+from tandem.cluster.router.pool import Instance
+from tandem.cluster.router.proxy import json_error
+from tandem.cluster.router.metrics import RouterMetrics
+from tandem.cluster.policy.routing import choose_decode
 
 if TYPE_CHECKING:
-    from tandem.cluster.router import Router
+    from tandem.cluster.router.app import Router
 
 log = logging.getLogger(__name__)
 

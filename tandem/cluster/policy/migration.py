@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.cluster.routing import InstanceState
+from tandem.cluster.policy.routing import InstanceState
 
 
 @dataclass(slots=True, frozen=True)

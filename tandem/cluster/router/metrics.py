@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Metric, gen
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.cluster.pool import InstancePool
+from tandem.cluster.router.pool import InstancePool
 
 
 class _Families:

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.cluster.pd_decode import DecodeChain, DecodeLeg, kv_sent
-from tandem.cluster.pd_format import PDFormat
-from tandem.cluster.pool import Instance
-from tandem.cluster.proxy import Retry, json_error
-from tandem.cluster.routing import InstanceState, route_pd
+from tandem.cluster.router.pd_decode import DecodeChain, DecodeLeg, kv_sent
+from tandem.cluster.router.pd_format import PDFormat
+from tandem.cluster.router.pool import Instance
+from tandem.cluster.router.proxy import Retry, json_error
+from tandem.cluster.policy.routing import InstanceState, route_pd
 
 if TYPE_CHECKING:
-    from tandem.cluster.router import Router
+    from tandem.cluster.router.app import Router
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",

@@ -17,14 +17,14 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.cluster.config import ClusterConfig, ModelGroup
-from tandem.cluster.migrate_loop import MigrationLoop
-from tandem.cluster.pd import PDHandoff
-from tandem.cluster.pool import Instance, InstancePool
-from tandem.cluster.prefix import PromptTokenizer, prefix_hashes
-from tandem.cluster.proxy import Proxy, json_error
-from tandem.cluster.roles import RoleLoop
-from tandem.cluster.router_metrics import RouterMetrics
-from tandem.cluster.router_routes import api
+from tandem.cluster.router.migrate_loop import MigrationLoop
+from tandem.cluster.router.pd import PDHandoff
+from tandem.cluster.router.pool import Instance, InstancePool
+from tandem.cluster.router.prefix import PromptTokenizer, prefix_hashes
+from tandem.cluster.router.proxy import Proxy, json_error
+from tandem.cluster.router.roles import RoleLoop
+from tandem.cluster.router.metrics import RouterMetrics
+from tandem.cluster.router.routes import api
 from tandem.server.dashboard import add_router_dashboard
 from tandem.server.middleware import BodySizeLimit
 

@@ -10,10 +10,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tandem.cluster.migration import DecodingRequest, Migration, choose_migration
+from tandem.cluster.policy.migration import DecodingRequest, Migration, choose_migration
 
 if TYPE_CHECKING:
-    from tandem.cluster.router import Router
+    from tandem.cluster.router.app import Router
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
-    from tandem.cluster.router import Router
+    from tandem.cluster.router.app import Router
 
 api = APIRouter()
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from tandem.cluster.pool import Instance, InstancePool
-from tandem.cluster.router_metrics import RouterMetrics
+from tandem.cluster.router.pool import Instance, InstancePool
+from tandem.cluster.router.metrics import RouterMetrics
 from tandem.server import responses as R
 
 RETRY_STATUS = (429, 502, 503)  # overloaded or engine down: another instance may serve it

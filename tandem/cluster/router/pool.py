@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.cluster.routing import InstanceState, RoutingWeights, choose_instance
+from tandem.cluster.policy.routing import InstanceState, RoutingWeights, choose_instance
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()

@@ -1,0 +1,1 @@
+"""Launching: `tandem cluster up` starts instances (local processes or Ray actors) and the router."""

@@ -1,0 +1,1 @@
+"""The router process: the OpenAI-compatible entry point in front of the instances."""
