@@ -3,6 +3,7 @@ when the prefill side is gone, and elastic role switches that drain first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -74,17 +75,26 @@ def test_a_field_the_split_cannot_carry_goes_the_plain_way(pd):
     assert "+" not in r.headers.get("x-tandem-instance", "")
 
 
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def prefill_stream(url: str, prompt: list[int], transfer_id: str):
+    """POST /tandem/prefill, held open: (the NDJSON lines still to read, the first-token line)."""
+    with httpx.stream("POST", url + "/tandem/prefill", timeout=60,
+                      json={"prompt": prompt, "transfer_id": transfer_id, "sampling": GREEDY}) as s:
+        lines = s.iter_lines()
+        yield lines, json.loads(next(lines))
+
+
 def test_refused_decode_leg_still_takes_its_transfer(pd):
     """The prefill side sends once its first token is out; a decode leg refused before its
     receive still takes the transfer off the link (no file left, the send completes) and
     holds no block."""
     _, _, insts = pd
     pre, dec = insts[0][0], insts[1][0]
-    prompt, greedy = list(range(1, 100)), {"temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", pre + "/tandem/prefill", timeout=60,
-                      json={"prompt": prompt, "transfer_id": "refused", "sampling": greedy}) as s:
-        lines = s.iter_lines()
-        first = json.loads(next(lines))
+    prompt = list(range(1, 100))
+    with prefill_stream(pre, prompt, "refused") as (lines, first):
         r = httpx.post(dec + "/tandem/decode", timeout=60, json={
             "prompt": prompt + first["token_ids"], "transfer_id": "refused", "sampling": {"temperature": -1}})
         assert r.status_code == 400 and "temperature" in r.text
@@ -103,13 +113,10 @@ def test_decode_leg_refused_after_its_receive_gives_the_kv_back(pd):
     vocabulary): a 400, and the blocks reserved for the KV are free again."""
     _, _, insts = pd
     pre, dec = insts[0][0], insts[1][0]
-    prompt, greedy = list(range(1, 100)), {"temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", pre + "/tandem/prefill", timeout=60,
-                      json={"prompt": prompt, "transfer_id": "refused-late", "sampling": greedy}) as s:
-        lines = s.iter_lines()
-        json.loads(next(lines))
+    prompt = list(range(1, 100))
+    with prefill_stream(pre, prompt, "refused-late") as (lines, _):
         r = httpx.post(dec + "/tandem/decode", timeout=60, json={
-            "prompt": prompt + [10**9], "transfer_id": "refused-late", "sampling": greedy})
+            "prompt": prompt + [10**9], "transfer_id": "refused-late", "sampling": GREEDY})
         assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
         assert "error" not in json.loads(next(lines))  # the send completed: the decode side took it
     assert wait_for(lambda: no_kv_held(dec))
