@@ -7,8 +7,8 @@
 //
 // Packed weights, 16 output columns per tile, 32 inputs per block:
 //  int4: [N/16][K/32][4][64] bytes; byte (j, 4n+i) holds column n's code for input 4j+i in
-//        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: [N/16][K/32][16],
-//        w = d q + m (GGUF Q4_1).
+//        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: fp16 [N/16][K/32][16],
+//        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
 //  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd);
 //        one fp32 scale per column. The +128 comes back out as 128 * sum(x) per row.
 #include <torch/extension.h>
@@ -53,7 +53,7 @@ inline __m512i quad(const int8_t* x) { return _mm512_set1_epi32(*reinterpret_cas
 // R rows x 16 columns of y = x W^T for int4 weights (tile: one 16-column slice of the packed weight).
 template <int R, typename T>
 void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
-             const float* wd, const float* wm, T* y, int64_t ldy) {
+             const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m512i mask = _mm512_set1_epi8(0x0f);
   __m512 acc[R];
@@ -70,7 +70,8 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, quad(xr + 16));
       }
     }
-    __m512 d = _mm512_loadu_ps(wd + b * kTile), m = _mm512_loadu_ps(wm + b * kTile);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kTile)));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r * nb + b]), acc[r]);
@@ -104,11 +105,12 @@ void q8_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     store16(y + r * ldy, _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.f * offset[r]))));
 }
 
-// One packed weight: int4 (a = d, b = m per tile and block) or int8 (a = column scales).
+// One packed weight: int4 (fp16 d and m per tile and block) or int8 (fp32 column scales).
 struct Weights {
   const uint8_t* w;
-  const float* a;
-  const float* b;
+  const uint16_t* d;
+  const uint16_t* m;
+  const float* scales;
   int64_t n, k;
   bool int4;
 };
@@ -117,9 +119,9 @@ template <int R, typename T>
 void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y) {
   const int64_t nb = p.k / kBlock;
   if (p.int4)
-    q4_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 256, p.a + t * nb * kTile, p.b + t * nb * kTile, y, p.n);
+    q4_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 256, p.d + t * nb * kTile, p.m + t * nb * kTile, y, p.n);
   else
-    q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.a + t * kTile, y, p.n);
+    q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, p.n);
 }
 
 // Quantise x's rows, then every 16-column tile in parallel, up to 4 rows per weight read.
@@ -204,12 +206,14 @@ torch::Tensor pack_int8(torch::Tensor qweight) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp32.
+// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16.
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor d, torch::Tensor m, int64_t n) {
   TORCH_CHECK(supported(), "int4_gemm: this CPU has no AVX512-VNNI / BF16");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), n, k, true});
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
+  auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true});
 }
 
 // y [M, N] = x W^T with int8 weights: packed from pack_int8, one fp32 scale per column.
@@ -217,7 +221,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   TORCH_CHECK(supported(), "int8_gemm: this CPU has no AVX512-VNNI / BF16");
   const int64_t k = x.size(-1), n = scales.numel();
   TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, n, k, false});
+  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false});
 }
 #else
 torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {

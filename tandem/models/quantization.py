@@ -92,8 +92,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         ext = vnni_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
         self.vnni = ext is not None
-        if self.vnni:  # fp32 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's fp16 exactly
-            tiles = lambda t: t.float().reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+        if self.vnni:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
+            tiles = lambda t: t.half().reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
             self.register_buffer("qpacked", ext.pack_int4(codes))
             self.register_buffer("d", tiles(scales))
             self.register_buffer("m", tiles(zeros.float() - 8 * scales.float()))
@@ -122,7 +122,7 @@ class Int4Linear(nn.Module):
         if self.vnni:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
             p = self.qpacked.reshape(-1, self.in_features // 32, 4, 16, 4)
             codes = torch.stack([p & 15, p >> 4], 2).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
-            untile = lambda t: t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
+            untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
             return (codes.float() * untile(self.d) + untile(self.m)).to(dtype)
         codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
