@@ -95,3 +95,14 @@ def test_bf16_quantised_engine_is_batch_independent(tiny_model_dirs, precision):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
+
+
+@pytest.mark.slow
+def test_smollm2_int4_tiles_hold_the_gguf_q4_1_weights():
+    """The kernel's fp16 d / m tiles keep the default model's Q4_1 weights exactly: each layer
+    dequantises to the gguf package's dequantisation (which the float conversion stores)."""
+    from tandem.models.gguf_quants import read_int4_tensors
+    from tandem.models.loader import gguf_source, iter_weights, resolve_model
+    floats = dict(iter_weights(resolve_model("smollm2-135m")))
+    for name, (c, s, z) in read_int4_tensors(gguf_source("smollm2-135m")).items():
+        assert torch.equal(Int4Linear(c, s, z, None, torch.bfloat16).dequantize(), floats[name]), name
