@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.models.gguf_quants import decode_blocks
+from tandem.models import quantization
 from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8
 
 # (N, K) of every GEMM weight: SmolLM2-135M (qkv, o, gate_up, down, LM head), then the tiny
@@ -34,8 +35,14 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """The weight-only torch-kernel path, as on a CPU without AVX512-VNNI (that kernel: test_quant_kernel.py)."""
+    monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
+
+
 @pytest.mark.parametrize("shape", sorted(set(SMOLLM2_SHAPES + TINY_SHAPES)))
-def test_quantized_linear_equals_reference(shape):
+def test_quantized_linear_equals_reference(shape, torch_kernels):
     n, k = shape
     torch.manual_seed(n + k)
     w, bias = torch.randn(n, k), torch.randn(n)
@@ -64,7 +71,7 @@ def test_quantization_error_is_bounded():
         quantize_int4(torch.randn(8, 48), 32)
 
 
-def test_rejected_kernel_falls_back_to_reference(monkeypatch):
+def test_rejected_kernel_falls_back_to_reference(monkeypatch, torch_kernels):
     """Where an op rejects a shape (or this torch lacks it) the layer runs dequantise-then-F.linear."""
     def reject(*args):
         raise RuntimeError("shape rejected")

@@ -49,7 +49,7 @@ def perplexity(runner, precision: str, token_ids: list[int], window: int) -> flo
             break
         blocks = list(range(math.ceil(len(chunk) / runner.block_size)))
         state = CachedRequestState("ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision)
-        input_ids, positions, meta, _ = runner._prepare_inputs([state], np.array([len(chunk)]))
+        input_ids, positions, meta, *_ = runner._prepare_inputs([state], np.array([len(chunk)]))
         with torch.inference_mode():
             logits = model.compute_logits(model(input_ids, positions, runner.kv_caches, meta))
         logp = torch.log_softmax(logits[:-1], -1).gather(1, input_ids[1:, None])

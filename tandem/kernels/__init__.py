@@ -58,6 +58,14 @@ def cpu_fused_ops():
     return _load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off"])
 
 
+@functools.cache
+def cpu_quant_gemm():
+    """int8-activation GEMMs for the int4 / int8 linears (kernels/cpu_quant_gemm.cpp), or None;
+    `supported()` says whether this CPU has AVX512-VNNI. OpenMP here is torch's own runtime
+    (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's thread team."""
+    return _load("tandem_cpu_quant_gemm", "cpu_quant_gemm.cpp", ["-fopenmp"])
+
+
 def _load(name: str, source: str, cflags: list[str]):
     """Build (once, cached by content) and import one extension; None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":

@@ -1,7 +1,13 @@
 """Weight-only quantised linear layers: int8 with one symmetric scale per output channel, int4
 in groups along the input axis with a scale and a zero point.
 
-Both run on torch's own kernels where this device, dtype and shape are accepted
+On a CPU with AVX512-VNNI, with bf16 activations, both run on `kernels/cpu_quant_gemm.cpp`
+instead: the activations are quantised to int8 in blocks of 32 (W8A8 / W4A8, as llama.cpp's
+Q8_0 / Q4_1 dot products), 3-4x faster than torch's kernels at every batch size measured
+(docs/benchmarks.md section 16). fp32 engines keep weight-only arithmetic: they are the
+reference precision, and the tests compare them with transformers token for token.
+
+Elsewhere both run on torch's own kernels where this device, dtype and shape are accepted
 (`torch._weight_int8pack_mm`; `torch._weight_int4pack_mm_for_cpu` on CPU,
 `torch._weight_int4pack_mm` on CUDA sm80+ with bf16) and otherwise on the reference path:
 dequantise, then `F.linear`. Whether a kernel takes a shape is found by calling it once when
@@ -19,6 +25,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from tandem.kernels import cpu_quant_gemm
+
 log = logging.getLogger(__name__)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -32,9 +40,16 @@ class Int8Linear(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        ext = vnni_kernel(qweight.device, dtype, *qweight.shape)
+        self.vnni = ext is not None
+        if self.vnni:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales
+            self.register_buffer("qweight", ext.pack_int8(qweight))
+            self.register_buffer("scales", scales.float().contiguous())
+            self.use_kernel = False
+            return
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.to(dtype).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.use_kernel = _kernel_accepts(self._kernel, self.in_features, dtype, qweight.device, "int8")
 
     @classmethod
@@ -46,9 +61,17 @@ class Int8Linear(nn.Module):
         return torch._weight_int8pack_mm(x2d, self.qweight, self.scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+        q = self.qweight
+        if self.vnni:  # [N/16, K/4, 16, 4] bytes of q + 128
+            q = q.reshape(-1, self.in_features // 4, 16, 4).permute(0, 2, 1, 3).reshape(self.out_features, -1)
+            q = q.to(torch.int16) - 128
+        return (q.float() * self.scales.float()[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            y = cpu_quant_gemm().int8_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if not self.use_kernel:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
@@ -66,9 +89,18 @@ class Int4Linear(nn.Module):
         self.group_size = self.in_features // scales.shape[1]
         if self.group_size * scales.shape[1] != self.in_features:
             raise ValueError(f"int4: {scales.shape[1]} groups do not divide K={self.in_features}")
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        ext = vnni_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
+        self.vnni = ext is not None
+        if self.vnni:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
+            tiles = lambda t: t.half().reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+            self.register_buffer("qpacked", ext.pack_int4(codes))
+            self.register_buffer("d", tiles(scales))
+            self.register_buffer("m", tiles(zeros.float() - 8 * scales.float()))
+            self.packed = self.codes = None
+            return
         # [K // g, N, 2] in the activation dtype: the layout (and dtype) both kernels read.
         self.register_buffer("scales_zeros", torch.stack([scales.t(), zeros.t()], -1).to(dtype).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.packed = _pack_int4(codes, dtype)
         if self.packed is not None and not _kernel_accepts(self._kernel, self.in_features, dtype, codes.device, "int4"):
             self.packed = None
@@ -86,11 +118,21 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_zeros)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Only on the reference path (the kernels' packed layouts are theirs)."""
+        """On the VNNI and reference paths (torch's packed layouts are its own)."""
+        if self.vnni:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
+            p = self.qpacked.reshape(-1, self.in_features // 32, 4, 16, 4)
+            codes = torch.stack([p & 15, p >> 4], 2).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
+            untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
+            return (codes.float() * untile(self.d) + untile(self.m)).to(dtype)
         codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            x2d = x.reshape(-1, self.in_features).contiguous()
+            y = cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.packed is None:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
@@ -123,6 +165,15 @@ def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     group = codes.shape[1] // scales.shape[1]
     expand = lambda t: t.float().repeat_interleave(group, dim=1)  # noqa: E731
     return (codes.float() - 8) * expand(scales) + expand(zeros)
+
+
+def vnni_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
+    """The integer-activation kernel module where it serves an [n, k] layer (CPU with
+    AVX512-VNNI, bf16 activations, n % 16 == 0, k % 32 == 0), else None."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or n % 16 or k % 32:
+        return None
+    ext = cpu_quant_gemm()
+    return ext if ext is not None and ext.supported() else None
 
 
 def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -1,0 +1,243 @@
+// Integer-activation GEMMs for the quantised linears on CPU (W4A8 and W8A8, as llama.cpp's
+// Q4_1 x Q8_1 and Q8_0 x Q8_0): each activation row is quantised to int8 in blocks of 32 with
+// one fp32 scale, and the dot products run on AVX512-VNNI `vpdpbusd` (64 u8 x s8 products per
+// instruction) instead of dequantising every weight to fp32, which made torch's int4 / int8
+// kernels compute-bound. Output columns are split over torch's own thread pool (at::parallel_for
+// in torch's OpenMP runtime: no second team). A row's result does not depend on the other rows.
+//
+// Packed weights, 16 output columns per tile, 32 inputs per block:
+//  int4: [N/16][K/32][4][64] bytes; byte (j, 4n+i) holds column n's code for input 4j+i in
+//        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: fp16 [N/16][K/32][16],
+//        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
+//  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd);
+//        one fp32 scale per column. The +128 comes back out as 128 * sum(x) per row.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kBlock = 32, kTile = 16, kRows = 4;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool kBuilt = true;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// One row: q = round(x / d) in [-127, 127] per block, d = max|x| / 127; ds = d * sum(q).
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+    __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  }
+}
+
+inline __m512i quad(const int8_t* x) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+
+// R rows x 16 columns of y = x W^T for int4 weights (tile: one 16-column slice of the packed weight).
+template <int R, typename T>
+void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
+             const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
+      __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
+        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, quad(xr));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], hi, quad(xr + 16));
+      }
+    }
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kTile)));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, acc[r]);
+}
+
+// R rows x 16 columns for int8 weights stored as q + 128.
+template <int R, typename T>
+void q8_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
+             const float* ws, T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  __m512 acc[R];
+  float offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv = _mm512_loadu_si512(w + (b * 8 + j) * 64);
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], wv, quad(xq + r * k + b * kBlock + 4 * j));
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(xd[r * nb + b]), acc[r]);
+      offset[r] += xds[r * nb + b];
+    }
+  }
+  __m512 s = _mm512_loadu_ps(ws);
+  for (int r = 0; r < R; ++r)
+    store16(y + r * ldy, _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.f * offset[r]))));
+}
+
+// One packed weight: int4 (fp16 d and m per tile and block) or int8 (fp32 column scales).
+struct Weights {
+  const uint8_t* w;
+  const uint16_t* d;
+  const uint16_t* m;
+  const float* scales;
+  int64_t n, k;
+  bool int4;
+};
+
+template <int R, typename T>
+void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y) {
+  const int64_t nb = p.k / kBlock;
+  if (p.int4)
+    q4_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 256, p.d + t * nb * kTile, p.m + t * nb * kTile, y, p.n);
+  else
+    q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, p.n);
+}
+
+// Quantise x's rows, then every 16-column tile in parallel, up to 4 rows per weight read.
+torch::Tensor run(const torch::Tensor& x, const Weights& p) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == p.k, "quant gemm: contiguous [M, K] input");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant gemm: float32 or bfloat16 input");
+  const int64_t m = x.size(0), k = p.k, n = p.n, nb = k / kBlock;
+  auto q = torch::empty({m, k}, x.options().dtype(at::kChar));
+  auto d = torch::empty({m, nb}, x.options().dtype(at::kFloat)), ds = torch::empty_like(d);
+  auto y = torch::empty({m, n}, x.options());
+  auto body = [&](auto* xp, auto* yp) {
+    int8_t* qp = q.data_ptr<int8_t>();
+    float *dp = d.data_ptr<float>(), *dsp = ds.data_ptr<float>();
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb);
+    });
+    at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t r = 0; r < m; r += kRows) {
+          const int8_t* xq = qp + r * k;
+          const float *xd = dp + r * nb, *xds = dsp + r * nb;
+          auto* yt = yp + r * n + t * kTile;
+          switch (std::min(kRows, m - r)) {
+            case 4: tile<4>(p, xq, xd, xds, t, yt); break;
+            case 3: tile<3>(p, xq, xd, xds, t, yt); break;
+            case 2: tile<2>(p, xq, xd, xds, t, yt); break;
+            default: tile<1>(p, xq, xd, xds, t, yt); break;
+          }
+        }
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    body(x.data_ptr<float>(), y.data_ptr<float>());
+  else
+    body(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  return y;
+}
+
+#else
+constexpr bool kBuilt = false;
+#endif
+
+bool supported() {
+  if (!kBuilt) return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+// codes [N, K] uint8 in [0, 15] -> the int4 tile layout above.
+torch::Tensor pack_int4(torch::Tensor codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, "pack_int4: [N % 16, K % 32]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  auto c = codes.to(at::kByte).contiguous();
+  auto out = torch::empty({n * k / 2}, c.options());
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < n / kTile; ++t)
+    for (int64_t b = 0; b < k / kBlock; ++b)
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t col = 0; col < kTile; ++col)
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t* row = cp + (t * kTile + col) * k + b * kBlock + 4 * j + i;
+            *op++ = static_cast<uint8_t>((row[0] & 15) | (row[16] << 4));
+          }
+  return out;
+}
+
+// qweight [N, K] int8 -> the int8 tile layout above.
+torch::Tensor pack_int8(torch::Tensor qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) % kTile == 0 && qweight.size(1) % kBlock == 0, "pack_int8: [N % 16, K % 32]");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  auto w = qweight.to(at::kChar).contiguous();
+  auto out = torch::empty({n * k}, w.options().dtype(at::kByte));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < n / kTile; ++t)
+    for (int64_t j = 0; j < k / 4; ++j)
+      for (int64_t col = 0; col < kTile; ++col)
+        for (int64_t i = 0; i < 4; ++i) *op++ = static_cast<uint8_t>(wp[(t * kTile + col) * k + 4 * j + i] + 128);
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16.
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor d, torch::Tensor m, int64_t n) {
+  TORCH_CHECK(supported(), "int4_gemm: this CPU has no AVX512-VNNI / BF16");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
+  auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true});
+}
+
+// y [M, N] = x W^T with int8 weights: packed from pack_int8, one fp32 scale per column.
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+  TORCH_CHECK(supported(), "int8_gemm: this CPU has no AVX512-VNNI / BF16");
+  const int64_t k = x.size(-1), n = scales.numel();
+  TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
+  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false});
+}
+#else
+torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "int4_gemm: built without AVX512-VNNI / BF16");
+}
+torch::Tensor int8_gemm(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "int8_gemm: built without AVX512-VNNI / BF16");
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("supported", &supported, "whether this CPU and build have AVX512-VNNI / BW / BF16");
+  mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles");
+  mod.def("pack_int8", &pack_int8, "int8 weights [N, K] -> packed tiles");
+  mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T, activations quantised to int8 per 32");
+  mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T, activations quantised to int8 per 32");
+}

@@ -1,0 +1,108 @@
+"""The integer-activation CPU kernel (kernels/cpu_quant_gemm.cpp) behind Int4Linear / Int8Linear:
+W4A8 / W8A8 against the weight-only dequantise-then-F.linear reference, its packed layouts
+against the weights they came from, batch independence, and where it is (not) used."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import LLM, SamplingParams
+from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8, vnni_kernel
+
+from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
+
+pytestmark = pytest.mark.skipif(vnni_kernel(torch.device("cpu"), torch.bfloat16, 16, 32) is None,
+                                reason="no AVX512-VNNI / BF16 CPU or no compiler")
+
+# The activations are rounded to int8 per 32 inputs: at most half a step (max|x| / 254) of each
+# block's largest input; with the output's bf16 rounding (2^-9 relative) the measured worst
+# over every shape below is 0.8% of the largest output. 1.5% leaves room for other seeds.
+TOL = 1.5e-2
+
+
+def _layers(n: int, k: int, seed: int):
+    torch.manual_seed(seed)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    codes, scales, zeros = quantize_int4(w, 32)
+    q8, s8 = quantize_int8(w)
+    return (Int4Linear(codes, scales, zeros, bias, torch.bfloat16), Int8Linear(q8, s8, bias, torch.bfloat16),
+            (codes, scales, zeros), (q8, s8))
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("shape", sorted(set(SMOLLM2_SHAPES + TINY_SHAPES)))
+def test_kernel_equals_weight_only_reference(shape):
+    n, k = shape
+    int4, int8, _, _ = _layers(n, k, n + k)
+    assert int4.vnni and int8.vnni
+    for rows in (1, 5, 37):  # 4-row tiles, a remainder of 1 and of 1 after 36
+        x = torch.randn(rows, k, dtype=torch.bfloat16) * 3
+        for layer in (int4, int8):
+            ref = F.linear(x.float(), layer.dequantize(), layer.bias.float())
+            assert _rel_err(layer(x), ref) < TOL, (layer, rows)
+
+
+def test_packed_layouts_hold_the_weights():
+    """dequantize() reads the packed tiles back: int8 exactly, int4 with d and m in fp16 (exact
+    for a GGUF's own fp16 values, which these are made to be)."""
+    int4, int8, (codes, scales, zeros), (q8, s8) = _layers(96, 128, 3)
+    assert torch.equal(int8.dequantize(), q8.float() * s8[:, None])
+    d = scales.half().float()
+    m = (zeros - 8 * scales).half().float()
+    exact = Int4Linear(codes, d, m + 8 * d, None, torch.bfloat16)
+    torch.testing.assert_close(exact.dequantize(), codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(exact.dequantize(), int4_dequantize(codes, d, m + 8 * d), rtol=0, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    int4, int8, _, _ = _layers(576, 1536, 4)
+    x = torch.randn(11, 1536, dtype=torch.bfloat16)
+    for layer in (int4, int8):
+        batched = layer(x)
+        assert all(torch.equal(batched[i], layer(x[i:i + 1])[0]) for i in range(11))
+        assert torch.equal(layer(x.reshape(1, 11, 1536))[0], batched)
+
+
+def test_where_the_kernel_is_not_used():
+    """fp32 activations stay weight-only (the reference precision); shapes the tiles do not fit
+    take torch's kernels or the reference path."""
+    torch.manual_seed(5)
+    w = torch.randn(40, 64)  # N % 16 != 0
+    assert not Int4Linear.from_float(w, None, torch.bfloat16).vnni
+    assert not Int8Linear.from_float(w, None, torch.bfloat16).vnni
+    w = torch.randn(64, 64)
+    assert not Int4Linear.from_float(w, None, torch.float32).vnni
+    assert not Int8Linear.from_float(w, None, torch.float32).vnni
+    assert not Int4Linear.from_float(w, None, torch.bfloat16, group_size=64).vnni
+    assert vnni_kernel(torch.device("meta"), torch.bfloat16, 64, 64) is None
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_bf16_quantised_engine_is_batch_independent(tiny_model_dirs, precision):
+    """Greedy tokens of a request are the same batched with others and run alone."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", kv_cache_memory=1 << 22, quantization=precision)
+    assert any(getattr(m, "vnni", False) for m in llm.engine.executor.variants.models[precision].modules())
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert batched == alone
+
+
+@pytest.mark.slow
+def test_smollm2_int4_tiles_hold_the_gguf_q4_1_weights():
+    """The kernel's fp16 d / m tiles keep the default model's Q4_1 weights exactly: each layer
+    dequantises to the gguf package's dequantisation (which the float conversion stores)."""
+    from tandem.models.gguf_quants import read_int4_tensors
+    from tandem.models.loader import gguf_source, iter_weights, resolve_model
+    floats = dict(iter_weights(resolve_model("smollm2-135m")))
+    for name, (c, s, z) in read_int4_tensors(gguf_source("smollm2-135m")).items():
+        assert torch.equal(Int4Linear(c, s, z, None, torch.bfloat16).dequantize(), floats[name]), name
