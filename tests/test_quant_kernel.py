@@ -91,7 +91,7 @@ def test_bf16_quantised_engine_is_batch_independent(tiny_model_dirs, precision):
     prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", kv_cache_memory=1 << 22, quantization=precision)
-    assert any(getattr(m, "vnni", False) for m in llm.engine.executor.variants.models[precision].modules())
+    assert any(getattr(m, "vnni", False) for m in llm.engine.core.executor.variants.models[precision].modules())
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
