@@ -212,6 +212,8 @@ class AsyncLLM:
 
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
         if msg.stats is not None:
+            # the core sends its cached-prefix list only when it takes one (every 0.2 s at most)
+            msg.stats.instance.setdefault("cached_prefixes", self.stats.instance.get("cached_prefixes", []))
             self.stats = msg.stats
         with self._lock:
             self.output_processor.on_scheduled(msg.scheduled)

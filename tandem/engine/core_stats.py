@@ -31,7 +31,7 @@ class StepStats:
         self.core = core
         self.full_interval = full_interval
         self._last_full = float("-inf")
-        self._backlog, self._prefixes = Backlog(0, 0), []
+        self._backlog = Backlog(0, 0)
         self.busy_since = 0.0  # perf_counter when the engine last got work after being empty
         self._last_execute_end: float | None = None
         self._compiles: list[tuple[str, float]] = []  # appended by the grammar compiler's workers
@@ -92,10 +92,11 @@ class StepStats:
         core = self.core
         s, kv = core.scheduler, core.kv_manager
         now = time.monotonic()
+        load = {"max_model_len": core.max_model_len}
         if now - self._last_full >= self.full_interval or not core.has_unfinished_requests():
             self._last_full = now
             self._backlog = request_backlog(s)
-            # newest first: the index keeps caching order
-            self._prefixes = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
-        return {**dataclasses.asdict(instance_load(s, self._backlog)),
-                "max_model_len": core.max_model_len, "cached_prefixes": self._prefixes}
+            # newest first: the index keeps caching order; sent only when taken (the API side
+            # keeps the last list), not with every step's stats
+            load["cached_prefixes"] = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
+        return {**dataclasses.asdict(instance_load(s, self._backlog)), **load}
