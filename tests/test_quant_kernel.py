@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
+from tandem.models.layers import silu_and_mul
 from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8, vnni_kernel
 
 from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
@@ -68,6 +69,25 @@ def test_a_row_does_not_depend_on_its_batch():
         batched = layer(x)
         assert all(torch.equal(batched[i], layer(x[i:i + 1])[0]) for i in range(11))
         assert torch.equal(layer(x.reshape(1, 11, 1536))[0], batched)
+
+
+@pytest.mark.parametrize("shape", [(3072, 576), (256, 64)])  # SmolLM2's and the tiny models' gate_up
+def test_fused_silu_and_mul_equals_the_separate_ops(shape):
+    """The gate_up GEMM's epilogue rounds where GEMM -> silu -> mul round; only its exp differs
+    from torch's, so a value may move by one bf16 step (2^-8) of itself. Rows stay independent."""
+    n, k = shape
+    torch.manual_seed(n)
+    w = torch.randn(n, k) / k ** 0.5
+    for layer in (Int4Linear.from_float(w, None, torch.bfloat16), Int8Linear.from_float(w, None, torch.bfloat16)):
+        x = torch.randn(9, k, dtype=torch.bfloat16) * 3
+        fused, separate = layer.forward_silu_mul(x), silu_and_mul(layer(x))
+        assert fused.shape == (9, n // 2)
+        torch.testing.assert_close(fused.float(), separate.float(), rtol=2 ** -7, atol=1e-5)
+        assert (fused == separate).float().mean() > 0.99
+        assert all(torch.equal(fused[i], layer.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
+    with_bias = Int4Linear.from_float(w, torch.randn(n), torch.bfloat16)  # not fused: the bias comes first
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    assert torch.equal(with_bias.forward_silu_mul(x), silu_and_mul(with_bias(x)))
 
 
 def test_where_the_kernel_is_not_used():

@@ -11,9 +11,17 @@
 //        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
 //  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd);
 //        one fp32 scale per column. The +128 comes back out as 128 * sum(x) per row.
+//
+// silu_mul: for a fused gate_up projection ([gate | up], N = 2I) the kernel computes tile t of
+// the gate and the matching tile of the up half together and writes silu(gate) * up, [M, I],
+// rounding where the unfused path rounds (gate and up to the output dtype, silu, the product):
+// at batch 1 the separate chunk / silu / mul ops cost more than the GEMM's own epilogue.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -115,40 +123,86 @@ struct Weights {
   bool int4;
 };
 
+// R rows of 16-column tile t, written to y with row stride ldy.
 template <int R, typename T>
-void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y) {
+void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
   if (p.int4)
-    q4_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 256, p.d + t * nb * kTile, p.m + t * nb * kTile, y, p.n);
+    q4_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 256, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
   else
-    q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, p.n);
+    q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, ldy);
 }
 
+// exp(v) for v in fp32, 16 lanes: 2^n * e^f with n = round(v / ln 2), |f| <= ln 2 / 2, e^f by
+// its degree-6 Taylor polynomial (relative error < 2e-7, below the bf16 / fp32 rounding after it).
+inline __m512 exp16(__m512 v) {
+  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), v);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+  __m512 e = _mm512_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(e, n);
+}
+
+inline __m512 round_as(__m512 v, const float*) { return v; }
+inline __m512 round_as(__m512 v, const at::BFloat16*) {  // to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// silu(gate) * up for R rows of 16 columns, each value rounded to T where PyTorch's ops round.
+template <int R, typename T>
+void silu_mul_tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y, int64_t ldy) {
+  float gate[kRows * kTile], up[kRows * kTile];
+  tile<R>(p, xq, xd, xds, t, gate, kTile);
+  tile<R>(p, xq, xd, xds, t + p.n / 2 / kTile, up, kTile);
+  const T* tag = nullptr;
+  for (int r = 0; r < R; ++r) {
+    __m512 g = round_as(load16(gate + r * kTile), tag), u = round_as(load16(up + r * kTile), tag);
+    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store16(y + r * ldy, _mm512_mul_ps(round_as(s, tag), u));
+  }
+}
+
+// Per-thread scratch for the quantised activations (no tensor allocation per call).
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+};
+
 // Quantise x's rows, then every 16-column tile in parallel, up to 4 rows per weight read.
-torch::Tensor run(const torch::Tensor& x, const Weights& p) {
+torch::Tensor run(const torch::Tensor& x, const Weights& p, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == p.k, "quant gemm: contiguous [M, K] input");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant gemm: float32 or bfloat16 input");
-  const int64_t m = x.size(0), k = p.k, n = p.n, nb = k / kBlock;
-  auto q = torch::empty({m, k}, x.options().dtype(at::kChar));
-  auto d = torch::empty({m, nb}, x.options().dtype(at::kFloat)), ds = torch::empty_like(d);
-  auto y = torch::empty({m, n}, x.options());
+  TORCH_CHECK(!silu_mul || p.n % (2 * kTile) == 0, "quant gemm: silu_mul needs N % 32 == 0");
+  const int64_t m = x.size(0), k = p.k, nb = k / kBlock, n_out = silu_mul ? p.n / 2 : p.n;
+  thread_local Scratch scratch;
+  scratch.q.resize(m * k), scratch.d.resize(m * nb), scratch.ds.resize(m * nb);
+  auto y = torch::empty({m, n_out}, x.options());
   auto body = [&](auto* xp, auto* yp) {
-    int8_t* qp = q.data_ptr<int8_t>();
-    float *dp = d.data_ptr<float>(), *dsp = ds.data_ptr<float>();
+    int8_t* qp = scratch.q.data();
+    float *dp = scratch.d.data(), *dsp = scratch.ds.data();
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb);
     });
-    at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, n_out / kTile, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = 0; r < m; r += kRows) {
           const int8_t* xq = qp + r * k;
           const float *xd = dp + r * nb, *xds = dsp + r * nb;
-          auto* yt = yp + r * n + t * kTile;
+          auto* yt = yp + r * n_out + t * kTile;
+          auto rows = [&](auto r_const) {
+            constexpr int R = decltype(r_const)::value;
+            if (silu_mul)
+              silu_mul_tile<R>(p, xq, xd, xds, t, yt, n_out);
+            else
+              tile<R>(p, xq, xd, xds, t, yt, n_out);
+          };
           switch (std::min(kRows, m - r)) {
-            case 4: tile<4>(p, xq, xd, xds, t, yt); break;
-            case 3: tile<3>(p, xq, xd, xds, t, yt); break;
-            case 2: tile<2>(p, xq, xd, xds, t, yt); break;
-            default: tile<1>(p, xq, xd, xds, t, yt); break;
+            case 4: rows(std::integral_constant<int, 4>{}); break;
+            case 3: rows(std::integral_constant<int, 3>{}); break;
+            case 2: rows(std::integral_constant<int, 2>{}); break;
+            default: rows(std::integral_constant<int, 1>{}); break;
           }
         }
     });
@@ -207,27 +261,27 @@ torch::Tensor pack_int8(torch::Tensor qweight) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 // y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16.
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor d, torch::Tensor m, int64_t n) {
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor d, torch::Tensor m, int64_t n, bool silu_mul) {
   TORCH_CHECK(supported(), "int4_gemm: this CPU has no AVX512-VNNI / BF16");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
   auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
-  return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true});
+  return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true}, silu_mul);
 }
 
 // y [M, N] = x W^T with int8 weights: packed from pack_int8, one fp32 scale per column.
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool silu_mul) {
   TORCH_CHECK(supported(), "int8_gemm: this CPU has no AVX512-VNNI / BF16");
   const int64_t k = x.size(-1), n = scales.numel();
   TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false});
+  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false}, silu_mul);
 }
 #else
-torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool) {
   TORCH_CHECK(false, "int4_gemm: built without AVX512-VNNI / BF16");
 }
-torch::Tensor int8_gemm(torch::Tensor, torch::Tensor, torch::Tensor) {
+torch::Tensor int8_gemm(torch::Tensor, torch::Tensor, torch::Tensor, bool) {
   TORCH_CHECK(false, "int8_gemm: built without AVX512-VNNI / BF16");
 }
 #endif
@@ -238,6 +292,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("supported", &supported, "whether this CPU and build have AVX512-VNNI / BW / BF16");
   mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles");
   mod.def("pack_int8", &pack_int8, "int8 weights [N, K] -> packed tiles");
-  mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T, activations quantised to int8 per 32");
-  mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T, activations quantised to int8 per 32");
+  mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
+          py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false);
+  mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
+          py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
 }

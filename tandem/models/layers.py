@@ -26,6 +26,11 @@ class Linear(nn.Module):
             return cpu_packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output [gate | up] (the quantised layers fuse it
+        into their GEMM; here it follows the GEMM)."""
+        return silu_and_mul(self(x))
+
     def pack_for_cpu(self) -> None:
         """Re-lay the weight in oneDNN's blocked format (1.1-3x faster bf16 GEMMs on CPU,
         most at small batches); the plain copy is dropped."""
@@ -147,7 +152,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] on the last axis -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

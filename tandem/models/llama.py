@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tandem.models.layers import (
-    Linear, RMSNorm, RotaryEmbedding, SiluAndMul, StepRope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
+    Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -120,10 +120,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
 
 class DecoderLayer(nn.Module):
@@ -134,9 +133,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope: StepRope, kv_cache, meta) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta), x)
-        return x + self.mlp(h)
+    def forward(self, x, residual: torch.Tensor | None, rope: StepRope, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the add of the two is
+        left to the next layer's input norm (one fused add + norm, vLLM's residual passing).
+        `residual` None: x is the embedding (the first layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        residual, h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -166,12 +172,12 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[torch.Tensor], meta: Any,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
-        x = self.embed_tokens(input_ids)
+        """Hidden states before the final norm (compute_logits applies it), one row per input token."""
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return x
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a token pass the final norm and the LM head; fp32 logits."""

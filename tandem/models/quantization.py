@@ -26,6 +26,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_quant_gemm
+from tandem.models.layers import silu_and_mul
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,15 @@ class Int8Linear(nn.Module):
             q = q.to(torch.int16) - 128
         return (q.float() * self.scales.float()[:, None]).to(dtype)
 
+    def _vnni(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        return cpu_quant_gemm().int8_gemm(x2d, self.qweight, self.scales, silu_mul)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return vnni_silu_and_mul(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni:
-            y = cpu_quant_gemm().int8_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            return vnni_forward(self, x)
         if not self.use_kernel:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
@@ -127,16 +132,37 @@ class Int4Linear(nn.Module):
         codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
 
+    def _vnni(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        return cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features, silu_mul)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return vnni_silu_and_mul(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni:
-            x2d = x.reshape(-1, self.in_features).contiguous()
-            y = cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            return vnni_forward(self, x)
         if self.packed is None:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def vnni_forward(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """A quantised layer on the integer-activation kernel; a 2-D contiguous x (the model's
+    flattened batch) goes in as it is: at batch 1 each extra view is a visible cost."""
+    x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.in_features).contiguous()
+    y = layer._vnni(x2d, False)
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], layer.out_features)
+    return y if layer.bias is None else y + layer.bias
+
+
+def vnni_silu_and_mul(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
+    the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
+    if layer.vnni and layer.bias is None and x.dim() == 2 and layer.out_features % 32 == 0:
+        return layer._vnni(x.contiguous(), True)
+    return silu_and_mul(layer(x))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
