@@ -67,3 +67,33 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     assert 0.25 < time.monotonic() - t0 < STALE_LOCK_S and not lock.exists()  # waited, not timed out
     b.write_text("int y;\n")
     assert build_dir(b, tmp_path / "kernels")[0] != build  # other source, other build
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_from_fused_qkv_equals_the_separate_ops(dtype):
+    """forward_qkv (KV write and attention in one native call on the fused projection) gives the
+    same bits as forward (index_copy_ into the cache, then the decode kernel), cache included;
+    it declines a step with a prefill."""
+    from tandem.executor.attention import AttentionMetadata, TorchAttention
+    ext = cpu_paged_attention()
+    if ext is None:
+        pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, bs, batch = 9, 3, 64, 16, 5
+    seq_lens = torch.tensor([1, 7, 16, 17, 90])
+    tables = torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(batch)])
+    slots = torch.stack([tables[b, (n - 1) // bs] * bs + (n - 1) % bs for b, n in enumerate(seq_lens.tolist())])
+    cache = torch.randn(2, 40 * bs, kv_heads, d, generator=g).to(dtype)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    meta = AttentionMetadata(slots, tables, seq_lens, torch.arange(batch + 1), batch, [], [], bs,
+                             decode_kernel=ext.paged_decode_attention)
+    attn = TorchAttention(heads, kv_heads, d)
+    fused_cache, plain_cache = cache.clone(), cache.clone()
+    fused = attn.forward_qkv(qkv, fused_cache, meta)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    plain = attn.forward(q.reshape(batch, heads, d), k.reshape(batch, kv_heads, d), v.reshape(batch, kv_heads, d),
+                         plain_cache, meta)
+    assert torch.equal(fused, plain) and torch.equal(fused_cache, plain_cache)
+    assert not torch.equal(fused_cache, cache)
+    meta.num_decodes = batch - 1  # the last row a prefill: not this path
+    assert attn.forward_qkv(qkv, cache, meta) is None

@@ -4,7 +4,8 @@ Metadata is in the form a paged kernel takes (slot_mapping, block_tables, seq_le
 query_start_loc); the gather indices and masks derived from it are built once per step and
 shared by every layer. The batch is ordered decodes first, by context length. On CPU the
 single-token queries run in one call of a native paged kernel that reads K/V in place
-(kernels/cpu_paged_attention.cpp); elsewhere, or without a compiler, they run as a few padded
+(kernels/cpu_paged_attention.cpp), and a decode-only step writes K/V and attends in one call
+on the layer's fused qkv (`forward_qkv`); elsewhere, or without a compiler, they run as a few padded
 SDPA calls over buckets of similar length (padding costs bandwidth). Each multi-token
 (prefill) query runs its own causal SDPA call. On CUDA (`triton` backend) one Triton launch
 writes the layer's K/V and one attends for the whole batch (executor/triton_attention.py).
@@ -19,6 +20,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from tandem.kernels import cpu_paged_attention
 
 
 @dataclass(slots=True)
@@ -101,6 +104,15 @@ class TorchAttention:
             out[span.q_start:span.q_end] = self._prefill(
                 q[span.q_start:span.q_end], k_cache, v_cache, span)
         return out.view(q.shape[0], -1)
+
+    def forward_qkv(self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode-only step with the native CPU kernel (meta.decode_kernel set): the KV write
+        and the attention in one call on the layer's fused projection qkv [T, (Hq + 2 Hkv) D],
+        RoPE applied; the same arithmetic as forward. None: not such a step (use forward)."""
+        if meta.decode_kernel is None or meta.triton or meta.num_decodes != qkv.shape[0] or not qkv.is_contiguous():
+            return None
+        return cpu_paged_attention().paged_decode_qkv(qkv, kv_cache, meta.slot_mapping, meta.block_tables,
+                                                      meta.seq_lens, self.num_heads, meta.block_size, self.scale)
 
     def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:
         # One query token per sequence: fold the query heads of a KV group into the

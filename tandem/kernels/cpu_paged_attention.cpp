@@ -8,8 +8,9 @@
 #include <cmath>
 #include <vector>
 
+// q: row b at q + b * q_row, [Hq, D] inside it; out: [B, Hq, D].
 template <typename T, int D>
-static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t hq, int64_t hkv,
                    int64_t max_blocks, int64_t block_size, float scale) {
   const int64_t g = hq / hkv, row_stride = hkv * D;
@@ -20,7 +21,7 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const int64_t b = item / hkv, h = item % hkv, len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
       scores.resize(g * len);
-      for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[(b * hq + h * g) * D + i]) * scale;
+      for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[b * q_row + h * g * D + i]) * scale;
       // Scores, block by block: rows of one block are a fixed stride apart.
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const T* kp = k_cache + (table[t0 / block_size] * block_size * hkv + h) * D;
@@ -75,13 +76,48 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(d == 64 || d == 128, "paged_decode_attention supports head_dim 64 or 128");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = d == 64 ? decode<scalar_t, 64> : decode<scalar_t, 128>;
-    run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    run(q.data_ptr<scalar_t>(), hq * d, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
         b, hq, hkv, block_tables.size(1), block_size, static_cast<float>(scale));
   });
   return out;
 }
 
+// A decode-only step's whole attention from the layer's fused projection: qkv [B, (Hq + 2 Hkv) D]
+// (q, k, v of one token per sequence, RoPE applied); writes k and v at slot_mapping [B] of
+// kv_cache [2, num_slots, Hkv, D], then attends. Returns [B, Hq * D]. At batch 1 the separate
+// split / index_copy_ / slice / copy ops around the kernel cost more than the attention.
+torch::Tensor paged_decode_qkv(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                               torch::Tensor block_tables, torch::Tensor seq_lens, int64_t num_heads,
+                               int64_t block_size, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.dim() == 4 && kv_cache.is_contiguous());
+  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type(), "paged_decode_qkv: qkv and cache dtypes differ");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && slot_mapping.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+              slot_mapping.scalar_type() == at::kLong);
+  const int64_t b = qkv.size(0), hkv = kv_cache.size(2), d = kv_cache.size(3), slots = kv_cache.size(1);
+  TORCH_CHECK(d == 64 || d == 128, "paged_decode_qkv supports head_dim 64 or 128");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && slot_mapping.numel() == b && seq_lens.numel() >= b);
+  auto out = torch::empty({b, num_heads * d}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "paged_decode_qkv", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
+    scalar_t* v_cache = k_cache + slots * hkv * d;
+    const int64_t row = qkv.size(1), kv = hkv * d;
+    const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    for (int64_t i = 0; i < b; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "paged_decode_qkv: slot out of range");
+      std::copy_n(src + i * row + num_heads * d, kv, k_cache + slot[i] * kv);
+      std::copy_n(src + i * row + num_heads * d + kv, kv, v_cache + slot[i] * kv);
+    }
+    auto run = d == 64 ? decode<scalar_t, 64> : decode<scalar_t, 128>;
+    run(src, row, k_cache, v_cache, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+        out.data_ptr<scalar_t>(), b, num_heads, hkv, block_tables.size(1), block_size, static_cast<float>(scale));
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_qkv", &paged_decode_qkv, "KV write and paged decode attention from a fused qkv (CPU)");
 }

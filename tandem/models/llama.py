@@ -85,6 +85,11 @@ class AttentionBackend(Protocol):
         return [T, Hq * D]. `meta` is the backend's own per-step metadata."""
         ...
 
+    def forward_qkv(self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor | None:
+        """The same from the fused projection qkv [T, (Hq + 2 Hkv) D] (RoPE applied) in one
+        call, where the backend has such a path for this step; else None."""
+        ...
+
 
 # (num_heads, num_kv_heads, head_dim) -> one layer's backend
 AttentionFactory = Callable[[int, int, int], AttentionBackend]
@@ -106,6 +111,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         rotated = not self.qk_norm and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
+        if rotated and (out := self.attn.forward_qkv(qkv, kv_cache, meta)) is not None:
+            return self.o_proj(out)
         q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
         if self.qk_norm:
