@@ -109,17 +109,17 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: StepRope, kv_cache, meta: Any) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         rotated = not self.qk_norm and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
         if rotated and (out := self.attn.forward_qkv(qkv, kv_cache, meta)) is not None:
-            return self.o_proj(out)
+            return self.o_proj.forward(out)
         q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = rope.rotate(q), rope.rotate(k)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+        return self.o_proj.forward(self.attn.forward(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
@@ -129,7 +129,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+        return self.down_proj.forward(self.gate_up_proj.forward_silu_mul(x))
 
 
 class DecoderLayer(nn.Module):
@@ -148,8 +148,8 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add_forward(x, residual)
-        residual, h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        residual, h = self.post_attention_layernorm.add_forward(self.self_attn.forward(h, rope, kv_cache, meta), residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
         return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
