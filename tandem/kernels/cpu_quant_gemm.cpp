@@ -25,7 +25,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32, kTile = 16, kRows = 4;
+constexpr int64_t kBlock = 32, kTile = 16, kRows = 4, kPrefetch = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kBuilt = true;
@@ -67,6 +67,11 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    // A tile's weights are one stream, its d and m two more: ask for them kPrefetch blocks ahead
+    // (the next tile's follow on; at batch 1 the hardware prefetcher alone left it at ~20 GB/s).
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -97,6 +102,7 @@ void q8_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
   float offset[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 512 + j * 64), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
