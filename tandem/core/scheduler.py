@@ -92,7 +92,10 @@ class Scheduler:
         if self.spec_policy is not None and not self._drafts_planned:
             self._max_drafts = self.spec_policy.choose(len(self.running))
             self._drafts_planned = True
-        return self.config.num_speculative_tokens > 0 and self._max_drafts > 0
+        # A draft model's drafts come from the step before (its lookahead): they are verified
+        # whatever this step's k, so that step is waited for too.
+        drafting = self._step is not None and bool(self._step.out.num_lookahead_tokens)
+        return self.config.num_speculative_tokens > 0 and (self._max_drafts > 0 or drafting)
 
     @property
     def num_unfinished(self) -> int:
@@ -196,7 +199,10 @@ class Scheduler:
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
             # Drafts only on a decode whose last token is known (none in flight).
-            k = num_drafts(min(len(req.spec_token_ids), self._max_drafts), cap, req.max_tokens - req.num_output_tokens) \
+            # A draft model drafted as many as its step's k allowed (lookahead): verify them all.
+            proposed = len(req.spec_token_ids) if self.config.num_lookahead_tokens else \
+                min(len(req.spec_token_ids), self._max_drafts)
+            k = num_drafts(proposed, cap, req.max_tokens - req.num_output_tokens) \
                 if pending == 1 and not req.num_output_placeholders else 0
             num_new = min(pending, cap) + k
             lookahead = self._lookahead(req, req.num_computed_tokens + num_new)

@@ -137,6 +137,7 @@ class AdaptiveK:
             self._unfit_steps += 1
             return self.k_max if self._unfit_steps % 2 else 0
         fixed, per_token = cost
+        num_decodes = max(num_decodes, 1)  # nothing running yet: the next step's first request
         base = fixed + per_token * num_decodes
 
         def gain(k: int) -> float:

@@ -16,6 +16,7 @@ to the target's and then refused in words: only self-drafts are served so far.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -78,12 +79,13 @@ class DraftModelProposer:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.decode_kernel, self.triton = decode_kernel, triton
         self.max_position = model.rotary.cos_sin.shape[0] - 1
+        self.num_forwards, self.seconds = 0, 0.0  # draft forwards run and their time (bench spec's step costs)
 
     @torch.inference_mode()
     def propose(self, token_ids: list[list[int]], block_ids: list[list[int]], num_drafts: list[int]) -> list[list[int]]:
         """Per request (its tokens, the last one just sampled and not yet in the KV; its block
         ids, lookahead included; drafts wanted): the draft's greedy continuation."""
-        dev = self.device
+        start, dev = time.perf_counter(), self.device
         pos0 = np.array([len(t) - 1 for t in token_ids], dtype=np.int64)
         ks = np.minimum(np.array(num_drafts, dtype=np.int64), self.max_position - pos0 + 1)
         order = np.argsort(pos0, kind="stable")  # shortest context first: the decode buckets want it
@@ -104,6 +106,8 @@ class DraftModelProposer:
         for rows_i, ids_i in drafts:
             for row, token in zip(rows_i.tolist(), ids_i.tolist()):
                 out[int(order[row])].append(token)
+        self.num_forwards += len(drafts)
+        self.seconds += time.perf_counter() - start
         return out
 
     def _forward(self, ids: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:

@@ -98,7 +98,6 @@ class ModelRunner:
         self.drafter = None if spec is None or spec.method != "draft" else DraftModelProposer(
             build_draft_model(spec, config.model, model_dir, cfg, self.variants, self.device, TorchAttention),
             self.kv_caches, self.block_size, self.device, self.decode_kernel, self.attention_backend == "triton")
-        self.draft_time = 0.0  # seconds spent in the draft model's forwards, summed
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
         self.prepare_time = 0.0
@@ -210,14 +209,12 @@ class ModelRunner:
     def _propose_drafts(self, lookahead: dict[str, int], out: ModelRunnerOutput) -> None:
         """The draft model's proposals after this step's tokens, for the requests that sampled
         and were given lookahead slots (a grammar masks one position per step: none for those)."""
-        start = time.perf_counter()
         states = [self.requests[r] for r in lookahead
                   if r in out.sampled_token_ids and self.requests[r].params.structured_outputs is None]
         if states:
             drafts = self.drafter.propose([s.token_ids for s in states], [s.block_ids for s in states],
                                           [lookahead[s.req_id] for s in states])
             out.spec_token_ids.update((s.req_id, d) for s, d in zip(states, drafts))
-        self.draft_time += time.perf_counter() - start
 
     def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
         """Forward, logits and sampling of the step's requests that run on `model`."""
