@@ -44,7 +44,7 @@ def run_config(args, _requests=None) -> dict:
     from tandem import LLM, SamplingParams
     spec = args.spec
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes), speculative_config=spec,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, num_threads=args.num_threads)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
     sets, engine, results = load_prompt_sets(), llm.engine, []
@@ -91,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated; 1 runs both prompt sets one prompt at a time, the rest the chat set")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per set at batch 1")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--json", dest="json_path", default=None)
 
 
