@@ -119,8 +119,9 @@ def test_prefix_hits_and_n_greater_than_one(kind, proposer, copy_models, plain):
     _assert_drafts_accepted_and_rejected(llm)
 
 
-def test_adaptive_k_keeps_greedy_output(copy_models, plain):
-    llm = _llm(copy_models["llama"], dict(SPEC, adaptive=True))
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_adaptive_k_keeps_greedy_output(proposer, copy_models, plain):
+    llm = _llm(copy_models["llama"], dict(PROPOSERS[proposer], adaptive=True))
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
     assert llm.engine.core.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
