@@ -254,3 +254,15 @@ def test_metrics_and_request_log(copy_models, tmp_path):
     line = json.loads((tmp_path / "requests.jsonl").read_text())
     assert line["spec_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
     assert line["spec_mean_accepted_length"] == pytest.approx(stats.mean_accepted_length)
+
+
+def test_serve_flags_ask_for_the_self_draft():
+    import argparse
+
+    from tandem.server.launch import add_arguments, with_speculation_flags
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-method", "draft", "--speculative-model", "self:int4",
+                              "--num-speculative-tokens", "5"])
+    spec = EngineConfig.from_dict(with_speculation_flags({}, args)).speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.num_lookahead_tokens) == ("draft", "self:int4", 5, 5)

@@ -208,9 +208,8 @@ class ModelRunner:
 
     def _propose_drafts(self, lookahead: dict[str, int], out: ModelRunnerOutput) -> None:
         """The draft model's proposals after this step's tokens, for the requests that sampled
-        and were given lookahead slots (a grammar masks one position per step: none for those)."""
-        states = [self.requests[r] for r in lookahead
-                  if r in out.sampled_token_ids and self.requests[r].params.structured_outputs is None]
+        and were given lookahead slots (the scheduler gives none to grammar-constrained ones)."""
+        states = [self.requests[r] for r in lookahead if r in out.sampled_token_ids]
         if states:
             drafts = self.drafter.propose([s.token_ids for s in states], [s.block_ids for s in states],
                                           [lookahead[s.req_id] for s in states])
