@@ -84,6 +84,10 @@ class EngineConfig:
         self._check_precisions()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        draft = getattr(self.speculative_config, "self_draft", None)
+        if draft is not None and draft not in PRECISIONS:
+            raise ValueError(f"speculative model self:{draft}: unknown precision {draft!r}; a self-draft is "
+                             f"one of self:{', self:'.join(PRECISIONS)}")
         self.scheduler_config(self.max_model_len or 1, 0.0, 0.0)  # its checks, now, not after the model loads
 
     def _check_precisions(self) -> None:
@@ -123,7 +127,8 @@ class EngineConfig:
         spec = self.speculative_config
         if not isinstance(spec, SpeculativeConfig):
             return {}
-        return {"num_speculative_tokens": spec.num_speculative_tokens, "adaptive_speculation": spec.adaptive}
+        return {"num_speculative_tokens": spec.num_speculative_tokens, "adaptive_speculation": spec.adaptive,
+                "num_lookahead_tokens": spec.num_lookahead_tokens}
 
 
 def load_yaml(path: str | Path, section: str = "engine") -> dict:

@@ -16,7 +16,8 @@ its length (`fake_token_from_length`), so runs can be compared.
 
 Speculative steps (`propose=fake_propose`): after each token the executor proposes up to
 MAX_DRAFTS drafts, a deterministic mix of the true continuation and wrong tokens, so the
-acceptance varies. A verify step writes the drafts' "KV", samples the true token after each
+acceptance varies. With num_lookahead_tokens (a draft model), drafts come only where the
+scheduler gave lookahead slots, and the executor writes draft "KV" (DRAFT_KV) into them. A verify step writes the drafts' "KV", samples the true token after each
 accepted prefix and keeps the longest run that matches, as the real verifier does; the
 scheduler must then roll back to exactly the tokens kept (the next step's num_computed_tokens
 is checked), and every block in the prefix index must hold exactly the tokens it is indexed by.
@@ -41,6 +42,7 @@ VOCAB = 50
 Sampler = Callable[[str, list[int]], int]
 Proposer = Callable[[str, list[int], Sampler], list[int]]
 MAX_DRAFTS = 4
+DRAFT_KV = -1  # what a draft model writes into a lookahead slot (never a token id)
 
 
 def fake_token_from_length(req_id: str, length: int, vocab: int = VOCAB) -> int:
@@ -242,8 +244,16 @@ class FakeExecutor:
                     self.pos[rid] = len(toks) - 1
                     self.num_drafts += len(drafts)
                     self.num_accepted += len(sampled[rid]) - 1
-                if self.propose is not None:
+                lookahead = out.num_lookahead_tokens.get(rid, 0)
+                if self.propose is not None and not s.config.num_lookahead_tokens:
                     proposals[rid] = self.propose(rid, toks, self.sample)
+                elif self.propose is not None and lookahead:
+                    # a draft model: its "KV" (DRAFT_KV) goes into the lookahead slots after the
+                    # sampled token, in this step, before the scheduler sees the proposal
+                    proposals[rid] = self.propose(rid, toks, self.sample)[:lookahead]
+                    for p in range(len(toks) - 1, len(toks) - 1 + lookahead):
+                        assert p // bs < len(table), f"{rid}: lookahead slot {p} not allocated"
+                        self._slot(table, self.dev, p)[p % bs] = DRAFT_KV
         # every live request's blocks hold its tokens (not just the scheduled ones)
         for rid in self.tables:
             if rid in s.requests:
@@ -272,7 +282,7 @@ def check_state(s: Scheduler) -> None:
     assert len(s.running) <= cfg.max_num_seqs
     # A verify step holds slots for its drafts; rejected ones stay allocated.
     spec = s.spec_stats.num_drafts or (s._step is not None and s._step.out.scheduled_spec_decode_tokens)
-    slack = MAX_DRAFTS + 1 if spec else 0
+    slack = (MAX_DRAFTS + 1 if spec else 0) + cfg.num_lookahead_tokens  # + a draft model's lookahead slots
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
         assert cdiv(r.num_computed_tokens, kv.block_size) <= len(kv.block_ids(r)) \

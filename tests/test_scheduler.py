@@ -17,7 +17,7 @@ from tandem.core.kv_cache_manager import cdiv
 from tandem.core.request import RequestStatus
 
 import sched_harness
-from sched_harness import (EOS, DriverMachine, check_state, fake_propose, fake_token_from_length,
+from sched_harness import (EOS, MAX_DRAFTS, DriverMachine, check_state, fake_propose, fake_token_from_length,
                            make_req, make_sched, prompts, sample_from_length)
 
 # Tokens by (id, length); a preempted request must stay out for the rest of its step.
@@ -603,17 +603,20 @@ TestPipelinedSpecSchedulerMachine = PipelinedSpecSchedulerMachine.TestCase
 
 @settings(max_examples=80, deadline=None)
 @given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
-       st.integers(1, 6), st.booleans(), st.booleans(), st.sampled_from([0, 2, 4]))
-def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, pipelined, k):
+       st.integers(1, 6), st.booleans(), st.booleans(), st.sampled_from([0, 2, 4]), st.booleans())
+def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, pipelined, k, lookahead):
     """Verify steps (drafts in the budget, rollback) give the tokens and finish reasons of
-    plain decoding, under preemption, chunking, prefix hits and async scheduling."""
+    plain decoding, under preemption, chunking, prefix hits and async scheduling. With
+    lookahead (a draft model), draft KV written into the lookahead slots never shows in a
+    request's verified positions nor in the prefix cache (the harness checks both)."""
     reqs, max_model_len = wl
     ref = run_workload(reqs, max_model_len, num_blocks=1000, block_size=bs,
                        max_num_batched_tokens=10_000, max_num_seqs=100)
     spec = run_workload(reqs, max_model_len, pipelined=pipelined, propose=fake_propose,
                         num_blocks=cdiv(max_model_len, bs) + extra, block_size=bs,
                         max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching,
-                        num_speculative_tokens=k)  # k > 0: AdaptiveK picks each step's cap
+                        num_speculative_tokens=k,  # k > 0: AdaptiveK picks each step's cap
+                        num_lookahead_tokens=(k or MAX_DRAFTS) if lookahead else 0)
     event(f"preempted: {spec[2] > 0}")
     assert spec[0] == ref[0] and spec[1] == ref[1]
 

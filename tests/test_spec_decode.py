@@ -1,10 +1,12 @@
-"""Speculative decoding (n-gram) on tiny Llama / Qwen2 / Qwen3 in fp32: greedy output with
-speculation equals without it, token for token, under mixed batches, chunked prefill, prefix
-hits, preemption (swap and recompute), multilevel, async on and off, n > 1, stop tokens and
-max_tokens inside an accepted run; a request may opt out; seeded sampling is reproducible.
+"""Speculative decoding on tiny Llama / Qwen2 / Qwen3 in fp32, each proposer (n-gram, and the
+int4 self-draft): greedy output with speculation equals without it, token for token, under
+mixed batches, chunked prefill, prefix hits, preemption (swap and recompute), multilevel, async
+on and off, n > 1, stop tokens and max_tokens inside an accepted run; a request may opt out;
+seeded sampling is reproducible.
 
-The models are the conftest ones with a small initialisation (0.05): their greedy outputs
-repeat spans, so prompt lookup is accepted often and rejected often (each test checks both)."""
+The models are the conftest ones with a small initialisation (0.1): their greedy outputs
+repeat spans, so prompt lookup is accepted often and rejected often, and so is the int4 variant
+of the model (each test checks both)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +27,11 @@ KINDS = ["llama", "qwen2", "qwen3"]
 MAX_NEW = 24
 # A fixed k, so every test verifies drafts (AdaptiveK would turn speculation off on these
 # models, where a token costs much beside a step's fixed part: test_adaptive_k_...).
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+PROPOSERS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "self-int4": {"method": "draft", "model": "self:int4", "num_speculative_tokens": 4, "adaptive": False},
+}
+SPEC = PROPOSERS["ngram"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -35,7 +41,7 @@ def copy_models(tmp_path_factory) -> dict[str, str]:
     out = {}
     for kind in KINDS:
         config = conftest._tiny_config(kind)
-        config.initializer_range = 0.05
+        config.initializer_range = 0.1
         torch.manual_seed(0)
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         path = tmp_path_factory.mktemp(f"copy-{kind}")
@@ -50,9 +56,10 @@ def _prompts() -> list[list[int]]:
     return prompts + [prompts[0][:20] * 2]  # one that copies from its prompt
 
 
-def _llm(path: str, spec: bool | dict, **kw) -> LLM:
+def _llm(path: str, spec: bool | str | dict, **kw) -> LLM:
+    """spec: a PROPOSERS name, True (n-gram), a speculative_config, or False (off)."""
     kw.setdefault("kv_cache_memory", 1 << 22)
-    spec = SPEC if spec is True else spec or None
+    spec = PROPOSERS.get(spec) if isinstance(spec, str) else SPEC if spec is True else spec or None
     return LLM(path, dtype="float32", speculative_config=spec, **kw)
 
 
@@ -84,13 +91,14 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_equals_no_speculation(kind, scenario, copy_models, plain):
+def test_greedy_equals_no_speculation(kind, scenario, proposer, copy_models, plain):
     kw = dict(SCENARIOS[scenario])
     if scenario in ("recompute", "swap"):
         kw["kv_cache_memory"] = _per_token(copy_models[kind]) * 4 * 24  # ~96 tokens: preempts
-    llm = _llm(copy_models[kind], True, **kw)
+    llm = _llm(copy_models[kind], proposer, **kw)
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain[kind]
     if scenario in ("recompute", "swap"):
@@ -98,9 +106,10 @@ def test_greedy_equals_no_speculation(kind, scenario, copy_models, plain):
     _assert_drafts_accepted_and_rejected(llm)
 
 
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefix_hits_and_n_greater_than_one(kind, copy_models, plain):
-    llm = _llm(copy_models[kind], True, block_size=8)
+def test_prefix_hits_and_n_greater_than_one(kind, proposer, copy_models, plain):
+    llm = _llm(copy_models[kind], proposer, block_size=8)
     prompts = _prompts()
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
@@ -110,18 +119,20 @@ def test_prefix_hits_and_n_greater_than_one(kind, copy_models, plain):
     _assert_drafts_accepted_and_rejected(llm)
 
 
-def test_adaptive_k_keeps_greedy_output(copy_models, plain):
-    llm = _llm(copy_models["llama"], dict(SPEC, adaptive=True))
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_adaptive_k_keeps_greedy_output(proposer, copy_models, plain):
+    llm = _llm(copy_models["llama"], dict(PROPOSERS[proposer], adaptive=True))
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
     assert llm.engine.core.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
 
 
-def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_stop_token_and_max_tokens_inside_an_accepted_run(proposer, copy_models, plain):
     """The request ends at the stop token / the max_tokens-th token even when the verify step
     accepted drafts past it."""
     ref = plain["llama"]
-    llm = _llm(copy_models["llama"], True)
+    llm = _llm(copy_models["llama"], proposer)
     stops = [SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[r[10]]) for r in ref]
     lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 7, 11, 13)]
     outs = llm.generate(_prompts() * 2, stops + lengths)
@@ -134,8 +145,9 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):
     assert max(i for i, n in enumerate(stats.accepted_per_pos) if n) >= 2  # runs of 3+ accepted
 
 
-def test_opt_out_request_is_served_without_drafts(copy_models, plain):
-    llm = _llm(copy_models["llama"], True)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_opt_out_request_is_served_without_drafts(proposer, copy_models, plain):
+    llm = _llm(copy_models["llama"], proposer)
     out_params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, speculative=False)
     engine = llm.engine
     engine.add_request(_prompts()[-1], out_params, request_id="out")
@@ -153,8 +165,9 @@ def test_opt_out_request_is_served_without_drafts(copy_models, plain):
     assert seen["out_tokens"] == seen["in_tokens"] == plain["llama"][-1]
 
 
-def test_seeded_sampling_is_reproducible(copy_models):
-    llm = _llm(copy_models["llama"], True)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_seeded_sampling_is_reproducible(proposer, copy_models):
+    llm = _llm(copy_models["llama"], proposer)
     params = [SamplingParams(temperature=0.02, top_p=0.9, seed=7 + i, max_tokens=MAX_NEW, ignore_eos=True)
               for i in range(len(_prompts()))]
     a = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
@@ -167,7 +180,9 @@ def test_seeded_sampling_is_reproducible(copy_models):
     ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"num_speculative_tokens": 17}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"method": "medusa"}, "unknown speculative method 'medusa'"),
-    ({"method": "draft", "model": "smollm2-135m"}, "method 'draft' is not implemented yet"),
+    ({"method": "draft"}, "speculative method 'draft' needs a model"),
+    ({"method": "draft", "model": "self:fp8"}, "self:fp8: unknown precision 'fp8'"),
+    ({"method": "draft", "model": "self:int4", "prompt_lookup_max": 5}, "options of method 'ngram'"),
     ({"method": "ngram", "model": "smollm2-135m"}, "method 'ngram' takes no model"),
     ({"k": 4}, "unknown speculative_config key"),
 ])
@@ -183,9 +198,39 @@ def test_mission_yaml_section_is_accepted(tmp_path, caplog):
         config = EngineConfig.from_dict(load_yaml(path))
     assert "not supported" not in caplog.text
     assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 4)
-    path.write_text("serving:\n  speculative_decoding:\n    draft_model: small_v2\n    verify_interval: 4\n")
-    with pytest.raises(ValueError, match="'draft' is not implemented yet"):
-        load_yaml(path)
+    path.write_text("serving:\n  speculative_decoding:\n    draft_model: self:int4\n    verify_interval: 3\n")
+    spec = EngineConfig.from_dict(load_yaml(path)).speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft", "self:int4", 3)
+
+
+def test_self_draft_of_the_targets_own_weights_is_accepted_throughout(copy_models, plain):
+    """self:fp32 in an fp32 engine is the target itself (no extra weights): every draft is the
+    target's greedy token, up to fp32 rounding of a one-token step against a verify chunk."""
+    llm = _llm(copy_models["qwen3"], dict(PROPOSERS["self-int4"], model="self:fp32"))
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)] == plain["qwen3"]
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.95
+    assert "draft:fp32" not in llm.engine.core.executor.variants.weight_bytes
+
+
+def test_self_draft_weights_are_reported(copy_models):
+    variants = _llm(copy_models["llama"], "self-int4").engine.core.executor.variants
+    assert 0 < variants.weight_bytes["draft:int4"] < variants.weight_bytes["fp32"]
+
+
+def test_bad_draft_models_are_refused_at_start(copy_models, tmp_path):
+    import transformers as tf
+    config = conftest._tiny_config("llama")
+    config.vocab_size = 256
+    other = tmp_path / "other-vocab"
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(other)
+    draft = dict(PROPOSERS["self-int4"])
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target's has 512"):
+        _llm(copy_models["llama"], dict(draft, model=str(other)))
+    with pytest.raises(ValueError, match="only the target's own variants .* are served as drafts so far"):
+        _llm(copy_models["llama"], dict(draft, model=copy_models["qwen2"]))  # same vocabulary, another model
+    with pytest.raises(ValueError, match="self:bf16 computes in torch.bfloat16 but the engine's dtype is torch.float32"):
+        _llm(copy_models["llama"], dict(draft, model="self:bf16"))
 
 
 def test_metrics_and_request_log(copy_models, tmp_path):
@@ -209,3 +254,15 @@ def test_metrics_and_request_log(copy_models, tmp_path):
     line = json.loads((tmp_path / "requests.jsonl").read_text())
     assert line["spec_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
     assert line["spec_mean_accepted_length"] == pytest.approx(stats.mean_accepted_length)
+
+
+def test_serve_flags_ask_for_the_self_draft():
+    import argparse
+
+    from tandem.server.launch import add_arguments, with_speculation_flags
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-method", "draft", "--speculative-model", "self:int4",
+                              "--num-speculative-tokens", "5"])
+    spec = EngineConfig.from_dict(with_speculation_flags({}, args)).speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.num_lookahead_tokens) == ("draft", "self:int4", 5, 5)

@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram) on the real default model, SmolLM2-135M in fp32: greedy tokens
-equal speculation off on the shipped grounded and chat prompts, batched and chunked, and a
-stop string inside an accepted run ends the text and the tokens where speculation off does."""
+"""Speculative decoding on the real default model, SmolLM2-135M in fp32, with each proposer
+(n-gram, and the int4 self-draft): greedy tokens equal speculation off on the shipped grounded
+and chat prompts, batched and chunked, and a stop string inside an accepted run ends the text
+and the tokens where speculation off does."""
 from __future__ import annotations
 
 import pytest
@@ -10,19 +11,25 @@ from tandem.bench.spec import load_prompt_sets
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 48
+PROPOSERS = {"ngram": {"method": "ngram"}, "self-int4": {"method": "draft", "model": "self:int4"}}
 
 
 @pytest.fixture(scope="module")
-def runs():
+def off():
     from tandem.models.loader import resolve_model
     path = str(resolve_model("smollm2-135m"))
     sets = load_prompt_sets()
     chats = [[{"role": "user", "content": p}] for p in sets["grounded"][:3] + sets["chat"][:2]]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    off = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
-    on = LLM(path, dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
-    return off, on, chats, params
+    return LLM(path, dtype="float32", kv_cache_memory=64 << 20), chats, params
+
+
+@pytest.fixture(scope="module", params=PROPOSERS)
+def runs(request, off):
+    llm, chats, params = off
+    on = LLM(str(llm.engine.core.model_dir), dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
+             speculative_config=dict(PROPOSERS[request.param], num_speculative_tokens=4, adaptive=False))
+    return llm, on, chats, params
 
 
 def test_greedy_equals_no_speculation(runs):
@@ -30,7 +37,7 @@ def test_greedy_equals_no_speculation(runs):
     ref = [o.outputs[0].token_ids for o in off.chat(chats, params)]
     assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == ref
     stats = on.engine.core.scheduler.spec_stats
-    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # the grounded prompts copy
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # the grounded prompts copy; int4 agrees
 
 
 def test_stop_string_inside_an_accepted_run(runs):

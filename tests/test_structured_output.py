@@ -200,11 +200,13 @@ def test_step_trace_carries_the_masking_cost(model_dir, tmp_path, capsys):
     assert f"grammar masks: {len(lines)} steps" in capsys.readouterr().out
 
 
-def test_speculation_drafts_nothing_for_constrained_requests(model_dir):
-    """With n-gram speculation on, a constrained request still satisfies its constraint and is
-    never drafted for (a draft would skip the grammar's mask); an unconstrained request on the
-    same prompt is. The prompt repeats a span so prompt lookup has matches."""
-    llm = _llm(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "draft", "model": "self:int4"}])
+def test_speculation_drafts_nothing_for_constrained_requests(model_dir, spec):
+    """With speculation on (n-gram, or the int4 self-draft), a constrained request still
+    satisfies its constraint and is never drafted for (a draft would skip the grammar's mask);
+    an unconstrained request on the same prompt is. The prompt repeats a span so prompt lookup
+    has matches."""
+    llm = _llm(model_dir, speculative_config=dict(spec, num_speculative_tokens=3))
     repeat = [5, 6, 7, 8] * 10
     stats = llm.engine.core.scheduler.spec_stats
     for so in KINDS:

@@ -35,7 +35,7 @@ def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
     opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     if args.speculative_method:
-        opts["speculative_config"] = {"method": args.speculative_method,
+        opts["speculative_config"] = {"method": args.speculative_method, "model": args.speculative_model,
                                       "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
@@ -184,6 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-async", action="store_true",
                    help="run tandem with and without async scheduling, side by side")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    p.add_argument("--speculative-model", default=None, help="the draft of --speculative-method draft: self:int4, ...")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--seed", type=int, default=0)

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Speculative decoding: the drafts each request verifies this step, scheduled after its
     # next position (num_scheduled_tokens counts them); see core/spec_decode.py.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Draft-model speculation: the drafts each request's draft proposes in this step, after its
+    # sampled token; their KV slots are allocated past the step's positions (lookahead).
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

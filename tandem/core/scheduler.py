@@ -92,7 +92,10 @@ class Scheduler:
         if self.spec_policy is not None and not self._drafts_planned:
             self._max_drafts = self.spec_policy.choose(len(self.running))
             self._drafts_planned = True
-        return self.config.num_speculative_tokens > 0 and self._max_drafts > 0
+        # A draft model's drafts come from the step before (its lookahead): they are verified
+        # whatever this step's k, so that step is waited for too.
+        drafting = self._step is not None and bool(self._step.out.num_lookahead_tokens)
+        return self.config.num_speculative_tokens > 0 and (self._max_drafts > 0 or drafting)
 
     @property
     def num_unfinished(self) -> int:
@@ -196,12 +199,16 @@ class Scheduler:
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
             # Drafts only on a decode whose last token is known (none in flight).
-            k = num_drafts(min(len(req.spec_token_ids), self._max_drafts), cap, req.max_tokens - req.num_output_tokens) \
+            # A draft model drafted as many as its step's k allowed (lookahead): verify them all.
+            proposed = len(req.spec_token_ids) if self.config.num_lookahead_tokens else \
+                min(len(req.spec_token_ids), self._max_drafts)
+            k = num_drafts(proposed, cap, req.max_tokens - req.num_output_tokens) \
                 if pending == 1 and not req.num_output_placeholders else 0
             num_new = min(pending, cap) + k
-            new_block_ids = self._allocate(req, num_new, step)
-            if new_block_ids is None and k:  # blocks are short: drop the drafts first
-                k, num_new = 0, 1
+            lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
+            new_block_ids = self._allocate(req, num_new + lookahead, step)
+            if new_block_ids is None and (k or lookahead):  # blocks are short: drop the drafts first
+                k, lookahead, num_new = 0, 0, min(pending, cap)
                 new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None and num_new > 1:  # a shorter prefill chunk may fit
                 held = self._held_for_l2(step)[1] if level == 1 else 0
@@ -223,6 +230,8 @@ class Scheduler:
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
             if k:
                 step.out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:k]
+            if lookahead:
+                step.out.num_lookahead_tokens[req.request_id] = lookahead
             req.spec_token_ids = []  # consumed: the next proposal follows this step's tokens
             self._commit(req, num_new, step)
             i += 1
@@ -280,9 +289,12 @@ class Scheduler:
         free = self.kv.num_free_blocks - blocks_held
         if req.swapped:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
+            if cdiv(req.num_computed_tokens + num_new + lookahead, bs) > free:
+                lookahead = 0  # the drafts are what gives way
             if cdiv(req.num_computed_tokens + num_new, bs) > free:
                 return False
-            swapped_in = self.kv.swap_in(req, num_new)
+            swapped_in = self.kv.swap_in(req, num_new + lookahead)
             if swapped_in is None:
                 return False
             pairs, block_ids = swapped_in
@@ -291,8 +303,11 @@ class Scheduler:
         else:
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, cap)
+            lookahead = self._lookahead(req, num_hit + num_new)
             need = cdiv(num_hit + num_new, bs) - len(computed_blocks) + sum(1 for b in computed_blocks if b.ref_cnt == 0)
-            block_ids = self.kv.allocate_slots(req, num_new, computed_blocks) if need <= free else None
+            if need + cdiv(num_hit + num_new + lookahead, bs) - cdiv(num_hit + num_new, bs) > free:
+                lookahead = 0  # the drafts are what gives way
+            block_ids = self.kv.allocate_slots(req, num_new + lookahead, computed_blocks) if need <= free else None
             if block_ids is None:
                 return False
             if req.num_cached_tokens < 0:
@@ -303,12 +318,26 @@ class Scheduler:
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         step.admitted.append(req)
+        if lookahead:
+            out.num_lookahead_tokens[req.request_id] = lookahead
         out.scheduled_new_reqs.append(NewRequestData(
             req.request_id, list(req.prompt_token_ids), req.output_token_ids,
             req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id, req.precision,
         ))
         self._commit(req, num_new, step)
         return True
+
+    def _lookahead(self, req: Request, num_scheduled_end: int) -> int:
+        """KV slots past this step's positions for the drafts a draft model proposes in it
+        (num_lookahead_tokens): only when the step samples the request's token (its scheduled
+        positions end at `num_scheduled_end`), the request speculates, and it may still emit
+        more than one token after this step (a verify step of d drafts emits up to d + 1)."""
+        params = req.sampling_params
+        if (not self.config.num_lookahead_tokens or not params.speculative or params.structured_outputs is not None
+                or num_scheduled_end < req.num_tokens_with_placeholders):
+            return 0
+        rest = req.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1
+        return max(0, min(self.config.num_lookahead_tokens, self._max_drafts, rest - 1))
 
     def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
         return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,

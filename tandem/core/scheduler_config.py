@@ -29,6 +29,9 @@ class SchedulerConfig:
     # acceptance and step costs.
     num_speculative_tokens: int = 0
     adaptive_speculation: bool = True
+    # A draft model proposes in the step that samples, writing its KV at the k positions after
+    # the sampled token: slots allocated past the step's own (0: n-gram, or no speculation).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "multilevel"):

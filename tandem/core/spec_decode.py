@@ -22,7 +22,7 @@ class SpeculativeConfig:
     `serving.speculative_decoding: {draft_model, verify_interval}` (verify_interval is k)."""
 
     method: str = "ngram"
-    model: str | None = None  # the draft (method "draft"): alias, path or self:int4
+    model: str | None = None  # the draft (method "draft"): self:int4 | self:int8 | self:bf16, alias or path
     num_speculative_tokens: int = 4  # k, drafts verified per step at most
     prompt_lookup_min: int = 1  # n-gram: shortest suffix matched
     prompt_lookup_max: int = 3  # n-gram: longest suffix matched (tried first)
@@ -38,11 +38,26 @@ class SpeculativeConfig:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.method == "draft":
-            # The draft-model proposer (its KV in the same paged pool) is not built yet: refuse
-            # it in words rather than serve without speculation.
-            raise ValueError("speculative method 'draft' is not implemented yet; use method 'ngram'")
-        if self.model is not None:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative method 'draft' needs a model: self:int4, self:int8, self:bf16 "
+                                 "(the target's own variant) or another model's alias or path")
+            if (self.prompt_lookup_min, self.prompt_lookup_max) != (1, 3):
+                raise ValueError("prompt_lookup_min / prompt_lookup_max are options of method 'ngram'; "
+                                 "method 'draft' takes none")
+        elif self.model is not None:
             raise ValueError(f"speculative model {self.model!r} given, but method {self.method!r} takes no model")
+
+    @property
+    def self_draft(self) -> str | None:
+        """The precision of a self-draft (`self:int4` -> "int4"), else None."""
+        model = self.model or ""
+        return model.removeprefix("self:") if self.method == "draft" and model.startswith("self:") else None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots the scheduler allocates past a sampling step's positions: a draft model writes
+        its KV for the k positions it proposes in the same step (n-gram drafting writes none)."""
+        return self.num_speculative_tokens if self.method == "draft" else 0
 
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:
@@ -122,6 +137,7 @@ class AdaptiveK:
             self._unfit_steps += 1
             return self.k_max if self._unfit_steps % 2 else 0
         fixed, per_token = cost
+        num_decodes = max(num_decodes, 1)  # nothing running yet: the next step's first request
         base = fixed + per_token * num_decodes
 
         def gain(k: int) -> float:

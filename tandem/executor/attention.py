@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import importlib.util
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +54,33 @@ class AttentionMetadata:
     decode_kernel: Callable | None = None  # native paged decode attention, when available
     triton: bool = False  # the Triton kernels run the whole batch
     max_query_len: int = 1
+
+
+def decode_buckets(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
+                   device: torch.device) -> list[DecodeBucket]:
+    """The padded SDPA buckets of one-token queries (rows sorted by context length), for where
+    no paged kernel runs them: each row's context slots and mask."""
+    bs, buckets = block_size, []
+    for start, end in _length_buckets(seq_lens):
+        grid = np.arange(int(seq_lens[end - 1]))
+        slots = block_tables[start:end, grid // bs] * bs + grid % bs
+        mask = grid[None, :] < seq_lens[start:end, None]
+        buckets.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(device),
+                                    torch.from_numpy(mask[:, None, None, :]).to(device)))
+    return buckets
+
+
+def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:
+    """Split sorted context lengths into runs whose longest is at most `max_pad` times the
+    shortest (runs of at least `min_rows`, so call overhead stays small)."""
+    buckets, start = [], 0
+    for i in range(1, len(lens)):
+        if i - start >= min_rows and lens[i] > max_pad * lens[start]:
+            buckets.append((start, i))
+            start = i
+    if len(lens):
+        buckets.append((start, len(lens)))
+    return buckets
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

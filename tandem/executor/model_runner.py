@@ -13,9 +13,10 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import (
-    AttentionMetadata, DecodeBucket, PrefillSpan, TorchAttention, resolve_attention_backend,
+    AttentionMetadata, PrefillSpan, TorchAttention, decode_buckets, resolve_attention_backend,
 )
 from tandem.executor.cuda_graphs import CUDAGraphRunner
+from tandem.executor.draft_proposer import DraftModelProposer, build_draft_model
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
 from tandem.kernels import cpu_fused_ops, cpu_paged_attention
 from tandem.executor.grammar_compiler import GrammarCompiler
@@ -92,8 +93,11 @@ class ModelRunner:
         self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
         spec = config.speculative_config
-        self.proposer = None if spec is None else NgramProposer(
+        self.proposer = None if spec is None or spec.method != "ngram" else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.drafter = None if spec is None or spec.method != "draft" else DraftModelProposer(
+            build_draft_model(spec, config.model, model_dir, cfg, self.variants, self.device, TorchAttention),
+            self.kv_caches, self.block_size, self.device, self.decode_kernel, self.attention_backend == "triton")
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
         self.prepare_time = 0.0
@@ -193,12 +197,23 @@ class ModelRunner:
             self.step_gaps.step_started()
         for precision, part in by_variant.items():
             self._run_variant(self.variants.models[precision], part, out)
+        if self.drafter is not None and sched.num_lookahead_tokens:
+            self._propose_drafts(sched.num_lookahead_tokens, out)
         if self.step_gaps is not None:
             self.step_gaps.step_ended()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.execute_time = time.perf_counter() - start
         return out
+
+    def _propose_drafts(self, lookahead: dict[str, int], out: ModelRunnerOutput) -> None:
+        """The draft model's proposals after this step's tokens, for the requests that sampled
+        and were given lookahead slots (the scheduler gives none to grammar-constrained ones)."""
+        states = [self.requests[r] for r in lookahead if r in out.sampled_token_ids]
+        if states:
+            drafts = self.drafter.propose([s.token_ids for s in states], [s.block_ids for s in states],
+                                          [lookahead[s.req_id] for s in states])
+            out.spec_token_ids.update((s.req_id, d) for s, d in zip(states, drafts))
 
     def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
         """Forward, logits and sampling of the step's requests that run on `model`."""
@@ -268,13 +283,8 @@ class ModelRunner:
         num_decodes = int(np.searchsorted(counts, 2))  # counts are sorted: 1s first
         decodes = []
         triton = self.attention_backend == "triton"  # its kernels read the block tables themselves
-        buckets = [] if self.decode_kernel is not None or triton else _length_buckets(seq_lens[:num_decodes])
-        for start, end in buckets:
-            grid = np.arange(int(seq_lens[end - 1]))
-            slots = block_tables[start:end, grid // bs] * bs + grid % bs
-            mask = grid[None, :] < seq_lens[start:end, None]
-            decodes.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(dev),
-                                        torch.from_numpy(mask[:, None, None, :]).to(dev)))
+        if self.decode_kernel is None and not triton:
+            decodes = decode_buckets(block_tables[:num_decodes], seq_lens[:num_decodes], bs, dev)
         prefills = []
         for i in range(num_decodes, b) if not triton else ():
             ctx = np.arange(int(seq_lens[i]))
@@ -313,16 +323,3 @@ def _read_blocks(cache: torch.Tensor, block_ids: list[int], block_size: int) -> 
 def _write_blocks(cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor, block_size: int) -> None:
     blocks = _blocks_view(cache, block_size)
     blocks.index_copy_(blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device), kv)
-
-
-def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:
-    """Split sorted context lengths into runs whose longest is at most `max_pad` times the
-    shortest (runs of at least `min_rows`, so call overhead stays small)."""
-    buckets, start = [], 0
-    for i in range(1, len(lens)):
-        if i - start >= min_rows and lens[i] > max_pad * lens[start]:
-            buckets.append((start, i))
-            start = i
-    if len(lens):
-        buckets.append((start, len(lens)))
-    return buckets

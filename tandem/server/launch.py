@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs: run decode steps eagerly too")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft (YAML: serving.speculative_decoding)")
-    p.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
+    p.add_argument("--speculative-model", default=None,
+                   help="the draft (method draft): self:int4 | self:int8 | self:bf16, the target's own variant")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts verified per step (1-16)")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
