@@ -428,7 +428,7 @@ class SchedulerMachine(DriverMachine):
 
     @invariant()
     def ownership(self):
-        check_state(self.sched)
+        self.d.check()
 
     def teardown(self):
         if not hasattr(self, "d"):  # setup itself failed
@@ -644,3 +644,25 @@ def test_drafts_stop_short_of_max_tokens_and_budget():
     req = s.requests["a"]
     out = d.schedule()  # at most max_tokens - output - 1 drafts
     assert len(out.scheduled_spec_decode_tokens.get("a", [])) <= req.max_tokens - req.num_output_tokens - 1
+
+
+def test_pipelined_verify_step_in_flight_behind_a_plain_step():
+    """Regression (PipelinedSpecSchedulerMachine, shrunk): r3 verifies 2 drafts in step 6,
+    step 7 is planned while step 6 runs and drafts nothing, so r3's computed positions run
+    2 ahead of its tokens and placeholders. That is right (the drafts are in flight); the
+    harness's bound, which allowed the slack only once a verify step had come back or was the
+    last one planned, was wrong. The bound now counts the drafts of the steps not handed back."""
+    s = make_sched(num_blocks=10, block_size=1, max_num_seqs=4, max_num_batched_tokens=4,
+                   max_model_len=6, enable_caching=False)
+    d = PipelinedDriver(s, propose=fake_propose)
+    src = d.add(make_req("r1", [1], 4))
+    for rid in ("r2", "r3"):
+        d.add(make_req(rid, [1], 4, prefill_after=src))
+    d.add(make_req("r4", [1], 4))
+    ahead = []
+    while s.num_unfinished or d.in_flight is not None:
+        d.step()  # check_state after schedule and update, with the drafts not handed back
+        ahead += [r.num_computed_tokens - r.num_tokens_with_placeholders for r in s.running
+                  if r.num_computed_tokens > r.num_tokens_with_placeholders]
+    assert ahead and s.spec_stats.num_drafts > 0  # the case arose: drafts in flight behind a plain step
+    assert all(d.finish[r] == "length" and len(d.tokens[r]) == 4 for r in ("r1", "r2", "r3", "r4"))
