@@ -242,7 +242,7 @@ class FakeExecutor:
                     self.pos[rid] = len(toks) - 1
                     self.num_drafts += len(drafts)
                     self.num_accepted += len(sampled[rid]) - 1
-                if self.propose is not None:
+                if self.propose is not None and out.propose_drafts:
                     proposals[rid] = self.propose(rid, toks, self.sample)
         # every live request's blocks hold its tokens (not just the scheduled ones)
         for rid in self.tables:
@@ -433,6 +433,8 @@ class Driver:
         before = set(self.s.requests)
         core = self.s.update_from_output(out, res)
         self.not_handed_back.remove(out)
+        if self.s.spec_policy is not None:  # a bandwidth-bound step: extra positions are cheap
+            self.s.observe_step(out, 0.01 + 1e-4 * out.total_num_scheduled_tokens, res)
         for o in core:
             self.tokens[o.req_id].extend(o.new_token_ids)
             if o.finish_reason is not None:

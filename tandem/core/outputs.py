@@ -48,6 +48,11 @@ class SchedulerOutput:
     # Speculative decoding: the drafts each request verifies this step, scheduled after its
     # next position (num_scheduled_tokens counts them); see core/spec_decode.py.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # drafting: this step was planned to draft (so under async scheduling the step before was
+    # handed back first). propose_drafts: the executor proposes drafts after this step, only
+    # when the next step may verify them, so a step with speculation off by choice does no more.
+    drafting: bool = False
+    propose_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:

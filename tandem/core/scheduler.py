@@ -56,9 +56,11 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         self.spec_policy = AdaptiveK(config.num_speculative_tokens) \
             if config.num_speculative_tokens and config.adaptive_speculation else None
-        # Drafts per request this step: spec_policy's choice, else up to what is proposed.
-        self._max_drafts = config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
-        self._drafts_planned = False
+        # Drafts per request in the coming step: spec_policy's choice, made at the end of the
+        # schedule before (so that step's executor proposes only when they are wanted), else up
+        # to what is proposed.
+        self._next_drafts = 0 if self.spec_policy else config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
+        self._max_drafts = self._next_drafts
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -86,13 +88,10 @@ class Scheduler:
             self._free(req)
 
     def plan_speculation(self) -> bool:
-        """Choose the coming step's drafts per request (AdaptiveK; once per step) and say whether
-        it drafts. The engine asks before schedule(), so under async scheduling it can first hand
-        back the step in flight: a request drafts only once its last token is known."""
-        if self.spec_policy is not None and not self._drafts_planned:
-            self._max_drafts = self.spec_policy.choose(len(self.running))
-            self._drafts_planned = True
-        return self.config.num_speculative_tokens > 0 and self._max_drafts > 0
+        """Whether the coming step drafts. The engine asks before schedule(), so under async
+        scheduling it can first hand back the step in flight (a request drafts only once its
+        last token is known); a step that does not draft overlaps as without speculation."""
+        return self.config.num_speculative_tokens > 0 and self._next_drafts > 0
 
     @property
     def num_unfinished(self) -> int:
@@ -107,8 +106,8 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
-        self.plan_speculation()
-        self._drafts_planned = False
+        self._max_drafts = self._next_drafts
+        out.drafting = self.plan_speculation()
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         reserve = self.l2_token_reserve()
@@ -132,6 +131,9 @@ class Scheduler:
             if level == 1 and blocked:
                 step.lower_prefill_cap, step.throttled = budget, False  # L1 cannot get in now: let the rest finish sooner
         self._end_step(step)
+        if self.spec_policy is not None:
+            self._next_drafts = self.spec_policy.choose(len(self.running))
+        out.propose_drafts = self._next_drafts > 0
         return out
 
     def l2_token_reserve(self) -> int:
@@ -173,11 +175,18 @@ class Scheduler:
         them was planned but never ran, so the executor still holds their state."""
         self._finished_ids |= req_ids
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step that ran took `seconds`: feed the speculation policy's cost fit and adapt the
-        L1 throttle to `l1_step_time` (the engine and the simulator call this after each step)."""
+    def observe_step(self, out: SchedulerOutput, seconds: float, result: ModelRunnerOutput | None = None) -> None:
+        """A step that ran took `seconds` (for the speculation policy, with the executor's idle
+        wait before it): feed the speculation policy (its rates need the step's `result`) and
+        adapt the L1 throttle to `l1_step_time` (the engine and the simulator call this after
+        each step)."""
         if self.spec_policy is not None:
-            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds)
+            drafts = out.scheduled_spec_decode_tokens
+            pure_decode = result is not None and not out.scheduled_new_reqs and all(
+                n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
+            emitted = sum(map(len, result.sampled_token_ids.values())) if pure_decode else 0
+            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds, len(out.num_scheduled_tokens),
+                                          out.drafting, emitted)
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
