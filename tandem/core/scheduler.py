@@ -106,8 +106,14 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
+        # This step's k was chosen one schedule before; the next one's is chosen now, so that
+        # this step's executor proposes (out.propose_drafts) only when they will be verified.
         self._max_drafts = self._next_drafts
         out.drafting = self.plan_speculation()
+        if self.spec_policy is not None:  # requests that opted out (or are constrained) never draft
+            drafters = any(r.sampling_params.drafts for r in self.running)
+            self._next_drafts = self.spec_policy.choose(len(self.running)) if drafters else 0
+        out.propose_drafts = self._next_drafts > 0
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         reserve = self.l2_token_reserve()
@@ -131,9 +137,6 @@ class Scheduler:
             if level == 1 and blocked:
                 step.lower_prefill_cap, step.throttled = budget, False  # L1 cannot get in now: let the rest finish sooner
         self._end_step(step)
-        if self.spec_policy is not None:
-            self._next_drafts = self.spec_policy.choose(len(self.running))
-        out.propose_drafts = self._next_drafts > 0
         return out
 
     def l2_token_reserve(self) -> int:

@@ -236,8 +236,7 @@ class ModelRunner:
                 out.sampled_token_ids[s.req_id] = token_ids
                 if lps is not None:
                     out.logprobs[s.req_id] = lps
-                # a grammar masks one position per step, so constrained requests are not drafted for
-                if propose and self.proposer is not None and s.params.speculative and s.params.structured_outputs is None:
+                if propose and self.proposer is not None and s.params.drafts:
                     out.spec_token_ids[s.req_id] = self.proposer.propose(s.token_ids)
         for s, n in zip(states, counts.tolist()):
             # a verify step keeps the accepted drafts' KV only: the rest is written again
