@@ -42,12 +42,14 @@ def run_config(args, _requests=None) -> dict:
         for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
             outs += llm.chat([[{"role": "user", "content": p}] for p in group], params)
         seconds = time.perf_counter() - start
-        tokens = [o.outputs[0].token_ids for o in outs]
+        tokens, st = [o.outputs[0].token_ids for o in outs], engine.core.stats
         delta = type(stats)(stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
                             stats.num_accepted_tokens - before[2])
         results.append({"set": name, "batch": batch, "output_tokens": sum(map(len, tokens)), "seconds": seconds,
-                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": engine.core.stats.num_steps,
-                        "ms_per_step": engine.core.stats.phase_times["execute"] / max(engine.core.stats.num_steps, 1) * 1e3,
+                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": st.num_steps,
+                        "ms_per_step": st.phase_times["execute"] / max(st.num_steps, 1) * 1e3,
+                        # the executor idle between steps (async overlap lost, e.g. a drafting step's hand-back)
+                        "gap_ms_per_step": st.phase_times["gap"] / max(st.num_steps, 1) * 1e3,
                         "spec_decode": spec_summary(delta) if spec else None, "token_ids": tokens})
     return {"dtype": str(engine.core.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
             "async_scheduling": engine.core.pipeline.overlap, "cases": results}
@@ -71,7 +73,7 @@ def main(args: argparse.Namespace) -> dict:
           f"peak RSS off {off['peak_rss_mb']:.0f} MiB, on {on['peak_rss_mb']:.0f} MiB "
           f"(async overlap: off {'on' if off['async_scheduling'] else 'off'}, on {'on' if on['async_scheduling'] else 'off'})")
     print(f"{'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'accept':>7} {'mean len':>8} "
-          f"{'off ms/step':>11} {'on ms/step':>10} {'equal':>7}")
+          f"{'off ms/step':>11} {'on ms/step':>10} {'gap off/on':>10} {'verifies':>8} {'equal':>7}")
     rows = []
     for a, b in zip(off["cases"], on["cases"]):
         sd = b["spec_decode"]
@@ -81,7 +83,8 @@ def main(args: argparse.Namespace) -> dict:
         rows.append(row)
         print(f"{a['set']:9} {a['batch']:>5} {a['output_throughput']:>10.1f} {b['output_throughput']:>9.1f} "
               f"{row['ratio']:>6.2f}x {sd['acceptance_rate']:>7.1%} {sd['mean_accepted_length']:>8.2f} "
-              f"{a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} {equal:>3}/{row['num_outputs']}")
+              f"{a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} {a['gap_ms_per_step']:>4.1f}/{b['gap_ms_per_step']:<5.1f} "
+              f"{sd['num_drafts']:>8} {equal:>3}/{row['num_outputs']}")
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},
               "off": {k: v for k, v in off.items() if k != "cases"}, "on": {k: v for k, v in on.items() if k != "cases"},
               "rows": rows}
