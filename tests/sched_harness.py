@@ -479,7 +479,8 @@ class Driver:
 class PipelinedDriver(Driver):
     """Async scheduling, as LLMEngine runs it: step N+1 is scheduled (and handed to the
     executor, which runs steps in order) before step N's tokens reach the scheduler. A step
-    that schedules nothing drains the pipeline."""
+    that schedules nothing drains the pipeline, and one the scheduler plans to draft in first
+    hands back the step in flight (EngineCore.step)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -493,6 +494,13 @@ class PipelinedDriver(Driver):
             core += self.update(*self.in_flight)
             self.in_flight = None
         return core
+
+    def step(self) -> SchedulerOutput:
+        if self.in_flight is not None and self.s.plan_speculation():
+            # as the engine does: a step that drafts is planned once the step in flight is back
+            self.update(*self.in_flight)
+            self.in_flight = None
+        return super().step()
 
     def run(self, max_steps: int | None = None) -> int:
         max_steps = self.max_steps if max_steps is None else max_steps
