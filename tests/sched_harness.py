@@ -322,6 +322,11 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     assert sorted(every) == list(range(kv.num_host_blocks))
 
 
+def bandwidth_bound(out: SchedulerOutput) -> float:
+    """A step's seconds where extra positions are cheap (so drafting pays when some are accepted)."""
+    return 0.01 + 1e-4 * out.total_num_scheduled_tokens
+
+
 def l1_limit(s: Scheduler) -> int:
     b = s.config.max_num_batched_tokens
     return b - int(s.config.l2_min_share * b)
@@ -345,8 +350,10 @@ class Driver:
 
     def __init__(self, sched: Scheduler, clock: Clock | None = None, tick: float = 0.0, *,
                  sample: Sampler = fake_token_from_sequence, strict_preemption: bool = False,
-                 max_steps: int = 5_000, propose: Proposer | None = None) -> None:
+                 max_steps: int = 5_000, propose: Proposer | None = None,
+                 step_seconds: Callable[[SchedulerOutput], float] = bandwidth_bound) -> None:
         self.s = sched
+        self.step_seconds = step_seconds  # what a step "took", for the speculation policy
         self.ex = FakeExecutor(sched, sample, strict_preemption, propose)
         self.clock, self.tick = clock, tick
         self.strict_preemption = strict_preemption
@@ -433,8 +440,8 @@ class Driver:
         before = set(self.s.requests)
         core = self.s.update_from_output(out, res)
         self.not_handed_back.remove(out)
-        if self.s.spec_policy is not None:  # a bandwidth-bound step: extra positions are cheap
-            self.s.observe_step(out, 0.01 + 1e-4 * out.total_num_scheduled_tokens, res)
+        if self.s.spec_policy is not None:
+            self.s.observe_step(out, self.step_seconds(out), res)
         for o in core:
             self.tokens[o.req_id].extend(o.new_token_ids)
             if o.finish_reason is not None:

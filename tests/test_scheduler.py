@@ -666,3 +666,23 @@ def test_pipelined_verify_step_in_flight_behind_a_plain_step():
                   if r.num_computed_tokens > r.num_tokens_with_placeholders]
     assert ahead and s.spec_stats.num_drafts > 0  # the case arose: drafts in flight behind a plain step
     assert all(d.finish[r] == "length" and len(d.tokens[r]) == 4 for r in ("r1", "r2", "r3", "r4"))
+
+
+def test_speculation_off_by_choice_is_the_plain_step():
+    """Where a drafting step costs 3x a plain one, AdaptiveK leaves speculation off: the steps
+    are planned as without speculation (no hand-back of the step in flight, no proposals asked
+    for), except one probe per probe_every choices, and the tokens are those of plain decoding."""
+    reqs = [(list(range(1 + i, 6 + i)), 100, False) for i in range(8)]
+    ref = run_workload(reqs, 128, num_blocks=1000, max_num_batched_tokens=10_000, max_num_seqs=100)
+    s = make_sched(num_blocks=300, max_model_len=128, num_speculative_tokens=4)
+    d = PipelinedDriver(s, propose=fake_propose,
+                        step_seconds=lambda out: 0.03 if out.drafting else 0.01)
+    for i, (prompt, max_tokens, _) in enumerate(reqs):
+        d.add(make_req(f"w{i}", prompt, max_tokens))
+    d.run()
+    drafting = [o for o in d.outputs if o.drafting]
+    proposing = [o for o in d.outputs if o.propose_drafts]
+    assert (d.tokens, d.finish) == (ref[0], ref[1]) and len(d.outputs) > 100
+    # a probe per probe_every choices at batch 8, and one at the batch size of the last ones
+    assert 1 <= len(drafting) <= 2 + len(d.outputs) // s.spec_policy.probe_every
+    assert len(proposing) == len(drafting)  # asked for only in the step before each probe
