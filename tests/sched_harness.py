@@ -441,7 +441,7 @@ class Driver:
         core = self.s.update_from_output(out, res)
         self.not_handed_back.remove(out)
         if self.s.spec_policy is not None:
-            self.s.observe_step(out, self.step_seconds(out), res)
+            self.s.observe_step(out, self.step_seconds(out))
         for o in core:
             self.tokens[o.req_id].extend(o.new_token_ids)
             if o.finish_reason is not None:

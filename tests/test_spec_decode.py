@@ -114,7 +114,7 @@ def test_adaptive_k_keeps_greedy_output(copy_models, plain):
     llm = _llm(copy_models["llama"], dict(SPEC, adaptive=True))
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
-    assert llm.engine.core.scheduler.spec_policy.acceptance is not None  # it drafted, measured, chose
+    assert llm.engine.core.scheduler.spec_stats.num_drafts > 0  # it drafted, measured, chose
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(copy_models, plain):
