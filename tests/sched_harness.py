@@ -245,7 +245,7 @@ class FakeExecutor:
                     self.num_drafts += len(drafts)
                     self.num_accepted += len(sampled[rid]) - 1
                 lookahead = out.num_lookahead_tokens.get(rid, 0)
-                if self.propose is not None and not s.config.num_lookahead_tokens:
+                if self.propose is not None and not s.config.num_lookahead_tokens and out.propose_drafts:
                     proposals[rid] = self.propose(rid, toks, self.sample)
                 elif self.propose is not None and lookahead:
                     # a draft model: its "KV" (DRAFT_KV) goes into the lookahead slots after the
@@ -269,9 +269,12 @@ class FakeExecutor:
 # Invariants
 # =====================================================================================
 
-def check_state(s: Scheduler) -> None:
+def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     """Queues, levels, device block ownership and ref counts, the pool's free lists, and
-    the host tier."""
+    the host tier. `unverified`: drafts per request in the steps scheduled and not yet handed
+    back (Driver.unverified()); a request's computed positions run ahead of its tokens by
+    those alone."""
+    unverified = unverified or {}
     kv, pool, cfg = s.kv, s.kv.pool, s.config
     running_ids = [r.request_id for r in s.running]
     waiting = list(s.waiting)
@@ -280,14 +283,15 @@ def check_state(s: Scheduler) -> None:
     assert not set(running_ids) & set(waiting_ids)
     assert set(running_ids) | set(waiting_ids) == set(s.requests)
     assert len(s.running) <= cfg.max_num_seqs
-    # A verify step holds slots for its drafts; rejected ones stay allocated.
-    spec = s.spec_stats.num_drafts or (s._step is not None and s._step.out.scheduled_spec_decode_tokens)
+    # A verify step holds slots for its drafts; rejected ones stay allocated. Under async
+    # scheduling a verify step may still be in flight behind a later step that drafts nothing.
+    spec = s.spec_stats.num_drafts or unverified or (s._step is not None and s._step.out.scheduled_spec_decode_tokens)
     slack = (MAX_DRAFTS + 1 if spec else 0) + cfg.num_lookahead_tokens  # + a draft model's lookahead slots
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
         assert cdiv(r.num_computed_tokens, kv.block_size) <= len(kv.block_ids(r)) \
             <= cdiv(r.num_computed_tokens + slack, kv.block_size)
-        assert 0 < r.num_computed_tokens <= r.num_tokens_with_placeholders + slack
+        assert 0 < r.num_computed_tokens <= r.num_tokens_with_placeholders + unverified.get(r.request_id, 0)
         assert r.num_output_placeholders <= 2  # the step in flight's and the one just scheduled
     for level in (1, 2, 3):
         for r in s.waiting.queues[level]:
@@ -329,6 +333,11 @@ def check_state(s: Scheduler) -> None:
     assert sorted(every) == list(range(kv.num_host_blocks))
 
 
+def bandwidth_bound(out: SchedulerOutput) -> float:
+    """A step's seconds where extra positions are cheap (so drafting pays when some are accepted)."""
+    return 0.01 + 1e-4 * out.total_num_scheduled_tokens
+
+
 def l1_limit(s: Scheduler) -> int:
     b = s.config.max_num_batched_tokens
     return b - int(s.config.l2_min_share * b)
@@ -352,8 +361,10 @@ class Driver:
 
     def __init__(self, sched: Scheduler, clock: Clock | None = None, tick: float = 0.0, *,
                  sample: Sampler = fake_token_from_sequence, strict_preemption: bool = False,
-                 max_steps: int = 5_000, propose: Proposer | None = None) -> None:
+                 max_steps: int = 5_000, propose: Proposer | None = None,
+                 step_seconds: Callable[[SchedulerOutput], float] = bandwidth_bound) -> None:
         self.s = sched
+        self.step_seconds = step_seconds  # what a step "took", for the speculation policy
         self.ex = FakeExecutor(sched, sample, strict_preemption, propose)
         self.clock, self.tick = clock, tick
         self.strict_preemption = strict_preemption
@@ -365,6 +376,7 @@ class Driver:
         self.level_of: dict[str, int] = {}
         self.readmitted_same_step = 0  # preempted and admitted again within one schedule()
         self.preempted_in_flight = 0  # preempted while a token of theirs was in flight (async)
+        self.not_handed_back: list[SchedulerOutput] = []  # scheduled, update_from_output not yet called
 
     def add(self, req: Request) -> Request:
         self.s.add_request(req)
@@ -404,7 +416,8 @@ class Driver:
         for new in out.scheduled_new_reqs:  # a swapped request resumes where it was
             if new.req_id in before and before[new.req_id][1]:
                 assert new.num_computed_tokens == before[new.req_id][0]
-        check_state(s)
+        self.not_handed_back.append(out)
+        self.check()
         self.outputs.append(out)
         return out
 
@@ -418,7 +431,18 @@ class Driver:
         assert 0 <= out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
         assert len(s.running) <= s.config.max_num_seqs
-        check_state(s)
+        self.check()
+
+    def unverified(self) -> dict[str, int]:
+        """Drafts per request in the steps not yet handed back."""
+        counts: dict[str, int] = {}
+        for out in self.not_handed_back:
+            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+                counts[rid] = counts.get(rid, 0) + len(drafts)
+        return counts
+
+    def check(self) -> None:
+        check_state(self.s, self.unverified())
 
     def finish_step(self, out: SchedulerOutput):
         return self.update(out, self.ex.execute(out))
@@ -426,12 +450,15 @@ class Driver:
     def update(self, out: SchedulerOutput, res: ModelRunnerOutput):
         before = set(self.s.requests)
         core = self.s.update_from_output(out, res)
+        self.not_handed_back.remove(out)
+        if self.s.spec_policy is not None:
+            self.s.observe_step(out, self.step_seconds(out))
         for o in core:
             self.tokens[o.req_id].extend(o.new_token_ids)
             if o.finish_reason is not None:
                 self.finish[o.req_id] = o.finish_reason
         self.pending_finished |= before - set(self.s.requests)
-        check_state(self.s)
+        self.check()
         if self.clock is not None:
             self.clock.t += self.tick
         return core
@@ -448,7 +475,7 @@ class Driver:
         for rid in gone:
             self.finish[rid] = "abort"
         self.pending_finished |= gone
-        check_state(self.s)
+        self.check()
 
     def run(self, max_steps: int | None = None) -> int:
         max_steps = self.max_steps if max_steps is None else max_steps
@@ -470,7 +497,8 @@ class Driver:
 class PipelinedDriver(Driver):
     """Async scheduling, as LLMEngine runs it: step N+1 is scheduled (and handed to the
     executor, which runs steps in order) before step N's tokens reach the scheduler. A step
-    that schedules nothing drains the pipeline."""
+    that schedules nothing drains the pipeline, and one the scheduler plans to draft in first
+    hands back the step in flight (EngineCore.step)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -484,6 +512,13 @@ class PipelinedDriver(Driver):
             core += self.update(*self.in_flight)
             self.in_flight = None
         return core
+
+    def step(self) -> SchedulerOutput:
+        if self.in_flight is not None and self.s.plan_speculation():
+            # as the engine does: a step that drafts is planned once the step in flight is back
+            self.update(*self.in_flight)
+            self.in_flight = None
+        return super().step()
 
     def run(self, max_steps: int | None = None) -> int:
         max_steps = self.max_steps if max_steps is None else max_steps

@@ -23,7 +23,7 @@ from tandem.core.request import RequestStatus
 from tandem.core.scheduler import SchedulerConfig
 
 import sched_harness
-from sched_harness import (EOS, Clock, Driver, DriverMachine, PipelinedDriver, check_state,
+from sched_harness import (EOS, Clock, Driver, DriverMachine, PipelinedDriver,
                            make_req, prompts)
 
 # Multilevel queues and recompute-on-preemption unless a test says otherwise.
@@ -799,7 +799,7 @@ class MultilevelMachine(DriverMachine):
 
     @invariant()
     def state(self):
-        check_state(self.sched)
+        self.d.check()
 
     def teardown(self):
         if not hasattr(self, "d"):

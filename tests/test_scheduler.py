@@ -428,7 +428,7 @@ class SchedulerMachine(DriverMachine):
 
     @invariant()
     def ownership(self):
-        check_state(self.sched)
+        self.d.check()
 
     def teardown(self):
         if not hasattr(self, "d"):  # setup itself failed
@@ -647,3 +647,45 @@ def test_drafts_stop_short_of_max_tokens_and_budget():
     req = s.requests["a"]
     out = d.schedule()  # at most max_tokens - output - 1 drafts
     assert len(out.scheduled_spec_decode_tokens.get("a", [])) <= req.max_tokens - req.num_output_tokens - 1
+
+
+def test_pipelined_verify_step_in_flight_behind_a_plain_step():
+    """Regression (PipelinedSpecSchedulerMachine, shrunk): r3 verifies 2 drafts in step 6,
+    step 7 is planned while step 6 runs and drafts nothing, so r3's computed positions run
+    2 ahead of its tokens and placeholders. That is right (the drafts are in flight); the
+    harness's bound, which allowed the slack only once a verify step had come back or was the
+    last one planned, was wrong. The bound now counts the drafts of the steps not handed back."""
+    s = make_sched(num_blocks=10, block_size=1, max_num_seqs=4, max_num_batched_tokens=4,
+                   max_model_len=6, enable_caching=False)
+    d = PipelinedDriver(s, propose=fake_propose)
+    src = d.add(make_req("r1", [1], 4))
+    for rid in ("r2", "r3"):
+        d.add(make_req(rid, [1], 4, prefill_after=src))
+    d.add(make_req("r4", [1], 4))
+    ahead = []
+    while s.num_unfinished or d.in_flight is not None:
+        d.step()  # check_state after schedule and update, with the drafts not handed back
+        ahead += [r.num_computed_tokens - r.num_tokens_with_placeholders for r in s.running
+                  if r.num_computed_tokens > r.num_tokens_with_placeholders]
+    assert ahead and s.spec_stats.num_drafts > 0  # the case arose: drafts in flight behind a plain step
+    assert all(d.finish[r] == "length" and len(d.tokens[r]) == 4 for r in ("r1", "r2", "r3", "r4"))
+
+
+def test_speculation_off_by_choice_is_the_plain_step():
+    """Where a drafting step costs 3x a plain one, AdaptiveK leaves speculation off: the steps
+    are planned as without speculation (no hand-back of the step in flight, no proposals asked
+    for), except one probe per probe_every choices, and the tokens are those of plain decoding."""
+    reqs = [(list(range(1 + i, 6 + i)), 100, False) for i in range(8)]
+    ref = run_workload(reqs, 128, num_blocks=1000, max_num_batched_tokens=10_000, max_num_seqs=100)
+    s = make_sched(num_blocks=300, max_model_len=128, num_speculative_tokens=4)
+    d = PipelinedDriver(s, propose=fake_propose,
+                        step_seconds=lambda out: 0.03 if out.drafting else 0.01)
+    for i, (prompt, max_tokens, _) in enumerate(reqs):
+        d.add(make_req(f"w{i}", prompt, max_tokens))
+    d.run()
+    drafting = [o for o in d.outputs if o.drafting]
+    proposing = [o for o in d.outputs if o.propose_drafts]
+    assert (d.tokens, d.finish) == (ref[0], ref[1]) and len(d.outputs) > 100
+    # a probe per probe_every choices at batch 8, and one at the batch size of the last ones
+    assert 1 <= len(drafting) <= 2 + len(d.outputs) // s.spec_policy.probe_every
+    assert len(proposing) == len(drafting)  # asked for only in the step before each probe

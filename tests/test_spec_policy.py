@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.core.spec_decode import AdaptiveK, SpecDecodeStats, SpeculativeConfig, num_drafts
 
@@ -24,33 +26,58 @@ def test_fit_recovers_the_step_cost_and_the_acceptance():
     assert policy.acceptance == pytest.approx(0.5, abs=0.02)
 
 
-def test_drafts_at_batch_one_and_turns_off_at_large_batch():
-    """A bandwidth-bound step (a large fixed part) pays for drafts at batch 1; at batch 64 the
-    extra tokens cost more than the accepted ones save."""
+def test_draft_size_from_acceptance_and_step_cost():
+    """A bandwidth-bound step (a large fixed part) pays for 3 drafts at batch 1; at batch 64
+    the extra tokens cost more, so fewer; high acceptance drafts more."""
     policy = _trained(0.4, fixed=0.02, per_token=0.0005)
-    assert policy.choose(1) == 3  # E(k) * 0.0205 / (0.02 + 0.0005 (1 + k)) peaks at k = 3 (1.51x)
-    assert policy.choose(64) == 0
+    assert policy.num_to_draft(1) == 3  # E(k) * 0.0205 / (0.02 + 0.0005 (1 + k)) peaks at k = 3 (1.51x)
+    assert policy.num_to_draft(64) == 1
+    assert 1 < _trained(0.9, fixed=0.02, per_token=0.0005).num_to_draft(64) <= policy.k_max
+    assert AdaptiveK(4).num_to_draft(8) == 4  # no cost fit yet: k_max
+    assert AdaptiveK(4).acceptance == 0.5  # the prior
 
 
-def test_high_acceptance_keeps_drafting_at_large_batch_with_fewer_drafts():
-    policy = _trained(0.9, fixed=0.02, per_token=0.0005)
-    assert 0 < policy.choose(64) <= policy.choose(1)
+def _decode_step(policy: AdaptiveK, batch: int, drafted: bool, seconds: float) -> None:
+    """A pure-decode step at `batch`, every request with 4 drafts when `drafted`."""
+    policy.observe_step(batch * (5 if drafted else 1), seconds, batch, drafted, (4,) * batch if drafted else ())
 
 
-def test_off_probes_now_and_then_and_drafts_before_measuring():
-    assert AdaptiveK(4).choose(64) == 4  # nothing measured: draft, to measure
-    policy = _trained(0.1, fixed=0.01, per_token=0.001, k_max=4)
-    choices = [policy.choose(32) for _ in range(128)]
-    assert choices.count(0) == 126 and choices.count(1) == 2
+def test_plain_first_then_one_probe_then_the_faster_mode():
+    policy = AdaptiveK(4)  # acceptance 0.5: a request with 4 drafts is credited E(4) = 1.94 tokens
+    assert policy.choose(8) == 0  # nothing measured: plain steps cost nothing extra
+    _decode_step(policy, 8, False, seconds=0.02)
+    assert policy.choose(8) == 4  # the probe right after the first plain step
+    _decode_step(policy, 8, True, seconds=0.04)  # 1.94x the tokens for 2x the time: slower
+    assert [policy.choose(8) for _ in range(63)] == [0] * 63
+    assert policy.choose(8) == 4  # the next probe, probe_every choices after the first
+    _decode_step(policy, 8, True, seconds=0.01)  # now cheap: the decayed rate beats plain's
+    assert policy.choose(8) > 0 and policy.choose(9) > 0  # 8-15 is one bucket (k now from the cost fit)
+    assert policy.choose(16) == 0  # another bucket: its plain rate first
 
 
-def test_one_step_size_alternates_until_the_costs_can_be_told_apart():
+def test_one_unlucky_probe_is_credited_the_measured_acceptance():
+    """The yield of a drafting step comes from the acceptance over all verify steps, so a probe
+    whose drafts were all rejected still counts what drafting is expected to give."""
+    policy = _trained(0.8, fixed=0.02, per_token=0.0001)
+    _decode_step(policy, 1, False, seconds=0.02)
+    assert policy.choose(1) > 0  # the probe
+    policy.observe_verify(4, 0)  # all rejected this once
+    _decode_step(policy, 1, True, seconds=0.022)
+    assert policy.choose(1) > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 256), st.floats(1e-3, 1.0), st.floats(0.3, 3.0), st.integers(0, 200))
+def test_the_other_mode_runs_only_as_rare_probes(batch, plain_seconds, ratio, steps):
+    """Whatever the costs, once both are measured the slower mode runs at most once per
+    probe_every choices; where drafting does not pay, k = 0 (off) is the rule."""
     policy = AdaptiveK(4)
-    policy.observe_verify(4, 2)
-    for _ in range(5):
-        policy.observe_step(8, 0.1)
-    assert policy.step_cost() is None
-    assert {policy.choose(8), policy.choose(8)} == {0, 4}
+    _decode_step(policy, batch, False, plain_seconds)
+    _decode_step(policy, batch, True, plain_seconds * ratio)
+    faster = policy.rate(batch, True) >= policy.min_gain * policy.rate(batch, False)
+    choices = [policy.choose(batch) for _ in range(steps)]
+    slower = sum(1 for k in choices if (k > 0) != faster)
+    assert slower <= 1 + steps // policy.probe_every
 
 
 def test_num_drafts_fits_budget_and_max_tokens():

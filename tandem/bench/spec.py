@@ -60,15 +60,17 @@ def run_config(args, _requests=None) -> dict:
         for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
             outs += llm.chat([[{"role": "user", "content": p}] for p in group], params)
         seconds = time.perf_counter() - start
-        tokens = [o.outputs[0].token_ids for o in outs]
+        tokens, st = [o.outputs[0].token_ids for o in outs], engine.core.stats
         delta = type(stats)(stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
                             stats.num_accepted_tokens - before[2])
         steps = max(engine.core.stats.num_steps, 1)
         forwards, draft_s = (drafter.num_forwards - draft_before[0], drafter.seconds - draft_before[1]) \
             if drafter is not None else (0, 0.0)
         results.append({"set": name, "batch": batch, "output_tokens": sum(map(len, tokens)), "seconds": seconds,
-                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": engine.core.stats.num_steps,
-                        "ms_per_step": engine.core.stats.phase_times["execute"] / steps * 1e3,
+                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": st.num_steps,
+                        "ms_per_step": st.phase_times["execute"] / steps * 1e3,
+                        # the executor idle between steps (async overlap lost, e.g. a drafting step's hand-back)
+                        "gap_ms_per_step": st.phase_times["gap"] / steps * 1e3,
                         # a draft model's part of each step, and of each of its one-token forwards
                         "draft_ms_per_step": draft_s / steps * 1e3,
                         "draft_ms_per_forward": draft_s / forwards * 1e3 if forwards else None,
@@ -104,7 +106,8 @@ def main(args: argparse.Namespace) -> dict:
           + ", ".join(f"{n} {r['peak_rss_mb']:.0f} MiB" for n, r in runs.items())
           + f" (async overlap {'on' if off['async_scheduling'] else 'off'})")
     print(f"{'proposer':10} {'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'accept':>7} "
-          f"{'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} {'draft ms':>8} {'ms/fwd':>6} {'equal':>7}")
+          f"{'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} {'gap off/on':>10} {'verifies':>8} "
+          f"{'draft ms':>8} {'ms/fwd':>6} {'equal':>7}")
     rows = []
     off_tokens = [a.pop("token_ids") for a in off["cases"]]
     for name, run in runs.items():
@@ -118,7 +121,8 @@ def main(args: argparse.Namespace) -> dict:
             fwd = f"{b['draft_ms_per_forward']:.1f}" if b["draft_ms_per_forward"] is not None else "-"
             print(f"{name:10} {a['set']:9} {a['batch']:>5} {a['output_throughput']:>10.1f} {b['output_throughput']:>9.1f} "
                   f"{row['ratio']:>6.2f}x {sd['acceptance_rate']:>7.1%} {sd['mean_accepted_length']:>8.2f} "
-                  f"{a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} {b['draft_ms_per_step']:>8.1f} {fwd:>6} "
+                  f"{a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} {a['gap_ms_per_step']:>4.1f}/{b['gap_ms_per_step']:<5.1f} "
+                  f"{sd['num_drafts']:>8} {b['draft_ms_per_step']:>8.1f} {fwd:>6} "
                   f"{equal:>3}/{row['num_outputs']}")
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},
               "off": {k: v for k, v in off.items() if k != "cases"},

@@ -51,6 +51,11 @@ class SchedulerOutput:
     # Draft-model speculation: the drafts each request's draft proposes in this step, after its
     # sampled token; their KV slots are allocated past the step's positions (lookahead).
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+    # drafting: this step was planned to draft (so under async scheduling the step before was
+    # handed back first). propose_drafts: the executor proposes drafts after this step, only
+    # when the next step may verify them, so a step with speculation off by choice does no more.
+    drafting: bool = False
+    propose_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -136,3 +136,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def drafts(self) -> bool:
+        """Whether speculative decoding drafts for this request: not when it opted out, nor
+        under a grammar (a grammar masks one position per step)."""
+        return self.speculative and self.structured_outputs is None

@@ -56,9 +56,11 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         self.spec_policy = AdaptiveK(config.num_speculative_tokens) \
             if config.num_speculative_tokens and config.adaptive_speculation else None
-        # Drafts per request this step: spec_policy's choice, else up to what is proposed.
-        self._max_drafts = config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
-        self._drafts_planned = False
+        # Drafts per request in the coming step: spec_policy's choice, made at the end of the
+        # schedule before (so that step's executor proposes only when they are wanted), else up
+        # to what is proposed.
+        self._next_drafts = 0 if self.spec_policy else config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
+        self._max_drafts = self._next_drafts
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -86,16 +88,12 @@ class Scheduler:
             self._free(req)
 
     def plan_speculation(self) -> bool:
-        """Choose the coming step's drafts per request (AdaptiveK; once per step) and say whether
-        it drafts. The engine asks before schedule(), so under async scheduling it can first hand
-        back the step in flight: a request drafts only once its last token is known."""
-        if self.spec_policy is not None and not self._drafts_planned:
-            self._max_drafts = self.spec_policy.choose(len(self.running))
-            self._drafts_planned = True
-        # A draft model's drafts come from the step before (its lookahead): they are verified
-        # whatever this step's k, so that step is waited for too.
-        drafting = self._step is not None and bool(self._step.out.num_lookahead_tokens)
-        return self.config.num_speculative_tokens > 0 and (self._max_drafts > 0 or drafting)
+        """Whether the coming step drafts (its k was chosen one schedule before, and a draft
+        model proposed that many in the step before, into its lookahead slots). The engine asks
+        before schedule(), so under async scheduling it can first hand back the step in flight
+        (a request drafts only once its last token is known); a step that does not draft
+        overlaps as without speculation."""
+        return self.config.num_speculative_tokens > 0 and self._next_drafts > 0
 
     @property
     def num_unfinished(self) -> int:
@@ -110,8 +108,14 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
-        self.plan_speculation()
-        self._drafts_planned = False
+        # This step's k was chosen one schedule before; the next one's is chosen now, so that
+        # this step's executor proposes (out.propose_drafts) only when they will be verified.
+        self._max_drafts = self._next_drafts
+        out.drafting = self.plan_speculation()
+        if self.spec_policy is not None:  # requests that opted out (or are constrained) never draft
+            drafters = any(r.sampling_params.drafts for r in self.running)
+            self._next_drafts = self.spec_policy.choose(len(self.running)) if drafters else 0
+        out.propose_drafts = self._next_drafts > 0
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         reserve = self.l2_token_reserve()
@@ -177,10 +181,16 @@ class Scheduler:
         self._finished_ids |= req_ids
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step that ran took `seconds`: feed the speculation policy's cost fit and adapt the
-        L1 throttle to `l1_step_time` (the engine and the simulator call this after each step)."""
+        """A step that ran took `seconds` (for the speculation policy, with the executor's idle
+        wait before it): feed the speculation policy and adapt the L1 throttle to
+        `l1_step_time` (the engine and the simulator call this after each step)."""
         if self.spec_policy is not None:
-            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds)
+            drafts = out.scheduled_spec_decode_tokens
+            pure_decode = not out.scheduled_new_reqs and all(
+                n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
+            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds,
+                                          len(out.num_scheduled_tokens) if pure_decode else 0, out.drafting,
+                                          tuple(map(len, drafts.values())))
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
@@ -332,12 +342,12 @@ class Scheduler:
         (num_lookahead_tokens): only when the step samples the request's token (its scheduled
         positions end at `num_scheduled_end`), the request speculates, and it may still emit
         more than one token after this step (a verify step of d drafts emits up to d + 1)."""
-        params = req.sampling_params
-        if (not self.config.num_lookahead_tokens or not params.speculative or params.structured_outputs is not None
+        if (not self.config.num_lookahead_tokens or not req.sampling_params.drafts
                 or num_scheduled_end < req.num_tokens_with_placeholders):
             return 0
         rest = req.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1
-        return max(0, min(self.config.num_lookahead_tokens, self._max_drafts, rest - 1))
+        # the drafts proposed in this step are verified in the next: its k, chosen in schedule()
+        return max(0, min(self.config.num_lookahead_tokens, self._next_drafts, rest - 1))
 
     def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
         return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,

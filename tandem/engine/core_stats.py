@@ -51,16 +51,20 @@ class StepStats:
 
     def record(self, done: ExecutedStep) -> None:
         core, kv = self.core, self.core.kv_manager
-        core.scheduler.observe_step(done.sched, done.end - done.start)
         self.num_steps += 1
         self.kv_utilization_sum += kv.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, kv.usage)
         self.phase_times["execute"] += done.end - done.start
         # Idle time before the first step after the engine got work is not a gap.
+        gap = 0.0
         if self._last_execute_end is not None and self._last_execute_end >= self.busy_since:
-            self.phase_times["gap"] += done.start - self._last_execute_end
+            gap = done.start - self._last_execute_end
+            self.phase_times["gap"] += gap
             self.num_gaps += 1
         self._last_execute_end = done.end
+        # The step's cost as throughput sees it: the executor's time and its wait before it
+        # (a drafting step waits for the engine to hand back the step in flight first).
+        core.scheduler.observe_step(done.sched, done.end - done.start + gap)
 
     def snapshot(self) -> SchedulerStats:
         s, kv = self.core.scheduler, self.core.kv_manager

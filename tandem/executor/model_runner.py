@@ -196,7 +196,7 @@ class ModelRunner:
         if self.step_gaps is not None:
             self.step_gaps.step_started()
         for precision, part in by_variant.items():
-            self._run_variant(self.variants.models[precision], part, out)
+            self._run_variant(self.variants.models[precision], part, out, sched.propose_drafts)
         if self.drafter is not None and sched.num_lookahead_tokens:
             self._propose_drafts(sched.num_lookahead_tokens, out)
         if self.step_gaps is not None:
@@ -215,8 +215,9 @@ class ModelRunner:
                                           [lookahead[s.req_id] for s in states])
             out.spec_token_ids.update((s.req_id, d) for s, d in zip(states, drafts))
 
-    def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
-        """Forward, logits and sampling of the step's requests that run on `model`."""
+    def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput, propose: bool) -> None:
+        """Forward, logits and sampling of the step's requests that run on `model`; drafts for
+        the next step when `propose` (the scheduler plans to verify some)."""
         start = time.perf_counter()
         states = [self.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
@@ -250,8 +251,7 @@ class ModelRunner:
                 out.sampled_token_ids[s.req_id] = token_ids
                 if lps is not None:
                     out.logprobs[s.req_id] = lps
-                # a grammar masks one position per step, so constrained requests are not drafted for
-                if self.proposer is not None and s.params.speculative and s.params.structured_outputs is None:
+                if propose and self.proposer is not None and s.params.drafts:
                     out.spec_token_ids[s.req_id] = self.proposer.propose(s.token_ids)
         for s, n in zip(states, counts.tolist()):
             # a verify step keeps the accepted drafts' KV only: the rest is written again
