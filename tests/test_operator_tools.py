@@ -10,8 +10,7 @@ import httpx
 
 from server_fixture import running_server
 from tandem.bench import offline
-from tandem.bench.scrape import format_counters, kv_layout, run_counters, scrape
-from tandem.bench.scrape import format_ideal
+from tandem.bench.scrape import format_counters, format_ideal, kv_layout, run_counters, scrape, warm_mismatch
 from tandem.cli import main as cli_main
 from tandem.config import EngineConfig
 from tandem.server.api_server import ServerConfig
@@ -74,6 +73,13 @@ def test_bench_serve_reports_the_servers_prefix_cache_hits(tiny_model_dirs):
     ideal["cache_size"] = ideal_prefix_hits([prompt, prompt], block_size, blocks)
     assert ideal["unbounded"]["hit_tokens"] == counters["prefix_cache_hits"]  # the cache did what the ideal does
     assert "= 100% of the ideal the cache size allows" in format_ideal(counters, ideal)
+    assert "WARNING" not in format_ideal(counters, ideal)
+    # The same prompts once more on this now warm server: it hits more than they share.
+    warm = {**counters, "prefix_cache_hit_ratio": 0.99}
+    assert "had them cached from an earlier run" in format_ideal(warm, ideal)
+    assert warm_mismatch([counters, counters]) is None
+    assert "not like for like" in warm_mismatch([counters, warm])
+    assert warm_mismatch([counters, None]) is None
     assert kv_layout("http://127.0.0.1:9") is None
 
 

@@ -86,6 +86,9 @@ def ideal_of(prompts: list[list[int]], block_size: int, blocks: int) -> dict:
             "cache_size": ideal_prefix_hits(prompts, block_size, blocks) if blocks else None}
 
 
+WARM_MARGIN = 0.05  # hit ratio above the prompts' own sharing that means a warm cache
+
+
 def format_ideal(counters: dict | None, ideal: dict) -> str:
     got = (counters or {}).get("prefix_cache_hit_ratio")
     bounded = ideal["cache_size"] or ideal["unbounded"]
@@ -93,4 +96,17 @@ def format_ideal(counters: dict | None, ideal: dict) -> str:
             f"(unbounded), {bounded['token_ratio']:.1%} (within {bounded['capacity_blocks']} KV blocks)")
     if got is not None and bounded["token_ratio"]:
         line += f"; achieved {got:.1%} = {got / bounded['token_ratio']:.0%} of the ideal the cache size allows"
+    if got is not None and got > ideal["unbounded"]["token_ratio"] + WARM_MARGIN:
+        line += (f"\nWARNING: the server hit more than this run's prompts share among themselves: it had "
+                 f"them cached from an earlier run (the same --seed?), so its latency is not a cold server's")
     return line
+
+
+def warm_mismatch(counters: list[dict | None]) -> str | None:
+    """A warning when two compared runs met prefix caches of different warmth: the ratios then
+    measure the cache, not the servers."""
+    ratios = [(c or {}).get("prefix_cache_hit_ratio") for c in counters]
+    if None in ratios or abs(ratios[0] - ratios[1]) <= WARM_MARGIN:
+        return None
+    return (f"WARNING: the two runs hit the prefix cache on {ratios[0]:.1%} and {ratios[1]:.1%} of prompt "
+            "tokens: one server had these prompts cached, so the ratios below are not like for like")

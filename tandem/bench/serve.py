@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from tandem.bench import report
-from tandem.bench.scrape import format_counters, format_ideal, ideal_of, kv_layout, run_counters, scrape
+from tandem.bench.scrape import format_counters, format_ideal, ideal_of, kv_layout, run_counters, scrape, warm_mismatch
 from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
 
@@ -229,6 +229,9 @@ def main(args: argparse.Namespace) -> dict:
             print(f"{run['base_url']}: {format_ideal(run['server_counters'], run['prefix_ideal'])}")
     if len(runs) == 2:
         out["compare"], out["ratios"] = runs[1], report.ratios(runs[0]["summary"], runs[1]["summary"])
+        warning = warm_mismatch([run["server_counters"] for run in runs])
+        if warning:
+            print(warning)
         print(report.format_compare(runs[0], runs[1], out["ratios"]))
     if args.plot_dir:
         out["plots"] = report.write_plots(Path(args.plot_dir), runs)

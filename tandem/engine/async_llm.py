@@ -229,8 +229,7 @@ class AsyncLLM:
             self._client.send(AbortRequests(stopped, stopped=True))
         if self.on_step is not None:
             self.on_step(msg.step_seconds, outputs, msg.stats)
-        for stream, snap in deliveries:
-            _put(stream, snap)
+        _put_all(deliveries)
 
     def _on_dead(self, message: str) -> None:
         if self._dead is not None:
@@ -251,10 +250,26 @@ class AsyncLLM:
 
 
 def _put(stream: _Stream, item: Any) -> None:
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # the stream's event loop is closed: nobody is listening
-        pass
+    _put_all([(stream, item)])
+
+
+def _put_all(deliveries: list[tuple[_Stream, Any]]) -> None:
+    """Hand a step's items to their streams with one wake-up per event loop, not one per
+    stream (each call_soon_threadsafe writes to the loop's self-pipe: 64 syscalls a step at
+    concurrency 64)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for stream, item in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
