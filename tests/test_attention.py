@@ -44,10 +44,11 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     build (a server killed on its first start) is removed instead of blocking every later
     start forever, and a fresh one (a build under way) is waited for."""
     import os
+    import subprocess
     import threading
     import time
 
-    from tandem.kernels import STALE_LOCK_S, build_dir
+    from tandem.kernels import LOCK_GRACE_S, STALE_LOCK_S, build_dir
     a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
     for p in (a, b):
         p.parent.mkdir()
@@ -65,6 +66,15 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     t0 = time.monotonic()
     build_dir(a, tmp_path / "kernels")
     assert 0.25 < time.monotonic() - t0 < STALE_LOCK_S and not lock.exists()  # waited, not timed out
+    # Past the grace period, a lock is kept while a process builds in the folder (however slow
+    # the machine), and removed once none does.
+    lock.touch()
+    old = time.time() - LOCK_GRACE_S - 1
+    os.utime(lock, (old, old))
+    builder = subprocess.Popen(["sleep", "1"], cwd=build)
+    t0 = time.monotonic()
+    build_dir(a, tmp_path / "kernels")
+    assert time.monotonic() - t0 > 0.5 and builder.poll() is not None and not lock.exists()
     b.write_text("int y;\n")
     assert build_dir(b, tmp_path / "kernels")[0] != build  # other source, other build
 

@@ -10,9 +10,13 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# A build takes about 20 s here. A build lock older than this was left by a build that was
-# interrupted (a server killed on its first start); torch would wait on it forever.
-STALE_LOCK_S = 120.0
+# A build lock can be left by a build that was interrupted (a server killed on its first start);
+# torch would wait on it forever. A build takes about 20 s on a quiet machine and minutes on a
+# loaded one, so age alone cannot tell: a lock is stale once no process builds in its folder
+# (ninja and the compiler run there) after LOCK_GRACE_S, or, where /proc cannot say, after
+# STALE_LOCK_S.
+LOCK_GRACE_S = 5.0
+STALE_LOCK_S = 900.0
 
 
 def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
@@ -34,7 +38,7 @@ def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
             return build, src
-        if age > STALE_LOCK_S:
+        if _lock_is_stale(build, age):
             log.warning("removing a kernel build lock left %.0f s ago by an interrupted build", age)
             lock.unlink(missing_ok=True)
             return build, src
@@ -42,6 +46,23 @@ def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
             log.info("waiting for another process's kernel build (%s)", lock)
             waiting = True
         time.sleep(0.5)
+
+
+def _lock_is_stale(build: Path, age: float) -> bool:
+    if age < LOCK_GRACE_S:
+        return False  # the builder may not have started ninja yet
+    proc = Path("/proc")
+    if not (proc / "self" / "cwd").exists():
+        return age > STALE_LOCK_S
+    folder = str(build.resolve())
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "cwd") == folder:
+                    return False
+            except OSError:  # gone, or not ours to read
+                continue
+    return True
 
 
 @functools.cache
