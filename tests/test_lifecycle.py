@@ -60,6 +60,7 @@ class Served:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        self.proc.kill()  # not left running after the test
         raise TimeoutError("tandem serve did not come up")
 
     def engine_pids(self) -> list[int]:
