@@ -66,21 +66,6 @@ def test_one_unlucky_probe_is_credited_the_measured_acceptance():
     assert policy.choose(1) > 0
 
 
-def test_a_probe_that_verified_nothing_is_retried_not_counted():
-    """Prompt lookup at the start of an answer may propose nothing: that drafting step measured
-    nothing about drafting, so it is not counted against it, and the probe runs again, up to
-    probe_tries choices in a row; then off until the next probe."""
-    policy = AdaptiveK(4)
-    _decode_step(policy, 1, False, seconds=0.02)
-    assert policy.choose(1) == 4  # the probe
-    policy.observe_step(1, 0.03, 1, True, (0,))  # it drafted, but nothing was proposed
-    assert policy.rate(1, True) is None
-    assert [policy.choose(1) > 0 for _ in range(policy.probe_tries - 1)] == [True] * (policy.probe_tries - 1)
-    assert policy.choose(1) == 0  # nothing measured in probe_tries tries: off
-    _decode_step(policy, 1, True, seconds=0.01)  # a probe with drafts, cheap: drafting wins
-    assert policy.rate(1, True) is not None and policy.choose(1) > 0
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 256), st.floats(1e-3, 1.0), st.floats(0.3, 3.0), st.integers(0, 200))
 def test_the_other_mode_runs_only_as_rare_probes(batch, plain_seconds, ratio, steps):

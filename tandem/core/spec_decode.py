@@ -96,10 +96,7 @@ class AdaptiveK:
     the lost overlap) are in them, which a fit of cost against tokens missed. A plain step
     yields a token per request; a drafting step is credited the tokens the measured acceptance
     expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
-    happened to accept, so one unlucky probe does not turn drafting off for probe_every steps;
-    a drafting step where nothing was proposed (prompt lookup at the start of an answer) is not
-    counted at all, and while a bucket has no drafting rate the probe is retried, up to
-    `probe_tries` choices in a row.
+    happened to accept, so one unlucky probe does not turn drafting off for probe_every steps.
     Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
     `probe_every` choices the other mode runs once to refresh its rate (the first probe comes
     right after the first plain step is measured). Off costs nothing beyond those probes.
@@ -114,9 +111,8 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
-                 rate_decay: float = 0.8, probe_tries: int = 8) -> None:
+                 rate_decay: float = 0.8) -> None:
         self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
-        self.probe_tries = probe_tries
         self.rate_decay = rate_decay
         self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
         self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
@@ -138,9 +134,7 @@ class AdaptiveK:
         f, d = self._fit, self.decay
         for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
             f[i] = f[i] * d + v
-        if num_decodes and (any(draft_counts) or not drafted):  # a drafting step that verified no
-            # draft (nothing was proposed) says nothing about drafting: not counted, so the probe
-            # runs again (choose)
+        if num_decodes:
             tokens = num_decodes + sum(self._tokens_per_verify(k) - 1 for k in draft_counts)
             rate = self._rates.setdefault((num_decodes.bit_length(), drafted), [0.0, 0.0])
             rate[0] = rate[0] * self.rate_decay + tokens
@@ -178,9 +172,7 @@ class AdaptiveK:
         bucket = num_decodes.bit_length()
         n = self._choices[bucket] = self._choices.get(bucket, 0) + 1
         drafting = spec is not None and spec >= self.min_gain * plain
-        # the other mode, once; while drafting is unmeasured here, up to probe_tries times in a
-        # row (a probe where nothing was proposed measured nothing)
-        probe = n % self.probe_every == 1 or (spec is None and n <= self.probe_tries)
+        probe = n % self.probe_every == 1  # the other mode, once
         return self.num_to_draft(num_decodes) if drafting != probe else 0
 
     def num_to_draft(self, num_decodes: int) -> int:
