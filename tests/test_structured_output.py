@@ -206,7 +206,8 @@ def test_speculation_drafts_nothing_for_constrained_requests(model_dir, spec):
     satisfies its constraint and is never drafted for (a draft would skip the grammar's mask);
     an unconstrained request on the same prompt is. The prompt repeats a span so prompt lookup
     has matches."""
-    llm = _llm(model_dir, speculative_config=dict(spec, num_speculative_tokens=3))
+    # k fixed (adaptive off): AdaptiveK would start with plain steps and might never draft here
+    llm = _llm(model_dir, speculative_config=dict(spec, num_speculative_tokens=3, adaptive=False))
     repeat = [5, 6, 7, 8] * 10
     stats = llm.engine.core.scheduler.spec_stats
     for so in KINDS:
