@@ -209,10 +209,8 @@ class Scheduler:
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
             # Drafts only on a decode whose last token is known (none in flight).
-            # A draft model drafted as many as its step's k allowed (lookahead): verify them all.
-            proposed = len(req.spec_token_ids) if self.config.num_lookahead_tokens else \
-                min(len(req.spec_token_ids), self._max_drafts)
-            k = num_drafts(proposed, cap, req.max_tokens - req.num_output_tokens) \
+            # (a draft model proposed at most this step's k: its lookahead was sized by it)
+            k = num_drafts(min(len(req.spec_token_ids), self._max_drafts), cap, req.max_tokens - req.num_output_tokens) \
                 if pending == 1 and not req.num_output_placeholders else 0
             num_new = min(pending, cap) + k
             lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
