@@ -107,3 +107,42 @@ def test_decode_from_fused_qkv_equals_the_separate_ops(dtype):
     assert not torch.equal(fused_cache, cache)
     meta.num_decodes = batch - 1  # the last row a prefill: not this path
     assert attn.forward_qkv(qkv, cache, meta) is None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["decode-kernel", "sdpa-buckets"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, tol):
+    """A verify query (a decode plus its drafts) given as one one-token row per position, each
+    attending to the context up to its own position (how the model runner builds a verify step
+    on the torch backend), attends as the same query does as one causal chunk after its cached
+    context; a decode and a prefill chunk share the batch, and the K/V written is the same."""
+    import numpy as np
+
+    from tandem.executor.attention import TorchAttention, build_attention_metadata
+    ext = cpu_paged_attention()
+    if native and ext is None:
+        pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, bs, num_blocks = 9, 3, 64, 16, 64
+    # request 0: a decode at 40 cached; 1: a verify of 5 positions at 30 cached; 2: a 7-token chunk at 20
+    cached, qlens = np.array([40, 30, 20]), np.array([1, 5, 7])
+    tables = np.stack([torch.randperm(num_blocks, generator=g)[:4].numpy() for _ in range(3)]).astype(np.int64)
+    req = np.repeat(np.arange(3), qlens)
+    positions = np.concatenate([np.arange(c, c + q) for c, q in zip(cached, qlens)])
+    slots = tables[req, positions // bs] * bs + positions % bs
+    t = int(qlens.sum())
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    cache = torch.randn(2, num_blocks * bs, kv_heads, d, generator=g).to(dtype)
+    kernel = ext.paged_decode_attention if native else None
+    per_request = build_attention_metadata(tables, cached + qlens, qlens, slots, bs, torch.device("cpu"), kernel)
+    row_req = np.concatenate([req[:6], [2]])  # the decode and each verify position, then the chunk
+    rows = build_attention_metadata(tables[row_req], np.concatenate([positions[:6] + 1, [27]]),
+                                    np.array([1] * 6 + [7]), slots, bs, torch.device("cpu"), kernel)
+    assert (per_request.num_decodes, len(per_request.prefills)) == (1, 2)
+    assert (rows.num_decodes, len(rows.prefills)) == (6, 1)
+    attn = TorchAttention(heads, kv_heads, d)
+    ref_cache, row_cache = cache.clone(), cache.clone()
+    ref = attn.forward(q, k, v, ref_cache, per_request)
+    out = attn.forward(q, k, v, row_cache, rows)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(ref_cache, row_cache)

@@ -4,11 +4,12 @@ cached prefix, GQA, head_dim 32/64/128, block sizes 16/32. On CPU they run under
 TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), on tiny shapes."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tandem.executor import triton_attention
-from tandem.executor.attention import AttentionMetadata, DecodeBucket, PrefillSpan, TorchAttention
+from tandem.executor.attention import AttentionMetadata, TorchAttention, build_attention_metadata
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -60,24 +61,9 @@ def _batch(query_lens: list[int], context_lens: list[int], bs: int, num_blocks: 
 
 
 def _reference_meta(block_tables, seq_lens, qsl, slots, query_lens, bs) -> AttentionMetadata:
-    """The metadata the model runner builds for TorchAttention: one decode bucket, one span per prefill."""
-    num_decodes = sum(1 for q in query_lens if q == 1)
-    decodes, prefills = [], []
-    if num_decodes:
-        grid = torch.arange(int(seq_lens[:num_decodes].max()))
-        dslots = (block_tables[:num_decodes, grid // bs] * bs + grid % bs).reshape(-1)
-        mask = (grid[None, :] < seq_lens[:num_decodes, None])[:, None, None, :]
-        decodes.append(DecodeBucket(0, num_decodes, dslots.to(DEVICE), mask.to(DEVICE)))
-    for i in range(num_decodes, len(query_lens)):
-        ctx = torch.arange(int(seq_lens[i]))
-        cached = int(seq_lens[i]) - query_lens[i]
-        mask = None
-        if cached:
-            mask = (ctx[None, :] <= (cached + torch.arange(query_lens[i]))[:, None]).to(DEVICE)
-        prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]),
-                                    (block_tables[i, ctx // bs] * bs + ctx % bs).to(DEVICE), mask))
-    return AttentionMetadata(slots.to(DEVICE), block_tables.to(DEVICE), seq_lens.to(DEVICE), qsl.to(DEVICE),
-                             num_decodes, decodes, prefills, bs)
+    """The metadata the model runner builds for TorchAttention's PyTorch path (no native kernel)."""
+    return build_attention_metadata(block_tables.numpy(), seq_lens.numpy(), np.array(query_lens), slots.numpy(),
+                                    bs, DEVICE)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -2,7 +2,10 @@
 
 Metadata is in the form a paged kernel takes (slot_mapping, block_tables, seq_lens,
 query_start_loc); the gather indices and masks derived from it are built once per step and
-shared by every layer. The batch is ordered decodes first, by context length. On CPU the
+shared by every layer (`build_attention_metadata`, one builder for the model runner and the
+draft proposer). The batch is ordered one-token rows first, by context length: decodes, and on
+the torch backend each position of a verify query (a decode plus its drafts) as a row of its
+own, so verification costs a decode kernel call rather than a chunked-prefill one. On CPU the
 single-token queries run in one call of a native paged kernel that reads K/V in place
 (kernels/cpu_paged_attention.cpp), and a decode-only step writes K/V and attends in one call
 on the layer's fused qkv (`forward_qkv`); elsewhere, or without a compiler, they run as a few padded
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem.executor.device import to_device
 from tandem.kernels import cpu_paged_attention
 
 
@@ -43,11 +47,13 @@ class DecodeBucket:
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    # Per attention row (a request's query, or one position of a verify query: see
+    # build_attention_metadata):
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] (padded with 0)
-    seq_lens: torch.Tensor  # [num_seqs] context length after this step
-    query_start_loc: torch.Tensor  # [num_seqs + 1]
-    num_decodes: int  # the first num_decodes sequences have one query token each
+    block_tables: torch.Tensor  # [num_rows, max_blocks] (padded with 0)
+    seq_lens: torch.Tensor  # [num_rows] context length after this step
+    query_start_loc: torch.Tensor  # [num_rows + 1]
+    num_decodes: int  # the first num_decodes rows have one query token each
     decodes: list[DecodeBucket]  # empty when decode_kernel or Triton runs them
     prefills: list[PrefillSpan]  # empty with Triton
     block_size: int = 16
@@ -56,13 +62,47 @@ class AttentionMetadata:
     max_query_len: int = 1
 
 
+def build_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                             slot_mapping: np.ndarray, block_size: int, device: torch.device,
+                             decode_kernel: Callable | None = None, triton: bool = False) -> AttentionMetadata:
+    """A step's metadata from its attention rows (host arrays): row i's query is the last
+    query_lens[i] tokens of its context of seq_lens[i] tokens, in the blocks block_tables[i];
+    one-token rows come first (roughly by context length, so padded buckets pad little).
+
+    A row is not a request: the model runner gives a verify query (a decode plus its k drafts)
+    as k + 1 one-token rows, each attending to the context up to its own position, which is the
+    query's causal attention; every position's K/V is written before any row attends."""
+    num_rows = len(query_lens)
+    qsl = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    multi = np.flatnonzero(query_lens > 1)
+    num_decodes = int(multi[0]) if len(multi) else num_rows
+    decodes, prefills = [], []
+    if decode_kernel is None and not triton:
+        decodes = decode_buckets(block_tables[:num_decodes], seq_lens[:num_decodes], block_size, device)
+    for i in range(num_decodes, num_rows) if not triton else ():
+        ctx = np.arange(int(seq_lens[i]))
+        slots = torch.from_numpy(block_tables[i, ctx // block_size] * block_size + ctx % block_size).to(device)
+        cached = int(seq_lens[i] - query_lens[i])
+        mask = None  # no earlier context: plain causal
+        if cached:
+            qpos = cached + np.arange(int(query_lens[i]))
+            mask = torch.from_numpy(ctx[None, :] <= qpos[:, None]).to(device)
+        prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), slots, mask))
+    return AttentionMetadata(
+        slot_mapping=to_device(slot_mapping, device), block_tables=to_device(block_tables, device),
+        seq_lens=to_device(seq_lens, device), query_start_loc=to_device(qsl, device),
+        num_decodes=num_decodes, decodes=decodes, prefills=prefills, block_size=block_size,
+        decode_kernel=decode_kernel, triton=triton, max_query_len=int(query_lens.max(initial=1)))
+
+
 def decode_buckets(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
                    device: torch.device) -> list[DecodeBucket]:
-    """The padded SDPA buckets of one-token queries (rows sorted by context length), for where
-    no paged kernel runs them: each row's context slots and mask."""
+    """The padded SDPA buckets of one-token queries (rows roughly sorted by context length), for
+    where no paged kernel runs them: each row's context slots and mask."""
     bs, buckets = block_size, []
     for start, end in _length_buckets(seq_lens):
-        grid = np.arange(int(seq_lens[end - 1]))
+        grid = np.arange(int(seq_lens[start:end].max()))
         slots = block_tables[start:end, grid // bs] * bs + grid % bs
         mask = grid[None, :] < seq_lens[start:end, None]
         buckets.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(device),
@@ -71,7 +111,7 @@ def decode_buckets(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: i
 
 
 def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:
-    """Split sorted context lengths into runs whose longest is at most `max_pad` times the
+    """Split (roughly) sorted context lengths into runs whose longest is at most `max_pad` times the
     shortest (runs of at least `min_rows`, so call overhead stays small)."""
     buckets, start = [], 0
     for i in range(1, len(lens)):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tandem.core.spec_decode import SpeculativeConfig
-from tandem.executor.attention import AttentionMetadata, decode_buckets
+from tandem.executor.attention import build_attention_metadata
 from tandem.models.builder import build_model, resolve_precision, weight_bytes
 from tandem.models.llama import LlamaForCausalLM, ModelConfig
 from tandem.models.loader import gguf_source, load_config, load_tokenizer, resolve_model
@@ -114,12 +114,7 @@ class DraftModelProposer:
         """One decode position per row: write the draft's KV there, return its argmax token."""
         bs, dev, b = self.block_size, self.device, len(positions)
         slots = tables[np.arange(b), positions // bs] * bs + positions % bs
-        seq_lens = positions + 1
-        buckets = [] if self.decode_kernel is not None or self.triton else decode_buckets(tables, seq_lens, bs, dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev), query_start_loc=torch.arange(b + 1, device=dev),
-            num_decodes=b, decodes=buckets, prefills=[], block_size=bs, decode_kernel=self.decode_kernel,
-            triton=self.triton, max_query_len=1)
+        meta = build_attention_metadata(tables, positions + 1, np.ones(b, dtype=np.int64), slots, bs, dev,
+                                        self.decode_kernel, self.triton)
         hidden = self.model(ids, torch.from_numpy(positions).to(dev), self.kv_caches, meta)
         return self.model.compute_logits(hidden).argmax(dim=-1)

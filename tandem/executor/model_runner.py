@@ -12,9 +12,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
-from tandem.executor.attention import (
-    AttentionMetadata, PrefillSpan, TorchAttention, decode_buckets, resolve_attention_backend,
-)
+from tandem.executor.attention import TorchAttention, build_attention_metadata, resolve_attention_backend
 from tandem.executor.cuda_graphs import CUDAGraphRunner
 from tandem.executor.draft_proposer import DraftModelProposer, build_draft_model
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
@@ -185,9 +183,11 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
-        # Decodes (one token) first, shortest context first, so length buckets pad little.
+        # One-token rows (decodes, verify queries) first, shortest context first, so length
+        # buckets pad little.
         order = sorted(sched.num_scheduled_tokens.items(),
-                       key=lambda kv: (kv[1] > 1, self.requests[kv[0]].num_computed_tokens))
+                       key=lambda kv: (not self._one_token_rows(self.requests[kv[0]], kv[1]),
+                                       self.requests[kv[0]].num_computed_tokens))
         out = ModelRunnerOutput()
         by_variant: dict[str, list[tuple[str, int]]] = {}
         for req_id, n in order:  # one forward per variant present (one KV pool, disjoint blocks)
@@ -258,6 +258,12 @@ class ModelRunner:
             s.num_computed_tokens = len(s.token_ids) - 1 if s.spec_token_ids else s.num_computed_tokens + n
             s.spec_token_ids = []
 
+    def _one_token_rows(self, state: CachedRequestState, n: int) -> bool:
+        """Whether the request's n positions run as one-token attention rows: a decode, or (except
+        under Triton, whose kernel takes queries of any length) a verify query, whose positions
+        then take the paged decode kernel instead of the chunked-prefill path."""
+        return n == 1 or (bool(state.spec_token_ids) and self.attention_backend != "triton")
+
     def _prepare_inputs(self, states: list[CachedRequestState], counts: np.ndarray):
         bs, dev = self.block_size, self.device
         b = len(states)
@@ -280,30 +286,19 @@ class ModelRunner:
             block_tables[i, :len(s.block_ids)] = s.block_ids
         slot_mapping = block_tables[token_req, positions // bs] * bs + positions % bs
 
-        num_decodes = int(np.searchsorted(counts, 2))  # counts are sorted: 1s first
-        decodes = []
-        triton = self.attention_backend == "triton"  # its kernels read the block tables themselves
-        if self.decode_kernel is None and not triton:
-            decodes = decode_buckets(block_tables[:num_decodes], seq_lens[:num_decodes], bs, dev)
-        prefills = []
-        for i in range(num_decodes, b) if not triton else ():
-            ctx = np.arange(int(seq_lens[i]))
-            slots = torch.from_numpy(block_tables[i, ctx // bs] * bs + ctx % bs).to(dev)
-            mask = None
-            if computed[i]:
-                qpos = computed[i] + np.arange(int(counts[i]))
-                mask = torch.from_numpy(ctx[None, :] <= qpos[:, None]).to(dev)
-            prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), slots, mask))
+        # Attention rows: each position of the leading one-token-row requests (execute_model puts
+        # them first), then one row per remaining request.
+        split = [self._one_token_rows(s, n) for s, n in zip(states, counts.tolist())]
+        num_split = split.index(False) if False in split else b
+        nt = int(qsl[num_split])
+        rest = np.arange(num_split, b)
+        row_req = np.concatenate([token_req[:nt], rest])
+        meta = build_attention_metadata(
+            block_tables[row_req], np.concatenate([positions[:nt] + 1, seq_lens[rest]]),
+            np.concatenate([np.ones(nt, dtype=np.int64), counts[rest]]), slot_mapping, bs, dev,
+            self.decode_kernel, self.attention_backend == "triton")
 
         logits_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + len(s.spec_token_ids)]
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, dev),
-            block_tables=to_device(block_tables, dev),
-            seq_lens=to_device(seq_lens, dev),
-            query_start_loc=to_device(qsl, dev),
-            num_decodes=num_decodes, decodes=decodes, prefills=prefills,
-            block_size=bs, decode_kernel=self.decode_kernel, triton=triton, max_query_len=int(counts.max()),
-        )
         input_ids = to_device(np.array(ids, dtype=np.int64), dev)
         logits_index = to_device(np.array(logits_indices(
             qsl[1:][logits_rows].tolist(), [len(states[i].spec_token_ids) for i in logits_rows]), dtype=np.int64), dev)
