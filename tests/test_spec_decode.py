@@ -27,10 +27,14 @@ KINDS = ["llama", "qwen2", "qwen3"]
 MAX_NEW = 24
 # A fixed k, so every test verifies drafts (AdaptiveK would turn speculation off on these
 # models, where a token costs much beside a step's fixed part: test_adaptive_k_...).
+FIRST_LAYER = "<the target's first layer>"  # _llm puts the path of the target's one-layer copy here
 PROPOSERS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "self-int4": {"method": "draft", "model": "self:int4", "num_speculative_tokens": 4, "adaptive": False},
+    # another model: its own KV layers in the target's slots
+    "first-layer": {"method": "draft", "model": FIRST_LAYER, "num_speculative_tokens": 4, "adaptive": False},
 }
+TRUNCATED: dict[str, str] = {}  # target path -> its copy truncated to the first layer
 SPEC = PROPOSERS["ngram"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
@@ -47,6 +51,13 @@ def copy_models(tmp_path_factory) -> dict[str, str]:
         path = tmp_path_factory.mktemp(f"copy-{kind}")
         model.save_pretrained(path)
         out[kind] = str(path)
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:1]
+        first = tmp_path_factory.mktemp(f"first-layer-{kind}")
+        model.save_pretrained(first)
+        TRUNCATED[str(path)] = str(first)
     return out
 
 
@@ -60,6 +71,8 @@ def _llm(path: str, spec: bool | str | dict, **kw) -> LLM:
     """spec: a PROPOSERS name, True (n-gram), a speculative_config, or False (off)."""
     kw.setdefault("kv_cache_memory", 1 << 22)
     spec = PROPOSERS.get(spec) if isinstance(spec, str) else SPEC if spec is True else spec or None
+    if spec and spec.get("model") == FIRST_LAYER:
+        spec = dict(spec, model=TRUNCATED[path])
     return LLM(path, dtype="float32", speculative_config=spec, **kw)
 
 
@@ -97,7 +110,10 @@ SCENARIOS = {
 def test_greedy_equals_no_speculation(kind, scenario, proposer, copy_models, plain):
     kw = dict(SCENARIOS[scenario])
     if scenario in ("recompute", "swap"):
-        kw["kv_cache_memory"] = _per_token(copy_models[kind]) * 4 * 24  # ~96 tokens: preempts
+        per_token = _per_token(copy_models[kind])
+        if proposer == "first-layer":  # the draft's own layers share each block
+            per_token += _per_token(TRUNCATED[copy_models[kind]])
+        kw["kv_cache_memory"] = per_token * 4 * 24  # ~96 tokens: preempts
     llm = _llm(copy_models[kind], proposer, **kw)
     outs = llm.generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain[kind]
@@ -213,6 +229,28 @@ def test_self_draft_of_the_targets_own_weights_is_accepted_throughout(copy_model
     assert "draft:fp32" not in llm.engine.core.executor.variants.weight_bytes
 
 
+def test_another_model_as_draft_keeps_its_own_kv(copy_models, plain, tmp_path):
+    """A draft given by path is another model with KV layers of its own in the target's slots
+    (the pool pays for both per block). An identical copy of the target drafts what the target
+    samples, so its KV is right through prefills, catch-ups and rejected runs; greedy output
+    equals no speculation (the one-layer copy's equality is in the scenario tests)."""
+    import shutil
+    copy = tmp_path / "same-weights"
+    shutil.copytree(copy_models["qwen2"], copy)
+    llm = _llm(copy_models["qwen2"], dict(PROPOSERS["first-layer"], model=str(copy)), block_size=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)] == plain["qwen2"]
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.95
+    executor = llm.engine.core.executor
+    per_token = _per_token(copy_models["qwen2"])
+    assert executor.num_kv_blocks == (1 << 22) // (2 * per_token * 8)  # target and draft layers alike
+    assert executor.drafter.kv_caches[0].shape == executor.kv_caches[0].shape
+    assert executor.drafter.kv_caches[0].data_ptr() != executor.kv_caches[0].data_ptr()
+    assert f"draft:{copy}" in executor.variants.weight_bytes
+    kv = llm.engine.core.kv_manager
+    assert kv.num_free_blocks == executor.num_kv_blocks and not kv.req_to_blocks
+
+
 def test_self_draft_weights_are_reported(copy_models):
     variants = _llm(copy_models["llama"], "self-int4").engine.core.executor.variants
     assert 0 < variants.weight_bytes["draft:int4"] < variants.weight_bytes["fp32"]
@@ -227,8 +265,19 @@ def test_bad_draft_models_are_refused_at_start(copy_models, tmp_path):
     draft = dict(PROPOSERS["self-int4"])
     with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target's has 512"):
         _llm(copy_models["llama"], dict(draft, model=str(other)))
-    with pytest.raises(ValueError, match="only the target's own variants .* are served as drafts so far"):
-        _llm(copy_models["llama"], dict(draft, model=copy_models["qwen2"]))  # same vocabulary, another model
+    # the same vocabulary size, tokens meaning other strings
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    target, draft_dir = tmp_path / "target", tmp_path / "draft"
+    shutil.copytree(copy_models["llama"], target)
+    shutil.copytree(TRUNCATED[copy_models["llama"]], draft_dir)
+    for folder, names in ((target, range(512)), (draft_dir, reversed(range(512)))):
+        vocab = {f"t{n}": i for i, n in enumerate(names)}
+        tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)
+    with pytest.raises(ValueError, match="has another tokenizer than the target's"):
+        _llm(str(target), dict(draft, model=str(draft_dir)))
     with pytest.raises(ValueError, match="self:bf16 computes in torch.bfloat16 but the engine's dtype is torch.float32"):
         _llm(copy_models["llama"], dict(draft, model="self:bf16"))
 

@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="ngram", help="comma-separated proposers to compare with speculation off: "
                    "ngram, draft (one run per --speculative-model)")
     p.add_argument("--speculative-model", default="self:int4",
-                   help="comma-separated drafts of --method draft (self:int4, self:int8, self:bf16)")
+                   help="comma-separated drafts of --method draft (self:int4, self:int8, self:bf16, or a model alias or path)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="AdaptiveK chooses each step's k (--no-adaptive: always k)")

@@ -56,9 +56,16 @@ class ModelRunner:
         self.dtype = self.variants.dtype
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
 
+        spec = config.speculative_config
+        draft = None if spec is None or spec.method != "draft" else build_draft_model(
+            spec, config.model, model_dir, self.model_config, self.variants, self.device, TorchAttention)
+        own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
+
         self.block_size = config.block_size
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        target_per_block = per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        if own_draft_kv:  # the draft's KV shares the target's slots: each block holds both
+            per_block += draft.cfg.kv_bytes_per_token(self.dtype) * self.block_size
         self.num_kv_blocks = budget // per_block
         if self.num_kv_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block (one block is {per_block} bytes)")
@@ -68,16 +75,17 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_device = self.kv_cache.device
-        self.num_host_blocks = config.swap_space // per_block
+        self.num_host_blocks = config.swap_space // target_per_block  # a swapped-out draft starts again
         self._host_kv_cache: torch.Tensor | None = None  # allocated at the first swap-out
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.decode_kernel = None
-        if self.attention_backend == "torch" and self.device.type == "cpu" and cfg.head_dim in (64, 128):
+        kernel = None  # the native paged decode kernel (head_dim 64 or 128)
+        if self.attention_backend == "torch" and self.device.type == "cpu":
             ext = cpu_paged_attention()
-            self.decode_kernel = ext.paged_decode_attention if ext is not None else None
+            kernel = ext.paged_decode_attention if ext is not None else None
+        self.decode_kernel = kernel if cfg.head_dim in (64, 128) else None
         if self.device.type == "cpu":
             cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
         self.graph_runner = None
@@ -90,12 +98,11 @@ class ModelRunner:
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
-        spec = config.speculative_config
         self.proposer = None if spec is None or spec.method != "ngram" else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.drafter = None if spec is None or spec.method != "draft" else DraftModelProposer(
-            build_draft_model(spec, config.model, model_dir, cfg, self.variants, self.device, TorchAttention),
-            self.kv_caches, self.block_size, self.device, self.decode_kernel, self.attention_backend == "triton")
+        self.drafter = None if draft is None else DraftModelProposer(
+            draft, self.kv_caches, own_draft_kv, self.block_size, self.device, kernel,
+            self.attention_backend == "triton")
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.
         self.prepare_time = 0.0
@@ -141,6 +148,8 @@ class ModelRunner:
         if self.structured_output is not None:
             for req_id in sched.finished_req_ids | sched.preempted_req_ids:
                 self.structured_output.remove(req_id)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids | sched.preempted_req_ids)
         for new in sched.scheduled_new_reqs:
             self._add(new)
         for cached in sched.scheduled_cached_reqs:
@@ -211,7 +220,8 @@ class ModelRunner:
         and were given lookahead slots (the scheduler gives none to grammar-constrained ones)."""
         states = [self.requests[r] for r in lookahead if r in out.sampled_token_ids]
         if states:
-            drafts = self.drafter.propose([s.token_ids for s in states], [s.block_ids for s in states],
+            drafts = self.drafter.propose([s.req_id for s in states], [s.token_ids for s in states],
+                                          [s.block_ids for s in states],
                                           [lookahead[s.req_id] for s in states])
             out.spec_token_ids.update((s.req_id, d) for s, d in zip(states, drafts))
 

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft (YAML: serving.speculative_decoding)")
     p.add_argument("--speculative-model", default=None,
-                   help="the draft (method draft): self:int4 | self:int8 | self:bf16, the target's own variant")
+                   help="the draft (method draft): self:int4 | self:int8 | self:bf16, the target's own variant, or another model's alias or path with the same tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts verified per step (1-16)")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
