@@ -10,6 +10,7 @@ indexes only those, never holds an unverified token.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 METHODS = ("ngram", "draft")
@@ -119,6 +120,8 @@ class AdaptiveK:
         # (bucket, drafted) -> decayed [tokens emitted, seconds] of pure-decode steps
         self._rates: dict[tuple[int, bool], list[float]] = {}
         self._choices: dict[int, int] = {}  # bucket -> choices made there since its plain rate was known
+        # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
+        self.trace: Callable[[dict], None] | None = None
 
     def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
         self._accepted = self._accepted * self.decay + num_accepted
@@ -139,6 +142,9 @@ class AdaptiveK:
             rate = self._rates.setdefault((num_decodes.bit_length(), drafted), [0.0, 0.0])
             rate[0] = rate[0] * self.rate_decay + tokens
             rate[1] = rate[1] * self.rate_decay + seconds
+        if self.trace is not None:
+            self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
+                        "drafted": drafted, "draft_counts": list(draft_counts)})
 
     @property
     def acceptance(self) -> float:
@@ -166,6 +172,14 @@ class AdaptiveK:
         return max(y / n - per_token * x / n, 0.0), per_token
 
     def choose(self, num_decodes: int) -> int:
+        k = self._choose(num_decodes)
+        if self.trace is not None:
+            self.trace({"event": "choose", "decodes": num_decodes, "bucket": num_decodes.bit_length(),
+                        "plain": self.rate(num_decodes, False), "spec": self.rate(num_decodes, True),
+                        "drafting": k > 0, "k": k, "acceptance": self.acceptance})
+        return k
+
+    def _choose(self, num_decodes: int) -> int:
         plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
         if plain is None:
             return 0  # plain steps first: they cost nothing extra
