@@ -37,19 +37,31 @@ def test_draft_size_from_acceptance_and_step_cost():
     assert AdaptiveK(4).acceptance == 0.5  # the prior
 
 
-def _decode_step(policy: AdaptiveK, batch: int, drafted: bool, seconds: float) -> None:
-    """A pure-decode step at `batch`, every request with 4 drafts when `drafted`."""
-    policy.observe_step(batch * (5 if drafted else 1), seconds, batch, drafted, (4,) * batch if drafted else ())
+def _decode_step(policy: AdaptiveK, batch: int, drafted: bool, seconds: float, drafts: int = 4) -> None:
+    """A pure-decode step at `batch`, every request with `drafts` drafts when `drafted`."""
+    policy.observe_step(batch * (1 + drafts if drafted else 1), seconds, batch, drafted,
+                        (drafts,) * batch if drafted else ())
+
+
+def _plain_steps(policy: AdaptiveK, batch: int, seconds: float) -> None:
+    """Enough plain steps for the bucket to be judged: the first (maybe a new shape) and min_samples."""
+    for _ in range(1 + policy.min_samples):
+        _decode_step(policy, batch, False, seconds)
 
 
 def test_plain_first_then_one_probe_then_the_faster_mode():
     policy = AdaptiveK(4)  # acceptance 0.5: a request with 4 drafts is credited E(4) = 1.94 tokens
     assert policy.choose(8) == 0  # nothing measured: plain steps cost nothing extra
+    _decode_step(policy, 8, False, seconds=0.02)  # a new shape: not a sample
+    assert policy.rate(8, False) is None
+    for _ in range(policy.min_samples - 1):
+        _decode_step(policy, 8, False, seconds=0.02)
+        assert policy.choose(8) == 0  # not yet min_samples plain samples
     _decode_step(policy, 8, False, seconds=0.02)
-    assert policy.choose(8) == 4  # the probe right after the first plain step
+    assert policy.choose(8) == 4  # the probe, once the bucket has min_samples plain samples
     _decode_step(policy, 8, True, seconds=0.04)  # 1.94x the tokens for 2x the time: slower
-    assert [policy.choose(8) for _ in range(63)] == [0] * 63
-    assert policy.choose(8) == 4  # the next probe, probe_every choices after the first
+    assert [policy.choose(8) for _ in range(127)] == [0] * 127  # a probe costing 2 steps: half as often
+    assert policy.choose(8) > 0  # the next probe (k now from the cost fit)
     _decode_step(policy, 8, True, seconds=0.01)  # now cheap: the decayed rate beats plain's
     assert policy.choose(8) > 0 and policy.choose(9) > 0  # 8-15 is one bucket (k now from the cost fit)
     assert policy.choose(16) == 0  # another bucket: its plain rate first
@@ -59,11 +71,79 @@ def test_one_unlucky_probe_is_credited_the_measured_acceptance():
     """The yield of a drafting step comes from the acceptance over all verify steps, so a probe
     whose drafts were all rejected still counts what drafting is expected to give."""
     policy = _trained(0.8, fixed=0.02, per_token=0.0001)
-    _decode_step(policy, 1, False, seconds=0.02)
+    _plain_steps(policy, 1, seconds=0.02)
     assert policy.choose(1) > 0  # the probe
     policy.observe_verify(4, 0)  # all rejected this once
     _decode_step(policy, 1, True, seconds=0.022)
     assert policy.choose(1) > 0
+
+
+def _serve(policy: AdaptiveK, batches: list[int], plain_seconds, draft_seconds) -> list[int]:
+    """Run the policy against a step cost model: each choice runs one pure-decode step at that
+    batch (plain_seconds(batch, i), i counting the steps at that batch so far, or
+    draft_seconds(batch, k)), all drafts accepted, and returns the k chosen at each step."""
+    ks, seen = [], {}
+    for batch in batches:
+        i = seen[batch] = seen.get(batch, -1) + 1
+        k = policy.choose(batch)
+        if k:
+            policy.observe_verify(k, k)
+            _decode_step(policy, batch, True, draft_seconds(batch, k), drafts=k)
+        else:
+            _decode_step(policy, batch, False, plain_seconds(batch, i))
+        ks.append(k)
+    return ks
+
+
+def test_a_new_bucket_is_not_judged_from_its_first_slow_steps():
+    """§20's trace: bucket 32-63 decided drafting off (~300 tok/s against 1,000 plain), then
+    requests finished and the batch fell to 30, a new bucket whose first plain steps are the
+    slowest it sees (new shapes, load: 150 ms against 30, 200 tok/s). A probe judged against
+    those would find drafting faster and keep it on; it must stay off, but for rare probes."""
+    policy = _trained(0.93, fixed=0.01, per_token=0.0006)
+
+    def plain(batch, i):
+        return 0.15 if i < 3 else 0.001 * batch
+
+    ks = _serve(policy, [32] * 40 + [30] * 200, plain, draft_seconds=lambda batch, k: 0.003 * batch * (1 + k))
+    assert policy.rate(30, False) > policy.min_gain * policy.rate(30, True)  # drafting truly slower
+    assert sum(k > 0 for k in ks[:40]) <= 1  # bucket 32-63: its first steps are slow too
+    assert sum(k > 0 for k in ks[40:]) <= 2  # the first probe, and at most one more
+
+
+def test_a_bucket_where_drafting_wins_turns_it_on_at_its_first_probe():
+    """Batch 1, slow first steps too: once the bucket is judged, the first probe shows drafting
+    (4.7 tokens for 1.5 plain steps) faster and it stays on, but for rare plain probes."""
+    policy = _trained(0.93, fixed=0.01, per_token=0.0001)
+    ks = _serve(policy, [1] * 200, lambda batch, i: 0.05 if i < 3 else 0.01, draft_seconds=lambda batch, k: 0.015)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert first <= 2 + policy.min_samples
+    assert sum(k == 0 for k in ks[first:]) <= 1 + len(ks) // policy.probe_every
+
+
+def test_a_step_with_nothing_proposed_is_no_drafting_sample():
+    """Grounded text at batch 1: drafting wins when prompt lookup finds a match (4 drafts, 76%
+    accepted, 14 ms against a 10 ms plain step), but runs of steps find none. Such a step was
+    planned to draft and costs a plain step (plus the lost overlap); counted as drafting, six
+    in a row dragged drafting's rate under plain's and turned it off until the next probe."""
+    policy = _trained(0.76, fixed=0.01, per_token=0.0001)
+    _plain_steps(policy, 1, seconds=0.01)
+    assert policy.choose(1) > 0
+    _decode_step(policy, 1, True, seconds=0.014)
+    spec = policy.rate(1, True)
+    for _ in range(6):
+        assert policy.choose(1) > 0
+        policy.observe_step(1, 0.011, 1, True, ())  # planned to draft; nobody had a draft
+    assert policy.rate(1, True) == spec and policy.choose(1) > 0
+
+
+def test_probes_of_a_costly_draft_are_rarer():
+    """At large batch a drafting probe that costs 6 plain steps runs max_probe_stretch times as
+    rarely, so probes take about the same share of time as at small batch."""
+    policy = _trained(0.9, fixed=0.02, per_token=0.0005)
+    ks = _serve(policy, [64] * 1200, lambda batch, i: 0.05, draft_seconds=lambda batch, k: 0.3)
+    probes = sum(k > 0 for k in ks)
+    assert 1 <= probes <= 1 + len(ks) // (policy.probe_every * policy.max_probe_stretch)
 
 
 @settings(max_examples=60, deadline=None)
@@ -72,7 +152,8 @@ def test_the_other_mode_runs_only_as_rare_probes(batch, plain_seconds, ratio, st
     """Whatever the costs, once both are measured the slower mode runs at most once per
     probe_every choices; where drafting does not pay, k = 0 (off) is the rule."""
     policy = AdaptiveK(4)
-    _decode_step(policy, batch, False, plain_seconds)
+    _plain_steps(policy, batch, plain_seconds)
+    policy.choose(batch)  # the first probe
     _decode_step(policy, batch, True, plain_seconds * ratio)
     faster = policy.rate(batch, True) >= policy.min_gain * policy.rate(batch, False)
     choices = [policy.choose(batch) for _ in range(steps)]

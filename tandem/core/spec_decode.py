@@ -10,6 +10,7 @@ indexes only those, never holds an unverified token.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,7 +91,7 @@ class AdaptiveK:
     requests B, the measured acceptance and the measured step costs.
 
     Whether to draft compares measured costs: per batch-size bucket (B's bit length) it keeps
-    the tokens per second of pure-decode steps with drafts and without (decayed). A step's
+    the tokens per second of its last pure-decode steps with drafts and without (`rate`). A step's
     seconds are the executor's, plus its idle wait before the step when the engine had to hand
     back the step in flight first (a drafting step loses the async overlap), so the rates are
     what throughput sees; a verify step's extra costs (its rows take the chunked-prefill path,
@@ -99,27 +100,38 @@ class AdaptiveK:
     expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
     happened to accept, so one unlucky probe does not turn drafting off for probe_every steps.
     Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
-    `probe_every` choices the other mode runs once to refresh its rate (the first probe comes
-    right after the first plain step is measured). Off costs nothing beyond those probes.
+    `probe_every` choices the other mode runs once to refresh its rate. Off costs nothing beyond
+    those probes, and a drafting probe that costs m plain steps runs m times as rarely (m at
+    most `max_probe_stretch`, so a bucket where drafting came to win still finds out), so probes
+    take about the same share of time at every batch size.
+
+    What is not a sample (the new-bucket rule): a plain step at a number of scheduled tokens
+    never seen before (a new shape is the slowest step its size sees; a drafting probe's
+    first, slow step does count, which errs towards off, the cheap error), and a step planned
+    to draft where nobody had a draft (n-gram found no match: a plain step, minus the overlap,
+    that says nothing of what drafting yields). A bucket runs plain until it holds
+    `min_samples` plain samples, and only then probes drafting, so it is never judged from its
+    first, slowest steps (a batch falling into a smaller bucket as requests finish).
 
     How many to draft (k) is modelled: acceptance is independent per position with rate a
     (decayed counts from verify steps: a run of j accepted out of k is j successes in j + (j < k)
     trials, from a prior of 1 in 2), so a request emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per
-    verify step; a step
-    costs fixed + per_token * tokens (a decayed least-squares fit of the same step seconds
-    against scheduled tokens); k maximises E(k) * cost(B) / cost(B * (1 + k)). Until the fit is
-    known, k_max.
+    verify step; a step costs fixed + per_token * tokens (a decayed least-squares fit of the same
+    step seconds against scheduled tokens); k maximises E(k) * cost(B) / cost(B * (1 + k)).
+    Until the fit is known, k_max.
     """
 
     def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
-                 rate_decay: float = 0.8) -> None:
+                 window: int = 8, min_samples: int = 4, max_probe_stretch: int = 4) -> None:
         self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
-        self.rate_decay = rate_decay
+        self.min_samples, self.max_probe_stretch = min_samples, max_probe_stretch
         self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
         self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
-        # (bucket, drafted) -> decayed [tokens emitted, seconds] of pure-decode steps
-        self._rates: dict[tuple[int, bool], list[float]] = {}
-        self._choices: dict[int, int] = {}  # bucket -> choices made there since its plain rate was known
+        # (bucket, drafted) -> the last `window` pure-decode steps' (seconds, tokens per second)
+        self._samples: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
+        self.window = window
+        self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
+        self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (or since judged)
         # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
         self.trace: Callable[[dict], None] | None = None
 
@@ -137,14 +149,16 @@ class AdaptiveK:
         f, d = self._fit, self.decay
         for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
             f[i] = f[i] * d + v
-        if num_decodes:
+        new_shape = num_tokens not in self._shapes
+        self._shapes.add(num_tokens)
+        sample = num_decodes > 0 and (any(draft_counts) if drafted else not new_shape)
+        if sample:
             tokens = num_decodes + sum(self._tokens_per_verify(k) - 1 for k in draft_counts)
-            rate = self._rates.setdefault((num_decodes.bit_length(), drafted), [0.0, 0.0])
-            rate[0] = rate[0] * self.rate_decay + tokens
-            rate[1] = rate[1] * self.rate_decay + seconds
+            key = (num_decodes.bit_length(), bool(drafted))
+            self._samples.setdefault(key, deque(maxlen=self.window)).append((seconds, tokens / seconds))
         if self.trace is not None:
             self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
-                        "drafted": drafted, "draft_counts": list(draft_counts)})
+                        "drafted": drafted, "draft_counts": list(draft_counts), "sample": sample})
 
     @property
     def acceptance(self) -> float:
@@ -156,9 +170,14 @@ class AdaptiveK:
         return (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
 
     def rate(self, num_decodes: int, drafted: bool) -> float | None:
-        """Tokens per second of pure-decode steps at this batch size's bucket, or None."""
-        r = self._rates.get((num_decodes.bit_length(), drafted))
-        return r[0] / r[1] if r is not None else None
+        """Tokens per second of pure-decode steps at this batch size's bucket, or None: the best
+        of its last `window` steps, since a step's seconds are its cost plus whatever else held
+        the cores (load, a new shape), and noise only ever slows a step."""
+        samples = self._samples.get((num_decodes.bit_length(), drafted))
+        return max(r for _, r in samples) if samples else None
+
+    def _step_seconds(self, bucket: int, drafted: bool) -> float:
+        return min(s for s, _ in self._samples[(bucket, drafted)])
 
     def step_cost(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
@@ -180,13 +199,18 @@ class AdaptiveK:
         return k
 
     def _choose(self, num_decodes: int) -> int:
-        plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
-        if plain is None:
-            return 0  # plain steps first: they cost nothing extra
         bucket = num_decodes.bit_length()
-        n = self._choices[bucket] = self._choices.get(bucket, 0) + 1
+        if len(self._samples.get((bucket, False), ())) < self.min_samples:
+            return 0  # plain steps first: they cost nothing extra (the new-bucket rule)
+        plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
         drafting = spec is not None and spec >= self.min_gain * plain
-        probe = n % self.probe_every == 1  # the other mode, once
+        every = self.probe_every
+        if spec is not None and not drafting:  # a drafting probe costing m plain steps: m times as rarely
+            m = round(self._step_seconds(bucket, True) / self._step_seconds(bucket, False))
+            every *= min(max(m, 1), self.max_probe_stretch)
+        n = self._since_probe.get(bucket, every)  # judged for the first time: probe now
+        probe = n >= every  # the other mode, once
+        self._since_probe[bucket] = 1 if probe else n + 1
         return self.num_to_draft(num_decodes) if drafting != probe else 0
 
     def num_to_draft(self, num_decodes: int) -> int:
