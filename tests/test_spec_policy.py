@@ -37,10 +37,12 @@ def test_draft_size_from_acceptance_and_step_cost():
     assert AdaptiveK(4).acceptance == 0.5  # the prior
 
 
-def _decode_step(policy: AdaptiveK, batch: int, drafted: bool, seconds: float, drafts: int = 4) -> None:
-    """A pure-decode step at `batch`, every request with `drafts` drafts when `drafted`."""
+def _decode_step(policy: AdaptiveK, batch: int, drafted: bool, seconds: float, drafts: int = 4,
+                 proposed: bool = False) -> None:
+    """A pure-decode step at `batch`, every request with `drafts` drafts when `drafted`; a
+    drafting step without `proposed` is counted as a proposal's (the step before's) verify."""
     policy.observe_step(batch * (1 + drafts if drafted else 1), seconds, batch, drafted,
-                        (drafts,) * batch if drafted else ())
+                        (drafts,) * batch if drafted else (), proposed or drafted)
 
 
 def _plain_steps(policy: AdaptiveK, batch: int, seconds: float) -> None:
@@ -78,21 +80,24 @@ def test_one_unlucky_probe_is_credited_the_measured_acceptance():
     assert policy.choose(1) > 0
 
 
-def _serve(policy: AdaptiveK, batches: list[int], plain_seconds, draft_seconds) -> list[int]:
-    """Run the policy against a step cost model: each choice runs one pure-decode step at that
-    batch (plain_seconds(batch, i), i counting the steps at that batch so far, or
-    draft_seconds(batch, k)), all drafts accepted, and returns the k chosen at each step."""
-    ks, seen = [], {}
-    for batch in batches:
+def _serve(policy: AdaptiveK, batches: list[int], plain_seconds, draft_seconds, propose_seconds=None) -> list[int]:
+    """Run the policy as the scheduler does against a step cost model: step i's k was chosen
+    when step i - 1 was scheduled, and step i proposes when step i + 1 drafts. A step costs
+    plain_seconds(batch, i) (i counting the steps at that batch so far) or draft_seconds(batch,
+    k), plus propose_seconds(batch, k) when it proposes; all drafts are accepted. Returns the k
+    of each step."""
+    ks, seen = [policy.choose(batches[0])], {}
+    for step, batch in enumerate(batches):
         i = seen[batch] = seen.get(batch, -1) + 1
-        k = policy.choose(batch)
+        k, k_next = ks[-1], policy.choose(batches[min(step + 1, len(batches) - 1)])
+        seconds = draft_seconds(batch, k) if k else plain_seconds(batch, i)
+        if k_next and propose_seconds is not None:
+            seconds += propose_seconds(batch, k_next)
         if k:
             policy.observe_verify(k, k)
-            _decode_step(policy, batch, True, draft_seconds(batch, k), drafts=k)
-        else:
-            _decode_step(policy, batch, False, plain_seconds(batch, i))
-        ks.append(k)
-    return ks
+        policy.observe_step(batch * (1 + k), seconds, batch, k > 0, (k,) * batch if k else (), k_next > 0)
+        ks.append(k_next)
+    return ks[:-1]
 
 
 def test_a_new_bucket_is_not_judged_from_its_first_slow_steps():
@@ -118,7 +123,7 @@ def test_a_bucket_where_drafting_wins_turns_it_on_at_its_first_probe():
     ks = _serve(policy, [1] * 200, lambda batch, i: 0.05 if i < 3 else 0.01, draft_seconds=lambda batch, k: 0.015)
     first = next(i for i, k in enumerate(ks) if k)
     assert first <= 2 + policy.min_samples
-    assert sum(k == 0 for k in ks[first:]) <= 1 + len(ks) // policy.probe_every
+    assert sum(k == 0 for k in ks[first:]) <= 2 * (1 + len(ks) // policy.probe_every)  # plain probes: 2 steps
 
 
 def test_a_step_with_nothing_proposed_is_no_drafting_sample():
@@ -146,11 +151,36 @@ def test_probes_of_a_costly_draft_are_rarer():
     assert 1 <= probes <= 1 + len(ks) // (policy.probe_every * policy.max_probe_stretch)
 
 
+def test_a_drafting_probe_is_charged_its_proposal():
+    """A self-draft's forwards run in the step before the one that verifies them. A probe is a
+    plain step that proposes, then a verify step that does not: drafting must be charged the
+    proposal, and the proposing step is no plain sample. Here a verify step costs 1.2 plain
+    steps but the proposal 4 more, so drafting (4.7 tokens for 5.2 steps) loses."""
+    policy = _trained(0.93, fixed=0.01, per_token=0.0001)
+    ks = _serve(policy, [8] * 300, lambda batch, i: 0.01, draft_seconds=lambda batch, k: 0.012,
+                propose_seconds=lambda batch, k: 0.04)
+    assert policy.rate(8, True) < policy.rate(8, False)
+    assert policy.rate(8, False) == pytest.approx(800)  # no plain sample holds a proposal
+    assert 1 <= sum(k > 0 for k in ks) <= 1 + len(ks) // (policy.probe_every * 2)
+
+
+def test_a_plain_probe_while_drafting_is_a_clean_plain_sample():
+    """Where drafting wins, the plain probe is two steps (the second proposes for the next
+    drafting step), so the plain rate holds no proposal's cost; drafting stays on."""
+    policy = _trained(0.93, fixed=0.01, per_token=0.0001)
+    ks = _serve(policy, [1] * 300, lambda batch, i: 0.01, draft_seconds=lambda batch, k: 0.012,
+                propose_seconds=lambda batch, k: 0.004)
+    assert policy.rate(1, False) == pytest.approx(100)
+    plain = [i for i, k in enumerate(ks) if k == 0]
+    assert len(plain) <= policy.min_samples + 2 + 2 * len(ks) // policy.probe_every
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 256), st.floats(1e-3, 1.0), st.floats(0.3, 3.0), st.integers(0, 200))
 def test_the_other_mode_runs_only_as_rare_probes(batch, plain_seconds, ratio, steps):
-    """Whatever the costs, once both are measured the slower mode runs at most once per
-    probe_every choices; where drafting does not pay, k = 0 (off) is the rule."""
+    """Whatever the costs, once both are measured the slower mode runs at most one probe per
+    probe_every choices (a plain probe is two steps); where drafting does not pay, k = 0 (off)
+    is the rule."""
     policy = AdaptiveK(4)
     _plain_steps(policy, batch, plain_seconds)
     policy.choose(batch)  # the first probe
@@ -158,7 +188,7 @@ def test_the_other_mode_runs_only_as_rare_probes(batch, plain_seconds, ratio, st
     faster = policy.rate(batch, True) >= policy.min_gain * policy.rate(batch, False)
     choices = [policy.choose(batch) for _ in range(steps)]
     slower = sum(1 for k in choices if (k > 0) != faster)
-    assert slower <= 1 + steps // policy.probe_every
+    assert slower <= 2 * (1 + steps // policy.probe_every)
 
 
 def test_num_drafts_fits_budget_and_max_tokens():

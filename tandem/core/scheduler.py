@@ -190,7 +190,7 @@ class Scheduler:
                 n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds,
                                           len(out.num_scheduled_tokens) if pure_decode else 0, out.drafting,
-                                          tuple(map(len, drafts.values())))
+                                          tuple(map(len, drafts.values())), out.propose_drafts)
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,

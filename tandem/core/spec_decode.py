@@ -99,6 +99,7 @@ class AdaptiveK:
     yields a token per request; a drafting step is credited the tokens the measured acceptance
     expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
     happened to accept, so one unlucky probe does not turn drafting off for probe_every steps.
+    A drafting step's seconds include the proposal that fed it (`observe_step`).
     Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
     `probe_every` choices the other mode runs once to refresh its rate. Off costs nothing beyond
     those probes, and a drafting probe that costs m plain steps runs m times as rarely (m at
@@ -131,7 +132,8 @@ class AdaptiveK:
         self._samples: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
         self.window = window
         self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
-        self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (or since judged)
+        self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (0: a plain probe's first)
+        self._proposal_seconds: float | None = None  # the last step's proposal cost, when a plain step proposed
         # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
         self.trace: Callable[[dict], None] | None = None
 
@@ -140,10 +142,15 @@ class AdaptiveK:
         self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
 
     def observe_step(self, num_tokens: int, seconds: float, num_decodes: int = 0, drafted: bool = False,
-                     draft_counts: tuple[int, ...] = ()) -> None:
+                     draft_counts: tuple[int, ...] = (), proposed: bool = False) -> None:
         """A step of `num_tokens` scheduled tokens took `seconds`; `num_decodes` > 0 when it was
         pure decode (each request one position, plus its drafts: `draft_counts`), `drafted`
-        when it was planned to draft."""
+        when it was planned to draft, `proposed` when it also proposed the next step's drafts.
+
+        A drafting step costs its verify and the proposal that fed it, made in the step before:
+        a step that verifies and proposes holds one of each; a plain step that proposes (before
+        a drafting probe) is no plain sample, and its seconds beyond a plain step's are added to
+        the verify step after it, which proposes nothing (the probe's end)."""
         if num_tokens <= 0 or seconds <= 0:
             return
         f, d = self._fit, self.decay
@@ -151,14 +158,26 @@ class AdaptiveK:
             f[i] = f[i] * d + v
         new_shape = num_tokens not in self._shapes
         self._shapes.add(num_tokens)
-        sample = num_decodes > 0 and (any(draft_counts) if drafted else not new_shape)
+        proposal, self._proposal_seconds = self._proposal_seconds, None
+        cost = seconds
+        if not num_decodes:
+            sample = False
+        elif not drafted:
+            sample = not proposed and not new_shape
+            plain = self.rate(num_decodes, False)
+            if proposed and plain is not None:
+                self._proposal_seconds = max(seconds - num_decodes / plain, 0.0)
+        else:  # a verify step: a sample when someone had drafts and its proposal's cost is known
+            sample = any(draft_counts) and (proposed or proposal is not None)
+            cost += 0.0 if proposed else proposal or 0.0
         if sample:
             tokens = num_decodes + sum(self._tokens_per_verify(k) - 1 for k in draft_counts)
             key = (num_decodes.bit_length(), bool(drafted))
-            self._samples.setdefault(key, deque(maxlen=self.window)).append((seconds, tokens / seconds))
+            self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, tokens / cost))
         if self.trace is not None:
             self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
-                        "drafted": drafted, "draft_counts": list(draft_counts), "sample": sample})
+                        "drafted": drafted, "proposed": proposed, "draft_counts": list(draft_counts),
+                        "sample": sample, "cost": cost})
 
     @property
     def acceptance(self) -> float:
@@ -209,8 +228,10 @@ class AdaptiveK:
             m = round(self._step_seconds(bucket, True) / self._step_seconds(bucket, False))
             every *= min(max(m, 1), self.max_probe_stretch)
         n = self._since_probe.get(bucket, every)  # judged for the first time: probe now
-        probe = n >= every  # the other mode, once
-        self._since_probe[bucket] = 1 if probe else n + 1
+        # The other mode, once; a plain probe twice, since its second step proposes for the next
+        # drafting step, so only the first is a plain sample.
+        probe = n >= every or (n == 0 and drafting)
+        self._since_probe[bucket] = (0 if drafting and n >= every else 1) if probe else n + 1
         return self.num_to_draft(num_decodes) if drafting != probe else 0
 
     def num_to_draft(self, num_decodes: int) -> int:
