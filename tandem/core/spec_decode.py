@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import median
 
 METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
@@ -102,9 +103,9 @@ class AdaptiveK:
     A drafting step's seconds include the proposal that fed it (`observe_step`).
     Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
     `probe_every` choices the other mode runs once to refresh its rate. Off costs nothing beyond
-    those probes, and a drafting probe that costs m plain steps runs m times as rarely (m at
-    most `max_probe_stretch`, so a bucket where drafting came to win still finds out), so probes
-    take about the same share of time at every batch size.
+    those probes, and a drafting probe that costs m plain steps runs m / 2 times as rarely (at
+    most `max_probe_stretch` times, so a bucket where drafting came to win still finds out), so
+    probes take at most about 2 / probe_every of the time at every batch size.
 
     What is not a sample (the new-bucket rule): a plain step at a number of scheduled tokens
     never seen before (a new shape is the slowest step its size sees; a drafting probe's
@@ -123,7 +124,7 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
-                 window: int = 8, min_samples: int = 4, max_probe_stretch: int = 4) -> None:
+                 window: int = 8, min_samples: int = 7, max_probe_stretch: int = 4) -> None:
         self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
         self.min_samples, self.max_probe_stretch = min_samples, max_probe_stretch
         self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
@@ -189,14 +190,14 @@ class AdaptiveK:
         return (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
 
     def rate(self, num_decodes: int, drafted: bool) -> float | None:
-        """Tokens per second of pure-decode steps at this batch size's bucket, or None: the best
-        of its last `window` steps, since a step's seconds are its cost plus whatever else held
-        the cores (load, a new shape), and noise only ever slows a step."""
+        """Tokens per second of pure-decode steps at this batch size's bucket, or None: the
+        median of its last `window` steps, which a minority of slow ones (load, a new shape)
+        does not move, and which treats a mode with one sample (a probe) as one with many."""
         samples = self._samples.get((num_decodes.bit_length(), drafted))
-        return max(r for _, r in samples) if samples else None
+        return median(r for _, r in samples) if samples else None
 
     def _step_seconds(self, bucket: int, drafted: bool) -> float:
-        return min(s for s, _ in self._samples[(bucket, drafted)])
+        return median(s for s, _ in self._samples[(bucket, drafted)])
 
     def step_cost(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
@@ -224,9 +225,9 @@ class AdaptiveK:
         plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
         drafting = spec is not None and spec >= self.min_gain * plain
         every = self.probe_every
-        if spec is not None and not drafting:  # a drafting probe costing m plain steps: m times as rarely
-            m = round(self._step_seconds(bucket, True) / self._step_seconds(bucket, False))
-            every *= min(max(m, 1), self.max_probe_stretch)
+        if spec is not None and not drafting:  # a drafting probe costing m plain steps: m / 2 times as rarely
+            m = self._step_seconds(bucket, True) / self._step_seconds(bucket, False)
+            every = round(every * min(max(m / 2, 1.0), self.max_probe_stretch))
         n = self._since_probe.get(bucket, every)  # judged for the first time: probe now
         # The other mode, once; a plain probe twice, since its second step proposes for the next
         # drafting step, so only the first is a plain sample.
