@@ -1,11 +1,12 @@
-"""AdaptiveK (core/spec_decode.py): k per step from batch size, acceptance and step costs."""
+"""AdaptiveK (core/adaptive_k.py): k per step from batch size, acceptance and step costs."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.core.spec_decode import AdaptiveK, SpecDecodeStats, SpeculativeConfig, num_drafts
+from tandem.core.adaptive_k import AdaptiveK
+from tandem.core.spec_decode import SpecDecodeStats, SpeculativeConfig, num_drafts
 
 
 def _trained(acceptance: float, fixed: float, per_token: float, k_max: int = 4) -> AdaptiveK:
@@ -173,6 +174,22 @@ def test_a_plain_probe_while_drafting_is_a_clean_plain_sample():
     assert policy.rate(1, False) == pytest.approx(100)
     plain = [i for i, k in enumerate(ks) if k == 0]
     assert len(plain) <= policy.min_samples + 2 + 2 * len(ks) // policy.probe_every
+
+
+def test_the_trace_records_every_choice_and_step_and_changes_nothing():
+    """`bench spec --trace-adaptive`: pure recording, the same choices with it and without."""
+    def run(trace):
+        policy = _trained(0.8, fixed=0.01, per_token=0.0005)
+        policy.trace = trace
+        return _serve(policy, [4] * 50 + [3] * 50, lambda batch, i: 0.01, lambda batch, k: 0.012)
+    events = []
+    assert run(events.append) == run(None)
+    kinds = [e["event"] for e in events]
+    assert kinds.count("choose") == 101 and kinds.count("observe_step") == 100
+    choose = next(e for e in events if e["event"] == "choose" and e["k"])
+    assert choose["bucket"] == 3 and choose["plain"] > 0 and choose["drafting"]
+    step = next(e for e in events if e["event"] == "observe_step" and e["drafted"])
+    assert step["draft_counts"] == [step["tokens"] // 4 - 1] * 4 and step["decodes"] == 4
 
 
 @settings(max_examples=60, deadline=None)

@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+from tandem.core.adaptive_k import AdaptiveK
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
@@ -26,7 +27,7 @@ from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus, check_prompt_length
 from tandem.core.scheduler_config import SchedulerConfig
-from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, AdaptiveK, SpecDecodeStats, num_drafts
+from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, SpecDecodeStats, num_drafts
 
 
 class Scheduler:
