@@ -53,7 +53,7 @@ def _plain_steps(policy: AdaptiveK, batch: int, seconds: float) -> None:
 
 
 def test_plain_first_then_one_probe_then_the_faster_mode():
-    policy = AdaptiveK(4)  # acceptance 0.5: a request with 4 drafts is credited E(4) = 1.94 tokens
+    policy = AdaptiveK(4, explore_verifies=0)  # acceptance 0.5: a request with 4 drafts is credited E(4) = 1.94 tokens
     assert policy.choose(8) == 0  # nothing measured: plain steps cost nothing extra
     _decode_step(policy, 8, False, seconds=0.02)  # a new shape: not a sample
     assert policy.rate(8, False) is None
@@ -127,6 +127,24 @@ def test_a_bucket_where_drafting_wins_turns_it_on_at_its_first_probe():
     assert sum(k == 0 for k in ks[first:]) <= 2 * (1 + len(ks) // policy.probe_every)  # plain probes: 2 steps
 
 
+def test_an_unlucky_first_probe_is_soon_retried():
+    """Grounded text at batch 1 on a fresh engine: the first probe comes early in an answer,
+    where prompt lookup's drafts all fail (the acceptance, mostly the prior's, drops to 0.33 and
+    drafting looks no faster); later drafts copy the prompt and are all accepted. While few
+    verify steps are known, probes come every probe_every / 8 choices, so drafting is on soon."""
+    policy = AdaptiveK(4)
+    ks, accepted = [policy.choose(1)], []
+    for step in range(120):
+        k, k_next = ks[-1], policy.choose(1)
+        if k:
+            accepted.append(0 if not accepted else k)  # the first verify: all rejected
+            policy.observe_verify(k, accepted[-1])
+        policy.observe_step(1 + k, 0.016 if k else 0.010, 1, k > 0, (k,) if k else (), k_next > 0)
+        ks.append(k_next)
+    first_on = next(i for i in range(len(ks) - 4) if all(ks[i:i + 4]))
+    assert accepted[0] == 0 and first_on <= 40
+
+
 def test_a_step_with_nothing_proposed_is_no_drafting_sample():
     """Grounded text at batch 1: drafting wins when prompt lookup finds a match (4 drafts, 76%
     accepted, 14 ms against a 10 ms plain step), but runs of steps find none. Such a step was
@@ -198,7 +216,7 @@ def test_the_other_mode_runs_only_as_rare_probes(batch, plain_seconds, ratio, st
     """Whatever the costs, once both are measured the slower mode runs at most one probe per
     probe_every choices (a plain probe is two steps); where drafting does not pay, k = 0 (off)
     is the rule."""
-    policy = AdaptiveK(4)
+    policy = AdaptiveK(4, explore_verifies=0)
     _plain_steps(policy, batch, plain_seconds)
     policy.choose(batch)  # the first probe
     _decode_step(policy, batch, True, plain_seconds * ratio)

@@ -19,13 +19,17 @@ class AdaptiveK:
     the lost overlap) are in them, which a fit of cost against tokens missed. A plain step
     yields a token per request; a drafting step is credited the tokens the measured acceptance
     expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
-    happened to accept, so one unlucky probe does not turn drafting off for probe_every steps.
+    happened to accept (credited when the rate is asked for, at the acceptance known then), so
+    one unlucky probe does not turn drafting off for probe_every steps.
     A drafting step's seconds include the proposal that fed it (`observe_step`).
     Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
     `probe_every` choices the other mode runs once to refresh its rate. Off costs nothing beyond
     those probes, and a drafting probe that costs m plain steps runs m / 2 times as rarely (at
     most `max_probe_stretch` times, so a bucket where drafting came to win still finds out), so
-    probes take at most about 2 / probe_every of the time at every batch size.
+    probes take at most about 2 / probe_every of the time at every batch size. Until
+    `explore_verifies` request-verify steps have measured the acceptance (mostly the prior's
+    until then: one probe whose drafts at the start of an answer all failed said a = 0.33 and
+    kept grounded drafting off), probes come 8 times as often.
 
     What is not a sample (the new-bucket rule): a plain step at a number of scheduled tokens
     never seen before (a new shape is the slowest step its size sees; a drafting probe's
@@ -44,13 +48,15 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
-                 window: int = 8, min_samples: int = 7, max_probe_stretch: int = 4) -> None:
+                 window: int = 8, min_samples: int = 7, max_probe_stretch: int = 4, explore_verifies: int = 8) -> None:
         self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
-        self.min_samples, self.max_probe_stretch = min_samples, max_probe_stretch
+        self.min_samples, self.max_probe_stretch, self.explore_verifies = min_samples, max_probe_stretch, explore_verifies
+        self._num_verifies = 0  # request-verify steps seen (the acceptance's evidence)
         self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
         self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
-        # (bucket, drafted) -> the last `window` pure-decode steps' (seconds, tokens per second)
-        self._samples: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
+        # (bucket, drafted) -> the last `window` pure-decode steps' (seconds, requests, their draft
+        # counts): tokens are credited when a rate is asked for, at the acceptance known then
+        self._samples: dict[tuple[int, bool], deque[tuple[float, int, tuple[int, ...]]]] = {}
         self.window = window
         self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
         self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (0: a plain probe's first)
@@ -59,6 +65,7 @@ class AdaptiveK:
         self.trace: Callable[[dict], None] | None = None
 
     def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self._num_verifies += 1
         self._accepted = self._accepted * self.decay + num_accepted
         self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
 
@@ -92,9 +99,8 @@ class AdaptiveK:
             sample = any(draft_counts) and (proposed or proposal is not None)
             cost += 0.0 if proposed else proposal or 0.0
         if sample:
-            tokens = num_decodes + sum(self._tokens_per_verify(k) - 1 for k in draft_counts)
             key = (num_decodes.bit_length(), bool(drafted))
-            self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, tokens / cost))
+            self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, num_decodes, tuple(draft_counts)))
         if self.trace is not None:
             self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
                         "drafted": drafted, "proposed": proposed, "draft_counts": list(draft_counts),
@@ -114,10 +120,13 @@ class AdaptiveK:
         median of its last `window` steps, which a minority of slow ones (load, a new shape)
         does not move, and which treats a mode with one sample (a probe) as one with many."""
         samples = self._samples.get((num_decodes.bit_length(), drafted))
-        return median(r for _, r in samples) if samples else None
+        if not samples:
+            return None
+        credit = {k: self._tokens_per_verify(k) - 1 for k in {k for *_, counts in samples for k in counts}}
+        return median((n + sum(credit[k] for k in counts)) / s for s, n, counts in samples)
 
     def _step_seconds(self, bucket: int, drafted: bool) -> float:
-        return median(s for s, _ in self._samples[(bucket, drafted)])
+        return median(s for s, *_ in self._samples[(bucket, drafted)])
 
     def step_cost(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
@@ -145,7 +154,9 @@ class AdaptiveK:
         plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
         drafting = spec is not None and spec >= self.min_gain * plain
         every = self.probe_every
-        if spec is not None and not drafting:  # a drafting probe costing m plain steps: m / 2 times as rarely
+        if self._num_verifies < self.explore_verifies:  # the acceptance is mostly the prior's yet
+            every //= 8
+        elif spec is not None and not drafting:  # a drafting probe costing m plain steps: m / 2 times as rarely
             m = self._step_seconds(bucket, True) / self._step_seconds(bucket, False)
             every = round(every * min(max(m / 2, 1.0), self.max_probe_stretch))
         n = self._since_probe.get(bucket, every)  # judged for the first time: probe now
