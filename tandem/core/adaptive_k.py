@@ -7,11 +7,17 @@ from collections.abc import Callable
 from statistics import median
 
 
+def batch_bucket(num_decodes: int) -> int:
+    """The batch-size bucket: 1, 2, 3-4, 5-8, ..., 17-32, 33-64. A full batch at a power of two
+    (max_num_seqs 32) shares its bucket with the sizes it falls to as requests finish."""
+    return (num_decodes - 1).bit_length() if num_decodes > 0 else 0
+
+
 class AdaptiveK:
     """Drafts per request for the next step, 0 meaning off, from the number of decoding
     requests B, the measured acceptance and the measured step costs.
 
-    Whether to draft compares measured costs: per batch-size bucket (B's bit length) it keeps
+    Whether to draft compares measured costs: per batch-size bucket (`batch_bucket`) it keeps
     the tokens per second of its last pure-decode steps with drafts and without (`rate`). A step's
     seconds are the executor's, plus its idle wait before the step when the engine had to hand
     back the step in flight first (a drafting step loses the async overlap), so the rates are
@@ -99,7 +105,7 @@ class AdaptiveK:
             sample = any(draft_counts) and (proposed or proposal is not None)
             cost += 0.0 if proposed else proposal or 0.0
         if sample:
-            key = (num_decodes.bit_length(), bool(drafted))
+            key = (batch_bucket(num_decodes), bool(drafted))
             self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, num_decodes, tuple(draft_counts)))
         if self.trace is not None:
             self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
@@ -119,7 +125,7 @@ class AdaptiveK:
         """Tokens per second of pure-decode steps at this batch size's bucket, or None: the
         median of its last `window` steps, which a minority of slow ones (load, a new shape)
         does not move, and which treats a mode with one sample (a probe) as one with many."""
-        samples = self._samples.get((num_decodes.bit_length(), drafted))
+        samples = self._samples.get((batch_bucket(num_decodes), drafted))
         if not samples:
             return None
         credit = {k: self._tokens_per_verify(k) - 1 for k in {k for *_, counts in samples for k in counts}}
@@ -142,13 +148,13 @@ class AdaptiveK:
     def choose(self, num_decodes: int) -> int:
         k = self._choose(num_decodes)
         if self.trace is not None:
-            self.trace({"event": "choose", "decodes": num_decodes, "bucket": num_decodes.bit_length(),
+            self.trace({"event": "choose", "decodes": num_decodes, "bucket": batch_bucket(num_decodes),
                         "plain": self.rate(num_decodes, False), "spec": self.rate(num_decodes, True),
                         "drafting": k > 0, "k": k, "acceptance": self.acceptance})
         return k
 
     def _choose(self, num_decodes: int) -> int:
-        bucket = num_decodes.bit_length()
+        bucket = batch_bucket(num_decodes)
         if len(self._samples.get((bucket, False), ())) < self.min_samples:
             return 0  # plain steps first: they cost nothing extra (the new-bucket rule)
         plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
