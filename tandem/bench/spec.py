@@ -40,6 +40,17 @@ def proposers(args) -> dict[str, dict]:
     return out
 
 
+def _open_trace(args, policy, case: dict):
+    """--trace-adaptive: AdaptiveK's choices and the steps it saw, one JSON line each, labelled
+    with the proposer and the case running (`case`, updated by the caller); None when off."""
+    if not args.trace_adaptive or policy is None:
+        return None
+    f = open(args.trace_adaptive, "a")
+    label = args.spec.get("model") or args.spec["method"]
+    policy.trace = lambda event: f.write(json.dumps({"proposer": label, **case, **event}) + "\n")
+    return f
+
+
 def run_config(args, _requests=None) -> dict:
     from tandem import LLM, SamplingParams
     spec = args.spec
@@ -48,7 +59,10 @@ def run_config(args, _requests=None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
     sets, engine, results = load_prompt_sets(), llm.engine, []
+    case: dict = {}
+    trace = _open_trace(args, engine.core.scheduler.spec_policy, case)
     for name, batch in _cases(args):
+        case.update(set=name, batch=batch)
         prompts = sets[name][:args.num_prompts] if batch == 1 else \
             [sets[name][i % len(sets[name])] for i in range(batch)]
         engine.core.stats.reset()
@@ -75,6 +89,8 @@ def run_config(args, _requests=None) -> dict:
                         "draft_ms_per_step": draft_s / steps * 1e3,
                         "draft_ms_per_forward": draft_s / forwards * 1e3 if forwards else None,
                         "spec_decode": spec_summary(delta) if spec else None, "token_ids": tokens})
+    if trace is not None:
+        trace.close()
     return {"dtype": str(engine.core.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
             "async_scheduling": engine.core.pipeline.overlap, "cases": results}
 
@@ -95,10 +111,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--trace-adaptive", default=None, metavar="FILE",
+                   help="append AdaptiveK's choices and the steps it saw to FILE (JSON lines; the file is "
+                        "emptied first)")
 
 
 def main(args: argparse.Namespace) -> dict:
     specs = proposers(args)
+    if args.trace_adaptive:
+        open(args.trace_adaptive, "w").close()  # each configuration's process appends its lines
     off = in_subprocess(run_config, _replace(args, spec=None), None)
     runs = {name: in_subprocess(run_config, _replace(args, spec=spec), None) for name, spec in specs.items()}
     print(f"{args.model} {off['dtype']}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"

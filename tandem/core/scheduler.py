@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+from tandem.core.adaptive_k import AdaptiveK
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
@@ -26,7 +27,7 @@ from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus, check_prompt_length
 from tandem.core.scheduler_config import SchedulerConfig
-from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, AdaptiveK, SpecDecodeStats, num_drafts
+from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, SpecDecodeStats, num_drafts
 
 
 class Scheduler:
@@ -190,7 +191,7 @@ class Scheduler:
                 n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds,
                                           len(out.num_scheduled_tokens) if pure_decode else 0, out.drafting,
-                                          tuple(map(len, drafts.values())))
+                                          tuple(map(len, drafts.values())), out.propose_drafts)
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,

@@ -1,5 +1,5 @@
 """Speculative decoding, the policy half (no torch): the configuration, how many draft tokens a
-request may verify this step, and the acceptance counters.
+request may verify this step, and the acceptance counters (the adaptive k: core/adaptive_k.py).
 
 A proposer (executor/proposers.py) drafts up to k tokens after each step that sampled; the
 scheduler schedules the request's next position plus those drafts as one chunk (every
@@ -82,112 +82,6 @@ class SpeculativeConfig:
         out.update(section)  # any SpeculativeConfig key by name (method, ...)
         cls.from_dict(out)  # its errors now, naming the YAML's values
         return out
-
-
-class AdaptiveK:
-    """Drafts per request for the next step, 0 meaning off, from the number of decoding
-    requests B, the measured acceptance and the measured step costs.
-
-    Whether to draft compares measured costs: per batch-size bucket (B's bit length) it keeps
-    the tokens per second of pure-decode steps with drafts and without (decayed). A step's
-    seconds are the executor's, plus its idle wait before the step when the engine had to hand
-    back the step in flight first (a drafting step loses the async overlap), so the rates are
-    what throughput sees; a verify step's extra costs (its rows take the chunked-prefill path,
-    the lost overlap) are in them, which a fit of cost against tokens missed. A plain step
-    yields a token per request; a drafting step is credited the tokens the measured acceptance
-    expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
-    happened to accept, so one unlucky probe does not turn drafting off for probe_every steps.
-    Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
-    `probe_every` choices the other mode runs once to refresh its rate (the first probe comes
-    right after the first plain step is measured). Off costs nothing beyond those probes.
-
-    How many to draft (k) is modelled: acceptance is independent per position with rate a
-    (decayed counts from verify steps: a run of j accepted out of k is j successes in j + (j < k)
-    trials, from a prior of 1 in 2), so a request emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per
-    verify step; a step
-    costs fixed + per_token * tokens (a decayed least-squares fit of the same step seconds
-    against scheduled tokens); k maximises E(k) * cost(B) / cost(B * (1 + k)). Until the fit is
-    known, k_max.
-    """
-
-    def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
-                 rate_decay: float = 0.8) -> None:
-        self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
-        self.rate_decay = rate_decay
-        self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
-        self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
-        # (bucket, drafted) -> decayed [tokens emitted, seconds] of pure-decode steps
-        self._rates: dict[tuple[int, bool], list[float]] = {}
-        self._choices: dict[int, int] = {}  # bucket -> choices made there since its plain rate was known
-
-    def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
-        self._accepted = self._accepted * self.decay + num_accepted
-        self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
-
-    def observe_step(self, num_tokens: int, seconds: float, num_decodes: int = 0, drafted: bool = False,
-                     draft_counts: tuple[int, ...] = ()) -> None:
-        """A step of `num_tokens` scheduled tokens took `seconds`; `num_decodes` > 0 when it was
-        pure decode (each request one position, plus its drafts: `draft_counts`), `drafted`
-        when it was planned to draft."""
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        f, d = self._fit, self.decay
-        for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
-            f[i] = f[i] * d + v
-        if num_decodes:
-            tokens = num_decodes + sum(self._tokens_per_verify(k) - 1 for k in draft_counts)
-            rate = self._rates.setdefault((num_decodes.bit_length(), drafted), [0.0, 0.0])
-            rate[0] = rate[0] * self.rate_decay + tokens
-            rate[1] = rate[1] * self.rate_decay + seconds
-
-    @property
-    def acceptance(self) -> float:
-        return self._accepted / self._trials
-
-    def _tokens_per_verify(self, k: int) -> float:
-        """E(k): tokens a request with k drafts emits in a verify step, at the measured acceptance."""
-        a = self.acceptance
-        return (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
-
-    def rate(self, num_decodes: int, drafted: bool) -> float | None:
-        """Tokens per second of pure-decode steps at this batch size's bucket, or None."""
-        r = self._rates.get((num_decodes.bit_length(), drafted))
-        return r[0] / r[1] if r is not None else None
-
-    def step_cost(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
-        n, x, xx, y, xy = self._fit
-        if n < 2:
-            return None
-        var = xx / n - (x / n) ** 2
-        if var <= 1e-9 * max(xx / n, 1.0):
-            return None
-        per_token = max((xy / n - x / n * y / n) / var, 0.0)
-        return max(y / n - per_token * x / n, 0.0), per_token
-
-    def choose(self, num_decodes: int) -> int:
-        plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
-        if plain is None:
-            return 0  # plain steps first: they cost nothing extra
-        bucket = num_decodes.bit_length()
-        n = self._choices[bucket] = self._choices.get(bucket, 0) + 1
-        drafting = spec is not None and spec >= self.min_gain * plain
-        probe = n % self.probe_every == 1  # the other mode, once
-        return self.num_to_draft(num_decodes) if drafting != probe else 0
-
-    def num_to_draft(self, num_decodes: int) -> int:
-        """k once drafting: the most tokens per unit of step cost under the model above."""
-        cost = self.step_cost()
-        if cost is None:
-            return self.k_max
-        fixed, per_token = cost
-        num_decodes = max(num_decodes, 1)  # nothing running yet: the next step's first request
-        base = fixed + per_token * num_decodes
-
-        def gain(k: int) -> float:
-            return self._tokens_per_verify(k) * base / (fixed + per_token * num_decodes * (1 + k))
-
-        return max(range(1, self.k_max + 1), key=gain)
 
 
 def num_drafts(num_proposed: int, budget_left: int, tokens_left: int) -> int:

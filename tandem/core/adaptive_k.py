@@ -1,0 +1,187 @@
+"""AdaptiveK: speculative decoding's k per step (0 = off), from the batch size, the measured
+acceptance and the measured step costs (no torch; the scheduler asks it, core/scheduler.py)."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from statistics import median
+
+
+def batch_bucket(num_decodes: int) -> int:
+    """The batch-size bucket: 1, 2, 3-4, 5-8, ..., 17-32, 33-64. A full batch at a power of two
+    (max_num_seqs 32) shares its bucket with the sizes it falls to as requests finish."""
+    return (num_decodes - 1).bit_length() if num_decodes > 0 else 0
+
+
+class AdaptiveK:
+    """Drafts per request for the next step, 0 meaning off, from the number of decoding
+    requests B, the measured acceptance and the measured step costs.
+
+    Whether to draft compares measured costs: per batch-size bucket (`batch_bucket`) it keeps
+    the tokens per second of its last pure-decode steps with drafts and without (`rate`). A step's
+    seconds are the executor's, plus its idle wait before the step when the engine had to hand
+    back the step in flight first (a drafting step loses the async overlap), so the rates are
+    what throughput sees; a verify step's extra costs (its rows take the chunked-prefill path,
+    the lost overlap) are in them, which a fit of cost against tokens missed. A plain step
+    yields a token per request; a drafting step is credited the tokens the measured acceptance
+    expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
+    happened to accept (credited when the rate is asked for, at the acceptance known then), so
+    one unlucky probe does not turn drafting off for probe_every steps.
+    A drafting step's seconds include the proposal that fed it (`observe_step`).
+    Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
+    `probe_every` choices the other mode runs once to refresh its rate. Off costs nothing beyond
+    those probes, and a drafting probe that costs m plain steps runs m / 2 times as rarely (at
+    most `max_probe_stretch` times, so a bucket where drafting came to win still finds out), so
+    probes take at most about 2 / probe_every of the time at every batch size. Until
+    `explore_verifies` request-verify steps have measured the acceptance (mostly the prior's
+    until then: one probe whose drafts at the start of an answer all failed said a = 0.33 and
+    kept grounded drafting off), probes come 8 times as often.
+
+    What is not a sample (the new-bucket rule): a plain step at a number of scheduled tokens
+    never seen before (a new shape is the slowest step its size sees; a drafting probe's
+    first, slow step does count, which errs towards off, the cheap error), and a step planned
+    to draft where nobody had a draft (n-gram found no match: a plain step, minus the overlap,
+    that says nothing of what drafting yields). A bucket runs plain until it holds
+    `min_samples` plain samples, and only then probes drafting, so it is never judged from its
+    first, slowest steps (a batch falling into a smaller bucket as requests finish).
+
+    How many to draft (k) is modelled: acceptance is independent per position with rate a
+    (decayed counts from verify steps: a run of j accepted out of k is j successes in j + (j < k)
+    trials, from a prior of 1 in 2), so a request emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per
+    verify step; a step costs fixed + per_token * tokens (a decayed least-squares fit of the same
+    step seconds against scheduled tokens); k maximises E(k) * cost(B) / cost(B * (1 + k)).
+    Until the fit is known, k_max.
+    """
+
+    def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
+                 window: int = 8, min_samples: int = 7, max_probe_stretch: int = 4, explore_verifies: int = 8) -> None:
+        self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
+        self.min_samples, self.max_probe_stretch, self.explore_verifies = min_samples, max_probe_stretch, explore_verifies
+        self._num_verifies = 0  # request-verify steps seen (the acceptance's evidence)
+        self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
+        self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
+        # (bucket, drafted) -> the last `window` pure-decode steps' (seconds, requests, their draft
+        # counts): tokens are credited when a rate is asked for, at the acceptance known then
+        self._samples: dict[tuple[int, bool], deque[tuple[float, int, tuple[int, ...]]]] = {}
+        self.window = window
+        self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
+        self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (0: a plain probe's first)
+        self._proposal_seconds: float | None = None  # the last step's proposal cost, when a plain step proposed
+        # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
+        self.trace: Callable[[dict], None] | None = None
+
+    def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self._num_verifies += 1
+        self._accepted = self._accepted * self.decay + num_accepted
+        self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
+
+    def observe_step(self, num_tokens: int, seconds: float, num_decodes: int = 0, drafted: bool = False,
+                     draft_counts: tuple[int, ...] = (), proposed: bool = False) -> None:
+        """A step of `num_tokens` scheduled tokens took `seconds`; `num_decodes` > 0 when it was
+        pure decode (each request one position, plus its drafts: `draft_counts`), `drafted`
+        when it was planned to draft, `proposed` when it also proposed the next step's drafts.
+
+        A drafting step costs its verify and the proposal that fed it, made in the step before:
+        a step that verifies and proposes holds one of each; a plain step that proposes (before
+        a drafting probe) is no plain sample, and its seconds beyond a plain step's are added to
+        the verify step after it, which proposes nothing (the probe's end)."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        f, d = self._fit, self.decay
+        for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
+            f[i] = f[i] * d + v
+        new_shape = num_tokens not in self._shapes
+        self._shapes.add(num_tokens)
+        proposal, self._proposal_seconds = self._proposal_seconds, None
+        cost = seconds
+        if not num_decodes:
+            sample = False
+        elif not drafted:
+            sample = not proposed and not new_shape
+            plain = self.rate(num_decodes, False)
+            if proposed and plain is not None:
+                self._proposal_seconds = max(seconds - num_decodes / plain, 0.0)
+        else:  # a verify step: a sample when someone had drafts and its proposal's cost is known
+            sample = any(draft_counts) and (proposed or proposal is not None)
+            cost += 0.0 if proposed else proposal or 0.0
+        if sample:
+            key = (batch_bucket(num_decodes), bool(drafted))
+            self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, num_decodes, tuple(draft_counts)))
+        if self.trace is not None:
+            self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
+                        "drafted": drafted, "proposed": proposed, "draft_counts": list(draft_counts),
+                        "sample": sample, "cost": cost})
+
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / self._trials
+
+    def _tokens_per_verify(self, k: int) -> float:
+        """E(k): tokens a request with k drafts emits in a verify step, at the measured acceptance."""
+        a = self.acceptance
+        return (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
+
+    def rate(self, num_decodes: int, drafted: bool) -> float | None:
+        """Tokens per second of pure-decode steps at this batch size's bucket, or None: the
+        median of its last `window` steps, which a minority of slow ones (load, a new shape)
+        does not move, and which treats a mode with one sample (a probe) as one with many."""
+        samples = self._samples.get((batch_bucket(num_decodes), drafted))
+        if not samples:
+            return None
+        credit = {k: self._tokens_per_verify(k) - 1 for k in {k for *_, counts in samples for k in counts}}
+        return median((n + sum(credit[k] for k in counts)) / s for s, n, counts in samples)
+
+    def _step_seconds(self, bucket: int, drafted: bool) -> float:
+        return median(s for s, *_ in self._samples[(bucket, drafted)])
+
+    def step_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
+        n, x, xx, y, xy = self._fit
+        if n < 2:
+            return None
+        var = xx / n - (x / n) ** 2
+        if var <= 1e-9 * max(xx / n, 1.0):
+            return None
+        per_token = max((xy / n - x / n * y / n) / var, 0.0)
+        return max(y / n - per_token * x / n, 0.0), per_token
+
+    def choose(self, num_decodes: int) -> int:
+        k = self._choose(num_decodes)
+        if self.trace is not None:
+            self.trace({"event": "choose", "decodes": num_decodes, "bucket": batch_bucket(num_decodes),
+                        "plain": self.rate(num_decodes, False), "spec": self.rate(num_decodes, True),
+                        "drafting": k > 0, "k": k, "acceptance": self.acceptance})
+        return k
+
+    def _choose(self, num_decodes: int) -> int:
+        bucket = batch_bucket(num_decodes)
+        if len(self._samples.get((bucket, False), ())) < self.min_samples:
+            return 0  # plain steps first: they cost nothing extra (the new-bucket rule)
+        plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
+        drafting = spec is not None and spec >= self.min_gain * plain
+        every = self.probe_every
+        if self._num_verifies < self.explore_verifies:  # the acceptance is mostly the prior's yet
+            every //= 8
+        elif spec is not None and not drafting:  # a drafting probe costing m plain steps: m / 2 times as rarely
+            m = self._step_seconds(bucket, True) / self._step_seconds(bucket, False)
+            every = round(every * min(max(m / 2, 1.0), self.max_probe_stretch))
+        n = self._since_probe.get(bucket, every)  # judged for the first time: probe now
+        # The other mode, once; a plain probe twice, since its second step proposes for the next
+        # drafting step, so only the first is a plain sample.
+        probe = n >= every or (n == 0 and drafting)
+        self._since_probe[bucket] = (0 if drafting and n >= every else 1) if probe else n + 1
+        return self.num_to_draft(num_decodes) if drafting != probe else 0
+
+    def num_to_draft(self, num_decodes: int) -> int:
+        """k once drafting: the most tokens per unit of step cost under the model above."""
+        cost = self.step_cost()
+        if cost is None:
+            return self.k_max
+        fixed, per_token = cost
+        num_decodes = max(num_decodes, 1)  # nothing running yet: the next step's first request
+        base = fixed + per_token * num_decodes
+
+        def gain(k: int) -> float:
+            return self._tokens_per_verify(k) * base / (fixed + per_token * num_decodes * (1 + k))
+
+        return max(range(1, self.k_max + 1), key=gain)
