@@ -21,8 +21,8 @@ class AdaptiveK:
     the tokens per second of its last pure-decode steps with drafts and without (`rate`). A step's
     seconds are the executor's, plus its idle wait before the step when the engine had to hand
     back the step in flight first (a drafting step loses the async overlap), so the rates are
-    what throughput sees; a verify step's extra costs (its rows take the chunked-prefill path,
-    the lost overlap) are in them, which a fit of cost against tokens missed. A plain step
+    what throughput sees; a verify step's extra costs (its k + 1 rows of GEMMs, the lost
+    overlap) are in them, which a fit of cost against tokens missed. A plain step
     yields a token per request; a drafting step is credited the tokens the measured acceptance
     expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
     happened to accept (credited when the rate is asked for, at the acceptance known then), so
