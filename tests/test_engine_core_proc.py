@@ -159,3 +159,24 @@ def test_engine_core_death_fails_every_stream(model_dir):
             llm.generate([1, 2], GREEDY)
     finally:
         llm.shutdown()
+
+
+def test_engine_niceness_lowers_only_the_core_process(model_dir):
+    """`tandem serve --engine-niceness N`: the engine-core process (and so every torch thread it
+    starts) runs at niceness N above this one, which keeps its own; out of [0, 19], or asked of
+    an in-process core, it is refused in words."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    llm = AsyncLLM(EngineConfig(**_opts(model_dir)), engine_niceness=5)
+    try:
+        pid = llm._client.process.pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(own + 5, 19)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == own
+        out = asyncio.run(_final(llm, PROMPTS[0], GREEDY))
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()
+    for bad in (-1, 20, 2.5):
+        with pytest.raises(ValueError, match="engine niceness must be an integer in \\[0, 19\\]"):
+            AsyncLLM(EngineConfig(**_opts(model_dir)), engine_niceness=bad)
+    with pytest.raises(ValueError, match="not in-process"):
+        AsyncLLM(EngineConfig(**_opts(model_dir)), in_process=True, engine_niceness=3)

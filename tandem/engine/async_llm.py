@@ -51,7 +51,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None, engine_niceness: int = 0) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(resolve_model(config.model))
         # Metrics hook, on the receiver thread: after each step (with its duration) and with
@@ -67,7 +67,8 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._dead: str | None = None
-        self._client = EngineCoreClient(config, self._on_event, self._on_dead, in_process)
+        self._client = EngineCoreClient(config, self._on_event, self._on_dead, in_process,
+                                        niceness=engine_niceness)
         ready = self._client.ready
         # The engine facts (from the core's ready handshake).
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size

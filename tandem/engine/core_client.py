@@ -25,7 +25,13 @@ STARTUP_TIMEOUT_S = 900.0  # building the engine: loading (and converting) weigh
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, on_event: Callable[[Any], None], on_dead: Callable[[str], None],
-                 in_process: bool = False, startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+                 in_process: bool = False, startup_timeout: float = STARTUP_TIMEOUT_S, niceness: int = 0) -> None:
+        """niceness: the engine-core process's CPU niceness (0-19; the caller's stays), so that on a
+        machine with few cores this process (HTTP, detokenising, SSE) runs when it wakes."""
+        if not isinstance(niceness, int) or not 0 <= niceness <= 19:
+            raise ValueError(f"engine niceness must be an integer in [0, 19], got {niceness!r}")
+        if niceness and in_process:
+            raise ValueError("engine niceness applies to an engine core in its own process, not in-process")
         self._on_event, self._on_dead = on_event, on_dead
         self._dir = tempfile.mkdtemp(prefix="tandem-core-")
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
@@ -54,7 +60,7 @@ class EngineCoreClient:
             ctx = multiprocessing.get_context("spawn")
             self.process = ctx.Process(target=run_engine_core, name="tandem-engine-core", daemon=True,
                                        args=(config, input_addr, output_addr, os.getpid(),
-                                             logging.getLogger().getEffectiveLevel()))
+                                             logging.getLogger().getEffectiveLevel(), niceness))
             self.process.start()
         try:
             self.ready = self._wait_ready(startup_timeout)

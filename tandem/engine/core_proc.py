@@ -155,7 +155,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
-                    log_level: int = logging.INFO) -> None:
+                    log_level: int = logging.INFO, niceness: int = 0) -> None:
     """The engine-core process's entry point (multiprocessing spawn target)."""
     _die_with_parent(parent_pid)
     # Ctrl-C, and a SIGTERM to the whole process group (systemd, a terminal), reach this process
@@ -167,6 +167,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     # The cores go to the engine; the API process keeps one torch thread (see docs/architecture.md).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(config.num_threads or cores or 1)
+    if niceness:  # before the model loads: every thread torch starts inherits it
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
     try:
         proc = EngineCoreProc(config, input_addr, output_addr)
     except BaseException:

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
+    p.add_argument("--engine-niceness", type=int, default=0,
+                   help="CPU niceness of the engine-core process (0-19): on a machine with few cores, the API "
+                        "process then runs as soon as it wakes (docs/benchmarks.md §24)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted")
 
@@ -96,7 +99,7 @@ def main(args: argparse.Namespace) -> None:
     for key in ("api_key", "max_waiting", "request_log", "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
-    llm = AsyncLLM(engine_config)
+    llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)
     lifecycle = Lifecycle(llm, args.shutdown_timeout)
     llm.on_dead = lifecycle.engine_died
     app = build_app(llm, server)
