@@ -76,7 +76,7 @@ def _external_draft(name: str, model_dir, cfg: ModelConfig, variants: ModelVaria
     if (ours is None) != (theirs is None) or (ours is not None and ours.get_vocab() != theirs.get_vocab()):
         raise ValueError(f"speculative model {name!r} has another tokenizer than the target's: "
                          "a draft must share the target's tokenizer")
-    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention, gguf_source(name))
+    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention)
     variants.weight_bytes[f"draft:{name}"] = weight_bytes(model)
     log.info("weights of draft %s (%d layers): %.1f MiB", name, draft_cfg.num_layers, weight_bytes(model) / 2**20)
     return model
