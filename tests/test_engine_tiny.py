@@ -175,6 +175,21 @@ def test_stops_drop_the_token_after_them(async_scheduling, tiny_model_dirs, refe
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref  # and it serves on
 
 
+def test_an_idle_wait_is_no_gap_when_a_step_for_nobody_was_left_in_flight(tiny_model_dirs):
+    """A stop token ends a request while the step after it is already scheduled (async): that
+    step is still in flight when generate returns. The engine's wait for the next request is
+    idle time, not a gap between steps (a gap is charged to the next step's cost in AdaptiveK)."""
+    import time
+    llm = _llm(tiny_model_dirs["llama"], async_scheduling=True)
+    out = llm.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids
+    llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[out[3]]))
+    assert len(llm.engine.core.pipeline) == 1  # the step planned past the stop token
+    time.sleep(0.5)
+    llm.engine.core.stats.reset()
+    llm.generate([[7, 8, 9]], GREEDY)
+    assert llm.engine.core.stats.phase_times["gap"] < 0.25
+
+
 def test_seeded_sampling_reproducible_across_batches(tiny_model_dirs):
     llm = _llm(tiny_model_dirs["llama"])
     prompts = _prompts(5, 5, 4, 30)

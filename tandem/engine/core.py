@@ -113,7 +113,7 @@ class EngineCore:
                 # Compiled (or found in the cache) before anything is queued; the server
                 # compiles it first through the compile_grammar utility, off the step loop.
                 self.grammar_compiler.get(params.structured_outputs)
-        if not self.has_unfinished_requests():
+        if not self._children:  # no request left (a step for none may still be in flight): work starts now
             self.stats.busy_since = time.perf_counter()
         first = None
         for cid, params in zip(ids, request.params):
