@@ -3,6 +3,7 @@ give exactly what stepping gives; no KV is leaked; P/D hands requests over; the 
 controller moves roles under a load shift; policies change outcomes as they should."""
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -143,3 +144,18 @@ def test_frontend_delay_adds_to_each_isolated_requests_ttft_and_e2e():
     for a, b in zip(base, delayed):
         assert b.first_token - b.arrival == pytest.approx(a.first_token - a.arrival + 0.035)
         assert b.finished - b.arrival == pytest.approx(a.finished - a.arrival + 0.035)
+
+
+def test_simulate_refuses_speculative_decoding_in_words_and_runs_without(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+                     "2023-11-16 18:15:48.00,100,20\n")
+    profile, config = tmp_path / "p.json", tmp_path / "serving.yaml"
+    cost_model().save(profile)
+    config.write_text("serving:\n  speculative_decoding: {draft_model: 'self:int4', verify_interval: 4}\n"
+                      "  scheduler: {max_num_seqs: 8}\n")
+    out = tmp_path / "out.json"
+    assert cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--config", str(config),
+                     "--json", str(out)]) == 0
+    assert "serving.speculative_decoding is not simulated" in capsys.readouterr().err
+    assert json.loads(out.read_text())["results"][0]["summary"]["completed"] == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from tqdm import tqdm
@@ -96,13 +97,22 @@ def _requests(args, instances: int = 1):
     return reqs, desc
 
 
-def _engine(args, cost, policy: str) -> EngineConfig:
+def _yaml_engine(path: str | None) -> dict:
+    """The serving YAML's engine options the simulator honours. Speculative decoding is not
+    simulated (the simulated executor proposes no drafts, and the cost model has no verify or
+    draft step): it is refused in words, and the run simulates without it."""
+    values = load_yaml(path, "engine") if path else {}
+    if values.pop("speculative_config", None) is not None:
+        print(f"tandem simulate: {path}: serving.speculative_decoding is not simulated (the simulated executor "
+              "proposes no drafts); simulating without speculation", file=sys.stderr)
+    return values
+
+
+def _engine(args, cost, policy: str, yaml_values: dict) -> EngineConfig:
     values = {"max_num_seqs": args.max_num_seqs, "l2_min_share": args.l2_min_share, "l1_step_time": args.l1_step_time,
               "max_num_batched_tokens": args.max_num_batched_tokens or cost.max_num_batched_tokens,
               "max_model_len": args.max_model_len, "enable_prefix_caching": not args.no_prefix_caching}
-    if args.config:
-        values.update(load_yaml(args.config, "engine"))
-    return EngineConfig.from_dict({**values, "scheduler_policy": policy})
+    return EngineConfig.from_dict({**values, **yaml_values, "scheduler_policy": policy})
 
 
 def _schedule(text: str | None) -> TimeSchedule | None:
@@ -192,6 +202,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.step_scale != 1.0 or args.step_overhead_ms:
         cost = cost.calibrated(args.step_scale, args.step_overhead_ms / 1000)
     _, desc = _requests(args)  # validates the workload before any run
+    yaml_values = _yaml_engine(args.config)
     grid = [(int(n), m.strip(), pol.strip()) for n in args.instances.split(",") for m in args.mode.split(",")
             for pol in args.policy.split(",")]
     for n, m, _ in grid:
@@ -202,7 +213,7 @@ def main(args: argparse.Namespace) -> dict:
     results, searched = [], []
     with tqdm(desc="simulate", unit="run", disable=None) as bar:
         for n, mode, policy in grid:
-            engine = _engine(args, cost, policy)
+            engine = _engine(args, cost, policy, yaml_values)
             if mode != "pd" or args.prefill is not None:  # elastic finds its own split from P = N/2
                 results.append(run_one(args, cost, engine, n, mode, args.prefill or max(1, n // 2), slo))
                 bar.update(1)
