@@ -259,3 +259,18 @@ def test_serve_flags_override_the_yaml_section():
     with pytest.raises(ValueError, match=r"in \[1, 16\]"):
         EngineConfig.from_dict(with_speculation_flags({}, parser.parse_args(["--num-speculative-tokens", "0",
                                                                              "--speculative-method", "ngram"])))
+
+
+def test_a_buckets_samples_compare_at_the_batch_size_asked_for():
+    """Plain samples taken as the batch fell to 5 and a drafting probe at 8 share bucket 5-8.
+    Taken as they are, 5 requests in a bandwidth-bound step read as 5/8 of the plain rate at 8,
+    and a drafting probe that loses at 8 looks like a win; rescaled to 8 by the step-cost fit,
+    it loses."""
+    policy = _trained(0.5, fixed=0.02, per_token=0.0001)
+    _plain_steps(policy, 5, seconds=0.0205)  # on the fit's line: fixed + per_token * 5
+    assert policy.rate(5, False) == pytest.approx(5 / 0.0205, rel=1e-3)
+    assert policy.rate(8, False) == pytest.approx(8 / 0.0208, rel=2e-2)  # the fit's step at 8 tokens
+    assert policy.choose(8) > 0  # the probe
+    _decode_step(policy, 8, True, seconds=0.041)  # E(4) = 1.94 tokens a request for 2x a plain step
+    assert policy.rate(8, True) < policy.rate(8, False)
+    assert [policy.choose(8) for _ in range(10)] == [0] * 10

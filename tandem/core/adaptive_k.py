@@ -18,7 +18,8 @@ class AdaptiveK:
     requests B, the measured acceptance and the measured step costs.
 
     Whether to draft compares measured costs: per batch-size bucket (`batch_bucket`) it keeps
-    the tokens per second of its last pure-decode steps with drafts and without (`rate`). A step's
+    the tokens per second of its last pure-decode steps with drafts and without (`rate`, each
+    taken to the batch size asked for by the step-cost fit below). A step's
     seconds are the executor's, plus its idle wait before the step when the engine had to hand
     back the step in flight first (a drafting step loses the async overlap), so the rates are
     what throughput sees; a verify step's extra costs (its k + 1 rows of GEMMs, the lost
@@ -124,12 +125,31 @@ class AdaptiveK:
     def rate(self, num_decodes: int, drafted: bool) -> float | None:
         """Tokens per second of pure-decode steps at this batch size's bucket, or None: the
         median of its last `window` steps, which a minority of slow ones (load, a new shape)
-        does not move, and which treats a mode with one sample (a probe) as one with many."""
+        does not move, and which treats a mode with one sample (a probe) as one with many.
+
+        Each sample is taken to `num_decodes` requests first, its tokens in proportion and its
+        seconds by the step-cost fit: a bucket spans batch sizes, and a plain step at 5 requests
+        yields 5/8 of the tokens a step at 8 does for about the same seconds, so the samples of
+        a batch falling from 8 to 5 read as a slower plain mode than the drafting probe at 8."""
         samples = self._samples.get((batch_bucket(num_decodes), drafted))
         if not samples:
             return None
         credit = {k: self._tokens_per_verify(k) - 1 for k in {k for *_, counts in samples for k in counts}}
-        return median((n + sum(credit[k] for k in counts)) / s for s, n, counts in samples)
+        cost = self.step_cost()
+
+        def at_batch(seconds: float, n: int, counts: tuple[int, ...]) -> tuple[float, float]:
+            """(scale of the tokens, seconds) of a sample of n requests, taken to num_decodes."""
+            if cost is None or n == num_decodes:
+                return 1.0, seconds
+            tokens, scale = n + sum(counts), num_decodes / n
+            fixed, per_token = cost
+            return scale, seconds * (fixed + per_token * tokens * scale) / (fixed + per_token * tokens)
+
+        rates = []
+        for s, n, counts in samples:
+            scale, seconds = at_batch(s, n, counts)
+            rates.append((n + sum(credit[k] for k in counts)) * scale / seconds)
+        return median(rates)
 
     def _step_seconds(self, bucket: int, drafted: bool) -> float:
         return median(s for s, *_ in self._samples[(bucket, drafted)])
