@@ -3,17 +3,29 @@ ngram,draft`, the drafts of `--speculative-model self:int4,self:int8`), side by 
 run, on the two prompt sets shipped in bench/data/spec_prompts.json: `grounded` (edit a given text: the answer
 copies spans of the prompt) and `chat` (open questions). Batch 1 runs the prompts one at a
 time (single-stream decode); batch B submits B chat prompts at once (cycled). Greedy, chat
-template applied. Each configuration runs in its own process (peak RSS is its own); tokens
-equal to speculation off are counted, since a verify step's GEMM shapes differ from a
-one-token step's and low precision can flip a near-tie."""
+template applied.
+
+Each configuration keeps a process of its own for the whole run (its peak RSS is its own), and
+the cases alternate between them: a case runs in every configuration before the next case
+starts, the order rotating by one from one case to the next (A B C, B C A, C A B: reversing it
+would keep B in the middle every time, and a bias of the position would land on B), for
+`--rounds` rounds. Run one
+configuration to its end and then the next, and this shared machine's drift between them
+moved a ratio as much as speculation did (docs/benchmarks.md §22); alternating takes each
+on/off pair within seconds. The first round meets AdaptiveK's buckets new (a fresh server's
+probes); later rounds find them measured. A row gives each round's ratio and their geometric
+mean. Tokens equal to speculation off are counted, since a verify step's GEMM shapes differ
+from a one-token step's and low precision can flip a near-tie."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing as mp
 import time
 from importlib import resources
 
-from tandem.bench.offline import in_subprocess, _peak_rss_mb, _replace, spec_summary
+from tandem.bench.offline import _peak_rss_mb, _replace, spec_summary
 
 
 def load_prompt_sets() -> dict[str, list[str]]:
@@ -40,59 +52,148 @@ def proposers(args) -> dict[str, dict]:
     return out
 
 
-def _open_trace(args, policy, case: dict):
-    """--trace-adaptive: AdaptiveK's choices and the steps it saw, one JSON line each, labelled
-    with the proposer and the case running (`case`, updated by the caller); None when off."""
-    if not args.trace_adaptive or policy is None:
-        return None
-    f = open(args.trace_adaptive, "a")
-    label = args.spec.get("model") or args.spec["method"]
-    policy.trace = lambda event: f.write(json.dumps({"proposer": label, **case, **event}) + "\n")
-    return f
+class CaseRunner:
+    """One configuration's engine, warmed up, running cases (a prompt set at a batch size) and
+    measuring each: tokens/s, step and draft costs, the speculation counters' increase."""
 
+    def __init__(self, args) -> None:
+        from tandem import LLM, SamplingParams
+        self.args, self.spec, self.sets = args, args.spec, load_prompt_sets()
+        self.llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+                       speculative_config=self.spec, enable_prefix_caching=False, num_threads=args.num_threads)
+        self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+        self.llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
+        self.core = self.llm.engine.core
+        self.drafter = getattr(self.core.executor, "drafter", None)
+        self.case: dict = {}  # the case running, for --trace-adaptive's lines
+        self.trace = self._open_trace()
 
-def run_config(args, _requests=None) -> dict:
-    from tandem import LLM, SamplingParams
-    spec = args.spec
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes), speculative_config=spec,
-              enable_prefix_caching=False, num_threads=args.num_threads)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
-    sets, engine, results = load_prompt_sets(), llm.engine, []
-    case: dict = {}
-    trace = _open_trace(args, engine.core.scheduler.spec_policy, case)
-    for name, batch in _cases(args):
-        case.update(set=name, batch=batch)
-        prompts = sets[name][:args.num_prompts] if batch == 1 else \
+    def _open_trace(self):
+        """--trace-adaptive: AdaptiveK's choices and the steps it saw, one JSON line each, labelled
+        with the proposer and the case running; None when off."""
+        policy = self.core.scheduler.spec_policy
+        if not self.args.trace_adaptive or policy is None:
+            return None
+        f = open(self.args.trace_adaptive, "a", buffering=1)  # processes take turns appending
+        label = self.spec.get("model") or self.spec["method"]
+        policy.trace = lambda event: f.write(json.dumps({"proposer": label, **self.case, **event}) + "\n")
+        return f
+
+    def run(self, name: str, batch: int, round_: int) -> dict:
+        self.case.update(set=name, batch=batch, round=round_)
+        sets, core = self.sets, self.core
+        prompts = sets[name][:self.args.num_prompts] if batch == 1 else \
             [sets[name][i % len(sets[name])] for i in range(batch)]
-        engine.core.stats.reset()
-        stats = engine.core.scheduler.spec_stats
+        core.stats.reset()
+        stats = core.scheduler.spec_stats
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-        drafter = getattr(engine.core.executor, "drafter", None)
-        draft_before = (drafter.num_forwards, drafter.seconds) if drafter is not None else (0, 0.0)
-        start, outs = time.perf_counter(), []
+        draft_before = (self.drafter.num_forwards, self.drafter.seconds) if self.drafter is not None else (0, 0.0)
+        started_at, start, outs = time.time(), time.perf_counter(), []
         for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
-            outs += llm.chat([[{"role": "user", "content": p}] for p in group], params)
+            outs += self.llm.chat([[{"role": "user", "content": p}] for p in group], self.params)
         seconds = time.perf_counter() - start
-        tokens, st = [o.outputs[0].token_ids for o in outs], engine.core.stats
+        tokens, st = [o.outputs[0].token_ids for o in outs], core.stats
         delta = type(stats)(stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
                             stats.num_accepted_tokens - before[2])
-        steps = max(engine.core.stats.num_steps, 1)
-        forwards, draft_s = (drafter.num_forwards - draft_before[0], drafter.seconds - draft_before[1]) \
-            if drafter is not None else (0, 0.0)
-        results.append({"set": name, "batch": batch, "output_tokens": sum(map(len, tokens)), "seconds": seconds,
-                        "output_throughput": sum(map(len, tokens)) / seconds, "steps": st.num_steps,
-                        "ms_per_step": st.phase_times["execute"] / steps * 1e3,
-                        # the executor idle between steps (async overlap lost, e.g. a drafting step's hand-back)
-                        "gap_ms_per_step": st.phase_times["gap"] / steps * 1e3,
-                        # a draft model's part of each step, and of each of its one-token forwards
-                        "draft_ms_per_step": draft_s / steps * 1e3,
-                        "draft_ms_per_forward": draft_s / forwards * 1e3 if forwards else None,
-                        "spec_decode": spec_summary(delta) if spec else None, "token_ids": tokens})
-    if trace is not None:
-        trace.close()
-    return {"dtype": str(engine.core.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
-            "async_scheduling": engine.core.pipeline.overlap, "cases": results}
+        forwards, draft_s = (self.drafter.num_forwards - draft_before[0], self.drafter.seconds - draft_before[1]) \
+            if self.drafter is not None else (0, 0.0)
+        return {"set": name, "batch": batch, "round": round_, "started_at": started_at, "output_tokens": sum(map(len, tokens)),
+                "seconds": seconds, "output_throughput": sum(map(len, tokens)) / seconds, "steps": st.num_steps,
+                "execute_s": st.phase_times["execute"],
+                "gap_s": st.phase_times["gap"],  # the executor idle between steps (a drafting step's hand-back)
+                "draft_s": draft_s, "draft_forwards": forwards,  # a draft model's part, and its one-token forwards
+                "spec_decode": spec_summary(delta) if self.spec else None, "token_ids": tokens}
+
+    def close(self) -> dict:
+        if self.trace is not None:
+            self.trace.close()
+        return {"dtype": str(self.core.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
+                "async_scheduling": self.core.pipeline.overlap}
+
+
+def _serve_cases(args, conn) -> None:
+    """A configuration's process: build its CaseRunner, say so, run the cases it is sent until
+    None, then send its summary."""
+    runner = CaseRunner(args)
+    conn.send("ready")
+    while (case := conn.recv()) is not None:
+        conn.send(runner.run(*case))
+    conn.send(runner.close())
+
+
+class ConfigProcess:
+    """A configuration's process, seen from the parent."""
+
+    def __init__(self, name: str, args) -> None:
+        self.name = name
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_serve_cases, args=(args, child), daemon=True)
+        self.proc.start()
+
+    def recv(self):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join()
+            raise SystemExit(f"bench spec: the {self.name} process ended (exit code {self.proc.exitcode}); "
+                             "its error is above") from None
+
+    def run(self, case: tuple[str, int, int]) -> dict:
+        self.conn.send(case)
+        return self.recv()
+
+    def close(self) -> dict:
+        self.conn.send(None)
+        summary = self.recv()
+        self.proc.join()
+        return summary
+
+
+def run_interleaved(args, specs: dict[str, dict | None]) -> tuple[dict, dict]:
+    """Every case in every configuration, alternating the order (see the module): per
+    configuration, its summary and its case results by (case index, round)."""
+    from tqdm import tqdm
+    procs = {name: ConfigProcess(name, _replace(args, spec=spec)) for name, spec in specs.items()}
+    for p in procs.values():  # all built and warm before anything is timed
+        p.recv()  # "ready"
+    results: dict[str, dict] = {name: {} for name in procs}
+    cases, names = _cases(args), list(procs)
+    with tqdm(total=args.rounds * len(cases) * len(names), desc="bench spec", unit="run") as bar:
+        for r in range(args.rounds):
+            for i, (set_name, batch) in enumerate(cases):
+                shift = (r * len(cases) + i) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    results[name][i, r] = procs[name].run((set_name, batch, r))
+                    bar.update()
+    return {name: p.close() for name, p in procs.items()}, results
+
+
+def _sum(runs: list[dict], key: str) -> float:
+    return sum(run[key] for run in runs)
+
+
+def _row(name: str, off: list[dict], on: list[dict]) -> dict:
+    """One proposer on one case over the rounds: the ratio of each round and their geometric
+    mean, the rates and step costs over all rounds, the drafts' counters summed."""
+    from tandem.core.spec_decode import SpecDecodeStats
+    ratios = [b["output_throughput"] / a["output_throughput"] for a, b in zip(off, on)]
+    sd = SpecDecodeStats(*(int(sum(b["spec_decode"][k] for b in on))
+                           for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")))
+    ref = [a["token_ids"] for a in off]
+    equal = [sum(x == y for x, y in zip(r, b["token_ids"])) for r, b in zip(ref, on)]
+
+    def rates(runs: list[dict]) -> dict:
+        steps = max(_sum(runs, "steps"), 1)
+        forwards = _sum(runs, "draft_forwards")
+        return {"output_throughput": _sum(runs, "output_tokens") / _sum(runs, "seconds"),
+                "output_throughput_per_round": [run["output_throughput"] for run in runs],
+                "ms_per_step": _sum(runs, "execute_s") / steps * 1e3, "gap_ms_per_step": _sum(runs, "gap_s") / steps * 1e3,
+                "draft_ms_per_step": _sum(runs, "draft_s") / steps * 1e3,
+                "draft_ms_per_forward": _sum(runs, "draft_s") / forwards * 1e3 if forwards else None}
+
+    return {"proposer": name, "set": off[0]["set"], "batch": off[0]["batch"], "off": rates(off), "on": rates(on),
+            "ratios": ratios, "ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+            "spec_decode": spec_summary(sd), "equal_outputs": min(equal), "num_outputs": len(ref[0])}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +210,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated; 1 runs both prompt sets one prompt at a time, the rest the chat set")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per set at batch 1")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="times every case runs in every configuration, alternating (the first with AdaptiveK new)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--trace-adaptive", default=None, metavar="FILE",
@@ -117,37 +220,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     specs = proposers(args)
     if args.trace_adaptive:
         open(args.trace_adaptive, "w").close()  # each configuration's process appends its lines
-    off = in_subprocess(run_config, _replace(args, spec=None), None)
-    runs = {name: in_subprocess(run_config, _replace(args, spec=spec), None) for name, spec in specs.items()}
+    summaries, results = run_interleaved(args, {"off": None, **specs})
+    ncases = len(_cases(args))
+    rows = [_row(name, [results["off"][i, r] for r in range(args.rounds)],
+                 [results[name][i, r] for r in range(args.rounds)]) for name in specs for i in range(ncases)]
+    off = summaries["off"]
     print(f"{args.model} {off['dtype']}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"
-          f"{'' if args.adaptive else ' (fixed)'}; peak RSS off {off['peak_rss_mb']:.0f} MiB, "
-          + ", ".join(f"{n} {r['peak_rss_mb']:.0f} MiB" for n, r in runs.items())
+          f"{'' if args.adaptive else ' (fixed)'}, {args.rounds} alternating round(s); peak RSS off "
+          f"{off['peak_rss_mb']:.0f} MiB, " + ", ".join(f"{n} {summaries[n]['peak_rss_mb']:.0f} MiB" for n in specs)
           + f" (async overlap {'on' if off['async_scheduling'] else 'off'})")
-    print(f"{'proposer':10} {'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'accept':>7} "
-          f"{'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} {'gap off/on':>10} {'verifies':>8} "
+    print(f"{'proposer':10} {'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'per round':>16} "
+          f"{'accept':>7} {'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} {'gap off/on':>10} {'verifies':>8} "
           f"{'draft ms':>8} {'ms/fwd':>6} {'equal':>7}")
-    rows = []
-    off_tokens = [a.pop("token_ids") for a in off["cases"]]
-    for name, run in runs.items():
-        for a, b, ref in zip(off["cases"], run["cases"], off_tokens):
-            sd = b["spec_decode"]
-            equal = sum(x == y for x, y in zip(ref, b.pop("token_ids")))
-            row = {"proposer": name, "set": a["set"], "batch": a["batch"], "off": a, "on": b,
-                   "ratio": b["output_throughput"] / a["output_throughput"],
-                   "equal_outputs": equal, "num_outputs": len(ref)}
-            rows.append(row)
-            fwd = f"{b['draft_ms_per_forward']:.1f}" if b["draft_ms_per_forward"] is not None else "-"
-            print(f"{name:10} {a['set']:9} {a['batch']:>5} {a['output_throughput']:>10.1f} {b['output_throughput']:>9.1f} "
-                  f"{row['ratio']:>6.2f}x {sd['acceptance_rate']:>7.1%} {sd['mean_accepted_length']:>8.2f} "
-                  f"{a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} {a['gap_ms_per_step']:>4.1f}/{b['gap_ms_per_step']:<5.1f} "
-                  f"{sd['num_drafts']:>8} {b['draft_ms_per_step']:>8.1f} {fwd:>6} "
-                  f"{equal:>3}/{row['num_outputs']}")
+    for row in rows:
+        a, b, sd = row["off"], row["on"], row["spec_decode"]
+        fwd = f"{b['draft_ms_per_forward']:.1f}" if b["draft_ms_per_forward"] is not None else "-"
+        per_round = "/".join(f"{x:.2f}" for x in row["ratios"])
+        print(f"{row['proposer']:10} {row['set']:9} {row['batch']:>5} {a['output_throughput']:>10.1f} "
+              f"{b['output_throughput']:>9.1f} {row['ratio']:>6.2f}x {per_round:>16} {sd['acceptance_rate']:>7.1%} "
+              f"{sd['mean_accepted_length']:>8.2f} {a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} "
+              f"{a['gap_ms_per_step']:>4.1f}/{b['gap_ms_per_step']:<5.1f} {sd['num_drafts']:>8} "
+              f"{b['draft_ms_per_step']:>8.1f} {fwd:>6} {row['equal_outputs']:>3}/{row['num_outputs']}")
+    runs = {name: [{k: v for k, v in run.items() if k != "token_ids"} for _, run in sorted(per_case.items())]
+            for name, per_case in results.items()}  # every case run, by case then round
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},
-              "off": {k: v for k, v in off.items() if k != "cases"},
-              "runs": {n: {k: v for k, v in r.items() if k != "cases"} for n, r in runs.items()}, "rows": rows}
+              "summaries": summaries, "rows": rows, "runs": runs}
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
