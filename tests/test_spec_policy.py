@@ -39,11 +39,11 @@ def test_draft_size_from_acceptance_and_step_cost():
 
 
 def _decode_step(policy: AdaptiveK, batch: int, drafted: bool, seconds: float, drafts: int = 4,
-                 proposed: bool = False) -> None:
-    """A pure-decode step at `batch`, every request with `drafts` drafts when `drafted`; a
-    drafting step without `proposed` is counted as a proposal's (the step before's) verify."""
+                 proposal_seconds: float = 0.0) -> None:
+    """A pure-decode step at `batch`, every request with `drafts` drafts when `drafted`,
+    `proposal_seconds` of it proposing the next step's drafts."""
     policy.observe_step(batch * (1 + drafts if drafted else 1), seconds, batch, drafted,
-                        (drafts,) * batch if drafted else (), proposed or drafted)
+                        (drafts,) * batch if drafted else (), proposal_seconds)
 
 
 def _plain_steps(policy: AdaptiveK, batch: int, seconds: float) -> None:
@@ -92,11 +92,10 @@ def _serve(policy: AdaptiveK, batches: list[int], plain_seconds, draft_seconds, 
         i = seen[batch] = seen.get(batch, -1) + 1
         k, k_next = ks[-1], policy.choose(batches[min(step + 1, len(batches) - 1)])
         seconds = draft_seconds(batch, k) if k else plain_seconds(batch, i)
-        if k_next and propose_seconds is not None:
-            seconds += propose_seconds(batch, k_next)
+        proposal = propose_seconds(batch, k_next) if k_next and propose_seconds is not None else 0.0
         if k:
             policy.observe_verify(k, k)
-        policy.observe_step(batch * (1 + k), seconds, batch, k > 0, (k,) * batch if k else (), k_next > 0)
+        policy.observe_step(batch * (1 + k), seconds + proposal, batch, k > 0, (k,) * batch if k else (), proposal)
         ks.append(k_next)
     return ks[:-1]
 
@@ -139,7 +138,7 @@ def test_an_unlucky_first_probe_is_soon_retried():
         if k:
             accepted.append(0 if not accepted else k)  # the first verify: all rejected
             policy.observe_verify(k, accepted[-1])
-        policy.observe_step(1 + k, 0.016 if k else 0.010, 1, k > 0, (k,) if k else (), k_next > 0)
+        policy.observe_step(1 + k, 0.016 if k else 0.010, 1, k > 0, (k,) if k else ())
         ks.append(k_next)
     first_on = next(i for i in range(len(ks) - 4) if all(ks[i:i + 4]))
     assert accepted[0] == 0 and first_on <= 40
@@ -173,7 +172,7 @@ def test_probes_of_a_costly_draft_are_rarer():
 def test_a_drafting_probe_is_charged_its_proposal():
     """A self-draft's forwards run in the step before the one that verifies them. A probe is a
     plain step that proposes, then a verify step that does not: drafting must be charged the
-    proposal, and the proposing step is no plain sample. Here a verify step costs 1.2 plain
+    proposal, and the proposing step is a plain sample without it. Here a verify step costs 1.2 plain
     steps but the proposal 4 more, so drafting (4.7 tokens for 5.2 steps) loses."""
     policy = _trained(0.93, fixed=0.01, per_token=0.0001)
     ks = _serve(policy, [8] * 300, lambda batch, i: 0.01, draft_seconds=lambda batch, k: 0.012,
@@ -184,8 +183,8 @@ def test_a_drafting_probe_is_charged_its_proposal():
 
 
 def test_a_plain_probe_while_drafting_is_a_clean_plain_sample():
-    """Where drafting wins, the plain probe is two steps (the second proposes for the next
-    drafting step), so the plain rate holds no proposal's cost; drafting stays on."""
+    """Where drafting wins, the plain probe proposes for the drafting step after it; its plain
+    sample is its seconds without that proposal, and drafting stays on."""
     policy = _trained(0.93, fixed=0.01, per_token=0.0001)
     ks = _serve(policy, [1] * 300, lambda batch, i: 0.01, draft_seconds=lambda batch, k: 0.012,
                 propose_seconds=lambda batch, k: 0.004)
@@ -274,3 +273,18 @@ def test_a_buckets_samples_compare_at_the_batch_size_asked_for():
     _decode_step(policy, 8, True, seconds=0.041)  # E(4) = 1.94 tokens a request for 2x a plain step
     assert policy.rate(8, True) < policy.rate(8, False)
     assert [policy.choose(8) for _ in range(10)] == [0] * 10
+
+
+def test_a_verify_step_pays_the_proposal_that_fed_it_not_its_own():
+    """Near max_tokens the drafts shrink: a verify step of requests with 4 drafts each (fed by
+    a 40 ms proposal) proposes 1 draft each for the next step (5 ms). It costs its own 12 ms
+    plus the 40 ms that fed it; charged its own proposal instead (the executor's seconds as
+    they are), drafting looked 3x cheaper than it is."""
+    policy = _trained(0.93, fixed=0.01, per_token=0.0001)
+    _plain_steps(policy, 8, seconds=0.01)
+    assert policy.choose(8) > 0
+    _decode_step(policy, 8, False, seconds=0.05, proposal_seconds=0.04)  # plain, proposing 4 drafts each
+    _decode_step(policy, 8, True, seconds=0.017, proposal_seconds=0.005)  # verify, proposing 1 each
+    assert policy.rate(8, False) == pytest.approx(800)  # the proposing plain step: 10 ms of its own
+    a = policy.acceptance
+    assert policy.rate(8, True) == pytest.approx(8 * (1 - a ** 5) / (1 - a) / 0.052)  # E(4) tokens a request

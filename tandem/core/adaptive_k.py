@@ -67,7 +67,7 @@ class AdaptiveK:
         self.window = window
         self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
         self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (0: a plain probe's first)
-        self._proposal_seconds: float | None = None  # the last step's proposal cost, when a plain step proposed
+        self._proposal_seconds = 0.0  # the last step's proposal (what the next verify step pays)
         # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
         self.trace: Callable[[dict], None] | None = None
 
@@ -77,15 +77,18 @@ class AdaptiveK:
         self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
 
     def observe_step(self, num_tokens: int, seconds: float, num_decodes: int = 0, drafted: bool = False,
-                     draft_counts: tuple[int, ...] = (), proposed: bool = False) -> None:
+                     draft_counts: tuple[int, ...] = (), proposal_seconds: float = 0.0) -> None:
         """A step of `num_tokens` scheduled tokens took `seconds`; `num_decodes` > 0 when it was
         pure decode (each request one position, plus its drafts: `draft_counts`), `drafted`
-        when it was planned to draft, `proposed` when it also proposed the next step's drafts.
+        when it was planned to draft; `proposal_seconds` of it went to proposing the next
+        step's drafts (the executor times them).
 
-        A drafting step costs its verify and the proposal that fed it, made in the step before:
-        a step that verifies and proposes holds one of each; a plain step that proposes (before
-        a drafting probe) is no plain sample, and its seconds beyond a plain step's are added to
-        the verify step after it, which proposes nothing (the probe's end)."""
+        A step's cost in its mode is its seconds without its own proposal, and a drafting step
+        also pays the proposal that fed it, made in the step before. (Inferring the proposal
+        from a plain step's rate assumed a verify step proposes as much as fed it; near
+        max_tokens the drafts shrink, and a verify step of 1-draft requests that proposed 1
+        draft each was charged a fraction of its 4-draft feed: the cheap sample kept a losing
+        drafting mode on at batch 32.)"""
         if num_tokens <= 0 or seconds <= 0:
             return
         f, d = self._fit, self.decay
@@ -93,25 +96,22 @@ class AdaptiveK:
             f[i] = f[i] * d + v
         new_shape = num_tokens not in self._shapes
         self._shapes.add(num_tokens)
-        proposal, self._proposal_seconds = self._proposal_seconds, None
-        cost = seconds
+        fed, self._proposal_seconds = self._proposal_seconds, proposal_seconds
+        cost = max(seconds - proposal_seconds, 0.0)
         if not num_decodes:
             sample = False
         elif not drafted:
-            sample = not proposed and not new_shape
-            plain = self.rate(num_decodes, False)
-            if proposed and plain is not None:
-                self._proposal_seconds = max(seconds - num_decodes / plain, 0.0)
-        else:  # a verify step: a sample when someone had drafts and its proposal's cost is known
-            sample = any(draft_counts) and (proposed or proposal is not None)
-            cost += 0.0 if proposed else proposal or 0.0
+            sample = not new_shape
+        else:  # a verify step: a sample when someone had drafts
+            sample = any(draft_counts)
+            cost += fed
         if sample:
             key = (batch_bucket(num_decodes), bool(drafted))
             self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, num_decodes, tuple(draft_counts)))
         if self.trace is not None:
             self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
-                        "drafted": drafted, "proposed": proposed, "draft_counts": list(draft_counts),
-                        "sample": sample, "cost": cost})
+                        "drafted": drafted, "proposal_seconds": proposal_seconds,
+                        "draft_counts": list(draft_counts), "sample": sample, "cost": cost})
 
     @property
     def acceptance(self) -> float:
@@ -186,10 +186,8 @@ class AdaptiveK:
             m = self._step_seconds(bucket, True) / self._step_seconds(bucket, False)
             every = round(every * min(max(m / 2, 1.0), self.max_probe_stretch))
         n = self._since_probe.get(bucket, every)  # judged for the first time: probe now
-        # The other mode, once; a plain probe twice, since its second step proposes for the next
-        # drafting step, so only the first is a plain sample.
-        probe = n >= every or (n == 0 and drafting)
-        self._since_probe[bucket] = (0 if drafting and n >= every else 1) if probe else n + 1
+        probe = n >= every  # the other mode, once
+        self._since_probe[bucket] = 1 if probe else n + 1
         return self.num_to_draft(num_decodes) if drafting != probe else 0
 
     def num_to_draft(self, num_decodes: int) -> int:

@@ -73,6 +73,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds the step took on the executor
     structured_output_time: float = 0.0  # of which filling and applying grammar bitmasks
+    propose_time: float = 0.0  # of which proposing the next step's drafts (AdaptiveK charges it to that step)
     # Speculative decoding: drafts proposed for each request's next step, after this step's tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

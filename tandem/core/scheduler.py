@@ -181,17 +181,18 @@ class Scheduler:
         them was planned but never ran, so the executor still holds their state."""
         self._finished_ids |= req_ids
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+    def observe_step(self, out: SchedulerOutput, seconds: float, proposal_seconds: float = 0.0) -> None:
         """A step that ran took `seconds` (for the speculation policy, with the executor's idle
-        wait before it): feed the speculation policy and adapt the L1 throttle to
-        `l1_step_time` (the engine and the simulator call this after each step)."""
+        wait before it), `proposal_seconds` of them proposing the next step's drafts: feed the
+        speculation policy and adapt the L1 throttle to `l1_step_time` (the engine and the
+        simulator call this after each step)."""
         if self.spec_policy is not None:
             drafts = out.scheduled_spec_decode_tokens
             pure_decode = not out.scheduled_new_reqs and all(
                 n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds,
                                           len(out.num_scheduled_tokens) if pure_decode else 0, out.drafting,
-                                          tuple(map(len, drafts.values())), out.propose_drafts)
+                                          tuple(map(len, drafts.values())), proposal_seconds)
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,

@@ -64,7 +64,7 @@ class StepStats:
         self._last_execute_end = done.end
         # The step's cost as throughput sees it: the executor's time and its wait before it
         # (a drafting step waits for the engine to hand back the step in flight first).
-        core.scheduler.observe_step(done.sched, done.end - done.start + gap)
+        core.scheduler.observe_step(done.sched, done.end - done.start + gap, done.result.propose_time)
 
     def snapshot(self) -> SchedulerStats:
         s, kv = self.core.scheduler, self.core.kv_manager

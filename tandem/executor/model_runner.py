@@ -207,7 +207,9 @@ class ModelRunner:
         for precision, part in by_variant.items():
             self._run_variant(self.variants.models[precision], part, out, sched.propose_drafts)
         if self.drafter is not None and sched.num_lookahead_tokens:
+            propose_start = time.perf_counter()
             self._propose_drafts(sched.num_lookahead_tokens, out)
+            out.propose_time += time.perf_counter() - propose_start
         if self.step_gaps is not None:
             self.step_gaps.step_ended()
         if self.device.type == "cuda":
@@ -262,7 +264,9 @@ class ModelRunner:
                 if lps is not None:
                     out.logprobs[s.req_id] = lps
                 if propose and self.proposer is not None and s.params.drafts:
+                    propose_start = time.perf_counter()
                     out.spec_token_ids[s.req_id] = self.proposer.propose(s.token_ids)
+                    out.propose_time += time.perf_counter() - propose_start
         for s, n in zip(states, counts.tolist()):
             # a verify step keeps the accepted drafts' KV only: the rest is written again
             s.num_computed_tokens = len(s.token_ids) - 1 if s.spec_token_ids else s.num_computed_tokens + n
