@@ -30,6 +30,7 @@ import torch
 
 from tandem.core.spec_decode import SpeculativeConfig
 from tandem.executor.attention import build_attention_metadata
+from tandem.kernels import cpu_paged_decode
 from tandem.models.builder import build_model, resolve_precision, weight_bytes
 from tandem.models.llama import LlamaForCausalLM, ModelConfig
 from tandem.models.loader import gguf_source, load_config, load_tokenizer, resolve_model
@@ -87,7 +88,7 @@ class DraftModelProposer:
     one token each."""
 
     def __init__(self, model: LlamaForCausalLM, target_kv_caches: list[torch.Tensor], own_kv: bool,
-                 block_size: int, device: torch.device, decode_kernel, triton: bool) -> None:
+                 block_size: int, device: torch.device, native_decode: bool, triton: bool) -> None:
         self.model, self.block_size, self.device, self.triton = model, block_size, device, triton
         self.own_kv = own_kv
         cfg = model.cfg
@@ -97,7 +98,7 @@ class DraftModelProposer:
         if own_kv:
             log.info("draft KV cache: %d layers beside the target's (%.1f MiB)", cfg.num_layers,
                      sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
-        self.decode_kernel = decode_kernel if cfg.head_dim in (64, 128) else None
+        self.decode_kernel = cpu_paged_decode(cfg.head_dim) if native_decode else None
         self.max_position = model.rotary.cos_sin.shape[0] - 1
         # own KV: per request, positions fed known tokens, and the drafts fed after them
         self._fed: dict[str, tuple[int, list[int]]] = {}

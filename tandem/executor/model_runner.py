@@ -16,7 +16,7 @@ from tandem.executor.attention import TorchAttention, build_attention_metadata, 
 from tandem.executor.cuda_graphs import CUDAGraphRunner
 from tandem.executor.draft_proposer import DraftModelProposer, build_draft_model
 from tandem.executor.device import default_kv_cache_memory, resolve_device, resolve_dtype, to_device
-from tandem.kernels import cpu_fused_ops, cpu_paged_attention
+from tandem.kernels import cpu_fused_ops, cpu_paged_decode
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.proposers import NgramProposer
 from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow, logits_indices
@@ -81,11 +81,8 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        kernel = None  # the native paged decode kernel (head_dim 64 or 128)
-        if self.attention_backend == "torch" and self.device.type == "cpu":
-            ext = cpu_paged_attention()
-            kernel = ext.paged_decode_attention if ext is not None else None
-        self.decode_kernel = kernel if cfg.head_dim in (64, 128) else None
+        native = self.attention_backend == "torch" and self.device.type == "cpu"  # the paged decode kernel
+        self.decode_kernel = cpu_paged_decode(cfg.head_dim) if native else None
         if self.device.type == "cpu":
             cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
         self.graph_runner = None
@@ -101,7 +98,7 @@ class ModelRunner:
         self.proposer = None if spec is None or spec.method != "ngram" else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.drafter = None if draft is None else DraftModelProposer(
-            draft, self.kv_caches, own_draft_kv, self.block_size, self.device, kernel,
+            draft, self.kv_caches, own_draft_kv, self.block_size, self.device, native,
             self.attention_backend == "triton")
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
         # summed: the part of a step the accelerator waits for.

@@ -72,6 +72,13 @@ def cpu_paged_attention():
     return _load("tandem_cpu_paged_attention", "cpu_paged_attention.cpp", ["-ffast-math", "-fopenmp"])
 
 
+def cpu_paged_decode(head_dim: int):
+    """The native paged decode-attention function for a model of this head_dim (the kernel
+    is built for 64 and 128), or None: attention then runs on the SDPA buckets."""
+    ext = cpu_paged_attention() if head_dim in (64, 128) else None
+    return ext.paged_decode_attention if ext is not None else None
+
+
 @functools.cache
 def cpu_fused_ops():
     """Fused RMSNorm / residual-add+RMSNorm / RoPE for CPU (kernels/cpu_fused_ops.cpp), or None.
