@@ -87,7 +87,7 @@ class CaseRunner:
         core.stats.reset()
         stats = core.scheduler.spec_stats
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-        draft_before = (self.drafter.num_forwards, self.drafter.seconds) if self.drafter is not None else (0, 0.0)
+        forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
         started_at, start, outs = time.time(), time.perf_counter(), []
         for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
             outs += self.llm.chat([[{"role": "user", "content": p}] for p in group], self.params)
@@ -95,13 +95,14 @@ class CaseRunner:
         tokens, st = [o.outputs[0].token_ids for o in outs], core.stats
         delta = type(stats)(stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
                             stats.num_accepted_tokens - before[2])
-        forwards, draft_s = (self.drafter.num_forwards - draft_before[0], self.drafter.seconds - draft_before[1]) \
-            if self.drafter is not None else (0, 0.0)
+        forwards = self.drafter.num_forwards - forwards_before if self.drafter is not None else 0
         return {"set": name, "batch": batch, "round": round_, "started_at": started_at, "output_tokens": sum(map(len, tokens)),
                 "seconds": seconds, "output_throughput": sum(map(len, tokens)) / seconds, "steps": st.num_steps,
                 "execute_s": st.phase_times["execute"],
                 "gap_s": st.phase_times["gap"],  # the executor idle between steps (a drafting step's hand-back)
-                "draft_s": draft_s, "draft_forwards": forwards,  # a draft model's part, and its one-token forwards
+                # proposing drafts (within execute: a draft model's forwards, prompt lookup), and
+                # a draft model's one-token forwards
+                "propose_s": st.phase_times["propose"], "draft_forwards": forwards,
                 "spec_decode": spec_summary(delta) if self.spec else None, "token_ids": tokens}
 
     def close(self) -> dict:
@@ -126,8 +127,9 @@ class ConfigProcess:
 
     def __init__(self, name: str, args) -> None:
         self.name = name
-        self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_serve_cases, args=(args, child), daemon=True)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_cases, args=(args, child), daemon=True)
         self.proc.start()
 
     def recv(self):
@@ -188,8 +190,8 @@ def _row(name: str, off: list[dict], on: list[dict]) -> dict:
         return {"output_throughput": _sum(runs, "output_tokens") / _sum(runs, "seconds"),
                 "output_throughput_per_round": [run["output_throughput"] for run in runs],
                 "ms_per_step": _sum(runs, "execute_s") / steps * 1e3, "gap_ms_per_step": _sum(runs, "gap_s") / steps * 1e3,
-                "draft_ms_per_step": _sum(runs, "draft_s") / steps * 1e3,
-                "draft_ms_per_forward": _sum(runs, "draft_s") / forwards * 1e3 if forwards else None}
+                "propose_ms_per_step": _sum(runs, "propose_s") / steps * 1e3,
+                "draft_ms_per_forward": _sum(runs, "propose_s") / forwards * 1e3 if forwards else None}
 
     return {"proposer": name, "set": off[0]["set"], "batch": off[0]["batch"], "off": rates(off), "on": rates(on),
             "ratios": ratios, "ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
@@ -236,7 +238,7 @@ def main(args: argparse.Namespace) -> dict:
           + f" (async overlap {'on' if off['async_scheduling'] else 'off'})")
     print(f"{'proposer':10} {'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'per round':>16} "
           f"{'accept':>7} {'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} {'gap off/on':>10} {'verifies':>8} "
-          f"{'draft ms':>8} {'ms/fwd':>6} {'equal':>7}")
+          f"{'prop. ms':>8} {'ms/fwd':>6} {'equal':>7}")
     for row in rows:
         a, b, sd = row["off"], row["on"], row["spec_decode"]
         fwd = f"{b['draft_ms_per_forward']:.1f}" if b["draft_ms_per_forward"] is not None else "-"
@@ -245,7 +247,7 @@ def main(args: argparse.Namespace) -> dict:
               f"{b['output_throughput']:>9.1f} {row['ratio']:>6.2f}x {per_round:>16} {sd['acceptance_rate']:>7.1%} "
               f"{sd['mean_accepted_length']:>8.2f} {a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} "
               f"{a['gap_ms_per_step']:>4.1f}/{b['gap_ms_per_step']:<5.1f} {sd['num_drafts']:>8} "
-              f"{b['draft_ms_per_step']:>8.1f} {fwd:>6} {row['equal_outputs']:>3}/{row['num_outputs']}")
+              f"{b['propose_ms_per_step']:>8.1f} {fwd:>6} {row['equal_outputs']:>3}/{row['num_outputs']}")
     runs = {name: [{k: v for k, v in run.items() if k != "token_ids"} for _, run in sorted(per_case.items())]
             for name, per_case in results.items()}  # every case run, by case then round
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},

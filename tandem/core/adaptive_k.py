@@ -66,7 +66,7 @@ class AdaptiveK:
         self._samples: dict[tuple[int, bool], deque[tuple[float, int, tuple[int, ...]]]] = {}
         self.window = window
         self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
-        self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe (0: a plain probe's first)
+        self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe
         self._proposal_seconds = 0.0  # the last step's proposal (what the next verify step pays)
         # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
         self.trace: Callable[[dict], None] | None = None

@@ -44,7 +44,7 @@ class StepStats:
         work: what overlap removes). KV pool figures after each step: utilisation (tokens
         stored / capacity of the blocks held; 1 - internal fragmentation), summed to give a
         mean, and peak usage of the pool."""
-        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "gap": 0.0}
+        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "gap": 0.0, "propose": 0.0}
         self.num_steps = self.num_gaps = 0
         self.kv_utilization_sum = 0.0
         self.kv_usage_peak = 0.0
@@ -55,6 +55,7 @@ class StepStats:
         self.kv_utilization_sum += kv.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, kv.usage)
         self.phase_times["execute"] += done.end - done.start
+        self.phase_times["propose"] += done.result.propose_time  # within execute: the next step's drafts
         # Idle time before the first step after the engine got work is not a gap.
         gap = 0.0
         if self._last_execute_end is not None and self._last_execute_end >= self.busy_since:

@@ -23,7 +23,6 @@ The drafts are one-hot (argmax), so the rejection sampler stays exact.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
@@ -102,7 +101,7 @@ class DraftModelProposer:
         self.max_position = model.rotary.cos_sin.shape[0] - 1
         # own KV: per request, positions fed known tokens, and the drafts fed after them
         self._fed: dict[str, tuple[int, list[int]]] = {}
-        self.num_forwards, self.seconds = 0, 0.0  # draft forwards run and their time (bench spec's step costs)
+        self.num_forwards = 0  # draft forwards run (bench spec's cost per forward)
 
     def forget(self, req_ids) -> None:
         """Requests finished or preempted: their blocks (and this KV) go back to the pool."""
@@ -125,7 +124,6 @@ class DraftModelProposer:
                 num_drafts: list[int]) -> list[list[int]]:
         """Per request (its tokens, the last one just sampled and not yet in the KV; its block
         ids, lookahead included; drafts wanted): the draft's greedy continuation."""
-        start, dev = time.perf_counter(), self.device
         pos0 = np.array([len(t) - 1 for t in token_ids], dtype=np.int64)
         ks = np.minimum(np.array(num_drafts, dtype=np.int64), self.max_position - pos0 + 1)
         tables = np.zeros((len(token_ids), max(len(b) for b in block_ids)), dtype=np.int64)
@@ -146,7 +144,6 @@ class DraftModelProposer:
             for i in drafting.tolist():
                 self._fed[req_ids[i]] = (len(token_ids[i]), out[i][:-1])  # the last draft was never fed
         self.num_forwards += int(ks.max(initial=0))
-        self.seconds += time.perf_counter() - start
         return out
 
     def _forward(self, queries: list[list[int]], starts: np.ndarray, tables: np.ndarray) -> list[int]:
