@@ -1,8 +1,9 @@
-"""Speculative decoding on tiny Llama / Qwen2 / Qwen3 in fp32, each proposer (n-gram, and the
-int4 self-draft): greedy output with speculation equals without it, token for token, under
-mixed batches, chunked prefill, prefix hits, preemption (swap and recompute), multilevel, async
-on and off, n > 1, stop tokens and max_tokens inside an accepted run; a request may opt out;
-seeded sampling is reproducible.
+"""Speculative decoding on tiny Llama / Qwen2 / Qwen3 in fp32, each proposer (n-gram, the int4
+self-draft, and another model: the target truncated to its first layer): greedy output with
+speculation equals without it, token for token, under mixed batches, chunked prefill, prefix
+hits, preemption (swap and recompute), multilevel, async on and off, n > 1, stop tokens and
+max_tokens inside an accepted run, and on a P/D decode instance; a request may opt out; seeded
+sampling is reproducible.
 
 The models are the conftest ones with a small initialisation (0.1): their greedy outputs
 repeat spans, so prompt lookup is accepted often and rejected often, and so is the int4 variant
@@ -86,6 +87,7 @@ def plain(copy_models):
 def _assert_drafts_accepted_and_rejected(llm: LLM) -> None:
     stats = llm.engine.core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.core.stats.phase_times["propose"] > 0  # the executor timed the proposals (AdaptiveK's costs)
     kv = llm.engine.core.kv_manager
     assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks and not kv.req_to_blocks
 
@@ -133,6 +135,35 @@ def test_prefix_hits_and_n_greater_than_one(kind, proposer, copy_models, plain):
     assert [o.outputs[0].token_ids for o in first] == plain[kind]
     assert [[c.token_ids for c in o.outputs] for o in again] == [[r, r] for r in plain[kind]]
     _assert_drafts_accepted_and_rejected(llm)
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_a_pd_decode_instance_speculates_on_transferred_kv(proposer, copy_models):
+    """P/D: a prefill instance computes the prompt's KV and first token, the KV moves over a
+    connector, and a decode instance with speculation continues: a plain run's tokens (another
+    model as the draft first feeds its own KV the prompt it never saw)."""
+    from tandem.executor.kv_transfer import ShmConnector
+    from test_kv_transfer import prefill
+    path, bs = copy_models["llama"], 8
+    prompts = _prompts()
+    ref = [o.outputs[0].token_ids for o in _llm(path, False, block_size=bs).generate(prompts, GREEDY)]
+    prefill_side, decode_side = _llm(path, False, block_size=bs).engine, _llm(path, proposer, block_size=bs).engine
+    conn, handoff = ShmConnector(), decode_side.core.kv_handoff
+    for i, prompt in enumerate(prompts):
+        first, payload = prefill(prefill_side, prompt, f"p{i}")
+        conn.send(f"t{i}", payload)
+        res = handoff.reserve(prompt)
+        payload, _ = conn.recv(f"t{i}", timeout=30, on_layer=handoff.writer(res))
+        decode_side.add_request(prompt + [first], SamplingParams(temperature=0, max_tokens=MAX_NEW - 1,
+                                                                 ignore_eos=True), request_id=f"t{i}")
+        handoff.commit(res, payload, f"t{i}")
+        tokens = []
+        while decode_side.has_unfinished_requests():
+            for out in decode_side.step():
+                tokens = out.outputs[0].token_ids
+        assert [first] + tokens == ref[i]
+    assert decode_side.core.kv_manager.stats.hits > 0  # the transferred blocks were used, not recomputed
+    _assert_drafts_accepted_and_rejected(SimpleNamespace(engine=decode_side))
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
