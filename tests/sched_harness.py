@@ -217,7 +217,7 @@ class FakeExecutor:
         sampled, proposals = {}, {}
         for rid, n in out.num_scheduled_tokens.items():
             table, toks, p0 = self.tables[rid], self.tokens[rid], self.pos[rid]
-            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            drafts = out.spec.draft_token_ids.get(rid, [])
             assert not drafts or p0 + n == len(toks) + len(drafts), "drafts not after the next position"
             seq = toks + drafts
             assert p0 + n <= len(seq)
@@ -244,8 +244,8 @@ class FakeExecutor:
                     self.pos[rid] = len(toks) - 1
                     self.num_drafts += len(drafts)
                     self.num_accepted += len(sampled[rid]) - 1
-                lookahead = out.num_lookahead_tokens.get(rid, 0)
-                if self.propose is not None and not s.config.num_lookahead_tokens and out.propose_drafts:
+                lookahead = out.spec.num_lookahead_tokens.get(rid, 0)
+                if self.propose is not None and not s.config.num_lookahead_tokens and out.spec.propose:
                     proposals[rid] = self.propose(rid, toks, self.sample)
                 elif self.propose is not None and lookahead:
                     # a draft model: its "KV" (DRAFT_KV) goes into the lookahead slots after the
@@ -285,7 +285,7 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     assert len(s.running) <= cfg.max_num_seqs
     # A verify step holds slots for its drafts; rejected ones stay allocated. Under async
     # scheduling a verify step may still be in flight behind a later step that drafts nothing.
-    spec = s.spec_stats.num_drafts or unverified or (s._step is not None and s._step.out.scheduled_spec_decode_tokens)
+    spec = s.spec_stats.num_drafts or unverified or (s._step is not None and s._step.out.spec.draft_token_ids)
     slack = (MAX_DRAFTS + 1 if spec else 0) + cfg.num_lookahead_tokens  # + a draft model's lookahead slots
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
@@ -437,7 +437,7 @@ class Driver:
         """Drafts per request in the steps not yet handed back."""
         counts: dict[str, int] = {}
         for out in self.not_handed_back:
-            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            for rid, drafts in out.spec.draft_token_ids.items():
                 counts[rid] = counts.get(rid, 0) + len(drafts)
         return counts
 
@@ -451,8 +451,10 @@ class Driver:
         before = set(self.s.requests)
         core = self.s.update_from_output(out, res)
         self.not_handed_back.remove(out)
-        if self.s.spec_policy is not None:
-            self.s.observe_step(out, self.step_seconds(out))
+        if self.s.planner.policy is not None:
+            seconds = self.step_seconds(out)
+            self.s.observe_step(out, seconds)
+            self.s.planner.observe_step(out, seconds)
         for o in core:
             self.tokens[o.req_id].extend(o.new_token_ids)
             if o.finish_reason is not None:
@@ -514,7 +516,7 @@ class PipelinedDriver(Driver):
         return core
 
     def step(self) -> SchedulerOutput:
-        if self.in_flight is not None and self.s.plan_speculation():
+        if self.in_flight is not None and self.s.planner.will_draft():
             # as the engine does: a step that drafts is planned once the step in flight is back
             self.update(*self.in_flight)
             self.in_flight = None

@@ -628,7 +628,7 @@ def test_verify_step_counts_drafts_and_rolls_back():
     req = d.add(make_req("a", [1, 2, 3], max_tokens=10))
     d.step()  # prefill, then a proposal of 3: one right, two wrong
     out = d.schedule()
-    assert out.scheduled_spec_decode_tokens["a"][1:] == [49, 49] and out.num_scheduled_tokens["a"] == 4
+    assert out.spec.draft_token_ids["a"][1:] == [49, 49] and out.num_scheduled_tokens["a"] == 4
     assert req.num_computed_tokens == 4 + 3
     d.finish_step(out)
     assert req.num_output_tokens == 3 and req.num_computed_tokens == req.num_tokens - 1 == 5
@@ -642,11 +642,11 @@ def test_drafts_stop_short_of_max_tokens_and_budget():
     d.add(make_req("a", [1, 2], max_tokens=4))
     d.step()
     out = d.schedule()
-    assert len(out.scheduled_spec_decode_tokens["a"]) == 2  # budget 3: the position + 2 drafts
+    assert len(out.spec.draft_token_ids["a"]) == 2  # budget 3: the position + 2 drafts
     d.finish_step(out)
     req = s.requests["a"]
     out = d.schedule()  # at most max_tokens - output - 1 drafts
-    assert len(out.scheduled_spec_decode_tokens.get("a", [])) <= req.max_tokens - req.num_output_tokens - 1
+    assert len(out.spec.draft_token_ids.get("a", [])) <= req.max_tokens - req.num_output_tokens - 1
 
 
 def test_pipelined_verify_step_in_flight_behind_a_plain_step():
@@ -679,13 +679,13 @@ def test_speculation_off_by_choice_is_the_plain_step():
     ref = run_workload(reqs, 128, num_blocks=1000, max_num_batched_tokens=10_000, max_num_seqs=100)
     s = make_sched(num_blocks=300, max_model_len=128, num_speculative_tokens=4)
     d = PipelinedDriver(s, propose=fake_propose,
-                        step_seconds=lambda out: 0.03 if out.drafting else 0.01)
+                        step_seconds=lambda out: 0.03 if out.spec.drafting else 0.01)
     for i, (prompt, max_tokens, _) in enumerate(reqs):
         d.add(make_req(f"w{i}", prompt, max_tokens))
     d.run()
-    drafting = [o for o in d.outputs if o.drafting]
-    proposing = [o for o in d.outputs if o.propose_drafts]
+    drafting = [o for o in d.outputs if o.spec.drafting]
+    proposing = [o for o in d.outputs if o.spec.propose]
     assert (d.tokens, d.finish) == (ref[0], ref[1]) and len(d.outputs) > 100
     # a probe per probe_every choices at batch 8, and one at the batch size of the last ones
-    assert 1 <= len(drafting) <= 2 + len(d.outputs) // s.spec_policy.probe_every
+    assert 1 <= len(drafting) <= 2 + len(d.outputs) // s.planner.policy.probe_every
     assert len(proposing) == len(drafting)  # asked for only in the step before each probe

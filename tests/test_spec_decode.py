@@ -204,7 +204,7 @@ def test_opt_out_request_is_served_without_drafts(proposer, copy_models, plain):
         for req_id in ("out", "in"):
             req = engine.core.scheduler.requests.get(req_id)
             if req is not None:
-                seen[req_id] = req.num_draft_tokens
+                seen[req_id] = req.spec.num_draft_tokens
         for o in engine.step():
             if o.finished:
                 seen[o.request_id + "_tokens"] = o.outputs[0].token_ids

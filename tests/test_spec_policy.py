@@ -1,6 +1,8 @@
 """AdaptiveK (core/adaptive_k.py): k per step from batch size, acceptance and step costs."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -207,6 +209,24 @@ def test_the_trace_records_every_choice_and_step_and_changes_nothing():
     assert choose["bucket"] == 2 and choose["plain"] > 0 and choose["drafting"]
     step = next(e for e in events if e["event"] == "observe_step" and e["drafted"])
     assert step["draft_counts"] == [step["tokens"] // 4 - 1] * 4 and step["decodes"] == 4
+
+
+def test_bench_spec_policy_cost_reads_a_trace(tmp_path):
+    """`bench spec --policy-cost`: a drafting step costs its seconds beyond the plain rate for
+    the tokens its drafts are expected to yield; a plain step, the proposal it made."""
+    from tandem.bench.spec import policy_cost
+    case = {"proposer": "ngram", "set": "chat", "batch": 4, "round": 0}
+    step = {"event": "observe_step", "decodes": 4, "drafted": False, "proposal_seconds": 0.0, "draft_counts": []}
+    events = [{"event": "choose", "acceptance": 0.5}, {**step, "seconds": 0.04},
+              {**step, "seconds": 0.05, "proposal_seconds": 0.005},
+              {**step, "seconds": 0.06, "drafted": True, "draft_counts": [2, 2]}]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({**case, **e}) + "\n" for e in events)
+                     + json.dumps({**case, **events[1], "batch": 8}) + "\n")
+    [row] = policy_cost(str(trace), [4])
+    # 2 requests at E(2) = 1.75 tokens and 2 at 1, at 0.01 s a token: 0.055 s; plus the 0.005 s proposal
+    assert (row["drafting_steps"], row["step_s"]) == (1, pytest.approx(0.15))
+    assert row["extra_s"] == pytest.approx(0.005 + 0.005)
 
 
 @settings(max_examples=60, deadline=None)

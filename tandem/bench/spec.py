@@ -10,12 +10,15 @@ the cases alternate between them: a case runs in every configuration before the 
 starts, the order rotating by one from one case to the next (A B C, B C A, C A B: reversing it
 would keep B in the middle every time, and a bias of the position would land on B), for
 `--rounds` rounds. Run one
-configuration to its end and then the next, and this shared machine's drift between them
-moved a ratio as much as speculation did (docs/benchmarks.md §22); alternating takes each
-on/off pair within seconds. The first round meets AdaptiveK's buckets new (a fresh server's
-probes); later rounds find them measured. A row gives each round's ratio and their geometric
+configuration to its end and then the next, and a shared machine's drift between them can
+move a ratio as much as speculation does; alternating takes each on/off pair within seconds.
+The first round meets AdaptiveK's buckets new (a fresh server's probes); later rounds find
+them measured. A row gives each round's ratio and their geometric
 mean. Tokens equal to speculation off are counted, since a verify step's GEMM shapes differ
-from a one-token step's and low precision can flip a near-tie."""
+from a one-token step's and low precision can flip a near-tie.
+
+`--policy-cost FILE` runs nothing: it reads a `--trace-adaptive` file and prints what
+AdaptiveK's own choices cost."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +26,9 @@ import json
 import math
 import multiprocessing as mp
 import time
+from collections import defaultdict
 from importlib import resources
+from statistics import median
 
 from tandem.bench.offline import _peak_rss_mb, _replace, spec_summary
 
@@ -71,7 +76,7 @@ class CaseRunner:
     def _open_trace(self):
         """--trace-adaptive: AdaptiveK's choices and the steps it saw, one JSON line each, labelled
         with the proposer and the case running; None when off."""
-        policy = self.core.scheduler.spec_policy
+        policy = self.core.scheduler.planner.policy
         if not self.args.trace_adaptive or policy is None:
             return None
         f = open(self.args.trace_adaptive, "a", buffering=1)  # processes take turns appending
@@ -198,6 +203,38 @@ def _row(name: str, off: list[dict], on: list[dict]) -> dict:
             "spec_decode": spec_summary(sd), "equal_outputs": min(equal), "num_outputs": len(ref[0])}
 
 
+def policy_cost(path: str, batch_sizes: list[int]) -> list[dict]:
+    """Per proposer, batch and round of a --trace-adaptive file: the seconds of the drafting
+    steps beyond what plain steps (the round's median per request) would have taken for the
+    tokens they emitted (each request credited E(k) at the round's last acceptance), plus the
+    proposals made in plain steps, and that as a share of the round's step seconds."""
+    cases = defaultdict(list)
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            if e["batch"] in batch_sizes:
+                cases[e["proposer"], e["batch"], e["round"]].append(e)
+    rows = []
+    for (proposer, batch, round_), events in sorted(cases.items()):
+        steps = [e for e in events if e["event"] == "observe_step"]
+        a = [e for e in events if e["event"] == "choose"][-1]["acceptance"]
+        plain = [e["seconds"] / e["decodes"] for e in steps if e["decodes"] and not e["drafted"] and not e["proposal_seconds"]]
+        per_token, extra, drafting = median(plain), 0.0, 0
+        for e in steps:
+            if e["drafted"] and e["decodes"]:
+                drafting += 1
+                emitted = sum((1 - a ** (k + 1)) / (1 - a) if k else 1 for k in e["draft_counts"])
+                extra += e["seconds"] - (emitted + e["decodes"] - len(e["draft_counts"])) * per_token
+            elif not e["drafted"]:
+                extra += e["proposal_seconds"]
+        total = sum(e["seconds"] for e in steps)
+        rows.append({"proposer": proposer, "batch": batch, "round": round_, "drafting_steps": drafting,
+                     "extra_s": extra, "step_s": total})
+        print(f"{proposer:10} batch {batch:3} round {round_}: {drafting} drafting steps, extra {extra * 1e3:6.0f} ms, "
+              f"{100 * extra / total:4.1f}% of {total:.2f} s")
+    return rows
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
@@ -219,9 +256,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-adaptive", default=None, metavar="FILE",
                    help="append AdaptiveK's choices and the steps it saw to FILE (JSON lines; the file is "
                         "emptied first)")
+    p.add_argument("--policy-cost", default=None, metavar="FILE",
+                   help="run nothing: from a --trace-adaptive FILE, print what AdaptiveK's drafting steps and "
+                        "proposals cost per proposer, batch (of --batch-sizes) and round")
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.policy_cost:
+        return {"policy_cost": policy_cost(args.policy_cost, args.batch_sizes)}
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     specs = proposers(args)

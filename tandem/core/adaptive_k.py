@@ -1,5 +1,5 @@
 """AdaptiveK: speculative decoding's k per step (0 = off), from the batch size, the measured
-acceptance and the measured step costs (no torch; the scheduler asks it, core/scheduler.py)."""
+acceptance and the measured step costs (no torch; SpecPlanner asks it)."""
 from __future__ import annotations
 
 from collections import deque
@@ -17,34 +17,24 @@ class AdaptiveK:
     """Drafts per request for the next step, 0 meaning off, from the number of decoding
     requests B, the measured acceptance and the measured step costs.
 
-    Whether to draft compares measured costs: per batch-size bucket (`batch_bucket`) it keeps
-    the tokens per second of its last pure-decode steps with drafts and without (`rate`, each
-    taken to the batch size asked for by the step-cost fit below). A step's
-    seconds are the executor's, plus its idle wait before the step when the engine had to hand
-    back the step in flight first (a drafting step loses the async overlap), so the rates are
-    what throughput sees; a verify step's extra costs (its k + 1 rows of GEMMs, the lost
-    overlap) are in them, which a fit of cost against tokens missed. A plain step
-    yields a token per request; a drafting step is credited the tokens the measured acceptance
-    expects of its drafts (1 + E(k) - 1 per request with k drafts), not the few that one probe
-    happened to accept (credited when the rate is asked for, at the acceptance known then), so
-    one unlucky probe does not turn drafting off for probe_every steps.
-    A drafting step's seconds include the proposal that fed it (`observe_step`).
-    Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
-    `probe_every` choices the other mode runs once to refresh its rate. Off costs nothing beyond
-    those probes, and a drafting probe that costs m plain steps runs m / 2 times as rarely (at
-    most `max_probe_stretch` times, so a bucket where drafting came to win still finds out), so
-    probes take at most about 2 / probe_every of the time at every batch size. Until
-    `explore_verifies` request-verify steps have measured the acceptance (mostly the prior's
-    until then: one probe whose drafts at the start of an answer all failed said a = 0.33 and
-    kept grounded drafting off), probes come 8 times as often.
+    Whether to draft compares measured costs, not a model of them: per batch-size bucket
+    (`batch_bucket`) it keeps the tokens per second of its last pure-decode steps with drafts
+    and without (`rate`), since a verify step's extra costs (k + 1 rows of GEMMs, the async
+    overlap it loses) are what throughput sees and a fit of cost against tokens misses them. A
+    step's seconds are the executor's plus its idle wait before the step. A drafting step is
+    credited the tokens the measured acceptance expects of its drafts, not those one probe
+    happened to accept, so one unlucky probe does not turn drafting off for `probe_every` steps.
 
-    What is not a sample (the new-bucket rule): a plain step at a number of scheduled tokens
-    never seen before (a new shape is the slowest step its size sees; a drafting probe's
-    first, slow step does count, which errs towards off, the cheap error), and a step planned
-    to draft where nobody had a draft (n-gram found no match: a plain step, minus the overlap,
-    that says nothing of what drafting yields). A bucket runs plain until it holds
-    `min_samples` plain samples, and only then probes drafting, so it is never judged from its
-    first, slowest steps (a batch falling into a smaller bucket as requests finish).
+    Drafting is on in a bucket while its rate beats the plain one by `min_gain`; each
+    `probe_every` choices the other mode runs once to stay measured. A drafting probe that costs
+    m plain steps runs m / 2 times as rarely (at most `max_probe_stretch`), so probes take about
+    2 / probe_every of the time at any batch size. Until `explore_verifies` verify steps have
+    measured the acceptance, which is mostly the prior's until then, probes come 8 times as often.
+
+    Not a sample: a plain step at a never-seen number of scheduled tokens (a new shape is the
+    slowest step its size sees), and a step planned to draft where nobody had a draft (it says
+    nothing of what drafting yields). A bucket runs plain until it holds `min_samples` plain
+    samples, so it is never judged from its first, slowest steps.
 
     How many to draft (k) is modelled: acceptance is independent per position with rate a
     (decayed counts from verify steps: a run of j accepted out of k is j successes in j + (j < k)
@@ -84,11 +74,8 @@ class AdaptiveK:
         step's drafts (the executor times them).
 
         A step's cost in its mode is its seconds without its own proposal, and a drafting step
-        also pays the proposal that fed it, made in the step before. (Inferring the proposal
-        from a plain step's rate assumed a verify step proposes as much as fed it; near
-        max_tokens the drafts shrink, and a verify step of 1-draft requests that proposed 1
-        draft each was charged a fraction of its 4-draft feed: the cheap sample kept a losing
-        drafting mode on at batch 32.)"""
+        also pays the proposal that fed it, made in the step before: the proposal is measured,
+        not inferred, since the drafts a verify step proposes need not match those that fed it."""
         if num_tokens <= 0 or seconds <= 0:
             return
         f, d = self._fit, self.decay

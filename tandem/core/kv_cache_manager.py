@@ -1,6 +1,7 @@
 """Per-request block tables over the block pool, prefix-cache lookups, and usage figures."""
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -243,8 +244,21 @@ class KVCacheManager:
 
     # ---- figures ------------------------------------------------------------------
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose KV is in the host pool."""
+        return len(self.req_to_host_blocks)
+
+    def newest_cached_hashes(self, limit: int) -> list[int]:
+        """The hashes of up to `limit` cached blocks, newest first (the pool keeps caching order)."""
+        return list(itertools.islice(reversed(self.pool.cached_hashes), limit))
 
     @property
     def usage(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.spec_decode import SpecDecodeStep
 
 
 @dataclass(slots=True)
@@ -45,17 +46,7 @@ class SchedulerOutput:
     # Lower-level prompt tokens this step holds under the L1 throttle (multilevel): the
     # scheduler adapts the throttle from this step's measured time (Scheduler.observe_step).
     num_throttled_prefill_tokens: int = 0
-    # Speculative decoding: the drafts each request verifies this step, scheduled after its
-    # next position (num_scheduled_tokens counts them); see core/spec_decode.py.
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Draft-model speculation: the drafts each request's draft proposes in this step, after its
-    # sampled token; their KV slots are allocated past the step's positions (lookahead).
-    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
-    # drafting: this step was planned to draft (so under async scheduling the step before was
-    # handed back first). propose_drafts: the executor proposes drafts after this step, only
-    # when the next step may verify them, so a step with speculation off by choice does no more.
-    drafting: bool = False
-    propose_drafts: bool = False
+    spec: SpecDecodeStep = field(default_factory=SpecDecodeStep)  # speculative decoding
 
     @property
     def is_empty(self) -> bool:
@@ -73,7 +64,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds the step took on the executor
     structured_output_time: float = 0.0  # of which filling and applying grammar bitmasks
-    propose_time: float = 0.0  # of which proposing the next step's drafts (AdaptiveK charges it to that step)
+    propose_time: float = 0.0  # of which proposing the next step's drafts (charged to that step)
     # Speculative decoding: drafts proposed for each request's next step, after this step's tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

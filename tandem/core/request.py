@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.spec_decode import SpecState
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -61,11 +62,7 @@ class Request:
     # Tokens scheduled to be sampled whose ids are not known yet: at most the one of the step
     # in flight under async scheduling (the scheduler plans the next step as if it were there).
     num_output_placeholders: int = 0
-    # Speculative decoding: drafts proposed after the last token, not verified (never in
-    # all_token_ids), and this request's totals of drafts verified and accepted.
-    spec_token_ids: list[int] = field(default_factory=list)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
     swapped: bool = False  # preempted with its KV in the host pool (num_computed_tokens kept)

@@ -17,7 +17,6 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
-from tandem.core.adaptive_k import AdaptiveK
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
@@ -27,7 +26,8 @@ from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus, check_prompt_length
 from tandem.core.scheduler_config import SchedulerConfig
-from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, SpecDecodeStats, num_drafts
+from tandem.core.spec_decode import SpecDecodeStats
+from tandem.core.spec_planner import SpecPlanner
 
 
 class Scheduler:
@@ -54,14 +54,7 @@ class Scheduler:
         self.lower_prefill_tokens = self._floor_tokens
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
-        self.spec_stats = SpecDecodeStats()
-        self.spec_policy = AdaptiveK(config.num_speculative_tokens) \
-            if config.num_speculative_tokens and config.adaptive_speculation else None
-        # Drafts per request in the coming step: spec_policy's choice, made at the end of the
-        # schedule before (so that step's executor proposes only when they are wanted), else up
-        # to what is proposed.
-        self._next_drafts = 0 if self.spec_policy else config.num_speculative_tokens or MAX_SPECULATIVE_TOKENS
-        self._max_drafts = self._next_drafts
+        self.planner = SpecPlanner(config)  # speculative decoding's decisions
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -88,13 +81,10 @@ class Scheduler:
             req.status = status
             self._free(req)
 
-    def plan_speculation(self) -> bool:
-        """Whether the coming step drafts (its k was chosen one schedule before, and a draft
-        model proposed that many in the step before, into its lookahead slots). The engine asks
-        before schedule(), so under async scheduling it can first hand back the step in flight
-        (a request drafts only once its last token is known); a step that does not draft
-        overlaps as without speculation."""
-        return self.config.num_speculative_tokens > 0 and self._next_drafts > 0
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """The acceptance counters since start (read-only: for stats and benches)."""
+        return self.planner.stats
 
     @property
     def num_unfinished(self) -> int:
@@ -109,14 +99,7 @@ class Scheduler:
         self._finished_ids = set()
         self.kv.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
-        # This step's k was chosen one schedule before; the next one's is chosen now, so that
-        # this step's executor proposes (out.propose_drafts) only when they will be verified.
-        self._max_drafts = self._next_drafts
-        out.drafting = self.plan_speculation()
-        if self.spec_policy is not None:  # requests that opted out (or are constrained) never draft
-            drafters = any(r.sampling_params.drafts for r in self.running)
-            self._next_drafts = self.spec_policy.choose(len(self.running)) if drafters else 0
-        out.propose_drafts = self._next_drafts > 0
+        self.planner.plan(out, self.running)
         if self.multilevel:
             self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
         reserve = self.l2_token_reserve()
@@ -181,18 +164,9 @@ class Scheduler:
         them was planned but never ran, so the executor still holds their state."""
         self._finished_ids |= req_ids
 
-    def observe_step(self, out: SchedulerOutput, seconds: float, proposal_seconds: float = 0.0) -> None:
-        """A step that ran took `seconds` (for the speculation policy, with the executor's idle
-        wait before it), `proposal_seconds` of them proposing the next step's drafts: feed the
-        speculation policy and adapt the L1 throttle to `l1_step_time` (the engine and the
-        simulator call this after each step)."""
-        if self.spec_policy is not None:
-            drafts = out.scheduled_spec_decode_tokens
-            pure_decode = not out.scheduled_new_reqs and all(
-                n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
-            self.spec_policy.observe_step(out.total_num_scheduled_tokens, seconds,
-                                          len(out.num_scheduled_tokens) if pure_decode else 0, out.drafting,
-                                          tuple(map(len, drafts.values())), proposal_seconds)
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step that ran took `seconds`: adapt the L1 throttle to `l1_step_time` (the engine
+        and the simulator call this after each step)."""
         if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
             self.lower_prefill_tokens = adapt_throttle(
                 self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
@@ -210,12 +184,9 @@ class Scheduler:
                                             and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens):
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
-            # Drafts only on a decode whose last token is known (none in flight).
-            # (a draft model proposed at most this step's k: its lookahead was sized by it)
-            k = num_drafts(min(len(req.spec_token_ids), self._max_drafts), cap, req.max_tokens - req.num_output_tokens) \
-                if pending == 1 and not req.num_output_placeholders else 0
+            k = self.planner.num_drafts(req, pending, cap)
             num_new = min(pending, cap) + k
-            lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
+            lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
             new_block_ids = self._allocate(req, num_new + lookahead, step)
             if new_block_ids is None and (k or lookahead):  # blocks are short: drop the drafts first
                 k, lookahead, num_new = 0, 0, min(pending, cap)
@@ -238,11 +209,7 @@ class Scheduler:
                 continue  # req preempted itself; index i now holds the next request
             step.out.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
-            if k:
-                step.out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:k]
-            if lookahead:
-                step.out.num_lookahead_tokens[req.request_id] = lookahead
-            req.spec_token_ids = []  # consumed: the next proposal follows this step's tokens
+            self.planner.schedule(req, k, lookahead, step.out)
             self._commit(req, num_new, step)
             i += 1
         return i
@@ -299,7 +266,7 @@ class Scheduler:
         free = self.kv.num_free_blocks - blocks_held
         if req.swapped:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
-            lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
+            lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
             if cdiv(req.num_computed_tokens + num_new + lookahead, bs) > free:
                 lookahead = 0  # the drafts are what gives way
             if cdiv(req.num_computed_tokens + num_new, bs) > free:
@@ -313,7 +280,7 @@ class Scheduler:
         else:
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, cap)
-            lookahead = self._lookahead(req, num_hit + num_new)
+            lookahead = self.planner.lookahead(req, num_hit + num_new)
             need = cdiv(num_hit + num_new, bs) - len(computed_blocks) + sum(1 for b in computed_blocks if b.ref_cnt == 0)
             if need + cdiv(num_hit + num_new + lookahead, bs) - cdiv(num_hit + num_new, bs) > free:
                 lookahead = 0  # the drafts are what gives way
@@ -328,26 +295,13 @@ class Scheduler:
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         step.admitted.append(req)
-        if lookahead:
-            out.num_lookahead_tokens[req.request_id] = lookahead
+        self.planner.admit(req, lookahead, out)
         out.scheduled_new_reqs.append(NewRequestData(
             req.request_id, list(req.prompt_token_ids), req.output_token_ids,
             req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id, req.precision,
         ))
         self._commit(req, num_new, step)
         return True
-
-    def _lookahead(self, req: Request, num_scheduled_end: int) -> int:
-        """KV slots past this step's positions for the drafts a draft model proposes in it
-        (num_lookahead_tokens): only when the step samples the request's token (its scheduled
-        positions end at `num_scheduled_end`), the request speculates, and it may still emit
-        more than one token after this step (a verify step of d drafts emits up to d + 1)."""
-        if (not self.config.num_lookahead_tokens or not req.sampling_params.drafts
-                or num_scheduled_end < req.num_tokens_with_placeholders):
-            return 0
-        rest = req.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1
-        # the drafts proposed in this step are verified in the next: its k, chosen in schedule()
-        return max(0, min(self.config.num_lookahead_tokens, self._next_drafts, rest - 1))
 
     def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
         return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,
@@ -414,11 +368,7 @@ class Scheduler:
                 new_ids.append(token_id)
                 if req.check_stop():
                     break
-            drafts = sched.scheduled_spec_decode_tokens.get(req_id, ())
-            if drafts and sampled:
-                self._after_verify(req, len(drafts), len(sampled) - 1)
-            if not req.status.finished:
-                req.spec_token_ids = result.spec_token_ids.get(req_id, [])
+            num_drafts, num_accepted = self.planner.after_step(req, sched, result, len(sampled))
             # After the append: a block may end in the token just sampled, whose KV the step
             # in flight computes (it runs before any step that could hit the block).
             self.kv.cache_blocks(req)
@@ -427,7 +377,7 @@ class Scheduler:
             lps = result.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
                 req_id, new_ids, lps[:len(new_ids)] if lps else None,
-                req.finish_reason, req.stop_reason, len(drafts), len(sampled) - 1 if drafts else 0,
+                req.finish_reason, req.stop_reason, num_drafts, num_accepted,
             ))
             if req.status.finished:
                 finished = True
@@ -437,17 +387,6 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
         return outputs
-
-    def _after_verify(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """Roll back the rejected drafts' positions: their KV slots stay allocated and are
-        written again. The request sat out any step planned since (pending <= 0), and a
-        recompute preemption meanwhile left 0, so only a rejected tail is dropped here."""
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        req.num_draft_tokens += num_drafts
-        req.num_accepted_tokens += num_accepted
-        self.spec_stats.observe(num_drafts, num_accepted)
-        if self.spec_policy is not None:
-            self.spec_policy.observe_verify(num_drafts, num_accepted)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)

@@ -1,5 +1,6 @@
-"""Speculative decoding, the policy half (no torch): the configuration, how many draft tokens a
-request may verify this step, and the acceptance counters (the adaptive k: core/adaptive_k.py).
+"""Speculative decoding, the data half (no torch): the configuration, a request's and a step's
+speculative state, how many drafts a request may verify, and the acceptance counters. What
+speculation decides is core/spec_planner.py's.
 
 A proposer (executor/proposers.py) drafts up to k tokens after each step that sampled; the
 scheduler schedules the request's next position plus those drafts as one chunk (every
@@ -82,6 +83,33 @@ class SpeculativeConfig:
         out.update(section)  # any SpeculativeConfig key by name (method, ...)
         cls.from_dict(out)  # its errors now, naming the YAML's values
         return out
+
+
+@dataclass(slots=True)
+class SpecState:
+    """A request's speculation: the drafts proposed after its last token, not verified (never in
+    all_token_ids), and its totals of drafts verified and accepted."""
+
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SpecDecodeStep:
+    """Speculation in one scheduled step, for the executor."""
+
+    # The drafts each request verifies this step, scheduled after its next position
+    # (num_scheduled_tokens counts them).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A draft model's proposals in this step, after each request's sampled token: KV slots
+    # allocated past the step's own positions.
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+    # Planned to draft: under async scheduling the step before was handed back first.
+    drafting: bool = False
+    # Propose drafts after this step: only when the next step may verify them, so a step with
+    # speculation off by choice does no more.
+    propose: bool = False
 
 
 def num_drafts(num_proposed: int, budget_left: int, tokens_left: int) -> int:

@@ -79,6 +79,7 @@ class EngineCore:
         self.on_step_boundary: Callable[[], None] | None = None
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         self.stats = StepStats(self)
+        self.grammar_compiler.on_compile = self.stats.record_compile
 
     # ---- admission ----------------------------------------------------------------
     def register_utilities(self, obj: Any) -> None:
@@ -178,9 +179,9 @@ class EngineCore:
         just scheduled runs while the one before it is processed: the first call returns None
         and each later one the outputs of the step before, and the step just scheduled waits
         for that one to end and is topped up with what arrived meanwhile (Scheduler.top_up)."""
-        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.plan_speculation():
+        if self.pipeline.overlap and len(self.pipeline) and self.scheduler.planner.will_draft():
             # Drafts follow a request's last token: a step that drafts is planned only once the
-            # one in flight has returned (no overlap; steps where AdaptiveK says 0 overlap).
+            # one in flight has returned (no overlap; steps that do not draft overlap).
             return self._finish(self.pipeline.pop())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -218,7 +219,11 @@ class EngineCore:
         self._forget_finished(outputs)
         now = time.monotonic()
         self.stats.phase_times["update"] += time.perf_counter() - t1
-        self.stats.record(done)
+        # The step's cost as throughput sees it: the executor's time and its idle wait before
+        # it (a drafting step waits for the engine to hand back the step in flight first).
+        seconds = done.end - done.start + self.stats.record(done)
+        self.scheduler.observe_step(done.sched, seconds)
+        self.scheduler.planner.observe_step(done.sched, seconds, done.result.propose_time)
         if self.step_trace is not None:
             self.step_trace.write(done, self.scheduler)
         scheduled, self._scheduled = self._scheduled, []

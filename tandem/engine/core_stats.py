@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,6 @@ class StepStats:
         self.busy_since = 0.0  # perf_counter when the engine last got work after being empty
         self._last_execute_end: float | None = None
         self._compiles: list[tuple[str, float]] = []  # appended by the grammar compiler's workers
-        core.grammar_compiler.on_compile = lambda kind, seconds: self._compiles.append((kind, seconds))
         self.reset()
 
     def reset(self) -> None:
@@ -49,8 +47,14 @@ class StepStats:
         self.kv_utilization_sum = 0.0
         self.kv_usage_peak = 0.0
 
-    def record(self, done: ExecutedStep) -> None:
-        core, kv = self.core, self.core.kv_manager
+    def record_compile(self, kind: str, seconds: float) -> None:
+        """A constraint compiled (the grammar compiler's workers call this)."""
+        self._compiles.append((kind, seconds))
+
+    def record(self, done: ExecutedStep) -> float:
+        """Record a step that ran; returns the executor's idle wait before it (0 for the first
+        step after the engine got work)."""
+        kv = self.core.kv_manager
         self.num_steps += 1
         self.kv_utilization_sum += kv.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, kv.usage)
@@ -63,9 +67,7 @@ class StepStats:
             self.phase_times["gap"] += gap
             self.num_gaps += 1
         self._last_execute_end = done.end
-        # The step's cost as throughput sees it: the executor's time and its wait before it
-        # (a drafting step waits for the engine to hand back the step in flight first).
-        core.scheduler.observe_step(done.sched, done.end - done.start + gap, done.result.propose_time)
+        return gap
 
     def snapshot(self) -> SchedulerStats:
         s, kv = self.core.scheduler, self.core.kv_manager
@@ -76,8 +78,8 @@ class StepStats:
             num_running=len(s.running), num_waiting=len(s.waiting),
             running_by_level={f"L{lv}": running.get(f"L{lv}", 0) for lv in LEVELS}, waiting_by_level=waiting,
             kv_usage=kv.usage, kv_utilization=kv.utilization, kv_free_blocks=kv.num_free_blocks,
-            kv_total_blocks=kv.pool.num_blocks, host_free_blocks=kv.num_free_host_blocks,
-            host_total_blocks=kv.num_host_blocks, num_swapped=len(kv.req_to_host_blocks),
+            kv_total_blocks=kv.num_blocks, host_free_blocks=kv.num_free_host_blocks,
+            host_total_blocks=kv.num_host_blocks, num_swapped=kv.num_swapped,
             prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits, num_preemptions=s.num_preemptions,
             preemptions_by_mode=dict(s.preemptions_by_mode),
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
@@ -103,5 +105,5 @@ class StepStats:
             self._backlog = request_backlog(s)
             # newest first: the index keeps caching order; sent only when taken (the API side
             # keeps the last list), not with every step's stats
-            load["cached_prefixes"] = list(itertools.islice(reversed(kv.pool.cached_hashes), MAX_PREFIXES))
+            load["cached_prefixes"] = kv.newest_cached_hashes(MAX_PREFIXES)
         return {**dataclasses.asdict(instance_load(s, self._backlog)), **load}

@@ -153,7 +153,7 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+        for req_id, drafts in sched.spec.draft_token_ids.items():
             self.requests[req_id].spec_token_ids = drafts
 
     def _add(self, new: NewRequestData) -> None:
@@ -202,10 +202,10 @@ class ModelRunner:
         if self.step_gaps is not None:
             self.step_gaps.step_started()
         for precision, part in by_variant.items():
-            self._run_variant(self.variants.models[precision], part, out, sched.propose_drafts)
-        if self.drafter is not None and sched.num_lookahead_tokens:
+            self._run_variant(self.variants.models[precision], part, out, sched.spec.propose)
+        if self.drafter is not None and sched.spec.num_lookahead_tokens:
             propose_start = time.perf_counter()
-            self._propose_drafts(sched.num_lookahead_tokens, out)
+            self._propose_drafts(sched.spec.num_lookahead_tokens, out)
             out.propose_time += time.perf_counter() - propose_start
         if self.step_gaps is not None:
             self.step_gaps.step_ended()

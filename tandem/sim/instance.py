@@ -108,6 +108,7 @@ class SimInstance:
         so, result = self._step
         self._step = None
         self.scheduler.observe_step(so, result.execute_time)
+        self.scheduler.planner.observe_step(so, result.execute_time)
         for out in self.scheduler.update_from_output(so, result):
             sim = self.sim_reqs[out.req_id]
             for _ in out.new_token_ids:
