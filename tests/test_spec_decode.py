@@ -275,8 +275,8 @@ def test_another_model_as_draft_keeps_its_own_kv(copy_models, plain, tmp_path):
     executor = llm.engine.core.executor
     per_token = _per_token(copy_models["qwen2"])
     assert executor.num_kv_blocks == (1 << 22) // (2 * per_token * 8)  # target and draft layers alike
-    assert executor.drafter.kv_caches[0].shape == executor.kv_caches[0].shape
-    assert executor.drafter.kv_caches[0].data_ptr() != executor.kv_caches[0].data_ptr()
+    assert executor.proposer.kv_caches[0].shape == executor.kv_caches[0].shape
+    assert executor.proposer.kv_caches[0].data_ptr() != executor.kv_caches[0].data_ptr()
     assert f"draft:{copy}" in executor.variants.weight_bytes
     kv = llm.engine.core.kv_manager
     assert kv.num_free_blocks == executor.num_kv_blocks and not kv.req_to_blocks

@@ -41,7 +41,7 @@ def perplexity(runner, precision: str, token_ids: list[int], window: int) -> flo
     import torch
 
     from tandem.core.sampling_params import SamplingParams
-    from tandem.executor.model_runner import CachedRequestState
+    from tandem.executor.input_batch import CachedRequestState
     model, nll, count = runner.variants.models[precision], 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start:start + window]
@@ -49,9 +49,10 @@ def perplexity(runner, precision: str, token_ids: list[int], window: int) -> flo
             break
         blocks = list(range(math.ceil(len(chunk) / runner.block_size)))
         state = CachedRequestState("ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision)
-        input_ids, positions, meta, *_ = runner._prepare_inputs([state], np.array([len(chunk)]))
+        inputs, *_ = runner.input_batch.prepare_inputs([state], np.array([len(chunk)]))
+        input_ids = inputs.input_ids
         with torch.inference_mode():
-            logits = model.compute_logits(model(input_ids, positions, runner.kv_caches, meta))
+            logits = model.compute_logits(model(input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata))
         logp = torch.log_softmax(logits[:-1], -1).gather(1, input_ids[1:, None])
         nll -= logp.sum().item()
         count += len(chunk) - 1

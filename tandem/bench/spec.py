@@ -69,7 +69,7 @@ class CaseRunner:
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         self.llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
         self.core = self.llm.engine.core
-        self.drafter = getattr(self.core.executor, "drafter", None)
+        self.drafter = getattr(self.core.executor, "proposer", None)
         self.case: dict = {}  # the case running, for --trace-adaptive's lines
         self.trace = self._open_trace()
 

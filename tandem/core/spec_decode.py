@@ -2,7 +2,7 @@
 speculative state, how many drafts a request may verify, and the acceptance counters. What
 speculation decides is core/spec_planner.py's.
 
-A proposer (executor/proposers.py) drafts up to k tokens after each step that sampled; the
+A proposer (executor/proposers/) drafts up to k tokens after each step that sampled; the
 scheduler schedules the request's next position plus those drafts as one chunk (every
 position yields logits), and the verifier (executor/rejection_sampler.py) returns the accepted
 drafts plus one token of the target's own. Rejected positions are rolled back by lowering

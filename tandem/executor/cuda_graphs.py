@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from tandem.config import EngineConfig
 from tandem.executor.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, then every 32 up to max_num_seqs (and max_num_seqs itself)."""
     sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < max_num_seqs] + list(range(64, max_num_seqs, 32))
     return sizes + [max_num_seqs]
+
+
+def capture_graphs(config: EngineConfig, model, kv_caches: list[torch.Tensor], num_slots: int,
+                   max_position_embeddings: int, device: torch.device, attention_backend: str
+                   ) -> CUDAGraphRunner | None:
+    """The default variant's decode graphs, captured now, where they run: CUDA with the Triton
+    backend, unless enforce_eager (or the default variant fell back: `model` None)."""
+    if device.type != "cuda" or attention_backend != "triton" or config.enforce_eager or model is None:
+        return None
+    max_len = config.max_model_len or min(max_position_embeddings, num_slots)
+    runner = CUDAGraphRunner(model, kv_caches, config.block_size, -(-max_len // config.block_size),
+                             config.max_num_seqs, device)
+    runner.capture()
+    return runner
 
 
 class CUDAGraphRunner:

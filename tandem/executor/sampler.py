@@ -118,26 +118,31 @@ class SamplingMetadata:
             frequency = floats([p.frequency_penalty for p in params])
             repetition = floats([p.repetition_penalty for p in params])
 
-        blocked_rows: list[int] = []
-        blocked_ids: list[int] = []
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
-                stop_ids = set(r.params.stop_token_ids)
-                if r.eos_token_id is not None and not r.params.ignore_eos:
-                    stop_ids.add(r.eos_token_id)
-                ids = sorted(t for t in stop_ids if t < vocab_size)
-                blocked_rows += [i] * len(ids)
-                blocked_ids += ids
-        min_tokens_blocked = None
-        if blocked_ids:
-            min_tokens_blocked = (to_device(torch.tensor(blocked_rows, dtype=torch.long), device),
-                                  to_device(torch.tensor(blocked_ids, dtype=torch.long), device))
-
+        min_tokens_blocked = _min_tokens_blocked(rows, vocab_size, device)
         num_logprobs = [p.logprobs for p in params]
         max_num_logprobs = max((k for k in num_logprobs if k is not None), default=None)
         return cls(all_greedy, temperature, greedy_mask, top_k, max_top_k, top_p, min_p, generators,
                    no_penalties, prompt_ids, output_ids, presence, frequency, repetition,
                    min_tokens_blocked, num_logprobs, max_num_logprobs)
+
+
+def _min_tokens_blocked(rows: list[SamplingRow], vocab_size: int, device: torch.device
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row indices, token ids) of the stop tokens blocked in rows short of min_tokens; None if none."""
+    blocked_rows: list[int] = []
+    blocked_ids: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            stop_ids = set(r.params.stop_token_ids)
+            if r.eos_token_id is not None and not r.params.ignore_eos:
+                stop_ids.add(r.eos_token_id)
+            ids = sorted(t for t in stop_ids if t < vocab_size)
+            blocked_rows += [i] * len(ids)
+            blocked_ids += ids
+    if not blocked_ids:
+        return None
+    return (to_device(torch.tensor(blocked_rows, dtype=torch.long), device),
+            to_device(torch.tensor(blocked_ids, dtype=torch.long), device))
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from tandem.core.outputs import SchedulerOutput
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.executor.grammar_compiler import GrammarCompiler
 
@@ -26,6 +27,15 @@ class StructuredOutputMatchers:
         self.compiler = compiler
         self._matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
         self.seconds = 0.0  # spent in apply(), summed (tandem bench structured)
+
+    def update(self, sched: SchedulerOutput) -> None:
+        """Forget requests finished or preempted; match the new constrained ones (rebuilt after
+        a preemption)."""
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.remove(req_id)
+        for new in sched.scheduled_new_reqs:
+            if new.sampling_params.structured_outputs is not None:
+                self.add(new.req_id, new.sampling_params.structured_outputs, new.output_token_ids)
 
     def add(self, req_id: str, so: StructuredOutputsParams, output_token_ids: list[int]) -> None:
         """A matcher over the compiled grammar, advanced over the tokens already generated (a

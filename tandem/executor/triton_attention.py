@@ -43,6 +43,44 @@ if triton is not None:
             tl.store(k_cache_ptr + slot * stride_ct + offs, k, mask=mask)
             tl.store(v_cache_ptr + slot * stride_ct + offs, v, mask=mask)
 
+    @triton.jit
+    def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+        """Sequence s owns q blocks [qsl[s] // BLOCK_Q + s, ...): the last s whose first block <= q_block."""
+        lo, hi = 0, num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= q_block:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @triton.jit
+    def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok, block_size, head_off, stride_cs,
+                      d, d_ok):
+        """K and V of the positions k_pos (masked by k_ok) of one sequence, one KV head, through its block table."""
+        block = tl.load(block_table_ptr + k_pos // block_size, mask=k_ok, other=0)
+        slot = block * block_size + k_pos % block_size
+        kv_off = slot[:, None] * stride_cs + head_off + d[None, :]
+        kv_ok = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _online_softmax_step(s, v, m, denom, acc, IEEE: tl.constexpr):
+        """Fold one tile's scores and values into the rows' running max, denominator and output."""
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (padding)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, denom, acc
+
     # num_seqs and block_size are plain arguments, not specialised: one compiled kernel serves
     # every batch (1 included) and block size of a model.
     @triton.jit(do_not_specialize=["num_seqs", "block_size"])
@@ -56,15 +94,7 @@ if triton is not None:
     ):
         q_block = tl.program_id(0)
         kv_head = tl.program_id(1)
-        # Sequence s owns q blocks [qsl[s] // BLOCK_Q + s, ...): the last s whose first block <= q_block.
-        lo, hi = 0, num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= q_block:
-                lo = mid
-            else:
-                hi = mid - 1
-        seq = lo
+        seq = _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
         first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query token of this program
@@ -90,28 +120,15 @@ if triton is not None:
                 # A tile is one KV block, or several when blocks are smaller than a tl.dot tile.
                 k_pos = j * TILE + offs
                 k_ok = k_pos < kv_end
-                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok, other=0)
-                slot = block * block_size + k_pos % block_size
-                kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-                kv_ok = k_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
-                v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, k_pos, k_ok,
+                                     block_size, kv_head * stride_ch, stride_cs, d, d_ok)
                 if IEEE:
                     s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
                 s = s * scale
                 s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (padding)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                denom = denom * alpha + tl.sum(p, 1)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
+                m, denom, acc = _online_softmax_step(s, v, m, denom, acc, IEEE)
             acc = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
             tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -1,4 +1,5 @@
-"""The precision variants of one model that an engine serves: same architecture, other weights.
+"""The precision variants of one model that an engine serves (same architecture, other weights),
+and a speculative draft model; what each one's weights take is recorded here.
 
 They share the activation dtype (one KV pool holds every variant's KV): the default's dtype when
 it is a float precision and `dtype` is auto, else the engine's `dtype`. A variant that fails to
@@ -15,7 +16,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.models.builder import FLOAT_NAMES, build_model, resolve_precision, weight_bytes
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
-from tandem.models.loader import gguf_source
+from tandem.models.loader import gguf_source, load_config, load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +56,47 @@ def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, devi
         variants.weight_bytes[name] = weight_bytes(model)
         log.info("weights of %s: %.1f MiB", name, variants.weight_bytes[name] / 2**20)
     return variants
+
+
+def build_draft(variants: ModelVariants, precision: str | None, name: str, engine_model: str, model_dir: Path,
+                cfg: ModelConfig, device: torch.device, attention: AttentionFactory) -> LlamaForCausalLM:
+    """A speculative draft: the target at `precision` (a self-draft: a variant the engine already
+    holds, or a new one built in the engine's dtype), or else the model `name` sharing the
+    tokenizer (an alias or a path). Its weight bytes join `variants.weight_bytes` as
+    draft:<precision> or draft:<name>."""
+    if precision is None:
+        return _external_draft(variants, name, model_dir, cfg, device, attention)
+    if precision in variants.models:
+        log.info("speculative draft self:%s: the engine's own %s variant (no extra weights)", precision, precision)
+        return variants.models[precision]
+    _, weights, dtype = resolve_precision(precision, variants.dtype, device)
+    if dtype != variants.dtype:
+        raise ValueError(f"speculative model self:{precision} computes in {dtype} but the engine's dtype is "
+                         f"{variants.dtype}: a self-draft reads the target's KV, so it shares its dtype "
+                         f"(use self:int4 or self:int8, whose activations are the engine's)")
+    try:
+        model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(engine_model))
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"speculative model self:{precision} cannot be built here: {e}") from e
+    variants.weight_bytes[f"draft:{precision}"] = weight_bytes(model)
+    log.info("weights of draft self:%s: %.1f MiB", precision, weight_bytes(model) / 2**20)
+    return model
+
+
+def _external_draft(variants: ModelVariants, name: str, model_dir: Path, cfg: ModelConfig, device: torch.device,
+                    attention: AttentionFactory) -> LlamaForCausalLM:
+    """Another model as the draft, in the engine's dtype, once its vocabulary and tokenizer are
+    the target's (a draft's token ids must mean the target's tokens)."""
+    draft_dir = resolve_model(name)
+    draft_cfg = ModelConfig.from_hf(load_config(draft_dir))
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"speculative model {name!r} has a vocabulary of {draft_cfg.vocab_size} tokens, the "
+                         f"target's has {cfg.vocab_size}: a draft must share the target's tokenizer")
+    ours, theirs = load_tokenizer(model_dir), load_tokenizer(draft_dir)
+    if (ours is None) != (theirs is None) or (ours is not None and ours.get_vocab() != theirs.get_vocab()):
+        raise ValueError(f"speculative model {name!r} has another tokenizer than the target's: "
+                         "a draft must share the target's tokenizer")
+    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention)
+    variants.weight_bytes[f"draft:{name}"] = weight_bytes(model)
+    log.info("weights of draft %s (%d layers): %.1f MiB", name, draft_cfg.num_layers, weight_bytes(model) / 2**20)
+    return model

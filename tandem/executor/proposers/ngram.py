@@ -1,22 +1,28 @@
-"""Draft proposers for speculative decoding (see core/spec_decode.py): what a request's next
-tokens may be, cheaply, for the target to verify in one forward.
-
-`NgramProposer` is prompt lookup: the longest suffix of the sequence (prompt and output so far)
-that occurred before, and the tokens that followed it then. It needs no model, and wins where
-the output copies spans of the input (editing, summarising, code). Its draft is one token per
-position with certainty, which makes verification by sampling the target exact
-(executor/rejection_sampler.py).
-"""
+"""Prompt lookup: the longest suffix of the sequence (prompt and output so far) that occurred
+before, and the tokens that followed it then. It needs no model, and wins where the output
+copies spans of the input (editing, summarising, code)."""
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from tandem.core.outputs import SchedulerOutput
+from tandem.executor.input_batch import CachedRequestState
 
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
         self.k = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
+        self.num_forwards = 0  # no model runs
+
+    def propose_drafts(self, sched: SchedulerOutput, requests: dict[str, CachedRequestState],
+                       sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """k tokens (or fewer, or none) for each request that sampled and takes drafts."""
+        return {r: self.propose(requests[r].token_ids) for r in sampled if requests[r].params.drafts}
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Nothing is kept per request."""
 
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to k tokens that followed an earlier occurrence of the longest matching suffix
