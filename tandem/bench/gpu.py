@@ -1,4 +1,4 @@
-"""`tandem bench gpu`: the GPU check of issue 14 in one run, written to one JSON file.
+"""`tandem bench gpu`: what a GPU machine is checked for, in one run, written to one JSON file.
 
 1. Greedy equality with transformers (fp32, on the device) for the given model and a tiny
    random GQA Llama: a mixed batch, chunked prefill with preemption, prefix-cache hits; with
