@@ -50,14 +50,15 @@ class GetSchedulerStats(msgspec.Struct, tag="scheduler_stats"):
 
 
 class JoinKVGroup(msgspec.Struct, tag="join_kv_group"):
-    """Join the cluster's KV transfer group; this instance's rank once every rank joined."""
+    """Join the cluster's KV transfer group (the fields of POST /tandem/kv_group's body, which
+    gives their defaults); this instance's rank once every rank joined."""
 
     rank: int
     world_size: int
     host: str
     port: int
-    backend: str | None = None
-    timeout_s: float = 120.0
+    backend: str | None
+    timeout_s: float
 
 
 class CheckKVPeer(msgspec.Struct, tag="check_kv_peer"):
