@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from tandem.core.request_class import CLASS_NAMES
 from tandem.core.scheduler_config import SchedulerConfig
 from tandem.core.spec_decode import SpeculativeConfig
 
@@ -16,7 +17,6 @@ KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "spe
 # Quantisation: a precision names one variant of the model. fp16 is the device's 16-bit float
 # (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
-PRECISION_CLASSES = ("interactive", "standard", "background")  # the request priorities
 ROLES = ("colocated", "prefill", "decode")  # an instance's role in a cluster's model group
 
 
@@ -93,8 +93,8 @@ class EngineConfig:
     def _check_precisions(self) -> None:
         named = {"quantization": self.quantization, "fallback": self.precision_fallback}
         for cls, precision in (self.precision_classes or {}).items():
-            if cls not in PRECISION_CLASSES:
-                raise ValueError(f"quantization class {cls!r} is not a request class; known: {', '.join(PRECISION_CLASSES)}")
+            if cls not in CLASS_NAMES:
+                raise ValueError(f"quantization class {cls!r} is not a request class; known: {', '.join(CLASS_NAMES)}")
             named[f"class {cls!r}"] = precision
         for what, precision in named.items():
             if precision is not None and precision not in PRECISIONS:

@@ -1,6 +1,7 @@
 """The engine core behind ZeroMQ: AsyncLLM against a real engine-core process (the handshake,
-greedy outputs equal to the offline engine, abort, utilities with a Future, errors by type) and
-in the in-process mode (on_add before any step, stop strings aborting in the core)."""
+greedy outputs equal to the offline engine, abort, utility messages with a Future, errors by
+type, unknown and malformed messages refused) and in the in-process mode (on_add before any
+step, stop strings aborting in the core)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 
 from cluster_fixture import wait_for
@@ -16,6 +18,8 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
+from tandem.engine.core_messages import (CheckKVPeer, CompileGrammar, GetSchedulerStats, KVSent, SendKV, UtilityCall,
+                                         decode_utility)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -85,21 +89,37 @@ def test_bad_input_is_a_value_error_and_nothing_is_queued(proc_llm):
     assert proc_llm.num_in_flight == 0
 
 
-def test_utility_future_and_errors_cross_the_process(proc_llm):
+def test_utility_messages_futures_and_errors_cross_the_process(proc_llm):
     async def run():
         so = StructuredOutputsParams(choice=["yes", "no"])
-        assert await proc_llm.call_utility("compile_grammar", so) is None  # a Future, resolved
+        assert await proc_llm.call_utility(CompileGrammar(so)) is None  # a Future, resolved
         with pytest.raises(ValueError, match="invalid regex"):
-            await proc_llm.call_utility("compile_grammar", StructuredOutputsParams(regex="("))
-        with pytest.raises(ValueError, match="no engine-core utility"):
-            await proc_llm.call_utility("nope")
-        stats = await proc_llm.call_utility("scheduler_stats")
+            await proc_llm.call_utility(CompileGrammar(StructuredOutputsParams(regex="(")))
+        stats = await proc_llm.call_utility(GetSchedulerStats())
         assert stats["kv_total_blocks"] > 0
+        assert await proc_llm.call_utility(CheckKVPeer(None)) is None  # P/D's, registered by the process
+        with pytest.raises(ValueError, match="no KV send 'never-sent' here"):
+            await proc_llm.call_utility(KVSent("never-sent"))
     asyncio.run(run())
 
 
+def test_an_unknown_or_malformed_utility_message_is_refused_in_words(proc_llm):
+    async def run():
+        with pytest.raises(TypeError, match="not an engine-core utility message: str"):
+            await proc_llm.call_utility("scheduler_stats")  # a method name is not a message: nothing sent
+        # a struct is not checked when built: the core refuses its mistyped field, by its path
+        with pytest.raises(ValueError, match=r"malformed engine-core utility message: Expected `array`, "
+                                             r"got `str` - at `\$\.token_ids`"):
+            await proc_llm.call_utility(SendKV("not tokens", "t", None))
+        return await _final(proc_llm, PROMPTS[0], GREEDY)
+    assert len(asyncio.run(run()).outputs[0].token_ids) == GREEDY.max_tokens  # and it keeps serving
+    unknown = UtilityCall(7, msgspec.Raw(msgspec.msgpack.encode({"type": "double", "x": 21})))
+    with pytest.raises(ValueError, match="malformed engine-core utility message: Invalid value 'double'"):
+        decode_utility(unknown)
+
+
 class _Recorder:
-    """A registered utility object: on_add sees each add with kv_transfer before any step."""
+    """An on_add hook: sees each add with kv_transfer before any step."""
 
     def __init__(self, core) -> None:
         self.core, self.seen = core, []
@@ -108,21 +128,14 @@ class _Recorder:
         req = self.core.scheduler.requests.get(request_id)
         self.seen.append((request_id, kv_transfer, accepted, req is None or req.num_computed_tokens == 0))
 
-    def double(self, x: int):
-        from concurrent.futures import Future
-        f: Future = Future()
-        f.set_result(2 * x)
-        return f
 
-
-def test_on_add_and_registered_utilities_in_process(model_dir):
+def test_on_add_in_process(model_dir):
     llm = AsyncLLM(EngineConfig(**_opts(model_dir)), in_process=True)
     try:
         rec = _Recorder(llm.engine_core)
-        llm.engine_core.register_utilities(rec)
+        llm.engine_core.register_utilities({}, rec.on_add)
 
         async def run():
-            assert await llm.call_utility("double", 21) == 42
             await _final(llm, [5, 6, 7], GREEDY, request_id="a", kv_transfer={"transfer_id": "t1"})
             await _final(llm, [5, 6, 7], GREEDY, request_id="b")  # no kv_transfer: no hook
         asyncio.run(run())
@@ -132,6 +145,8 @@ def test_on_add_and_registered_utilities_in_process(model_dir):
         with pytest.raises(ValueError, match="invalid regex"):
             asyncio.run(_final(llm, [5, 6], bad, request_id="c", kv_transfer={"x": 1}))
         assert rec.seen[-1] == ("c", {"x": 1}, False, True)
+        with pytest.raises(ValueError, match=r"already handled: \['KVSent'\]"):  # one handler per message type
+            llm.engine_core.register_utilities({KVSent: rec.on_add})
     finally:
         llm.shutdown()
 

@@ -274,14 +274,16 @@ def test_arrivals_between_steps_keep_command_order():
 def test_on_add_runs_also_when_the_add_is_refused(tiny_model_dirs):
     """P/D commits received KV in on_add; a refused add must still let it run, or the
     reservation it holds is never released."""
-    from tandem.engine.core_messages import EngineCoreRequest
+    from tandem.engine.core_messages import EngineCoreRequest, ReleaseKV
     core = _llm(tiny_model_dirs["llama"]).engine.core
     seen = []
 
     class Hook:
         def on_add(self, request_id, kv_transfer, accepted):
             seen.append((request_id, kv_transfer, accepted))
-    core.register_utilities(Hook())
+    core.register_utilities({}, Hook().on_add)
+    with pytest.raises(ValueError, match="no engine-core utility answers ReleaseKV here"):  # no P/D offline
+        core.utility(ReleaseKV("t"))
     variant = core.executor.variants.default
     req = EngineCoreRequest("r", [1, 2], [SamplingParams()], 0.0, 2, variant, kv_transfer={"t": 1})
     core.add_request(req)

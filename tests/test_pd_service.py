@@ -144,3 +144,18 @@ def test_migrate_out_moves_a_decoding_request(llama, reference):
     assert pa.kv_sent(m).result(timeout=30)["kv_bytes"] > 0
     assert_no_blocks_held(a)
     assert_no_blocks_held(b)
+
+
+def test_every_utility_message_has_one_handler_whose_parameters_are_its_fields():
+    """The core calls a handler with the message's fields as keyword arguments: a field renamed
+    on one side only would fail at the first call, so it fails here."""
+    import inspect
+
+    from tandem.engine.core import EngineCore
+    from tandem.engine.core_messages import UTILITY_MESSAGES, CompileGrammar, GetSchedulerStats
+    handlers = {CompileGrammar: EngineCore.compile_grammar, GetSchedulerStats: EngineCore.scheduler_stats,
+                **PDService.__new__(PDService).utilities()}
+    assert set(handlers) == set(UTILITY_MESSAGES)
+    for kind, handler in handlers.items():
+        params = [p for p in inspect.signature(handler).parameters if p != "self"]
+        assert params == list(kind.__struct_fields__), kind.__name__

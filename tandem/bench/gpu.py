@@ -1,4 +1,4 @@
-"""`tandem bench gpu`: the GPU check of issue 14 in one run, written to one JSON file.
+"""`tandem bench gpu`: what a GPU machine is checked for, in one run, written to one JSON file.
 
 1. Greedy equality with transformers (fp32, on the device) for the given model and a tiny
    random GQA Llama: a mixed batch, chunked prefill with preemption, prefix-cache hits; with
@@ -96,12 +96,12 @@ def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int
                 outs = llm.generate(ps, params)
             got = [o.outputs[0].token_ids for o in outs]
             mismatched = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+            counters = llm.engine.step_counters()
             report.setdefault(name, {})["eager" if eager else "graphs"] = {
                 "equal": not mismatched, "mismatched": mismatched, "requests": len(ps),
-                "graphs_captured": llm.engine.core.executor.graph_runner is not None,
-                "preemptions": llm.engine.core.scheduler.num_preemptions,
-                "prefix_hit_tokens": llm.engine.core.kv_manager.stats.hits}
-            llm.engine.core.pipeline.shutdown()
+                "graphs_captured": llm.engine.info().graphs_captured,
+                "preemptions": counters.num_preemptions, "prefix_hit_tokens": counters.prefix_hit_tokens}
+            llm.engine.shutdown()
     return report
 
 
@@ -110,27 +110,20 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     from tandem import SamplingParams
     llm = _new_llm(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
                    max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, enforce_eager=eager)
-    engine, ex = llm.engine, llm.engine.core.executor
-    weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
-    weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in ex.model.modules()
-                        if getattr(m, "packed", None) is not None)
-    if ex.model.lm_head is not None:  # a step reads only its tokens' rows of the embedding
-        weight_bytes -= ex.model.embed_tokens.weight.numel() * ex.model.embed_tokens.weight.element_size()
-    kv_per_token = ex.model_config.kv_bytes_per_token(ex.dtype)
+    engine, info = llm.engine, llm.engine.info()
+    weight_bytes, kv_per_token = info.decode_weight_bytes, info.kv_bytes_per_token
     rng = random.Random(1)
     out = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "batches": {}}
-    if ex.graph_runner is not None:
-        out["capture_seconds"], out["capture_mib"] = ex.graph_runner.capture_seconds, ex.graph_runner.capture_bytes / 2**20
+    if info.graphs_captured:
+        out["capture_seconds"], out["capture_mib"] = info.graph_capture_seconds, info.graph_capture_bytes / 2**20
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for b in batches:
         ids = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params)
                for _ in range(b)]
-        while any(r.num_computed_tokens < args.decode_prompt for r in engine.core.scheduler.requests.values()):
-            engine.step()
+        offline.until_first_tokens(engine, ids)
         for _ in range(3):  # steady state: every request decoding, the pipeline full
             engine.step()
-        gaps = ex.step_gaps
-        gap0 = (gaps.gap_seconds, gaps.num_gaps, gaps.busy_seconds, gaps.num_steps) if gaps else None
+        before = engine.step_counters()
         start = time.perf_counter()
         for _ in range(args.decode_steps):
             engine.step()
@@ -140,17 +133,14 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
         out["batches"][b] = {
             "ms_per_step": step_s * 1e3, "bytes_read_per_step": read, "achieved_gb_s": read / step_s / 1e9,
             "roofline_fraction": read / step_s / args.peak_bandwidth,
-            "roofline_ms": read / args.peak_bandwidth * 1e3,
-            # CUDA events: the GPU's own time per step (busy) and its idle time between steps
-            "gpu_busy_ms": (gaps.busy_seconds - gap0[2]) * 1e3 / max(gaps.num_steps - gap0[3], 1) if gaps else None,
-            "gpu_gap_ms": (gaps.gap_seconds - gap0[0]) * 1e3 / max(gaps.num_gaps - gap0[1], 1) if gaps else None}
+            "roofline_ms": read / args.peak_bandwidth * 1e3, **offline.gpu_step_ms(before, engine.step_counters())}
         if profile and b == max(batches):
             out["profile"] = _profile(engine, 5)
         for i in ids:
             engine.abort_request(i)
         while engine.has_unfinished_requests():
             engine.step()
-    llm.engine.core.pipeline.shutdown()
+    llm.engine.shutdown()
     return out
 
 

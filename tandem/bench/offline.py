@@ -42,34 +42,45 @@ def run_tandem(args, requests) -> dict:
               enforce_eager=args.enforce_eager, **opts)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
-    engine.core.stats.reset()
-    prepare_before = getattr(engine.core.executor, "prepare_time", 0.0)
-    gpu_gaps = getattr(engine.core.executor, "step_gaps", None)
-    gaps_before = (gpu_gaps.gap_seconds, gpu_gaps.num_gaps, gpu_gaps.busy_seconds, gpu_gaps.num_steps) \
-        if gpu_gaps else None
+    engine.reset_stats()
+    before = engine.step_counters()
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params, use_tqdm=args.progress)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = max(engine.core.stats.num_steps, 1)
-    times = dict(engine.core.stats.phase_times, prepare=getattr(engine.core.executor, "prepare_time", 0.0) - prepare_before)
+    c = engine.step_counters()
+    steps = max(c.num_steps, 1)
+    times = dict(c.phase_times, prepare=c.prepare_seconds - before.prepare_seconds)
     per_step_ms = {k: v / steps * 1e3 for k, v in times.items() if k != "gap"}
-    per_step_ms["gap"] = times["gap"] / max(engine.core.stats.num_gaps, 1) * 1e3
+    per_step_ms["gap"] = times["gap"] / max(c.num_gaps, 1) * 1e3
     return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
             "async_scheduling": engine.config.async_scheduling,
-            "steps": engine.core.stats.num_steps, "ms_per_step": per_step_ms,
+            "steps": c.num_steps, "ms_per_step": per_step_ms,
             "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
-            "kv_utilization_mean": engine.core.stats.kv_utilization_sum / steps,
-            "kv_usage_peak": engine.core.stats.kv_usage_peak,
-            "dtype": str(engine.core.executor.dtype).removeprefix("torch."),
-            "preemptions": engine.core.scheduler.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
-            # CUDA: the GPU busy per step and idle between steps, from CUDA events (executor/step_events.py)
-            "gpu_busy_ms": None if gpu_gaps is None else (gpu_gaps.busy_seconds - gaps_before[2]) * 1e3
-            / max(gpu_gaps.num_steps - gaps_before[3], 1),
-            "gpu_gap_ms": None if gpu_gaps is None else (gpu_gaps.gap_seconds - gaps_before[0]) * 1e3
-            / max(gpu_gaps.num_gaps - gaps_before[1], 1),
-            "spec_decode": spec_summary(engine.core.scheduler.spec_stats) if args.speculative_method else None}
+            "kv_utilization_mean": c.kv_utilization_sum / steps, "kv_usage_peak": c.kv_usage_peak,
+            "dtype": engine.info().dtype,
+            "preemptions": c.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
+            **gpu_step_ms(before, c),
+            "spec_decode": spec_summary(c.spec) if args.speculative_method else None}
+
+
+def gpu_step_ms(before, after) -> dict:
+    """CUDA: the GPU busy per step and idle between steps, from CUDA events (executor/step_events.py),
+    between two StepCounters; None off CUDA."""
+    if after.gpu_num_steps is None:
+        return {"gpu_busy_ms": None, "gpu_gap_ms": None}
+    return {"gpu_busy_ms": (after.gpu_busy_seconds - before.gpu_busy_seconds) * 1e3
+            / max(after.gpu_num_steps - before.gpu_num_steps, 1),
+            "gpu_gap_ms": (after.gpu_gap_seconds - before.gpu_gap_seconds) * 1e3
+            / max(after.gpu_num_gaps - before.gpu_num_gaps, 1)}
+
+
+def until_first_tokens(engine, request_ids: list[str]) -> None:
+    """Step until every one of the requests has its first token: each has prefilled."""
+    waiting = set(request_ids)
+    while waiting:
+        waiting -= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
 
 
 def spec_summary(stats) -> dict:

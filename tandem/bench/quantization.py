@@ -21,7 +21,7 @@ def run_precision(args, precision: str) -> dict:
     import torch
 
     from tandem import LLM, SamplingParams
-    from tandem.bench.offline import _peak_rss_mb
+    from tandem.bench.offline import _peak_rss_mb, until_first_tokens
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import load_config, resolve_model
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -34,19 +34,17 @@ def run_precision(args, precision: str) -> dict:
               max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads)
     engine = llm.engine
     rng = random.Random(args.seed)
-    vocab = engine.core.executor.model_config.vocab_size
+    vocab, info = engine.vocab_size, engine.info()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     # Peak RSS is set while loading (the float checkpoint is read whole, then cast or quantised);
     # the RSS after loading is what the variant keeps.
     loaded_rss_mb = psutil.Process().memory_info().rss / 2**20
-    out = {"rss_after_load_mb": loaded_rss_mb, "precision": precision, "dtype": str(engine.core.executor.dtype).removeprefix("torch."),
-           "weight_mib": engine.core.executor.variants.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
+    out = {"rss_after_load_mb": loaded_rss_mb, "precision": precision, "dtype": info.dtype,
+           "weight_mib": info.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
     for b in batches:
-        for _ in range(b):
-            engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
-        while any(not r.output_token_ids for r in engine.core.scheduler.requests.values()):
-            engine.step()
+        until_first_tokens(engine, [engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+                                    for _ in range(b)])
         steps, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()

@@ -61,25 +61,25 @@ def run(args) -> dict:
     llm.generate(prompts[:2], [params(0, True), params(1, False)])  # warm-up, grammar compiled
     arms: dict[str, dict] = {"none": {"tokens": 0, "seconds": 0.0, "mask_s": 0.0, "execute_s": 0.0},
                              "constrained": {"tokens": 0, "seconds": 0.0, "mask_s": 0.0, "execute_s": 0.0}}
-    runner = engine.core.executor
     for _ in range(args.rounds):
         for arm in arms:
-            mask_before = runner.structured_output.seconds
-            engine.core.stats.reset()
+            mask_before = engine.step_counters().grammar_mask_seconds
+            engine.reset_stats()
             start = time.perf_counter()
             outs = llm.generate(prompts, [params(i, arm == "constrained") for i in range(len(prompts))])
             a = arms[arm]
             a["seconds"] += time.perf_counter() - start
             a["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
-            a["mask_s"] += runner.structured_output.seconds - mask_before
-            a["execute_s"] += engine.core.stats.phase_times["execute"]
+            counters = engine.step_counters()
+            a["mask_s"] += counters.grammar_mask_seconds - mask_before
+            a["execute_s"] += counters.phase_times["execute"]
     for a in arms.values():
         a["output_throughput"] = a["tokens"] / a["seconds"]
         a["mask_share_of_execute"] = a["mask_s"] / max(a["execute_s"], 1e-9)
     return {"concurrency": args.concurrency, "num_requests": args.num_requests, "max_tokens": args.max_tokens,
             "constrained_share": 1 / every if every else 0.0, "rounds": args.rounds, "arms": arms,
             "throughput_ratio": arms["constrained"]["output_throughput"] / arms["none"]["output_throughput"],
-            "compile": compile_s, "dtype": str(runner.dtype).removeprefix("torch."),
+            "compile": compile_s, "dtype": engine.info().dtype,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -1,20 +1,19 @@
-"""Waiting requests by level (L1 interactive, L2 standard, L3 background), the order within a
-level, and the classifier that gives a request its level when the client did not."""
+"""Waiting requests by level (a request class's priority, core/request_class.py), the order
+within a level, and the classifier that gives a request its level when the client did not."""
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
 
 from tandem.core.request import Request, RequestStatus
-
-LEVELS = (1, 2, 3)
+from tandem.core.request_class import LEVELS, PRIORITIES, STANDARD
 
 
 def classify(prompt_tokens: int, max_tokens: int | None, l1_max_prompt: int, l1_max_output: int) -> int:
     """Short prompt and short answer: L1 (interactive); anything else L2. L3 only on request."""
     if prompt_tokens <= l1_max_prompt and max_tokens is not None and max_tokens <= l1_max_output:
-        return 1
-    return 2
+        return PRIORITIES["interactive"]
+    return STANDARD
 
 
 class WaitingQueues:

@@ -61,7 +61,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         check_prompt_length(req.num_prompt_tokens, self.config.max_model_len)
-        if req.priority not in (1, 2, 3):
+        if req.priority not in LEVELS:
             raise ValueError(f"priority must be 1, 2 or 3, got {req.priority!r}")
         req.max_model_len = self.config.max_model_len
         req.level = req.priority if self.multilevel else 2

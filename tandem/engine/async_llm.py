@@ -17,7 +17,8 @@ from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreOutputs, EngineDead, RequestErrors,
-                                         SchedulerStats, UtilityCall, UtilityResult, child_ids, remote_error)
+                                         SchedulerStats, UtilityMessage, UtilityResult, child_ids, remote_error,
+                                         utility_call)
 from tandem.engine.input_processor import InputProcessor, PromptType
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.precision import PrecisionRouter
@@ -165,18 +166,20 @@ class AsyncLLM:
                 self.on_step(None, outs, None)
             _put(stream, RuntimeError(message))
 
-    async def call_utility(self, name: str, *args: Any) -> Any:
-        """Run the engine-core utility `name(*args)` between two steps; its result (a Future's
-        once it resolves). ValueError, KVPoolFullError and TimeoutError are raised as
-        themselves, any other error as RuntimeError."""
+    async def call_utility(self, message: UtilityMessage) -> Any:
+        """Have the engine core answer a utility message (core_messages.py) between two steps;
+        its result (a Future's once it resolves), as msgpack decodes it (a struct as a dict).
+        TypeError (nothing sent) for anything but a utility message; ValueError,
+        KVPoolFullError and TimeoutError are raised as themselves, any other error as
+        RuntimeError."""
         if not self.alive:
             raise EngineDeadError(self._dead or "the engine core is not running")
+        call = utility_call(next(self._call_ids), message)
         loop = asyncio.get_running_loop()
-        call_id = next(self._call_ids)
         future = loop.create_future()
         with self._lock:
-            self._calls[call_id] = (loop, future)
-        self._client.send(UtilityCall(call_id, name, list(args)))
+            self._calls[call.call_id] = (loop, future)
+        self._client.send(call)
         return await future
 
     # ---- receiver thread ----------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +19,8 @@ from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.core.scheduler import Scheduler
-from tandem.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, ScheduledEvent, SchedulerStats, child_ids
+from tandem.engine.core_messages import (CompileGrammar, EngineCoreOutputs, EngineCoreRequest, GetSchedulerStats,
+                                         ScheduledEvent, SchedulerStats, UtilityMessage, child_ids)
 from tandem.engine.core_stats import StepStats
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
@@ -71,7 +72,9 @@ class EngineCore:
             self.kv_manager, time.monotonic,
         )
         self._children: dict[str, list[str]] = {}
-        self._utilities: list[Any] = []
+        self._handlers: dict[type, Callable[..., Any]] = {CompileGrammar: self.compile_grammar,
+                                                          GetSchedulerStats: self.scheduler_stats}
+        self._on_add_hooks: list[Callable[[str, dict, bool], None]] = []
         self._waiters = ThreadPoolExecutor(2, thread_name_prefix="tandem-utility")  # utilities that wait
         self._scheduled: list[ScheduledEvent] = []
         # Called between two overlapped steps, before the later one is topped up: the core
@@ -82,17 +85,25 @@ class EngineCore:
         self.grammar_compiler.on_compile = self.stats.record_compile
 
     # ---- admission ----------------------------------------------------------------
-    def register_utilities(self, obj: Any) -> None:
-        """Its public methods become utilities (AsyncLLM.call_utility); its on_add(request_id,
-        kv_transfer, accepted) runs right after each add that carries kv_transfer."""
-        self._utilities.append(obj)
+    def register_utilities(self, handlers: Mapping[type, Callable[..., Any]],
+                           on_add: Callable[[str, dict, bool], None] | None = None) -> None:
+        """Answer these utility message types (a handler gets the message's fields as keyword
+        arguments); `on_add(request_id, kv_transfer, accepted)` runs right after each add that
+        carries kv_transfer."""
+        taken = handlers.keys() & self._handlers.keys()
+        if taken:
+            raise ValueError(f"engine-core utilities already handled: {sorted(t.__name__ for t in taken)}")
+        self._handlers.update(handlers)
+        if on_add is not None:
+            self._on_add_hooks.append(on_add)
 
-    def utility(self, name: str) -> Callable[..., Any]:
-        for obj in [self, *self._utilities]:
-            fn = getattr(obj, name, None) if not name.startswith("_") else None
-            if callable(fn) and (obj is not self or name in _CORE_UTILITIES):
-                return fn
-        raise ValueError(f"no engine-core utility {name!r}")
+    def utility(self, message: UtilityMessage) -> Any:
+        """Run a utility message's handler; its result (a Future: the answer once it resolves).
+        ValueError for a message type no handler here answers."""
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            raise ValueError(f"no engine-core utility answers {type(message).__name__} here")
+        return handler(**msgspec.structs.asdict(message))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request's sequences; ValueError (nothing queued) for a reused id or a
@@ -128,10 +139,7 @@ class EngineCore:
     def _on_add(self, request: EngineCoreRequest, accepted: bool) -> None:
         if request.kv_transfer is None:
             return
-        for obj in self._utilities:
-            hook = getattr(obj, "on_add", None)
-            if hook is None:
-                continue
+        for hook in self._on_add_hooks:
             try:
                 hook(request.request_id, request.kv_transfer, accepted)
             except Exception:
@@ -159,11 +167,9 @@ class EngineCore:
         """Requests not finished, or a step still to hand back (async scheduling)."""
         return bool(self._children) or len(self.pipeline) > 0
 
-    def compile_grammar(self, structured_outputs: StructuredOutputsParams | dict) -> Future:
+    def compile_grammar(self, structured_outputs: StructuredOutputsParams) -> Future:
         """Utility: compile a constraint (or find it cached) off the step loop. A Future of None,
         failing with the ValueError that names what is wrong (or that it took too long)."""
-        if isinstance(structured_outputs, dict):  # as it crossed the socket
-            structured_outputs = msgspec.convert(structured_outputs, StructuredOutputsParams)
         return self._waiters.submit(self._wait_compiled, structured_outputs)
 
     def _wait_compiled(self, structured_outputs: StructuredOutputsParams) -> None:
@@ -236,7 +242,3 @@ class EngineCore:
         live = self.scheduler.requests
         for rid in [r for r, ids in self._children.items() if not any(c in live for c in ids)]:
             del self._children[rid]
-
-
-# EngineCore's own methods callable as utilities (call_utility).
-_CORE_UTILITIES = frozenset({"compile_grammar", "scheduler_stats", "abort_request"})

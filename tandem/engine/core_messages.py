@@ -1,5 +1,10 @@
 """What crosses between the API process and the engine-core process (msgpack, msgspec structs):
-requests in, per-step output deltas and stats out. The in-process mode sends the same messages."""
+requests in, per-step output deltas and stats out. The in-process mode sends the same messages.
+
+A utility (work the core does between two steps for the API side: P/D KV transfer, a grammar
+compile, the stats) is a message type of its own, answered by the handler registered for that
+type (`EngineCore.register_utilities`); its fields are the handler's keyword arguments. It
+crosses inside a `UtilityCall` still encoded, so a malformed one is refused with its call's id."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +12,7 @@ from typing import Any
 import msgspec
 
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
@@ -34,10 +39,102 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     stopped: bool = False  # finished by a stop string (FINISHED_STOPPED), not aborted
 
 
+class CompileGrammar(msgspec.Struct, tag="compile_grammar"):
+    """Compile a constraint (or find it cached) off the step loop; None, or the ValueError."""
+
+    structured_outputs: StructuredOutputsParams
+
+
+class GetSchedulerStats(msgspec.Struct, tag="scheduler_stats"):
+    """The engine's state and load report now (a SchedulerStats), outside a step."""
+
+
+class JoinKVGroup(msgspec.Struct, tag="join_kv_group"):
+    """Join the cluster's KV transfer group (the fields of POST /tandem/kv_group's body, which
+    gives their defaults); this instance's rank once every rank joined."""
+
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    backend: str | None
+    timeout_s: float
+
+
+class CheckKVPeer(msgspec.Struct, tag="check_kv_peer"):
+    """ValueError unless this instance has a KV link to `peer` (None: shared memory)."""
+
+    peer: int | None
+
+
+class SendKV(msgspec.Struct, tag="send_kv"):
+    """Prefill side: export the prompt's whole blocks and start sending them; the block count."""
+
+    token_ids: list[int]
+    transfer_id: str
+    peer: int | None
+
+
+class MigrateOut(msgspec.Struct, tag="migrate_out"):
+    """Abort a decoding request and send the KV of its tokens so far; the block count."""
+
+    request_id: str
+    token_ids: list[int]
+    transfer_id: str
+    peer: int | None
+
+
+class KVSent(msgspec.Struct, tag="kv_sent"):
+    """A send's outcome once the receiver has it: {kv_bytes, kv_seconds} or {error}."""
+
+    transfer_id: str
+
+
+class ReceiveKV(msgspec.Struct, tag="receive_kv"):
+    """Decode side: reserve blocks for the prompt and receive into them: {kv_blocks, ...} or {error}."""
+
+    token_ids: list[int]
+    transfer_id: str
+    peer: int | None
+
+
+class ReleaseKV(msgspec.Struct, tag="release_kv"):
+    """Give back the blocks held for a transfer whose decode request will not be added."""
+
+    transfer_id: str
+
+
+class DrainKV(msgspec.Struct, tag="drain_kv"):
+    """Take a transfer off the link for a decode leg refused before it reserved."""
+
+    transfer_id: str
+    peer: int | None
+
+
+UtilityMessage = (CompileGrammar | GetSchedulerStats | JoinKVGroup | CheckKVPeer | SendKV | MigrateOut | KVSent
+                  | ReceiveKV | ReleaseKV | DrainKV)
+UTILITY_MESSAGES: tuple[type, ...] = UtilityMessage.__args__
+_utility_decoder = msgspec.msgpack.Decoder(UtilityMessage)
+
+
 class UtilityCall(msgspec.Struct, tag="utility"):
     call_id: int
-    name: str
-    args: list[Any]
+    message: msgspec.Raw  # one UtilityMessage, msgpack: decoded by the core (decode_utility)
+
+
+def utility_call(call_id: int, message: UtilityMessage) -> UtilityCall:
+    """TypeError for anything but a utility message: nothing else has a handler in the core."""
+    if not isinstance(message, UTILITY_MESSAGES):
+        raise TypeError(f"not an engine-core utility message: {type(message).__name__}")
+    return UtilityCall(call_id, msgspec.Raw(msgspec.msgpack.encode(message)))
+
+
+def decode_utility(call: UtilityCall) -> UtilityMessage:
+    """The call's message; ValueError naming what is wrong for an unknown or malformed one."""
+    try:
+        return _utility_decoder.decode(call.message)
+    except msgspec.DecodeError as e:  # ValidationError too: an unknown type, a missing or mistyped field
+        raise ValueError(f"malformed engine-core utility message: {e}") from None
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

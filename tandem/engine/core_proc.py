@@ -21,7 +21,7 @@ from tandem.engine.channel import Channel
 from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
 from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreInput, EngineCoreOutputs,
                                          EngineCoreRequest, EngineDead, Ready, RequestErrors, Shutdown,
-                                         UtilityCall, UtilityResult, error_of)
+                                         UtilityCall, UtilityResult, decode_utility, error_of)
 from tandem.engine.pd_service import PDService
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class EngineCoreProc:
         self._send = self._channel.send  # also from utility Futures' threads
         try:
             self.core = EngineCore(config, executor_factory)
-            self.core.register_utilities(PDService(self.core))  # P/D: the KV links and handoff utilities
+            pd = PDService(self.core)  # P/D: the KV links and handoff utilities
+            self.core.register_utilities(pd.utilities(), pd.on_add)
         except BaseException as e:
             self._send(EngineDead(f"the engine core failed to start: {type(e).__name__}: {e}"))
             self.close()
@@ -120,7 +121,7 @@ class EngineCoreProc:
 
     def _call_utility(self, call: UtilityCall) -> None:
         try:
-            result = self.core.utility(call.name)(*call.args)
+            result = self.core.utility(decode_utility(call))
         except Exception as e:
             self._send(UtilityResult(call.call_id, error=error_of(e)))
             return

@@ -9,6 +9,7 @@ from tandem.core.request import RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
 from tandem.engine.core_messages import EngineCoreOutputs, child_ids
+from tandem.engine.engine_info import EngineInfo, StepCounters, engine_info, step_counters
 from tandem.engine.input_processor import InputProcessor, PromptType
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.precision import PrecisionRouter
@@ -66,3 +67,19 @@ class LLMEngine:
         if stopped:  # a stop string: the core still runs these sequences
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    # ---- read-only figures (the benches) ------------------------------------------
+    def info(self) -> EngineInfo:
+        """What the engine built: dtype, KV pool, precision variants and their weight bytes, graphs."""
+        return engine_info(self.core)
+
+    def step_counters(self) -> StepCounters:
+        return step_counters(self.core)
+
+    def reset_stats(self) -> None:
+        """Start the step figures afresh (see StepCounters), so a bench leaves out its warm-up."""
+        self.core.stats.reset()
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker thread: a process that builds engine after engine."""
+        self.core.pipeline.shutdown()

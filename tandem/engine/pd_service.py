@@ -1,5 +1,6 @@
-"""The engine-core side of P/D disaggregation: the utilities the instance's P/D routes call
-(`AsyncLLM.call_utility`) and the commit that runs with a decode request's add (`on_add`).
+"""The engine-core side of P/D disaggregation: the utilities the instance's P/D routes send
+(`AsyncLLM.call_utility` with the messages of `core_messages.py`, answered by the methods
+`utilities()` maps them to) and the commit that runs with a decode request's add (`on_add`).
 The KV pool and the KV links live here, in the engine process, so no KV crosses to the API
 process. Every method runs on the engine thread between two steps; transfers run on the
 links' threads, and a method that waits for a peer returns a `Future` so the step loop goes on.
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.kv_cache_manager import KVReservation
+from tandem.engine.core_messages import (CheckKVPeer, DrainKV, JoinKVGroup, KVSent, MigrateOut, ReceiveKV, ReleaseKV,
+                                         SendKV)
 from tandem.executor.kv_transfer import KVLinks, KVPayload, TransferStats
 
 log = logging.getLogger(__name__)
@@ -38,14 +41,20 @@ class _Receipt:
 
 
 class PDService:
-    """Registered with the engine core (`EngineCore.register_utilities`); `core` gives the KV
-    handoff, the executor (its KV device) and `abort_request`."""
+    """Registered with the engine core (`EngineCore.register_utilities(svc.utilities(),
+    svc.on_add)`); `core` gives the KV handoff, the executor (its KV device) and `abort_request`."""
 
     def __init__(self, core: Any, links: KVLinks | None = None) -> None:
         self.core, self.handoff = core, core.kv_handoff
         self.links = links or KVLinks()
         self._sends: dict[str, tuple[float, Future]] = {}  # transfer id -> (start time, send)
         self._receipts: dict[str, _Receipt] = {}  # transfer id -> blocks reserved for it
+
+    def utilities(self) -> dict[type, Callable[..., Any]]:
+        """The utility messages this service answers, and the method that answers each."""
+        return {JoinKVGroup: self.join_kv_group, CheckKVPeer: self.check_kv_peer, SendKV: self.send_kv,
+                MigrateOut: self.migrate_out, KVSent: self.kv_sent, ReceiveKV: self.receive_kv,
+                ReleaseKV: self.release_kv, DrainKV: self.drain_kv}
 
     # ---- the group ----------------------------------------------------------------
     def join_kv_group(self, rank: int, world_size: int, host: str, port: int, backend: str | None = None,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import collections
 import logging
 
-from tandem.config import PRECISION_CLASSES, EngineConfig
+from tandem.config import EngineConfig
+from tandem.core.request_class import class_name
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class PrecisionRouter:
         """The variant a request runs on. priority: the level it was given (1-3), if any."""
         self.check(precision)
         if precision is None and priority is not None:
-            precision = self.classes.get(PRECISION_CLASSES[priority - 1])
+            precision = self.classes.get(class_name(priority))
         chosen = precision or self.default
         if chosen in self.unavailable:
             reason = "not_built"

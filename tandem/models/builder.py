@@ -1,6 +1,6 @@
 """Build one precision variant of a model: load the weights, then quantise the GEMM weights.
 
-Storage per variant (see docs/benchmarks.md section 10 for why):
+Storage per variant, chosen by the bytes a decode step reads against the quality it costs:
 - every Linear of the decoder layers: bf16 (pre-packed for oneDNN on CPU), int8 per output
   channel, or int4 in groups of 32 (from a GGUF, the file's own Q4_0 / Q4_1 codes);
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an

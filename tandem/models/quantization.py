@@ -3,9 +3,9 @@ in groups along the input axis with a scale and a zero point.
 
 On a CPU with AVX512-VNNI, with bf16 activations, both run on `kernels/cpu_quant_gemm.cpp`
 instead: the activations are quantised to int8 in blocks of 32 (W8A8 / W4A8, as llama.cpp's
-Q8_0 / Q4_1 dot products), 3-4x faster than torch's kernels at every batch size measured
-(docs/benchmarks.md section 16); a gate_up layer's SiLU-and-mul runs in that kernel's epilogue
-(`forward_silu_mul`, section 19). fp32 engines keep weight-only arithmetic: they are the
+Q8_0 / Q4_1 dot products), 3-4x faster than torch's kernels at every batch size measured; a
+gate_up layer's SiLU-and-mul runs in that kernel's epilogue (`forward_silu_mul`), which saves
+a pass over the intermediate activations. fp32 engines keep weight-only arithmetic: they are the
 reference precision, and the tests compare them with transformers token for token.
 
 Elsewhere both run on torch's own kernels where this device, dtype and shape are accepted

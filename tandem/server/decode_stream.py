@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tandem.engine.core_messages import CheckKVPeer, KVSent, MigrateOut
 from tandem.engine.output_processor import RequestOutput
 from tandem.server import responses as R
 
@@ -28,7 +29,7 @@ class DecodeLegs:
         moving). ValueError for a peer this instance has no KV link to."""
         if not self._streaming(request_id):
             return False
-        await self.llm.call_utility("check_kv_peer", peer)  # a bad peer is the caller's error, now
+        await self.llm.call_utility(CheckKVPeer(peer))  # a bad peer is the caller's error, now
         if not self._streaming(request_id):
             return False
         self._moves[request_id].set_result((transfer_id, peer))
@@ -77,7 +78,7 @@ class DecodeLegs:
         generated = list(final.outputs[0].token_ids) if final is not None else []
         # The engine aborts the request and exports its KV in one call: no step between the
         # two could evict the blocks the request freed.
-        blocks = await self.llm.call_utility("migrate_out", rid, prompt + generated, transfer_id, peer)
+        blocks = await self.llm.call_utility(MigrateOut(rid, prompt + generated, transfer_id, peer))
         yield R.sse_event({"migrate": {"token_ids": generated, "kv_blocks": blocks}})
         yield R.sse_event(await send_outcome(self.llm, transfer_id))
         yield R.SSE_DONE
@@ -86,6 +87,6 @@ class DecodeLegs:
 async def send_outcome(llm: Any, transfer_id: str) -> dict:
     """What the router reads about a KV send once it completes (the receiver has taken it)."""
     try:
-        return await llm.call_utility("kv_sent", transfer_id)
+        return await llm.call_utility(KVSent(transfer_id))
     except Exception as e:  # the engine is gone; the peer's receive times out
         return {"error": f"KV send failed: {type(e).__name__}: {e}"}

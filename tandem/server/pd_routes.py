@@ -1,7 +1,8 @@
 """The instance side of P/D disaggregation: HTTP over the engine core's P/D utilities
-(`tandem.engine.pd_service.PDService`, called with `AsyncLLM.call_utility`), which hold the KV
-links (shared memory on one host; torch.distributed point-to-point to a peer rank once POST
-/tandem/kv_group has joined the group) in the engine process.
+(`tandem.engine.pd_service.PDService`, sent as the messages of `core_messages.py` with
+`AsyncLLM.call_utility`), which hold the KV links (shared memory on one host; torch.distributed
+point-to-point to a peer rank once POST /tandem/kv_group has joined the group) in the engine
+process.
 
 POST /tandem/prefill runs a prompt to its first token, answers it, and sends the KV of its whole
 blocks while the router starts the decode leg (a point-to-point send completes only once the
@@ -23,6 +24,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from tandem.engine.core_messages import DrainKV, JoinKVGroup, ReceiveKV, ReleaseKV, SendKV
 from tandem.executor.kv_transfer import KVPoolFullError
 from tandem.server.decode_stream import DecodeLegs, send_outcome
 from tandem.server.protocol import CompletionRequest
@@ -88,8 +90,8 @@ def _params(sampling: dict, prompt: list[int], max_tokens: int | None):
 @router.post("/tandem/kv_group")
 async def kv_group(req: KVGroupRequest, request: Request):
     try:
-        rank = await _state(request).llm.call_utility("join_kv_group", req.rank, req.world_size, req.host,
-                                                      req.port, req.backend, req.timeout_s)
+        rank = await _state(request).llm.call_utility(JoinKVGroup(req.rank, req.world_size, req.host, req.port,
+                                                                  req.backend, req.timeout_s))
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
     except (RuntimeError, TimeoutError) as e:  # the store is unreachable or a rank never came
@@ -112,7 +114,7 @@ async def prefill(req: PrefillRequest, request: Request):
                 "cached_tokens": final.metrics.num_cached_tokens, "metrics": latency_split([final])}
         if o.finish_reason != "length":  # stopped at its first token: nothing to hand off
             return StreamingResponse(_ndjson(head), media_type=NDJSON)
-        blocks = await llm.call_utility("send_kv", req.prompt, req.transfer_id, req.kv_peer)  # a bad peer: 400
+        blocks = await llm.call_utility(SendKV(req.prompt, req.transfer_id, req.kv_peer))  # a bad peer: 400
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
     return StreamingResponse(_ndjson({**head, "kv_blocks": blocks}, llm, req.transfer_id), media_type=NDJSON)
@@ -131,17 +133,17 @@ async def decode(req: DecodeRequest, request: Request):
     kv_tokens = req.prompt[:-1]  # the prefill side's prompt; the last token is its first output
     try:
         params, priority = _params(req.sampling, req.prompt, req.sampling.get("max_tokens"))
-        got = await llm.call_utility("receive_kv", kv_tokens, tid, req.kv_peer)
+        got = await llm.call_utility(ReceiveKV(kv_tokens, tid, req.kv_peer))
     except (HTTPException, KVPoolFullError, ValueError) as e:
         try:
-            await llm.call_utility("drain_kv", tid, req.kv_peer)
+            await llm.call_utility(DrainKV(tid, req.kv_peer))
         except Exception as drain_error:  # nothing waits on the drain; the log says why
             log.warning("KV transfer %s not drained: %s", tid, drain_error)
         if isinstance(e, HTTPException):
             raise
         raise HTTPException(503 if isinstance(e, KVPoolFullError) else 400, str(e)) from None
     if "error" in got:  # timed out, peer gone, or a payload that does not fit: nothing is kept
-        await llm.call_utility("release_kv", tid)
+        await llm.call_utility(ReleaseKV(tid))
         raise HTTPException(502, f"KV transfer {tid} failed: {got['error']}")
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     # The engine commits the received blocks with the add, before a step can schedule the
@@ -149,7 +151,7 @@ async def decode(req: DecodeRequest, request: Request):
     try:
         gen = llm.generate(req.prompt, params, rid, priority, kv_transfer={"transfer_id": tid})
     except ValueError as e:  # the front end refused it: the core never sees the add, so give the KV back here
-        await llm.call_utility("release_kv", tid)
+        await llm.call_utility(ReleaseKV(tid))
         raise HTTPException(400, str(e)) from None
     return StreamingResponse(st.legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream")
 

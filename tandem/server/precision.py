@@ -2,9 +2,8 @@
 API key mapped to a request class; and the variants `/v1/models` lists."""
 from __future__ import annotations
 
-from tandem.config import PRECISION_CLASSES
+from tandem.core.request_class import CLASS_NAMES, priority_of
 from tandem.engine.precision import PrecisionRouter
-from tandem.server.protocol import PRIORITIES
 
 
 def split_model(model: str | None, served_name: str) -> tuple[str | None, str | None]:
@@ -17,7 +16,8 @@ def split_model(model: str | None, served_name: str) -> tuple[str | None, str | 
 
 
 def request_precision(field: str | None, suffix: str | None, router: PrecisionRouter) -> str | None:
-    """The request's own precision (the field wins over the suffix); ValueError if not served."""
+    """The request's own precision (the field wins over the suffix); ValueError if not served,
+    by the router's one check, here so that the 400 names the `precision` field."""
     precision = field if field is not None else suffix
     router.check(precision)
     return precision
@@ -28,13 +28,13 @@ def key_priority(authorization: str | None, key_classes: dict[str, str] | None) 
     if not key_classes or not authorization or not authorization.startswith("Bearer "):
         return None
     cls = key_classes.get(authorization.removeprefix("Bearer "))
-    return None if cls is None else PRIORITIES[cls]
+    return None if cls is None else priority_of(cls)
 
 
 def check_key_classes(key_classes: dict[str, str] | None) -> None:
     for cls in (key_classes or {}).values():
-        if cls not in PRECISION_CLASSES:
-            raise ValueError(f"api_key_classes: {cls!r} is not a request class ({', '.join(PRECISION_CLASSES)})")
+        if cls not in CLASS_NAMES:
+            raise ValueError(f"api_key_classes: {cls!r} is not a request class ({', '.join(CLASS_NAMES)})")
 
 
 def model_cards(name: str, router: PrecisionRouter, max_model_len: int) -> list[dict]:

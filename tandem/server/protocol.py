@@ -7,10 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.core.request_class import CLASS_NAMES, LEVELS, priority_of
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.engine.chat import apply_chat_template
 
-PRIORITIES = {"interactive": 1, "standard": 2, "background": 3, 1: 1, 2: 2, 3: 3}
 NO_EFFECT_FIELDS = ("user", "metadata")
 
 
@@ -65,7 +65,7 @@ class SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    priority: Literal["interactive", "standard", "background", 1, 2, 3] | None = None
+    priority: Literal[CLASS_NAMES + LEVELS] | None = None  # a request class (core/request_class.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -124,7 +124,7 @@ class SamplingFields(_Base):
     @property
     def priority_level(self) -> int | None:
         """1/2/3, or None to let the engine classify the request by its length."""
-        return PRIORITIES[self.priority] if self.priority is not None else None
+        return priority_of(self.priority) if self.priority is not None else None
 
 
 class CompletionRequest(SamplingFields):

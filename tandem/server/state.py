@@ -4,12 +4,13 @@ its metrics, and the engine facts they read. The facts are filled in one place
 business, not every handler's."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+
+from tandem.engine.core_messages import CompileGrammar
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import StructuredOutputsParams
@@ -48,7 +49,7 @@ def engine_facts(llm: AsyncLLM) -> EngineFacts:
     core's ready handshake) and its front end; constraints compile in the engine process."""
     return EngineFacts(tokenizer=llm.tokenizer, tokenize=llm.tokenize, max_model_len=llm.max_model_len,
                        vocab_size=llm.vocab_size, precisions=llm.precisions,
-                       compile_grammar=functools.partial(llm.call_utility, "compile_grammar"))
+                       compile_grammar=lambda so: llm.call_utility(CompileGrammar(so)))
 
 
 @dataclass(slots=True)
