@@ -68,39 +68,39 @@ class CaseRunner:
                        speculative_config=self.spec, enable_prefix_caching=False, num_threads=args.num_threads)
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         self.llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
-        self.core = self.llm.engine.core
-        self.drafter = getattr(self.core.executor, "proposer", None)
+        self.engine = self.llm.engine
         self.case: dict = {}  # the case running, for --trace-adaptive's lines
         self.trace = self._open_trace()
 
     def _open_trace(self):
         """--trace-adaptive: AdaptiveK's choices and the steps it saw, one JSON line each, labelled
         with the proposer and the case running; None when off."""
-        policy = self.core.scheduler.planner.policy
-        if not self.args.trace_adaptive or policy is None:
+        if not self.args.trace_adaptive or not self.spec:
             return None
         f = open(self.args.trace_adaptive, "a", buffering=1)  # processes take turns appending
         label = self.spec.get("model") or self.spec["method"]
-        policy.trace = lambda event: f.write(json.dumps({"proposer": label, **self.case, **event}) + "\n")
+        if not self.engine.trace_adaptive_k(
+                lambda event: f.write(json.dumps({"proposer": label, **self.case, **event}) + "\n")):
+            f.close()
+            return None
         return f
 
     def run(self, name: str, batch: int, round_: int) -> dict:
         self.case.update(set=name, batch=batch, round=round_)
-        sets, core = self.sets, self.core
+        sets, engine = self.sets, self.engine
         prompts = sets[name][:self.args.num_prompts] if batch == 1 else \
             [sets[name][i % len(sets[name])] for i in range(batch)]
-        core.stats.reset()
-        stats = core.scheduler.spec_stats
-        before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-        forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
+        engine.reset_stats()
+        before = engine.step_counters()
         started_at, start, outs = time.time(), time.perf_counter(), []
         for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
             outs += self.llm.chat([[{"role": "user", "content": p}] for p in group], self.params)
         seconds = time.perf_counter() - start
-        tokens, st = [o.outputs[0].token_ids for o in outs], core.stats
-        delta = type(stats)(stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
-                            stats.num_accepted_tokens - before[2])
-        forwards = self.drafter.num_forwards - forwards_before if self.drafter is not None else 0
+        tokens, st = [o.outputs[0].token_ids for o in outs], engine.step_counters()
+        delta = type(st.spec)(st.spec.num_drafts - before.spec.num_drafts,
+                              st.spec.num_draft_tokens - before.spec.num_draft_tokens,
+                              st.spec.num_accepted_tokens - before.spec.num_accepted_tokens)
+        forwards = st.draft_forwards - before.draft_forwards
         return {"set": name, "batch": batch, "round": round_, "started_at": started_at, "output_tokens": sum(map(len, tokens)),
                 "seconds": seconds, "output_throughput": sum(map(len, tokens)) / seconds, "steps": st.num_steps,
                 "execute_s": st.phase_times["execute"],
@@ -113,8 +113,8 @@ class CaseRunner:
     def close(self) -> dict:
         if self.trace is not None:
             self.trace.close()
-        return {"dtype": str(self.core.executor.dtype).removeprefix("torch."), "peak_rss_mb": _peak_rss_mb(),
-                "async_scheduling": self.core.pipeline.overlap}
+        info = self.engine.info()
+        return {"dtype": info.dtype, "peak_rss_mb": _peak_rss_mb(), "async_scheduling": info.async_scheduling}
 
 
 def _serve_cases(args, conn) -> None:

@@ -26,6 +26,7 @@ class EngineInfo:
     graphs_captured: bool  # CUDA graphs for decode steps
     graph_capture_seconds: float
     graph_capture_bytes: int
+    async_scheduling: bool  # step N+1 planned while step N runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class StepCounters:
     gpu_gap_seconds: float | None  # ... and its idle time between steps
     gpu_num_steps: int | None
     gpu_num_gaps: int | None
+    draft_forwards: int  # a draft model's one-token forwards (0 without one)
 
 
 def engine_info(core: EngineCore) -> EngineInfo:
@@ -57,7 +59,7 @@ def engine_info(core: EngineCore) -> EngineInfo:
         kv_bytes_per_token=ex.model_config.kv_bytes_per_token(ex.dtype), default_precision=ex.variants.default,
         weight_bytes=dict(ex.variants.weight_bytes), decode_weight_bytes=_decode_weight_bytes(ex.model),
         graphs_captured=graphs is not None, graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
-        graph_capture_bytes=graphs.capture_bytes if graphs else 0)
+        graph_capture_bytes=graphs.capture_bytes if graphs else 0, async_scheduling=core.pipeline.overlap)
 
 
 def _decode_weight_bytes(model) -> int:
@@ -79,4 +81,5 @@ def step_counters(core: EngineCore) -> StepCounters:
         num_preemptions=core.scheduler.num_preemptions, prefix_hit_tokens=core.kv_manager.stats.hits,
         spec=copy.deepcopy(core.scheduler.spec_stats),
         gpu_busy_seconds=gaps.busy_seconds if gaps else None, gpu_gap_seconds=gaps.gap_seconds if gaps else None,
-        gpu_num_steps=gaps.num_steps if gaps else None, gpu_num_gaps=gaps.num_gaps if gaps else None)
+        gpu_num_steps=gaps.num_steps if gaps else None, gpu_num_gaps=gaps.num_gaps if gaps else None,
+        draft_forwards=ex.proposer.num_forwards if ex.proposer is not None else 0)

@@ -76,6 +76,15 @@ class LLMEngine:
     def step_counters(self) -> StepCounters:
         return step_counters(self.core)
 
+    def trace_adaptive_k(self, callback) -> bool:
+        """Hand AdaptiveK's choices and the steps it saw to `callback` (one dict each); False when
+        the engine runs no adaptive policy."""
+        policy = self.core.scheduler.planner.policy
+        if policy is None:
+            return False
+        policy.trace = callback
+        return True
+
     def reset_stats(self) -> None:
         """Start the step figures afresh (see StepCounters), so a bench leaves out its warm-up."""
         self.core.stats.reset()
