@@ -19,8 +19,9 @@ from pathlib import Path
 
 from tandem.bench import report
 from tandem.bench.scrape import format_counters, format_ideal, ideal_of, kv_layout, run_counters, scrape, warm_mismatch
-from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
+from tandem.flags import renamed
+from tandem.workload.traces import SHIPPED_TRACES, resolve_trace, trace_format
 
 FALLBACK_TOKENIZER = "smollm2-135m"
 
@@ -148,14 +149,30 @@ def prefix_ideal(args, requests: list[Request], url: str) -> dict | None:
     return ideal_of([tok.encode(r.prompt) for r in sorted(requests, key=lambda r: r.arrival)], *layout)
 
 
+def dataset_of(args) -> str:
+    """--dataset-name, else the format of the --trace file, else random; a --trace with a
+    dataset that is not that trace's format is refused."""
+    name = args.dataset_name
+    if args.trace is None:
+        return name or "random"
+    kind = trace_format(resolve_trace(args.trace))
+    if kind not in SHIPPED_TRACES:
+        raise ValueError(f"--trace {args.trace} is a {kind}; bench serve replays {' and '.join(SHIPPED_TRACES)} traces")
+    if name not in (None, kind):
+        raise ValueError(f"--trace {args.trace} is a {kind} trace but --dataset-name is {name}; "
+                         f"drop --dataset-name or give --dataset-name {kind}")
+    return kind
+
+
 def build_workload(args) -> tuple[list[Request], dict]:
+    args.dataset_name = dataset_of(args)
     tok_name, tok = _tokenizer(args.tokenizer, args.model)
     synth = PromptSynth(tok)
-    if args.workload in ("azure", "mooncake"):
+    if args.dataset_name in SHIPPED_TRACES:
         from tandem.bench.traces import trace_workload
         requests, desc = trace_workload(args, synth)
     else:
-        requests, desc = (mixed_workload if args.workload == "mixed" else random_workload)(args, synth)
+        requests, desc = (mixed_workload if args.dataset_name == "mixed" else random_workload)(args, synth)
     desc["tokenizer"] = tok_name
     if args.tokenizer is None and tok_name != args.model:
         desc["tokenizer_note"] = f" (--model {args.model!r} is not a local model; pass --tokenizer to match it)"
@@ -175,7 +192,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, in total")
     g.add_argument("--compare", metavar="URL2", default=None, help="replay the same workload against URL2 after")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "mixed", "azure", "mooncake"], default="random")
+    g.add_argument("--dataset-name", choices=["random", "mixed", *SHIPPED_TRACES], default=None,
+                   help="random | mixed | a shipped trace (azure, mooncake); default: the --trace file's "
+                        "format when --trace is given, else random")
+    renamed(g, "--workload", "--dataset-name", "dataset_name")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--input-len", type=int, default=256)
     g.add_argument("--output-len", type=int, default=128)
@@ -191,7 +211,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--short-output-len", type=int, default=30)
     g.add_argument("--priority-by-class", action="store_true", help='short -> "interactive", long -> "standard"')
     g = p.add_argument_group("trace replay (azure, mooncake)")
-    g.add_argument("--trace", default=None, help=f"trace file (default: {DEFAULT_TRACES}/<file>)")
+    g.add_argument("--trace", default=None, help="a trace file (Azure CSV or Mooncake JSONL, .xz/.gz read "
+                   "compressed), or azure / mooncake for the shipped traces; default: the --dataset-name trace")
     g.add_argument("--window-start", type=float, default=0.0, help="seconds into the trace")
     g.add_argument("--window-seconds", type=float, default=None)
     g.add_argument("--max-requests", type=int, default=None)

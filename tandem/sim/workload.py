@@ -8,17 +8,15 @@ import random
 from pathlib import Path
 
 from tandem.sim.request import SimRequest
-from tandem.workload.traces import DEFAULT_FILES, DEFAULT_TRACES, read_trace, select
+from tandem.workload.traces import read_trace, resolve_trace, select
 
 CLASS_PRIORITY = {"short": 1, "long": 2}  # bench serve --priority-by-class
 
 
 def from_trace(trace: str, start: float = 0.0, seconds: float | None = None, max_requests: int | None = None,
                time_scale: float = 1.0, length_scale: float = 1.0, strict: bool = False) -> tuple[list[SimRequest], dict]:
-    """`trace` is a path, or azure / mooncake for the shared traces."""
-    path = DEFAULT_TRACES / DEFAULT_FILES[trace] if trace in DEFAULT_FILES else Path(trace)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found")
+    """`trace` is a path, or azure / mooncake for the shipped traces."""
+    path = resolve_trace(trace)
     if length_scale <= 0:
         raise ValueError("--length-scale must be positive")
     rows, skipped = read_trace(path, strict)

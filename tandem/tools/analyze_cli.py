@@ -11,14 +11,15 @@ import numpy as np
 
 from tandem.workload.analyze import LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, analyze
 from tandem.workload.model_shapes import MODEL_SHAPES, get_shape
-from tandem.workload.traces import READERS, read_trace, trace_format
+from tandem.workload.traces import READERS, read_trace, resolve_trace, trace_format
 
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 SHOW_SKIPPED = 10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="Azure CSV, Mooncake JSONL, or the request log of `tandem serve --request-log`")
+    p.add_argument("trace", help="azure | mooncake (the shipped traces) | a path: Azure CSV, Mooncake JSONL, "
+                   "or the request log of `tandem serve --request-log` (.xz/.gz read compressed)")
     p.add_argument("--format", default="auto", choices=["auto", *READERS], help="trace format (default: detect)")
     p.add_argument("--strict", action="store_true", help="reject a malformed line instead of skipping it")
     p.add_argument("--model", default="llama-3-8b", help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)}")
@@ -66,9 +67,7 @@ def _print(r: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    path = Path(args.trace)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found")
+    path = resolve_trace(args.trace)
     shape = get_shape(args.model)
     kind = trace_format(path) if args.format == "auto" else args.format
     rows, skipped = read_trace(path, args.strict, kind)

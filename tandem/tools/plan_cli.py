@@ -43,7 +43,8 @@ def bucket_traffic(rows: list, bucket_seconds: float, rate_scale: float = 1.0) -
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("traffic: a trace, or a rate and mean lengths")
-    t.add_argument("--trace", default=None, help="Azure CSV, Mooncake JSONL or a tandem request log")
+    t.add_argument("--trace", default=None, help="azure | mooncake (the shipped traces) | a path: Azure CSV, "
+                   "Mooncake JSONL or a tandem request log")
     t.add_argument("--trace-format", default="auto")
     t.add_argument("--strict", action="store_true", help="a malformed trace line is an error")
     t.add_argument("--rate", type=float, default=None, help="requests/s")
@@ -82,10 +83,8 @@ def _traffic(args: argparse.Namespace) -> tuple[Traffic, list | None, int]:
     if bool(args.trace) == (args.rate is not None):
         raise ValueError("give one of --trace PATH or --rate R --prompt-mean P --output-mean O")
     if args.trace:
-        from tandem.workload.traces import read_trace
-        if not Path(args.trace).exists():
-            raise FileNotFoundError(f"trace {args.trace} not found")
-        rows, skipped = read_trace(Path(args.trace), args.strict, args.trace_format)
+        from tandem.workload.traces import read_trace, resolve_trace
+        rows, skipped = read_trace(resolve_trace(args.trace), args.strict, args.trace_format)
         if len(rows) < 2:
             raise ValueError(f"{args.trace}: {len(rows)} usable row(s); need at least two to derive a rate")
         return (traffic_of(rows, args.rate_scale), bucket_traffic(rows, args.bucket_minutes * 60, args.rate_scale),
