@@ -161,7 +161,7 @@ def test_goodput_and_queueing_share(server_url):
     # every second request waits 600 ms "in the queue"; the others' TTFT has 400 ms of slack
     # under the SLO, for a loaded machine
     CFG.update(slow_every=2, slow_delay=0.6)
-    out = serve.main(bench_args(server_url, "--max-concurrency", "4", "--slo", "ttft=0.4,e2e=5"))
+    out = serve.main(bench_args(server_url, "--max-concurrency", "4", "--goodput", "ttft:400", "e2el:5000"))
     s = out["results"]["summary"]
     g = s["goodput"]
     assert s["completed"] == 8 and g["requests"] == 4 and g["share"] == 0.5
@@ -172,8 +172,9 @@ def test_goodput_and_queueing_share(server_url):
 
 def test_json_and_plots(server_url, tmp_path):
     path, plots = tmp_path / "bench.json", tmp_path / "plots"
-    serve.main(bench_args(server_url, "--request-rate", "200", "--burstiness", "0.5", "--json", str(path),
-                          "--plot", str(plots), "--slo", "ttft=1"))
+    serve.main(bench_args(server_url, "--request-rate", "200", "--burstiness", "0.5", "--save-result",
+                          "--result-dir", str(tmp_path), "--result-filename", path.name, "--plot", str(plots),
+                          "--metric-percentiles", "50,99.9", "--goodput", "ttft:1000"))
     data = json.loads(path.read_text())
     assert {"config", "workload", "results", "plots"} <= data.keys()
     assert data["config"]["request_rate"] == 200
@@ -183,7 +184,7 @@ def test_json_and_plots(server_url, tmp_path):
     assert {"completed", "failed", "duration_s", "request_throughput", "input_throughput", "output_throughput",
             "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "goodput", "latency_split",
             "failures_by_status"} <= data["results"]["summary"].keys()
-    assert set(data["results"]["summary"]["ttft_ms"]) == {"mean", "p50", "p90", "p95", "p99"}
+    assert set(data["results"]["summary"]["ttft_ms"]) == {"mean", "p50", "p90", "p95", "p99", "p99.9"}
     assert {"name", "description", "prompt_tokens", "tokenizer"} <= data["workload"].keys()
     for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png", "inflight.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

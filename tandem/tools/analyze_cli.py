@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.flags import renamed
 from tandem.workload.analyze import LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, analyze
 from tandem.workload.model_shapes import MODEL_SHAPES, get_shape
 from tandem.workload.traces import READERS, read_trace, resolve_trace, trace_format
@@ -22,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or the request log of `tandem serve --request-log` (.xz/.gz read compressed)")
     p.add_argument("--format", default="auto", choices=["auto", *READERS], help="trace format (default: detect)")
     p.add_argument("--strict", action="store_true", help="reject a malformed line instead of skipping it")
-    p.add_argument("--model", default="llama-3-8b", help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)}")
+    p.add_argument("--model-shape", default="llama-3-8b",
+                   help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)} (default llama-3-8b)")
+    renamed(p, "--model", "--model-shape", "model_shape")
     p.add_argument("--kv-cache-dtype", default="fp16", choices=list(KV_DTYPE_BYTES))
     p.add_argument("--decode-tps", type=float, default=50.0,
                    help="decode tokens/s per request; a request holds its KV for output_tokens / this")
@@ -68,7 +71,7 @@ def _print(r: dict) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     path = resolve_trace(args.trace)
-    shape = get_shape(args.model)
+    shape = get_shape(args.model_shape)
     kind = trace_format(path) if args.format == "auto" else args.format
     rows, skipped = read_trace(path, args.strict, kind)
     for s in skipped[:SHOW_SKIPPED]:

@@ -9,9 +9,14 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from tandem.bench.report import parse_goodput
+from tandem.flags import renamed
 from tandem.sim.cost_model import CostModel, load_cost_model
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
 from tandem.tools.machine import provenance_lines
+
+
+DEFAULT_GOODPUT = ("ttft:1000", "tpot:50")
 
 
 def traffic_of(rows: list, rate_scale: float = 1.0, span: float | None = None) -> Traffic:
@@ -59,8 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance")
     c.add_argument("--interconnect", default="nvlink", help="with --roofline: nvlink | rdma | pcie")
     s = p.add_argument_group("service level objectives")
-    s.add_argument("--ttft-slo", type=float, default=1.0, help="seconds to first token")
-    s.add_argument("--itl-slo", type=float, default=0.05, help="seconds between tokens")
+    s.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs in milliseconds, vLLM's syntax: ttft (to the first token) and tpot (between "
+                        f"tokens); default {' '.join(DEFAULT_GOODPUT)}")
+    renamed(s, "--ttft-slo", "--goodput ttft:MS", "ttft_slo", convert=float)
+    renamed(s, "--itl-slo", "--goodput tpot:MS", "itl_slo", convert=float)
     s.add_argument("--utilization", type=float, default=0.75, help="target load per instance (headroom)")
     p.add_argument("--json", dest="json_path", default=None, help="write every figure here")
 
@@ -131,6 +139,14 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
     return lines
 
 
+def _slo_seconds(args: argparse.Namespace) -> tuple[float, float]:
+    """(TTFT, ITL) in seconds: --goodput over its defaults, or the old --ttft-slo / --itl-slo."""
+    slo = {**parse_goodput(DEFAULT_GOODPUT), **parse_goodput(args.goodput)}
+    if "e2e" in slo:
+        raise ValueError("--goodput: plan sizes instances by ttft and tpot; e2el is not one of its SLOs")
+    return getattr(args, "ttft_slo", slo["ttft"]), getattr(args, "itl_slo", slo["tpot"])
+
+
 def _clock(seconds: float) -> str:
     return f"{int(seconds // 3600):02d}:{int(seconds % 3600 // 60):02d}"
 
@@ -138,7 +154,7 @@ def _clock(seconds: float) -> str:
 def main(args: argparse.Namespace) -> dict:
     cm = _cost_model(args)
     traffic, buckets, skipped = _traffic(args)
-    slo = SLO(args.ttft_slo, args.itl_slo, args.utilization)
+    slo = SLO(*_slo_seconds(args), args.utilization)
     result = plan(cm, traffic, slo)
     print(f"cost model: {cm.describe()}" + (f"; trace {args.trace} ({skipped} malformed lines skipped)"
                                                         if args.trace else "")
