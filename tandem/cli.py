@@ -20,8 +20,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
+    """What a first start would otherwise do: convert the model, build the native kernels."""
+    from tandem.kernels import prepare
     from tandem.models.loader import resolve_model
     print(resolve_model(args.model))
+    for name, ok in prepare().items():
+        print(f"kernel {name}: {'ready' if ok else 'unavailable (the PyTorch path serves)'}")
 
 
 # (group, name, module with add_arguments/main, help): `tandem [group] name ...`
@@ -49,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="resolve a model (convert a GGUF once into the cache)")
-    p.add_argument("--model", default="smollm2-135m")
+    p = sub.add_parser("prepare", help="resolve a model (convert a GGUF once into the cache) and build the "
+                       "native kernels into their shared cache")
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf or HF folder (default smollm2-135m)")
     p.set_defaults(func=_prepare)
 
     p = sub.add_parser("generate", help="generate text from one prompt")

@@ -11,6 +11,7 @@ import yaml
 from tandem.core.request_class import CLASS_NAMES
 from tandem.core.scheduler_config import SchedulerConfig
 from tandem.core.spec_decode import SpeculativeConfig
+from tandem.flags import parse_size
 
 log = logging.getLogger(__name__)
 KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "speculative_decoding")
@@ -135,7 +136,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     """Read a config file with the mission's `serving:` shape.
 
     section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
-    prefix cache; serving.engine holds any other EngineConfig field by name;
+    prefix cache; serving.engine holds any other EngineConfig field by name (kv_cache_memory and
+    swap_space in bytes, or a string with a unit: "4GiB");
     serving.speculative_decoding.{draft_model, verify_interval} is speculative_config.
     section "server": serving.server (host-independent server options, e.g. api_key).
     """
@@ -162,6 +164,9 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     for key in ("max_prefix_tokens", "min_match_length"):
         if key in cache:
             out[key] = cache[key]
+    for key in ("kv_cache_memory", "swap_space"):  # bytes, or a size with its unit ("4GiB")
+        if isinstance(out.get(key), str):
+            out[key] = parse_size(out[key])
     out.update(_quantization_options(serving.get("quantization"), path))
     if serving.get("speculative_decoding"):
         out["speculative_config"] = SpeculativeConfig.from_yaml(serving["speculative_decoding"])

@@ -9,7 +9,7 @@ import pytest
 from tandem.cli import main
 from tandem.workload.analyze import analyze, in_flight, length_stats, prefix_reuse, rate_curve, recommend
 from tandem.workload.model_shapes import get_shape, kv_bytes_per_token
-from tandem.workload.traces import DEFAULT_FILES, DEFAULT_TRACES, Row, read_trace, trace_format
+from tandem.workload.traces import Row, read_trace, resolve_trace, trace_format
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -135,10 +135,7 @@ def test_bad_inputs_are_errors_not_tracebacks(tmp_path, capsys):
 
 
 def test_real_azure_trace():
-    path = DEFAULT_TRACES / DEFAULT_FILES["azure"]
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    rows, skipped = read_trace(path)
+    rows, skipped = read_trace(resolve_trace("azure"))
     rep = analyze(rows, get_shape("llama-3-8b"))
     assert rep["requests"] > 19000 and not skipped and rep["prefix_reuse"] is None
     assert 500 < rep["prompt_tokens"]["p50"] < 2000 and rep["rate"]["peak_rps"] > rep["rate"]["trough_rps"] > 0

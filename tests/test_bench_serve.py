@@ -19,10 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.bench import serve
 from tandem.bench.traces import trace_workload
-from tandem.workload.traces import read_azure, read_mooncake
+from tandem.workload.traces import read_azure, read_mooncake, resolve_trace
 from tandem.bench.workloads import PromptSynth, arrivals
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 # ---- fake server -------------------------------------------------------------------------------
 DEFAULTS = dict(chunk_delay=0.002, tokens_per_chunk=1, fail_every=0, slow_every=0, slow_delay=0.25)
@@ -162,7 +161,7 @@ def test_goodput_and_queueing_share(server_url):
     # every second request waits 600 ms "in the queue"; the others' TTFT has 400 ms of slack
     # under the SLO, for a loaded machine
     CFG.update(slow_every=2, slow_delay=0.6)
-    out = serve.main(bench_args(server_url, "--max-concurrency", "4", "--slo", "ttft=0.4,e2e=5"))
+    out = serve.main(bench_args(server_url, "--max-concurrency", "4", "--goodput", "ttft:400", "e2el:5000"))
     s = out["results"]["summary"]
     g = s["goodput"]
     assert s["completed"] == 8 and g["requests"] == 4 and g["share"] == 0.5
@@ -173,8 +172,9 @@ def test_goodput_and_queueing_share(server_url):
 
 def test_json_and_plots(server_url, tmp_path):
     path, plots = tmp_path / "bench.json", tmp_path / "plots"
-    serve.main(bench_args(server_url, "--request-rate", "200", "--burstiness", "0.5", "--json", str(path),
-                          "--plot", str(plots), "--slo", "ttft=1"))
+    serve.main(bench_args(server_url, "--request-rate", "200", "--burstiness", "0.5", "--save-result",
+                          "--result-dir", str(tmp_path), "--result-filename", path.name, "--plot", str(plots),
+                          "--metric-percentiles", "50,99.9", "--goodput", "ttft:1000"))
     data = json.loads(path.read_text())
     assert {"config", "workload", "results", "plots"} <= data.keys()
     assert data["config"]["request_rate"] == 200
@@ -184,7 +184,7 @@ def test_json_and_plots(server_url, tmp_path):
     assert {"completed", "failed", "duration_s", "request_throughput", "input_throughput", "output_throughput",
             "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "goodput", "latency_split",
             "failures_by_status"} <= data["results"]["summary"].keys()
-    assert set(data["results"]["summary"]["ttft_ms"]) == {"mean", "p50", "p90", "p95", "p99"}
+    assert set(data["results"]["summary"]["ttft_ms"]) == {"mean", "p50", "p90", "p95", "p99", "p99.9"}
     assert {"name", "description", "prompt_tokens", "tokenizer"} <= data["workload"].keys()
     for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png", "inflight.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -203,7 +203,7 @@ def test_compare_same_server_gives_ratios_near_one(server_url):
 
 
 def test_mixed_workload_per_class_with_priority_over_chat(server_url):
-    out = serve.main(bench_args(server_url, "--workload", "mixed", "--num-prompts", "20", "--long-fraction",
+    out = serve.main(bench_args(server_url, "--dataset-name", "mixed", "--num-prompts", "20", "--long-fraction",
                                 "0.1", "--long-input-len", "300", "--long-output-len", "12", "--short-input-len",
                                 "10", "--short-output-len", "3", "--priority-by-class", "--endpoint", "chat"))
     per = out["results"]["per_class"]
@@ -240,17 +240,13 @@ def test_arrivals_schedule():
 def trace_args(kind: str, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    return p.parse_args(["--workload", kind, *extra])
-
-
-def needs_traces():
-    if not TRACES.is_dir():
-        pytest.skip(f"{TRACES} absent")
+    args = p.parse_args(["--dataset-name", kind, *extra])
+    args.dataset_name = serve.dataset_of(args)
+    return args
 
 
 def test_azure_window_and_scaling(synth):
-    needs_traces()
-    rows, skipped = read_azure(TRACES / "azure_llm_2023_conv.csv")
+    rows, skipped = read_azure(resolve_trace("azure"))
     assert len(rows) > 19000 and not skipped and rows[0].arrival == 0
     args = trace_args("azure", "--window-start", "60", "--window-seconds", "30", "--time-scale", "0.1",
                       "--length-scale", "0.05", "--max-requests", "20", "--max-output-len", "4")
@@ -267,9 +263,8 @@ def test_azure_window_and_scaling(synth):
 
 
 def test_mooncake_prompts_share_real_prefixes(synth):
-    needs_traces()
     args = trace_args("mooncake", "--max-requests", "40", "--length-scale", "0.03125", "--time-scale", "0.5")
-    rows, _ = read_mooncake(TRACES / "mooncake_conversation.jsonl")
+    rows, _ = read_mooncake(resolve_trace("mooncake"))
     reqs, desc = trace_workload(args, synth)
     block = desc["scaling"]["block_tokens"]
     assert block == 16 and len(reqs) == 40

@@ -87,3 +87,16 @@ def test_quantization_classes_name_the_variants(tmp_path):
     engine = EngineConfig.from_dict(load_yaml(path))
     assert engine.precision_classes == {"interactive": "bf16", "standard": "int8", "background": "int4"}
     assert engine.precisions("bf16") == ["int8", "bf16", "int4"]
+
+
+def test_the_shipped_example_is_a_valid_serving_config(caplog):
+    """examples/serving.yaml, which the README points to, loads with every key read."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "serving.yaml"
+    with caplog.at_level(logging.WARNING):
+        engine = EngineConfig.from_dict(load_yaml(path))
+    assert "not supported" not in caplog.text
+    assert (engine.kv_cache_memory, engine.swap_space) == (1 << 30, 512 << 20)
+    assert (engine.quantization, engine.precision_fallback, engine.scheduler_policy) == ("int8", "bf16", "multilevel")
+    assert engine.speculative_config.model == "self:int4" and engine.speculative_config.num_speculative_tokens == 4
+    assert load_yaml(path, section="server") == {"max_waiting": 256}

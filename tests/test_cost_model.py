@@ -106,7 +106,7 @@ def test_json_round_trip(tmp_path):
 def test_profile_quick_on_a_tiny_model(tiny_model_dirs, tmp_path, capsys):
     out = tmp_path / "tiny.json"
     rc = cli(["profile", "--model", tiny_model_dirs["llama"], "--quick", "--repeats", "1", "--dtype", "float32",
-              "--threads", "1", "--kv-cache-memory", "2000000", "--out", str(out)])
+              "--num-threads", "1", "--kv-cache-memory", "2000000", "--out", str(out)])
     assert rc == 0
     cm = load_cost_model(str(out))
     assert cm.kind == "measured" and cm.kv_capacity_tokens > 0 and cm.info["device"] == "cpu"

@@ -118,7 +118,7 @@ def test_a_real_runs_step_trace_shows_the_sequence_cap(tmp_path, tiny_model_dirs
     ("--steps", '{"arrival_time": 1, "prompt_tokens": 3, "output_tokens": 2}\n', "r.txt:1: not a step trace line"),
     ("--bench", '{"results": {"requests": [', "r.txt:1: not JSON"),
     ("--bench", "TIMESTAMP,ContextTokens,GeneratedTokens\n", "r.txt:1: not JSON"),
-    ("--bench", '{"layers": []}', "r.txt:1: not a `tandem bench serve --json` result"),
+    ("--bench", '{"layers": []}', "r.txt:1: not a `tandem bench serve --save-result` result"),
 ])
 def test_bad_files_are_refused_naming_the_file_and_line(tmp_path, capsys, flag, content, expect):
     (tmp_path / "r.txt").write_text(content)

@@ -105,7 +105,7 @@ def test_plan_cli_on_a_trace(tmp_path, capsys):
 def test_plan_cli_with_a_profile_and_a_rate(tmp_path, capsys):
     LINEAR.save(tmp_path / "lin.json")
     assert cli(["plan", "--profile", str(tmp_path / "lin.json"), "--rate", "10", "--prompt-mean", "1000",
-                "--output-mean", "100", "--itl-slo", "0.0505", "--utilization", "0.5"]) == 0
+                "--output-mean", "100", "--goodput", "tpot:50.5", "--utilization", "0.5"]) == 0
     assert "=> disaggregated P = 3, D = 3; co-located 6" in capsys.readouterr().out
 
 
@@ -116,7 +116,7 @@ def test_plan_cli_with_a_profile_and_a_rate(tmp_path, capsys):
     ["--trace", "/nonexistent.csv"],
     ["--rate", "5", "--prompt-mean", "10", "--output-mean", "10", "--profile", "/nonexistent.json"],
     ["--rate", "5", "--prompt-mean", "10", "--output-mean", "10", "--roofline", "h100"],
-    ["--rate", "5", "--prompt-mean", "10", "--output-mean", "10", "--itl-slo", "0.001"],
+    ["--rate", "5", "--prompt-mean", "10", "--output-mean", "10", "--goodput", "tpot:1"],
     ["--rate", "5", "--prompt-mean", "10", "--output-mean", "10", "--utilization", "1.5"],
 ])
 def test_plan_cli_bad_input(argv, capsys):

@@ -12,6 +12,8 @@ import random
 import resource
 import time
 
+from tandem.flags import renamed
+
 
 def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
@@ -179,8 +181,8 @@ def in_subprocess(fn, args, requests) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=64,
-                   help="requests to run (vLLM's name; --num-requests is kept as an alias)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to run (default 64)")
+    renamed(p, "--num-requests", "--num-prompts", "num_prompts", convert=int)
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=64)

@@ -11,31 +11,46 @@ from pathlib import Path
 import numpy as np
 
 PCTS = (50, 90, 95, 99)
-SLO_KEYS = ("ttft", "tpot", "e2e")
+GOODPUT_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2e"}  # --goodput key -> record key
+METRICS = {"ttft": ("TTFT", "ttft_ms"), "itl": ("ITL", "itl_ms"), "tpot": ("TPOT", "tpot_ms"), "e2el": ("E2E", "e2e_ms")}
 SPLIT_KEYS = ("queue_time", "prefill_time", "decode_time")
 QUEUE_SHARE_ALARM = 0.4  # MISSION D.14: queueing over 40% of latency means a scheduling problem
 
 
-def parse_slo(text: str | None) -> dict[str, float]:
-    """"ttft=0.5,tpot=0.1,e2e=10" (seconds) -> {"ttft": 0.5, ...}."""
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """vLLM's --goodput ["ttft:500", "tpot:100", "e2el:10000"] (milliseconds) -> {"ttft": 0.5, ...}
+    (seconds; e2el is kept as "e2e", the key of the per-request records)."""
     slo = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        key, _, value = part.partition("=")
+    for part in pairs or []:
+        key, _, value = part.partition(":")
         key = key.strip().lower()
         try:
-            slo[key] = float(value)
+            ms = float(value)
         except ValueError:
-            raise ValueError(f"--slo: bad value in {part!r}; expected e.g. ttft=0.5,tpot=0.1,e2e=10") from None
-        if key not in SLO_KEYS or slo[key] <= 0:
-            raise ValueError(f"--slo: {part!r}: keys are {', '.join(SLO_KEYS)} with positive seconds")
+            raise ValueError(f"--goodput: bad value in {part!r}; expected e.g. ttft:500 tpot:100 e2el:10000 (ms)") from None
+        if key not in GOODPUT_KEYS or ms <= 0:
+            raise ValueError(f"--goodput: {part!r}: keys are {', '.join(GOODPUT_KEYS)} with positive milliseconds")
+        slo[GOODPUT_KEYS[key]] = ms / 1000.0
     return slo
 
 
-def stats_ms(values_s) -> dict:
+def slo_as_goodput(text: str) -> list[str]:
+    """The old --slo "ttft=0.5,tpot=0.1" (seconds) as --goodput pairs (milliseconds)."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        try:
+            pairs.append(f"{'e2el' if key.strip() == 'e2e' else key.strip()}:{float(value) * 1000:g}")
+        except ValueError:
+            raise ValueError(f"--slo: bad value in {part!r}; use --goodput ttft:500 tpot:100 (ms)") from None
+    return pairs
+
+
+def stats_ms(values_s, pcts: tuple[float, ...] = PCTS) -> dict:
     v = np.asarray([x for x in values_s if x is not None], dtype=float) * 1000.0
     if v.size == 0:
-        return {"mean": None, **{f"p{p}": None for p in PCTS}}
-    return {"mean": float(v.mean()), **{f"p{p}": float(np.percentile(v, p)) for p in PCTS}}
+        return {"mean": None, **{f"p{p:g}": None for p in pcts}}
+    return {"mean": float(v.mean()), **{f"p{p:g}": float(np.percentile(v, p)) for p in pcts}}
 
 
 def _failure_kind(r: dict) -> str:
@@ -68,7 +83,7 @@ def latency_split(ok: list[dict]) -> dict | None:
     return out
 
 
-def summarize(results: list[dict], duration: float, slo: dict) -> dict:
+def summarize(results: list[dict], duration: float, slo: dict, pcts: tuple[float, ...] = PCTS) -> dict:
     ok = [r for r in results if r["success"]]
     bad = [r for r in results if not r["success"]]
     duration = max(duration, 1e-9)
@@ -77,9 +92,9 @@ def summarize(results: list[dict], duration: float, slo: dict) -> dict:
     s = {"total": len(results), "completed": len(ok), "failed": len(bad), "duration_s": duration,
          "request_throughput": len(ok) / duration, "input_throughput": tin / duration,
          "output_throughput": tout / duration, "total_input_tokens": tin, "total_output_tokens": tout,
-         "ttft_ms": stats_ms(r["ttft"] for r in ok),
-         "itl_ms": stats_ms(g for r in ok for g in r["itl"]),
-         "tpot_ms": stats_ms(r["tpot"] for r in ok), "e2e_ms": stats_ms(r["e2e"] for r in ok),
+         "ttft_ms": stats_ms((r["ttft"] for r in ok), pcts),
+         "itl_ms": stats_ms((g for r in ok for g in r["itl"]), pcts),
+         "tpot_ms": stats_ms((r["tpot"] for r in ok), pcts), "e2e_ms": stats_ms((r["e2e"] for r in ok), pcts),
          "failures_by_status": dict(Counter(_failure_kind(r) for r in bad)),
          "errors": [{"index": r["index"], "status": r["status"], "error": r["error"]} for r in bad[:10]],
          "goodput": goodput(ok, len(results), duration, slo), "latency_split": latency_split(ok)}
@@ -93,12 +108,12 @@ def summarize(results: list[dict], duration: float, slo: dict) -> dict:
     return s
 
 
-def build_run(url: str, results: list[dict], duration: float, slo: dict) -> dict:
+def build_run(url: str, results: list[dict], duration: float, slo: dict, pcts: tuple[float, ...] = PCTS) -> dict:
     classes = sorted({r["cls"] for r in results})
     slim = ("index", "cls", "success", "status", "error", "start", "ttft", "tpot", "e2e", "output_tokens",
             "num_chunks", "input_len", "prompt_tokens", "requested_output", "metrics")
-    return {"base_url": url, "summary": summarize(results, duration, slo),
-            "per_class": {c: summarize([r for r in results if r["cls"] == c], duration, slo) for c in classes}
+    return {"base_url": url, "summary": summarize(results, duration, slo, pcts),
+            "per_class": {c: summarize([r for r in results if r["cls"] == c], duration, slo, pcts) for c in classes}
             if len(classes) > 1 else {},
             "requests": [{k: r[k] for k in slim} for r in results], "_raw": results}
 
@@ -117,7 +132,10 @@ def table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
-def format_run(run: dict, workload: dict) -> str:
+def format_run(run: dict, workload: dict, metrics: tuple[str, ...] = tuple(METRICS),
+               pcts: tuple[float, ...] = PCTS) -> str:
+    """The run as tables; the latency table shows `metrics` (--percentile-metrics) at `pcts`
+    (--metric-percentiles), the JSON holds them all."""
     s, pt = run["summary"], workload["prompt_tokens"]
     lines = [f"==== tandem bench serve: {run['base_url']} ====", f"workload:  {workload['description']}",
              f"tokenizer: {workload['tokenizer']}{workload.get('tokenizer_note', '')}; prompts with the exact token count: {pt['exact']}/{pt['prompts']}"
@@ -130,12 +148,12 @@ def format_run(run: dict, workload: dict) -> str:
     if s["failed"]:
         lines.append("failures by status: " + ", ".join(f"{k}: {v}" for k, v in s["failures_by_status"].items()))
         lines.append(f"first error: {s['errors'][0]['error'][:200]}")
-    head = ["latency (ms)", "mean"] + [f"p{p}" for p in PCTS]
-    rows = [[name] + [fmt(s[key][c]) for c in ["mean"] + [f"p{p}" for p in PCTS]]
-            for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))]
+    cols = ["mean"] + [f"p{p:g}" for p in pcts]
+    head = ["latency (ms)", *cols]
+    rows = [[METRICS[m][0]] + [fmt(s[METRICS[m][1]][c]) for c in cols] for m in metrics]
     split = s["latency_split"]
     if split:
-        rows += [[f"server {k}"] + [fmt(split[f"{k}_ms"][c]) for c in ["mean"] + [f"p{p}" for p in PCTS]]
+        rows += [[f"server {k}"] + [fmt(split[f"{k}_ms"].get(c)) for c in cols]
                  for k in ("queue", "prefill", "decode")]
     lines.append(table([head] + rows))
     for note in (s["itl_note"], s["usage_note"]):

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from tandem.bench import report
 from tandem.bench.scrape import format_counters, format_ideal, ideal_of, kv_layout, run_counters, scrape, warm_mismatch
-from tandem.workload.traces import DEFAULT_TRACES
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
+from tandem.flags import renamed
+from tandem.workload.traces import SHIPPED_TRACES, resolve_trace, trace_format
 
 FALLBACK_TOKENIZER = "smollm2-135m"
 
@@ -148,14 +149,30 @@ def prefix_ideal(args, requests: list[Request], url: str) -> dict | None:
     return ideal_of([tok.encode(r.prompt) for r in sorted(requests, key=lambda r: r.arrival)], *layout)
 
 
+def dataset_of(args) -> str:
+    """--dataset-name, else the format of the --trace file, else random; a --trace with a
+    dataset that is not that trace's format is refused."""
+    name = args.dataset_name
+    if args.trace is None:
+        return name or "random"
+    kind = trace_format(resolve_trace(args.trace))
+    if kind not in SHIPPED_TRACES:
+        raise ValueError(f"--trace {args.trace} is a {kind}; bench serve replays {' and '.join(SHIPPED_TRACES)} traces")
+    if name not in (None, kind):
+        raise ValueError(f"--trace {args.trace} is a {kind} trace but --dataset-name is {name}; "
+                         f"drop --dataset-name or give --dataset-name {kind}")
+    return kind
+
+
 def build_workload(args) -> tuple[list[Request], dict]:
+    args.dataset_name = dataset_of(args)
     tok_name, tok = _tokenizer(args.tokenizer, args.model)
     synth = PromptSynth(tok)
-    if args.workload in ("azure", "mooncake"):
+    if args.dataset_name in SHIPPED_TRACES:
         from tandem.bench.traces import trace_workload
         requests, desc = trace_workload(args, synth)
     else:
-        requests, desc = (mixed_workload if args.workload == "mixed" else random_workload)(args, synth)
+        requests, desc = (mixed_workload if args.dataset_name == "mixed" else random_workload)(args, synth)
     desc["tokenizer"] = tok_name
     if args.tokenizer is None and tok_name != args.model:
         desc["tokenizer_note"] = f" (--model {args.model!r} is not a local model; pass --tokenizer to match it)"
@@ -167,48 +184,94 @@ def build_workload(args) -> tuple[list[Request], dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server (default http://127.0.0.1:8000)")
     g.add_argument("--model", default="smollm2-135m", help="model name sent in requests; also the default tokenizer")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions or /v1/chat/completions (default completions)")
+    g.add_argument("--api-key", default=None, help="bearer token (default none)")
     g.add_argument("--tokenizer", default=None, help="model alias/path whose tokenizer sizes prompts")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, in total")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, in total (default 600)")
     g.add_argument("--compare", metavar="URL2", default=None, help="replay the same workload against URL2 after")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "mixed", "azure", "mooncake"], default="random")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=256)
-    g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf sends all at once")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (closed loop)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--long-fraction", type=float, default=0.05)
-    g.add_argument("--long-input-len", type=int, default=2000)
-    g.add_argument("--long-output-len", type=int, default=256)
-    g.add_argument("--short-input-len", type=int, default=30)
-    g.add_argument("--short-output-len", type=int, default=30)
+    g.add_argument("--dataset-name", choices=["random", "mixed", *SHIPPED_TRACES], default=None,
+                   help="random | mixed | a shipped trace (azure, mooncake); default: the --trace file's "
+                        "format when --trace is given, else random")
+    renamed(g, "--workload", "--dataset-name", "dataset_name")
+    g.add_argument("--num-prompts", type=int, default=100, help="requests of random / mixed (default 100)")
+    g.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (default 256)")
+    g.add_argument("--output-len", type=int, default=128, help="random: output tokens, EOS ignored (default 128)")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len*(1-r)..len*(1+r) (default 0)")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (default 1: Poisson)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight, a closed loop (default none)")
+    g.add_argument("--seed", type=int, default=0, help="of lengths, arrivals and prompt text (default 0)")
+    g.add_argument("--long-fraction", type=float, default=0.05, help="mixed: share of long requests (default 0.05)")
+    g.add_argument("--long-input-len", type=int, default=2000, help="mixed: long prompt tokens (default 2000)")
+    g.add_argument("--long-output-len", type=int, default=256, help="mixed: long output tokens (default 256)")
+    g.add_argument("--short-input-len", type=int, default=30, help="mixed: short prompt tokens (default 30)")
+    g.add_argument("--short-output-len", type=int, default=30, help="mixed: short output tokens (default 30)")
     g.add_argument("--priority-by-class", action="store_true", help='short -> "interactive", long -> "standard"')
     g = p.add_argument_group("trace replay (azure, mooncake)")
-    g.add_argument("--trace", default=None, help=f"trace file (default: {DEFAULT_TRACES}/<file>)")
-    g.add_argument("--window-start", type=float, default=0.0, help="seconds into the trace")
-    g.add_argument("--window-seconds", type=float, default=None)
-    g.add_argument("--max-requests", type=int, default=None)
-    g.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival gaps (0.1 = 10x faster)")
-    g.add_argument("--length-scale", type=float, default=1.0, help="multiply input and output lengths")
-    g.add_argument("--max-input-len", type=int, default=None)
-    g.add_argument("--max-output-len", type=int, default=None)
+    g.add_argument("--trace", default=None, help="a trace file (Azure CSV or Mooncake JSONL, .xz/.gz read "
+                   "compressed), or azure / mooncake for the shipped traces; default: the --dataset-name trace")
+    g.add_argument("--window-start", type=float, default=0.0, help="seconds into the trace (default 0)")
+    g.add_argument("--window-seconds", type=float, default=None, help="seconds of trace replayed (default: to the end)")
+    g.add_argument("--max-requests", type=int, default=None, help="first N requests of the window (default all)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival gaps (0.1 = 10x faster; default 1)")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply input and output lengths (default 1)")
+    g.add_argument("--max-input-len", type=int, default=None, help="cap on scaled prompt tokens (default none)")
+    g.add_argument("--max-output-len", type=int, default=None, help="cap on scaled output tokens (default none)")
     g.add_argument("--strict", action="store_true", help="reject a trace with malformed lines")
     g = p.add_argument_group("report")
-    g.add_argument("--slo", default=None, help="goodput SLOs in seconds, e.g. ttft=0.5,tpot=0.1,e2e=10")
-    g.add_argument("--json", dest="json_path", default=None)
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="goodput SLOs in milliseconds, vLLM's syntax: ttft:500 tpot:100 e2el:10000 (default none)")
+    renamed(g, "--slo", "--goodput ttft:MS tpot:MS e2el:MS", "goodput", convert=report.slo_as_goodput)
+    g.add_argument("--percentile-metrics", default="ttft,itl,tpot,e2el",
+                   help="latency rows printed, of ttft, itl, tpot, e2el (default all four; the JSON has all)")
+    g.add_argument("--metric-percentiles", default="50,90,95,99",
+                   help="percentiles printed and saved, e.g. 50,99,99.9 (default 50,90,95,99)")
+    g.add_argument("--save-result", action="store_true", help="write the result JSON (to --result-dir)")
+    g.add_argument("--result-dir", default=None, help="folder of the saved result (default: the current one)")
+    g.add_argument("--result-filename", default=None,
+                   help="file name of the saved result (default: tandem-<dataset>-<rate>qps-<concurrency>conc-<time>.json)")
+    renamed(g, "--json", "--save-result --result-dir DIR --result-filename NAME", "result_path")
     g.add_argument("--plot", dest="plot_dir", default=None, help="write PNG plots into this folder")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _report_options(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """--percentile-metrics and --metric-percentiles, checked."""
+    metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    if not metrics or set(metrics) - set(report.METRICS):
+        raise ValueError(f"--percentile-metrics: {args.percentile_metrics!r}; give some of {', '.join(report.METRICS)}")
+    try:
+        pcts = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        pcts = ()
+    if not pcts or not all(0 < p <= 100 for p in pcts):
+        raise ValueError(f"--metric-percentiles: {args.metric_percentiles!r}; give e.g. 50,90,99 (each in (0, 100])")
+    return metrics, pcts
+
+
+def result_path(args) -> Path | None:
+    """Where the result JSON goes: --save-result into --result-dir, or the old --json PATH."""
+    if getattr(args, "result_path", None):
+        return Path(args.result_path)
+    if not args.save_result:
+        if args.result_dir or args.result_filename:
+            raise ValueError("--result-dir / --result-filename need --save-result")
+        return None
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    name = args.result_filename or (f"tandem-{args.dataset_name or 'random'}-{rate}qps-"
+                                    f"{args.max_concurrency or 'all'}conc-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    return Path(args.result_dir or ".") / name
+
+
 def main(args: argparse.Namespace) -> dict:
-    slo = report.parse_slo(args.slo)
+    slo = report.parse_goodput(args.goodput)
+    metrics, shown = _report_options(args)
+    pcts = tuple(sorted(set(report.PCTS) | set(shown)))
+    save = result_path(args)
     if args.num_prompts < 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--num-prompts must be >= 0 and --max-concurrency >= 1")
     requests, workload = build_workload(args)
@@ -217,12 +280,12 @@ def main(args: argparse.Namespace) -> dict:
     for url in urls:
         before = scrape(url, args.api_key)
         results, duration = asyncio.run(_run(args, url.rstrip("/"), requests))
-        runs.append(report.build_run(url, results, duration, slo))
+        runs.append(report.build_run(url, results, duration, slo, pcts))
         runs[-1]["server_counters"] = run_counters(before, scrape(url, args.api_key))
         runs[-1]["prefix_ideal"] = prefix_ideal(args, requests, url)
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("func",)},
            "workload": workload, "results": runs[0]}
-    print(report.format_run(runs[0], workload))
+    print(report.format_run(runs[0], workload, metrics, shown))
     for run in runs:
         print(f"{run['base_url']}: {format_counters(run['server_counters'])}")
         if run["prefix_ideal"]:
@@ -235,7 +298,8 @@ def main(args: argparse.Namespace) -> dict:
         print(report.format_compare(runs[0], runs[1], out["ratios"]))
     if args.plot_dir:
         out["plots"] = report.write_plots(Path(args.plot_dir), runs)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report.jsonable(out), f, indent=2)
+    if save:
+        save.parent.mkdir(parents=True, exist_ok=True)
+        save.write_text(json.dumps(report.jsonable(out), indent=2))
+        print(f"wrote {save}")
     return out

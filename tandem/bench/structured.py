@@ -10,6 +10,8 @@ import json
 import resource
 import time
 
+from tandem.flags import renamed
+
 TOPICS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "orange", "peach", "pear", "plum",
           "kiwi", "melon", "fig", "lime", "papaya", "apricot", "coconut", "guava", "date", "olive",
           "cat", "dog", "horse", "eagle", "shark", "owl", "tiger", "whale", "frog", "bee", "ant", "bear"]
@@ -85,8 +87,11 @@ def run(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--concurrency", type=int, default=16, help="max_num_seqs: requests decoding at once")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--max-concurrency", dest="concurrency", type=int, default=16,
+                   help="max_num_seqs: requests decoding at once (default 16)")
+    renamed(p, "--concurrency", "--max-concurrency", "concurrency", convert=int)
+    p.add_argument("--num-prompts", dest="num_requests", type=int, default=32, help="requests (default 32)")
+    renamed(p, "--num-requests", "--num-prompts", "num_requests", convert=int)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     p.add_argument("--constrained-share", type=float, default=0.5, help="share of requests given the schema")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of each arm")

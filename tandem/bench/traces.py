@@ -3,11 +3,9 @@ as requests; Mooncake prompts share real token prefixes wherever their hash ids 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from tandem.bench.workloads import PromptSynth, Request
-from tandem.workload.traces import (DEFAULT_FILES, DEFAULT_TRACES, MOONCAKE_BLOCK_TOKENS, read_azure,
-                                    read_mooncake, select)
+from tandem.workload.traces import MOONCAKE_BLOCK_TOKENS, read_azure, read_mooncake, resolve_trace, select
 
 
 def _scaled(n: int, scale: float, cap: int | None) -> int:
@@ -16,10 +14,8 @@ def _scaled(n: int, scale: float, cap: int | None) -> int:
 
 
 def trace_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
-    kind = args.workload
-    path = Path(args.trace) if args.trace else DEFAULT_TRACES / DEFAULT_FILES[kind]
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found (pass --trace PATH)")
+    kind = args.dataset_name
+    path = resolve_trace(args.trace or kind)
     if args.length_scale <= 0:
         raise ValueError("--length-scale must be positive")
     rows, skipped = (read_azure if kind == "azure" else read_mooncake)(path, args.strict)

@@ -1,10 +1,17 @@
-"""Native kernels, compiled on first use and cached; every caller has a PyTorch fallback."""
+"""Native kernels, built once into a cache shared by every checkout and virtualenv on the machine
+(`tandem prepare` builds them; a process that finds one missing builds it and says so); every
+caller has a PyTorch fallback."""
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import platform
+import subprocess
+import sysconfig
 import time
 from pathlib import Path
 
@@ -19,13 +26,35 @@ LOCK_GRACE_S = 5.0
 STALE_LOCK_S = 900.0
 
 
-def build_dir(source: Path, root: Path) -> tuple[Path, Path]:
-    """The build folder for `source`, named by its content, with the source copied in: every
-    checkout of the same kernel shares one build (torch rebuilds when the source's path
-    changes). While another process holds the build lock this waits for it, and removes it
-    once it is stale."""
+@functools.cache
+def toolchain() -> str:
+    """What a built extension depends on besides its source and flags: the compiler, torch, the
+    Python ABI and the CPU (-march=native). Not the virtualenv's or the checkout's path."""
+    import torch
+    try:
+        cxx = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True,
+                             timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        cxx = "no compiler"
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+               platform.processor())
+    return "|".join((cxx, torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", platform.machine(), cpu))
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def build_dir(source: Path, root: Path, key: str = "") -> tuple[Path, Path]:
+    """The build folder for `source`, named by a hash of its content and `key` (flags and
+    toolchain), with the source copied in: every checkout and virtualenv with the same
+    kernel, flags, compiler and torch shares one build. While another process holds the build
+    lock this waits for it, and removes it once it is stale."""
     text = source.read_bytes()
-    build = root / hashlib.sha256(text).hexdigest()[:16]
+    build = root / hashlib.sha256(text + b"\0" + key.encode()).hexdigest()[:16]
     build.mkdir(parents=True, exist_ok=True)
     src = build / source.name
     if not src.exists() or src.read_bytes() != text:
@@ -95,16 +124,43 @@ def cpu_quant_gemm():
 
 
 def _load(name: str, source: str, cflags: list[str]):
-    """Build (once, cached by content) and import one extension; None where that fails."""
+    """Import one extension from the shared cache, building it first when it is not there;
+    None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        import torch  # noqa: F401 - the extension links against the libraries torch loads
 
         from tandem.config import cache_root
-        build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels")
-        return load(name=name, sources=[str(src)], extra_cflags=["-O3", "-march=native", *cflags],
-                    extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], build_directory=str(build), verbose=False)
+        cflags = ["-O3", "-march=native", *cflags]
+        build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels",
+                               " ".join(cflags) + "|" + toolchain())
+        built = build / f"{name}.so"
+        if not built.exists():
+            log.info("building native kernel %s in %s (once per machine and toolchain; `tandem prepare` "
+                     "builds it ahead)", source, build)
+            t0 = time.monotonic()
+            from torch.utils.cpp_extension import load
+            ext = load(name=name, sources=[str(src)], extra_cflags=cflags, build_directory=str(build),
+                       extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], verbose=False)
+            log.info("built %s in %.1f s", source, time.monotonic() - t0)
+            return ext
+        return _import(name, built)
     except Exception as e:  # a missing toolchain must not stop serving
         log.warning("native kernel %s unavailable (%s); using the PyTorch path", source, e)
         return None
+
+
+def _import(name: str, path: Path):
+    """The built extension module, imported from its file (torch's `load` would re-run ninja,
+    whose build file names this virtualenv's paths)."""
+    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepare() -> dict[str, bool]:
+    """Build (or find) every native kernel; True for each that loads."""
+    return {"cpu_paged_attention": cpu_paged_attention() is not None, "cpu_fused_ops": cpu_fused_ops() is not None,
+            "cpu_quant_gemm": cpu_quant_gemm() is not None}

@@ -2,70 +2,139 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import fields
 
 from tandem.config import EngineConfig, load_yaml
+from tandem.flags import renamed, size_type
+
+
+def _swap_gib(text: str) -> int:
+    """--swap-space: GiB (as vLLM's) or a size with its unit; a bare byte count, as the flag
+    once took, is refused naming the unit."""
+    if text.strip().isdigit() and int(text) >= 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text} GiB is more than any host has: --swap-space is in GiB now "
+                                         f"(it was bytes); write e.g. 4 or 4GiB or {text}B")
+    return size_type("GiB")(text)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}); e.g. '{{\"method\": \"ngram\", "
+                                         f"\"num_speculative_tokens\": 4}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"method\": \"ngram\"}'")
+    return value
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (flags override --config; defaults are EngineConfig's)")
+    g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default auto: bf16 on "
+                   "AVX-512 CPUs and CUDA, else fp32)")
+    g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default auto)")
+    g.add_argument("--quantization", default=None, help="precision served: bf16, fp16, fp32, int8 or int4 "
+                   "(several, with classes and a fallback: serving.quantization in --config)")
+    g.add_argument("--seed", type=int, default=None, help="seed of sampled requests without their own (default 0)")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads of the engine (default: all cores)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block, a power of two (default 16)")
+    g.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
+                   help="KV pool size, e.g. 4GiB or 512MiB (a bare number is bytes); default: 90%% of free "
+                        "GPU memory after the weights, or on CPU a quarter of available memory up to 2 GiB")
+    g.add_argument("--swap-space", type=_swap_gib, default=None, metavar="GiB",
+                   help="host memory for swapped-out KV blocks, in GiB or with a unit (e.g. 0.5 or 512MiB; "
+                        "default 0.5 GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="requests in a step at most (default 128)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in a step at most (default 2048)")
+    g.add_argument("--max-model-len", type=int, default=None, help="tokens per request, prompt and output "
+                   "(default: the model's context, capped by the KV pool)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of shared prompt prefixes (default on)")
+    renamed(g, "--no-prefix-caching", "--no-enable-prefix-caching", "enable_prefix_caching", flag=False)
+    g.add_argument("--max-prefix-tokens", type=int, default=None, help="tokens of a prompt the prefix cache may "
+                   "serve at most (default: no limit)")
+    g.add_argument("--min-match-length", type=int, default=None, help="tokens a prefix hit must cover to be used "
+                   "(default 0)")
+
+
+def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--scheduling-policy", dest="scheduler_policy", choices=["fcfs", "multilevel"], default=None,
+                   help="fcfs, or multilevel (short / priority requests first, with a floor for the rest); default fcfs")
+    renamed(g, "--scheduler-policy", "--scheduling-policy", "scheduler_policy")
+    g.add_argument("--queue-order", choices=["fcfs", "spf"], default=None,
+                   help="within a level: arrival, or shortest prompt first (default fcfs)")
+    g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default=None,
+                   help="when KV runs out (default auto: the cheaper of the two per request)")
+    g.add_argument("--l2-min-share", type=float, default=None,
+                   help="multilevel: share of a step's tokens lower levels keep (default 0.2)")
+    g.add_argument("--l1-hold-s", type=float, default=None,
+                   help="multilevel: seconds lower levels stay throttled after L1 traffic was seen (default 2)")
+    g.add_argument("--l1-step-time", type=float, default=None,
+                   help="multilevel: while L1 traffic is present, size lower-level prefill so a step "
+                        "takes about this many seconds (adapted from measured steps; default: their share)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default on; YAML: serving.scheduler.async_scheduling)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram" | "draft", "model": "self:int4", '
+                        '"num_speculative_tokens": 4}\' (model: the draft of method draft: self:int4 | self:int8 | '
+                        'self:bf16 or another model with the same tokenizer; k 1-16, default 4); also adaptive, '
+                        'prompt_lookup_min/max. Default off (YAML: serving.speculative_decoding)')
+    for old, key in (("--speculative-method", "method"), ("--speculative-model", "model"),
+                     ("--num-speculative-tokens", "num_speculative_tokens")):
+        renamed(g, old, f"--speculative-config '{{\"{key}\": ...}}'", old[2:].replace("-", "_"),
+                convert=int if key == "num_speculative_tokens" else None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it)")
-    p.add_argument("--model", default=None)
-    p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or TANDEM_API_KEY")
-    p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429")
-    p.add_argument("--request-log", default=None, help="append one JSON line per finished request")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--quantization", default=None, help="precision served: bf16, fp16, fp32, int8 or int4 "
-                   "(several, with classes and a fallback: serving.quantization in --config)")
-    for name in ("dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "max_prefix_tokens", "min_match_length", "num_threads"):
-        kind = str if name in ("dtype", "device") else int
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
-    p.add_argument("--scheduler-policy", dest="scheduler_policy", choices=["fcfs", "multilevel"], default=None)
-    p.add_argument("--queue-order", dest="queue_order", choices=["fcfs", "spf"], default=None)
-    p.add_argument("--preemption-mode", dest="preemption_mode", choices=["auto", "swap", "recompute"], default=None)
-    p.add_argument("--l2-min-share", dest="l2_min_share", type=float, default=None)
-    p.add_argument("--l1-hold-s", dest="l1_hold_s", type=float, default=None,
-                   help="multilevel: lower levels stay throttled this long after L1 traffic was seen")
-    p.add_argument("--l1-step-time", dest="l1_step_time", type=float, default=None,
-                   help="multilevel: while L1 traffic is present, size lower-level prefill so a step "
-                        "takes about this many seconds (adapted from measured steps; default: their share)")
-    p.add_argument("--step-trace", dest="step_trace", default=None,
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model alias, HF folder or GGUF file (same as --model; default smollm2-135m)")
+    p.add_argument("--model", default=None, help="model alias, HF folder or GGUF file (default smollm2-135m)")
+    p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it; examples/serving.yaml)")
+    p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="bearer token clients must send "
+                   "(default: $TANDEM_API_KEY, else none)")
+    p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429 (default: no limit)")
+    p.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--step-trace", default=None,
                    help="append one JSON line per executed step (summarise: tandem bench steps FILE)")
-    p.add_argument("--swap-space", dest="swap_space", type=int, default=None, help="bytes of host KV tier")
-    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
-                   default=None, help="schedule step N+1 while step N runs (YAML: serving.scheduler.async_scheduling)")
-    p.add_argument("--attention-backend", dest="attention_backend", choices=["auto", "torch", "triton"],
-                   default=None, help="attention kernels (auto: Triton on CUDA when installed, else PyTorch)")
-    p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None,
+                   help="attention kernels (default auto: Triton on CUDA when installed, else PyTorch)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs: run decode steps eagerly too")
-    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
-                   help="speculative decoding: ngram (prompt lookup) or draft (YAML: serving.speculative_decoding)")
-    p.add_argument("--speculative-model", default=None,
-                   help="the draft (method draft): self:int4 | self:int8 | self:bf16, the target's own variant, or another model's alias or path with the same tokenizer")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts verified per step (1-16)")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
-                   help="role in a cluster's model group (tandem cluster)")
+                   help="role in a cluster's model group (tandem cluster; default colocated)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
     p.add_argument("--engine-niceness", type=int, default=0,
-                   help="CPU niceness of the engine-core process (0-19): on a machine with few cores, the API "
-                        "process then runs as soon as it wakes (docs/benchmarks.md §24)")
+                   help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few cores "
+                        "the API process then runs as soon as it wakes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted")
+                   help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted (default 30)")
+    _engine_arguments(p)
+    _scheduler_arguments(p)
 
 
 def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
-    """The --speculative-* flags over the YAML's speculative_config (serving.speculative_decoding)."""
-    spec = dict(engine_opts.get("speculative_config") or {})
+    """--speculative-config (and the old --speculative-* spellings) over the YAML's
+    speculative_config (serving.speculative_decoding)."""
+    spec = {**(engine_opts.get("speculative_config") or {}), **(getattr(args, "speculative_config", None) or {})}
     for key, flag in (("method", "speculative_method"), ("model", "speculative_model"),
                       ("num_speculative_tokens", "num_speculative_tokens")):
-        if getattr(args, flag) is not None:
+        if getattr(args, flag, None) is not None:
             spec[key] = getattr(args, flag)
     return {**engine_opts, "speculative_config": spec} if spec else engine_opts
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    """`tandem serve MODEL` or --model (one of them, or both the same)."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")
+    return args.model_tag or args.model
 
 
 def main(args: argparse.Namespace) -> None:
@@ -85,9 +154,10 @@ def main(args: argparse.Namespace) -> None:
     engine_opts, server_opts = {}, {}
     if args.config:
         engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
+    args.model = model_of(args)
     for f in fields(EngineConfig):
         value = getattr(args, f.name, None)
-        if value is not None:
+        if value is not None and f.name != "speculative_config":
             engine_opts[f.name] = value
     engine_config = EngineConfig.from_dict(with_speculation_flags(engine_opts, args))
     server = ServerConfig(model_name=args.served_model_name or server_opts.pop("served_model_name", None)

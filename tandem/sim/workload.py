@@ -1,5 +1,5 @@
 """Requests for the simulator: a window of a real trace (scaled like `tandem bench serve`
-scales it), the exact requests of a recorded `tandem bench serve --json` run (for fidelity
+scales it), the exact requests of a recorded `tandem bench serve --save-result` run (for fidelity
 checks), or a synthetic long + short mix."""
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ import random
 from pathlib import Path
 
 from tandem.sim.request import SimRequest
-from tandem.workload.traces import DEFAULT_FILES, DEFAULT_TRACES, read_trace, select
+from tandem.workload.traces import read_trace, resolve_trace, select
 
 CLASS_PRIORITY = {"short": 1, "long": 2}  # bench serve --priority-by-class
 
 
 def from_trace(trace: str, start: float = 0.0, seconds: float | None = None, max_requests: int | None = None,
                time_scale: float = 1.0, length_scale: float = 1.0, strict: bool = False) -> tuple[list[SimRequest], dict]:
-    """`trace` is a path, or azure / mooncake for the shared traces."""
-    path = DEFAULT_TRACES / DEFAULT_FILES[trace] if trace in DEFAULT_FILES else Path(trace)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found")
+    """`trace` is a path, or azure / mooncake for the shipped traces."""
+    path = resolve_trace(trace)
     if length_scale <= 0:
         raise ValueError("--length-scale must be positive")
     rows, skipped = read_trace(path, strict)
@@ -35,7 +33,7 @@ def from_trace(trace: str, start: float = 0.0, seconds: float | None = None, max
 
 
 def from_bench_run(path: str) -> tuple[list[SimRequest], dict]:
-    """The requests a `tandem bench serve --json` run sent, at the times it sent them, with
+    """The requests a `tandem bench serve --save-result` run sent, at the times it sent them, with
     the prompt lengths the server counted (chat template included)."""
     try:
         data = json.loads(Path(path).read_text())
@@ -45,7 +43,7 @@ def from_bench_run(path: str) -> tuple[list[SimRequest], dict]:
                            priority=CLASS_PRIORITY.get(r.get("cls")) if by_class else None)
                 for r in data["results"]["requests"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a `tandem bench serve --json` result ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{path}: not a `tandem bench serve --save-result` result ({type(e).__name__}: {e})") from e
     return reqs, {"bench_run": str(path), "num_requests": len(reqs)}
 
 

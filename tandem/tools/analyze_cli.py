@@ -9,19 +9,23 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.flags import renamed
 from tandem.workload.analyze import LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, analyze
 from tandem.workload.model_shapes import MODEL_SHAPES, get_shape
-from tandem.workload.traces import READERS, read_trace, trace_format
+from tandem.workload.traces import READERS, read_trace, resolve_trace, trace_format
 
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 SHOW_SKIPPED = 10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="Azure CSV, Mooncake JSONL, or the request log of `tandem serve --request-log`")
+    p.add_argument("trace", help="azure | mooncake (the shipped traces) | a path: Azure CSV, Mooncake JSONL, "
+                   "or the request log of `tandem serve --request-log` (.xz/.gz read compressed)")
     p.add_argument("--format", default="auto", choices=["auto", *READERS], help="trace format (default: detect)")
     p.add_argument("--strict", action="store_true", help="reject a malformed line instead of skipping it")
-    p.add_argument("--model", default="llama-3-8b", help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)}")
+    p.add_argument("--model-shape", default="llama-3-8b",
+                   help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)} (default llama-3-8b)")
+    renamed(p, "--model", "--model-shape", "model_shape")
     p.add_argument("--kv-cache-dtype", default="fp16", choices=list(KV_DTYPE_BYTES))
     p.add_argument("--decode-tps", type=float, default=50.0,
                    help="decode tokens/s per request; a request holds its KV for output_tokens / this")
@@ -66,10 +70,8 @@ def _print(r: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    path = Path(args.trace)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found")
-    shape = get_shape(args.model)
+    path = resolve_trace(args.trace)
+    shape = get_shape(args.model_shape)
     kind = trace_format(path) if args.format == "auto" else args.format
     rows, skipped = read_trace(path, args.strict, kind)
     for s in skipped[:SHOW_SKIPPED]:

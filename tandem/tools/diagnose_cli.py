@@ -2,7 +2,7 @@
 time, transfers) and the fragmentation verdict, each with its figures (workload/diagnose.py).
 
 Reads a request log (`tandem serve --request-log`), a step trace (`--step-trace`) and/or a
-`tandem bench serve --json` result; a file that is empty, truncated or of another kind is an
+`tandem bench serve --save-result` result; a file that is empty, truncated or of another kind is an
 error naming the file and the line."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def bench_run(path: Path) -> tuple[list[tuple[float, float]], dict | None]:
         raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg}); a truncated file?") from None
     reqs = data.get("results", {}).get("requests") if isinstance(data, dict) else None
     if not isinstance(reqs, list):
-        raise ValueError(f"{path}:1: not a `tandem bench serve --json` result (no results.requests)")
+        raise ValueError(f"{path}:1: not a `tandem bench serve --save-result` result (no results.requests)")
     splits = [(r["metrics"]["queue_time"], r["e2e"]) for r in reqs
               if r.get("success") and isinstance(r.get("metrics"), dict) and r["metrics"].get("queue_time") is not None]
     return splits, data["results"].get("server_counters")
@@ -101,7 +101,7 @@ def write_plots(folder: Path, splits: list[tuple[float, float]], steps: list[dic
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=Path, default=None, help="a `tandem serve --request-log` file")
     p.add_argument("--steps", type=Path, default=None, help="a `tandem serve --step-trace` file")
-    p.add_argument("--bench", type=Path, default=None, help="a `tandem bench serve --json` result")
+    p.add_argument("--bench", type=Path, default=None, help="a `tandem bench serve --save-result` result")
     p.add_argument("--plot", dest="plot_dir", type=Path, default=None, help="write the figures (PNG) here")
     p.add_argument("--json", dest="json_path", default=None, help="write the layers and figures here")
 

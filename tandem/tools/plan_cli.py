@@ -9,9 +9,14 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from tandem.bench.report import parse_goodput
+from tandem.flags import renamed
 from tandem.sim.cost_model import CostModel, load_cost_model
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
 from tandem.tools.machine import provenance_lines
+
+
+DEFAULT_GOODPUT = ("ttft:1000", "tpot:50")
 
 
 def traffic_of(rows: list, rate_scale: float = 1.0, span: float | None = None) -> Traffic:
@@ -43,7 +48,8 @@ def bucket_traffic(rows: list, bucket_seconds: float, rate_scale: float = 1.0) -
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("traffic: a trace, or a rate and mean lengths")
-    t.add_argument("--trace", default=None, help="Azure CSV, Mooncake JSONL or a tandem request log")
+    t.add_argument("--trace", default=None, help="azure | mooncake (the shipped traces) | a path: Azure CSV, "
+                   "Mooncake JSONL or a tandem request log")
     t.add_argument("--trace-format", default="auto")
     t.add_argument("--strict", action="store_true", help="a malformed trace line is an error")
     t.add_argument("--rate", type=float, default=None, help="requests/s")
@@ -58,8 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance")
     c.add_argument("--interconnect", default="nvlink", help="with --roofline: nvlink | rdma | pcie")
     s = p.add_argument_group("service level objectives")
-    s.add_argument("--ttft-slo", type=float, default=1.0, help="seconds to first token")
-    s.add_argument("--itl-slo", type=float, default=0.05, help="seconds between tokens")
+    s.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs in milliseconds, vLLM's syntax: ttft (to the first token) and tpot (between "
+                        f"tokens); default {' '.join(DEFAULT_GOODPUT)}")
+    renamed(s, "--ttft-slo", "--goodput ttft:MS", "ttft_slo", convert=float)
+    renamed(s, "--itl-slo", "--goodput tpot:MS", "itl_slo", convert=float)
     s.add_argument("--utilization", type=float, default=0.75, help="target load per instance (headroom)")
     p.add_argument("--json", dest="json_path", default=None, help="write every figure here")
 
@@ -82,10 +91,8 @@ def _traffic(args: argparse.Namespace) -> tuple[Traffic, list | None, int]:
     if bool(args.trace) == (args.rate is not None):
         raise ValueError("give one of --trace PATH or --rate R --prompt-mean P --output-mean O")
     if args.trace:
-        from tandem.workload.traces import read_trace
-        if not Path(args.trace).exists():
-            raise FileNotFoundError(f"trace {args.trace} not found")
-        rows, skipped = read_trace(Path(args.trace), args.strict, args.trace_format)
+        from tandem.workload.traces import read_trace, resolve_trace
+        rows, skipped = read_trace(resolve_trace(args.trace), args.strict, args.trace_format)
         if len(rows) < 2:
             raise ValueError(f"{args.trace}: {len(rows)} usable row(s); need at least two to derive a rate")
         return (traffic_of(rows, args.rate_scale), bucket_traffic(rows, args.bucket_minutes * 60, args.rate_scale),
@@ -132,6 +139,14 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
     return lines
 
 
+def _slo_seconds(args: argparse.Namespace) -> tuple[float, float]:
+    """(TTFT, ITL) in seconds: --goodput over its defaults, or the old --ttft-slo / --itl-slo."""
+    slo = {**parse_goodput(DEFAULT_GOODPUT), **parse_goodput(args.goodput)}
+    if "e2e" in slo:
+        raise ValueError("--goodput: plan sizes instances by ttft and tpot; e2el is not one of its SLOs")
+    return getattr(args, "ttft_slo", slo["ttft"]), getattr(args, "itl_slo", slo["tpot"])
+
+
 def _clock(seconds: float) -> str:
     return f"{int(seconds // 3600):02d}:{int(seconds % 3600 // 60):02d}"
 
@@ -139,7 +154,7 @@ def _clock(seconds: float) -> str:
 def main(args: argparse.Namespace) -> dict:
     cm = _cost_model(args)
     traffic, buckets, skipped = _traffic(args)
-    slo = SLO(args.ttft_slo, args.itl_slo, args.utilization)
+    slo = SLO(*_slo_seconds(args), args.utilization)
     result = plan(cm, traffic, slo)
     print(f"cost model: {cm.describe()}" + (f"; trace {args.trace} ({skipped} malformed lines skipped)"
                                                         if args.trace else "")

@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 
+from tandem.flags import renamed, size_type
 from tandem.sim.cost_model import FEATURES, BatchShape, CostModel, measured
 from tandem.tools.machine import describe, machine_info
 
@@ -102,7 +103,7 @@ def measure(args: argparse.Namespace) -> CostModel:
     from tandem.executor.model_runner import ModelRunner
     from tandem.models.loader import resolve_model
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                          num_threads=args.threads)
+                          num_threads=args.num_threads)
     runner = ModelRunner(config, resolve_model(args.model))
     driver = Driver(runner, runner.model_config.vocab_size, args.repeats)
     grid = QUICK if args.quick else GRID
@@ -171,9 +172,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the median is kept)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
+                   help="KV pool, e.g. 256MiB (a bare number is bytes; default: as tandem serve)")
+    p.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads (default: all cores, as the engine); 1 is steadier on a shared machine")
+    renamed(p, "--threads", "--num-threads", "num_threads", convert=int)
     p.add_argument("--roofline", default=None, help="no measurement: roofline of this accelerator (h100, h200, a100-80gb)")
     p.add_argument("--model-shape", default=None, help="with --roofline: llama-3-8b, llama-3-70b, ...")
     p.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance (tensor parallel)")
@@ -182,8 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> CostModel:
-    if args.repeats < 1 or (args.threads is not None and args.threads < 1):
-        raise ValueError("--repeats and --threads must be >= 1")
+    if args.repeats < 1 or (args.num_threads is not None and args.num_threads < 1):
+        raise ValueError("--repeats and --num-threads must be >= 1")
     if args.roofline:
         if not args.model_shape:
             raise ValueError("--roofline needs --model-shape (e.g. llama-3-8b)")

@@ -10,7 +10,8 @@ import time
 
 from tqdm import tqdm
 
-from tandem.bench.report import fmt, jsonable, parse_slo, summarize, table
+from tandem.bench.report import fmt, jsonable, parse_goodput, slo_as_goodput, summarize, table
+from tandem.flags import renamed
 from tandem.cluster.policy.elastic import ElasticConfig, TimeSchedule
 from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig, load_yaml
@@ -24,7 +25,7 @@ from tandem.sim.prefix_report import prefix_figures
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", default="azure", help="azure | mooncake | a trace path (CSV, JSONL, request log)")
-    src.add_argument("--replay", metavar="BENCH_JSON", help="the exact requests of a `tandem bench serve --json` run")
+    src.add_argument("--replay", metavar="BENCH_JSON", help="the exact requests of a `tandem bench serve --save-result` run")
     src.add_argument("--mixed", action="store_true", help="synthetic long + short mix (see --long-*, --short-*)")
     g = p.add_argument_group("trace window")
     g.add_argument("--window-start", type=float, default=0.0)
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rescale arrivals to this many requests/s per instance (trace or mixed), so every "
                         "cluster size sees the same load per instance")
     g = p.add_argument_group("mixed workload")
-    g.add_argument("--num-requests", type=int, default=2000)
+    g.add_argument("--num-prompts", dest="num_requests", type=int, default=2000, help="requests (default 2000)")
+    renamed(g, "--num-requests", "--num-prompts", "num_requests", convert=int)
     g.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
     g.add_argument("--long-fraction", type=float, default=0.05)
     g.add_argument("--long", type=int, nargs=2, default=(8000, 256), metavar=("PROMPT", "OUTPUT"))
@@ -71,8 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--l2-min-share", type=float, default=0.2)
     g.add_argument("--l1-step-time", type=float, default=None, help="multilevel: seconds per step the L1 throttle aims at")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--slo", default="ttft=2,tpot=0.1", help="goodput SLOs in seconds: ttft=..,tpot=..,e2e=..")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the simulated instances reuse shared prompt prefixes (default on)")
+    renamed(g, "--no-prefix-caching", "--no-enable-prefix-caching", "enable_prefix_caching", flag=False)
+    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="KEY:MS",
+                   help="goodput SLOs in milliseconds, vLLM's syntax: ttft, tpot, e2el (default ttft:2000 tpot:100)")
+    renamed(p, "--slo", "--goodput ttft:MS tpot:MS e2el:MS", "goodput", convert=slo_as_goodput)
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -111,7 +117,7 @@ def _yaml_engine(path: str | None) -> dict:
 def _engine(args, cost, policy: str, yaml_values: dict) -> EngineConfig:
     values = {"max_num_seqs": args.max_num_seqs, "l2_min_share": args.l2_min_share, "l1_step_time": args.l1_step_time,
               "max_num_batched_tokens": args.max_num_batched_tokens or cost.max_num_batched_tokens,
-              "max_model_len": args.max_model_len, "enable_prefix_caching": not args.no_prefix_caching}
+              "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching}
     return EngineConfig.from_dict({**values, **yaml_values, "scheduler_policy": policy})
 
 
@@ -195,7 +201,7 @@ HEAD = ["N", "mode", "P:D", "policy", "done", "failed", "TTFT p50", "TTFT p90", 
 
 
 def main(args: argparse.Namespace) -> dict:
-    slo = parse_slo(args.slo)
+    slo = parse_goodput(args.goodput)
     if args.frontend_ms < 0 or args.prefix_weight < 0:
         raise ValueError("--frontend-ms and --prefix-weight must be >= 0")
     cost = load_cost_model(args.profile)

@@ -1,5 +1,5 @@
 """Tail-latency diagnosis in three layers (mission D.14), then fragmentation, from a run's
-records: per-request latency splits (request log or `bench serve --json`), the step trace
+records: per-request latency splits (request log or `bench serve --save-result`), the step trace
 (`--step-trace`) and the server's counters over the run. Pure arithmetic on plain records,
 so each verdict is tested on records built to show it.
 

@@ -4,7 +4,9 @@ window selection. Shared by the load tester, the analyzer, the planner and the s
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import lzma
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -12,10 +14,25 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 MOONCAKE_BLOCK_TOKENS = 512
-DEFAULT_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-DEFAULT_FILES = {"azure": "azure_llm_2023_conv.csv", "mooncake": "mooncake_conversation.jsonl"}
+SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "traces"  # licences and citations in its README.md
+SHIPPED_TRACES = {"azure": "azure_llm_2023_conv.csv.xz", "mooncake": "mooncake_conversation.jsonl.xz"}
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 REQUEST_LOG_FIELDS = ("arrival_time", "prompt_tokens", "output_tokens")  # written by server/metrics.py
+
+
+def resolve_trace(name: str | Path) -> Path:
+    """A shipped trace's file for its name (azure, mooncake); any other value is a path,
+    which must exist."""
+    path = SHIPPED_DIR / SHIPPED_TRACES[name] if name in SHIPPED_TRACES else Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {path} not found (give a path, or one of: {', '.join(SHIPPED_TRACES)})")
+    return path
+
+
+def _open(path: Path):
+    """The trace as text, decompressed when it ends in .xz or .gz."""
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix.lower(), open)
+    return opener(path, "rt", errors="replace", newline="")
 
 
 @dataclass(slots=True)
@@ -59,7 +76,7 @@ def _number(value, name: str) -> float:
 def read_azure(path: Path, strict: bool = False) -> tuple[list[Row], list[dict]]:
     """TIMESTAMP,ContextTokens,GeneratedTokens rows; arrival = offset from the first good row."""
     lines, rows, first = _Lines(path, strict), [], None
-    with open(path, newline="", errors="replace") as f:
+    with _open(path) as f:
         reader = csv.reader(f)
         header = next(reader, None)
         need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -92,7 +109,7 @@ def read_azure(path: Path, strict: bool = False) -> tuple[list[Row], list[dict]]
 
 def _json_objects(path: Path, lines: _Lines, fields: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each JSON line that is an object holding all of `fields`."""
-    with open(path, errors="replace") as f:
+    with _open(path) as f:
         for line, text in enumerate(f, 1):
             if not text.strip():
                 continue
@@ -148,11 +165,12 @@ READERS: dict[str, Callable[[Path, bool], tuple[list[Row], list[dict]]]] = {
 
 
 def trace_format(path: Path) -> str:
-    """'azure' for a .csv (or a TIMESTAMP header), else 'mooncake' or 'request-log' from the
+    """'azure' for a .csv (or .csv.xz / .csv.gz, or a TIMESTAMP header), else 'mooncake' or 'request-log' from the
     fields of the first JSON object among the first lines."""
-    if path.suffix.lower() == ".csv":
+    compressed = path.suffix.lower() in (".xz", ".gz")
+    if (Path(path.stem) if compressed else path).suffix.lower() == ".csv":
         return "azure"
-    with open(path, errors="replace") as f:
+    with _open(path) as f:
         for _, text in zip(range(50), f):
             if text.startswith("TIMESTAMP,"):
                 return "azure"
