@@ -17,6 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or TANDEM_API_KEY")
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished request")
+    p.add_argument("--max-request-bytes", dest="max_body_bytes", type=int, default=None,
+                   help="largest request body in bytes, counted while it is read (413 past it; default 4194304)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--quantization", default=None, help="precision served: bf16, fp16, fp32, int8 or int4 "
                    "(several, with classes and a fallback: serving.quantization in --config)")
@@ -96,7 +98,7 @@ def main(args: argparse.Namespace) -> None:
         if not hasattr(server, key):
             raise ValueError(f"unknown server option {key!r} in {args.config}")
         setattr(server, key, value)
-    for key in ("api_key", "max_waiting", "request_log", "role", "elastic"):
+    for key in ("api_key", "max_waiting", "request_log", "max_body_bytes", "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
     llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)
