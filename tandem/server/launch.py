@@ -17,6 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or TANDEM_API_KEY")
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished request")
+    p.add_argument("--request-log-text", dest="request_log_text", action="store_true", default=None,
+                   help="the request log holds each prompt and output text too (default: lengths and timings only)")
+    p.add_argument("--allowed-origins", dest="allowed_origins", default=None,
+                   type=lambda s: [o.strip() for o in s.split(",") if o.strip()],
+                   help="comma-separated browser origins allowed cross-origin (CORS; default: none, no CORS headers)")
     p.add_argument("--max-request-bytes", dest="max_body_bytes", type=int, default=None,
                    help="largest request body in bytes, counted while it is read (413 past it; default 4194304)")
     p.add_argument("--log-level", default="info")
@@ -98,7 +103,8 @@ def main(args: argparse.Namespace) -> None:
         if not hasattr(server, key):
             raise ValueError(f"unknown server option {key!r} in {args.config}")
         setattr(server, key, value)
-    for key in ("api_key", "max_waiting", "request_log", "max_body_bytes", "role", "elastic"):
+    for key in ("api_key", "max_waiting", "request_log", "request_log_text", "allowed_origins", "max_body_bytes",
+                "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
     llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)
