@@ -44,5 +44,5 @@ def add_cluster_routes(app: FastAPI, llm: AsyncLLM, config: ServerConfig, metric
     """The instance side of a cluster (/tandem/state, /tandem/role, the P/D routes), and the
     per-step hook that feeds the metrics."""
     llm.on_step = metrics.on_step
-    add_instance_routes(app, InstanceSnapshot(llm, config.model_name, config.role, config.elastic))
-    add_pd_routes(app, llm, config.model_name)
+    add_instance_routes(app, InstanceSnapshot(llm, config.model_name, config.role or "colocated", config.elastic))
+    add_pd_routes(app, llm, config.model_name, in_cluster=config.role is not None)
