@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz_fixture import tiny_model_with_tokenizer
 from server_fixture import running_server
+from structured_fixture import with_tokenizer
 from tandem.bench.fuzz import run_fuzz
 from tandem.config import EngineConfig
 from tandem.server.state import ServerConfig
@@ -17,7 +17,7 @@ pytest.importorskip("schemathesis")
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
-    model = tiny_model_with_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("fuzz") / "m")
+    model = with_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("fuzz") / "m")
     engine = EngineConfig(model=model, dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
     with running_server(engine, ServerConfig(model_name="tiny", max_n=4)) as (url, _):
         yield url
