@@ -12,17 +12,16 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import httpx
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.bench.fuzz import hostile_raw
+from tandem.bench.soak_target import Target, add_target_arguments, start_target
 
 WORDS = "the a of river stone light market winter garden letter engine number silver quiet".split()
 HUNG_S = 120.0  # a request not answered within this long counts as hung
@@ -32,7 +31,7 @@ HUNG_S = 120.0  # a request not answered within this long counts as hung
 class Outcomes:
     sent: int = 0
     answered: int = 0
-    refused: int = 0  # 4xx: malformed bodies, 429 / 503 under load
+    refused: int = 0  # 4xx (malformed bodies, 429 under load) and 503 (no room: retry later)
     left: int = 0  # the client went away on purpose
     lost: list = field(default_factory=list)  # 5xx, a dropped connection, a broken stream
     hung: int = 0
@@ -100,9 +99,10 @@ async def stream(client, url, body, rng, t0, tally: Outcomes, leave: bool) -> No
 
 
 def count(tally: Outcomes, status: int, text: str) -> None:
+    """2xx answered; 4xx, and 503 (overloaded: no room, retry later), refused; any other 5xx lost."""
     if status < 300:
         tally.answered += 1
-    elif status < 500:
+    elif status < 500 or status == 503:
         tally.refused += 1
     else:
         tally.lost.append(f"{status}: {text[:200]}")
@@ -124,9 +124,10 @@ def resources(pids: list[int]) -> dict | None:
     return total
 
 
-async def drive(url: str, args, pids: list[int], tally: Outcomes) -> dict:
-    """The traffic for args.duration seconds; the resources at warm-up."""
-    t0, rng = time.monotonic(), random.Random(args.seed)
+async def drive(target: Target, args, tally: Outcomes) -> dict:
+    """The traffic for args.duration seconds (with the target's fault halfway); the resources
+    at warm-up."""
+    url, t0, rng = target.url, time.monotonic(), random.Random(args.seed)
     warm_at, warm = min(120.0, args.duration / 4), {}
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=HUNG_S, limits=limits, trust_env=False) as client:
@@ -139,7 +140,9 @@ async def drive(url: str, args, pids: list[int], tally: Outcomes) -> dict:
             await asyncio.sleep(1.0)
             elapsed = time.monotonic() - t0
             if not warm and elapsed >= warm_at:
-                warm = resources(pids) or {}
+                warm = resources(target.pids) or {}
+            if elapsed >= args.duration / 2 and not target.faults:
+                await asyncio.to_thread(target.fault)
             progress(elapsed, args.duration, tally)
         await asyncio.gather(*tasks)
     sys.stderr.write("\n")
@@ -208,43 +211,17 @@ def report(tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, dur
             "checks": checks, "ok": all(checks.values())}
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    """`tandem serve` of args.model on a free loopback port, with a small KV pool."""
-    from tandem.cluster.launch.launcher import free_port, wait_healthy
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--port", str(port),
-           "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(args.max_model_len),
-           "--log-level", "warning", *args.serve_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy({"server": url}, lambda _: None if proc.poll() is None else f"exited {proc.returncode}")
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, url
-
-
 def run_soak(args) -> dict:
-    proc = None
-    if args.url:
-        url = args.url.rstrip("/")
-        if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError(f"bench soak only targets loopback, not {url}")
-        pids = list(args.pid)
-    else:
-        proc, url = start_server(args)
-        pids = [proc.pid]
+    target = start_target(args)
     try:
         tally = Outcomes()
-        warm = asyncio.run(drive(url, args, pids, tally))
-        idle = wait_idle(url)
-        return report(tally, warm, resources(pids), idle, args.duration)
+        warm = asyncio.run(drive(target, args, tally))
+        idle = wait_idle(target.url)
+        out = report(tally, warm, resources(target.pids), idle, args.duration)
+        out["faults"] = target.faults
+        return out
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        target.stop()
 
 
 def main(args: argparse.Namespace) -> None:
@@ -259,15 +236,7 @@ def main(args: argparse.Namespace) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=1200.0, help="seconds of traffic (default 1200)")
-    p.add_argument("--url", default=None, help="a running server on loopback (default: start one of --model)")
-    p.add_argument("--pid", type=int, action="append", default=[],
-                   help="with --url: the server's process id(s), for RSS / FDs / threads (children included)")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--kv-cache-memory", type=int, default=24 << 20,
-                   help="bytes of KV pool for the server started (default 24 MiB: small, so requests are preempted)")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
-                   help="a further flag for the server started (repeat)")
+    add_target_arguments(p)
     p.add_argument("--concurrency", type=int, default=16, help="clients at once (default 16)")
     p.add_argument("--disconnect-share", type=float, default=0.15,
                    help="share of requests whose client leaves mid-stream or mid-response (default 0.15)")
