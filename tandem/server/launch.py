@@ -9,6 +9,8 @@ from tandem.config import EngineConfig, load_yaml
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tandem.server.limits import LIMITS_HELP
+    p.epilog = LIMITS_HELP
     p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it)")
     p.add_argument("--model", default=None)
     p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
