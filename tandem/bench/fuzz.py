@@ -75,7 +75,7 @@ class Tally:
         return sum(self.statuses.values())
 
 
-def fuzz_schema(url: str, per_operation: int, seed: int, headers: dict, timeout: float, tally: Tally,
+def fuzz_schema(url: str, doc: dict, per_operation: int, seed: int, headers: dict, timeout: float, tally: Tally,
                 progress=None) -> None:
     """Positive and negative cases from each operation's schema, seeded."""
     import schemathesis
@@ -83,7 +83,7 @@ def fuzz_schema(url: str, per_operation: int, seed: int, headers: dict, timeout:
     from hypothesis import seed as hseed
     from hypothesis.errors import Unsatisfiable
 
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    schema = schemathesis.openapi.from_dict(doc)
     for result in schema.get_all_operations():
         op = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
@@ -124,9 +124,8 @@ def fuzz_raw(url: str, operations: list[tuple[str, list[str]]], per_operation: i
                     progress()
 
 
-def post_operations(url: str) -> list[tuple[str, list[str]]]:
+def post_operations(doc: dict) -> list[tuple[str, list[str]]]:
     """(path, field names) of each POST operation with a JSON body, from the OpenAPI document."""
-    doc = httpx.get(url + "/openapi.json", trust_env=False).json()
     out = []
     for path, ops in doc["paths"].items():
         body = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
@@ -155,12 +154,12 @@ def run_fuzz(url: str, cases: int, seed: int = 0, api_key: str | None = None, ti
     if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"bench fuzz only targets loopback, not {url}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    doc = httpx.get(url + "/openapi.json", trust_env=False).json()
+    doc = httpx.get(url + "/openapi.json", headers=headers, trust_env=False).json()
     num_ops = sum(len(ops) for ops in doc["paths"].values())
-    posts = post_operations(url)
+    posts = post_operations(doc)
     per_op = max(1, cases // (3 * num_ops))
     tally, start = Tally(), time.monotonic()
-    fuzz_schema(url, per_op, seed, headers, timeout, tally, progress)
+    fuzz_schema(url, doc, per_op, seed, headers, timeout, tally, progress)
     fuzz_raw(url, posts, max(1, (cases - tally.cases) // max(len(posts), 1)), seed, headers, timeout, tally, progress)
     return {"cases": tally.cases, "operations": num_ops, "seed": seed, "statuses": dict(tally.statuses),
             "server_errors": tally.server_errors, "unanswered": tally.unanswered,
