@@ -1,8 +1,8 @@
 """API keys: with `api_key` or `api_key_classes` configured, every route needs one of them (a
 key mapped to a request class is a key too, so with only those the server is not open): /v1/*,
-/tokenize, /metrics, /dashboard/data, /openapi.json, the cluster's /tandem/* routes. Open: /health (probes)
-and the dashboard page with its scripts, which hold no figures and ask for the key. Keys are
-compared in constant time, each one, whichever matches."""
+/tokenize, /metrics, /dashboard/data, /openapi.json, the cluster's /tandem/* routes. Open:
+/health (probes) and the dashboard page with its scripts, which hold no figures and ask for the
+key. Keys are compared in constant time, each one, whichever matches."""
 from __future__ import annotations
 
 import hmac
