@@ -188,6 +188,11 @@ def itl_p99(samples: list, start: float, end: float) -> float | None:
     return round(gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))], 4) if gaps else None
 
 
+def hit_share(metrics: dict) -> float | None:
+    queries = metrics.get("tandem:prefix_cache_queries_total")
+    return round(metrics["tandem:prefix_cache_hits_total"] / queries, 3) if queries else None
+
+
 def report(tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, duration: float) -> dict:
     window = min(60.0, duration / 4)
     growth = {k: round(end[k] / warm[k] - 1, 4) for k in ("rss", "fds", "threads")} if warm and end else None
@@ -195,7 +200,8 @@ def report(tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, dur
     checks = {
         "none_lost": not tally.lost, "none_hung": tally.hung == 0,
         "all_accounted": tally.sent == tally.answered + tally.refused + tally.left + len(tally.lost) + tally.hung,
-        "kv_free_at_idle": bool(idle) and idle.get("tandem:kv_cache_free_blocks") == idle.get("tandem:kv_cache_total_blocks"),
+        "kv_free_at_idle": bool(idle) and idle.get("tandem:kv_cache_free_blocks")
+        == idle.get("tandem:kv_cache_total_blocks"),
         "resources_flat": growth is not None and all(g <= 0.05 for g in growth.values()),
     }
     return {"duration_s": duration, "sent": tally.sent, "answered": tally.answered, "refused": tally.refused,
@@ -203,8 +209,7 @@ def report(tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, dur
             "kv_free_blocks_idle": idle.get("tandem:kv_cache_free_blocks"),
             "kv_total_blocks": idle.get("tandem:kv_cache_total_blocks"),
             "preemptions": idle.get("tandem:num_preemptions_total"),
-            "prefix_cache_hit_share": round(idle["tandem:prefix_cache_hits_total"] / idle["tandem:prefix_cache_queries_total"],
-                                            3) if idle.get("tandem:prefix_cache_queries_total") else None,
+            "prefix_cache_hit_share": hit_share(idle),
             "resources_warm": warm, "resources_end": end, "growth": growth,
             "itl_p99_first_s": itl_p99(tally.itl, 0, window),
             "itl_p99_last_s": itl_p99(tally.itl, duration - window, duration + HUNG_S),

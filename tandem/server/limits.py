@@ -25,7 +25,8 @@ LIMITS_HELP = (f"Request limits (a 400 naming the field past them): n <= max_n (
                f"max_model_len, {MAX_STOP} stop strings of {MAX_STOP_CHARS} characters, {MAX_STOP_TOKEN_IDS} "
                f"stop_token_ids, logprobs / top_logprobs <= 20, {MAX_MESSAGES} messages, {MAX_TOOLS} tools, "
                f"{MAX_PROMPTS} prompts per batch, {MAX_CHOICES} choice strings, {MAX_CONSTRAINT_CHARS} characters "
-               f"of regex / grammar / JSON schema, schema nesting {MAX_SCHEMA_DEPTH}; the body: --max-request-bytes (413).")
+               f"of regex / grammar / JSON schema, schema nesting {MAX_SCHEMA_DEPTH}; the body: "
+               f"--max-request-bytes (413).")
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # a non-negative number that crosses to the engine

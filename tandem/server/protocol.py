@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.engine.chat import apply_chat_template
-from tandem.server.limits import (INT64_MAX, MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Choices, ConstraintText, Count,
-                                   Int64, Prompt, Schema, SchemaOrText, Stop, TokenId)
+from tandem.server.limits import (INT64_MAX, MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Choices, ConstraintText,
+                                   Count, Int64, Prompt, Schema, SchemaOrText, Stop, TokenId)
 
 PRIORITIES = {"interactive": 1, "standard": 2, "background": 3, 1: 1, 2: 2, 3: 3}
 NO_EFFECT_FIELDS = ("user", "metadata")
