@@ -41,6 +41,8 @@ COMMANDS = [
     ("bench", "gpu", "tandem.bench.gpu", "the GPU check: equality, throughput vs transformers, decode roofline, graphs on/off"),
     ("bench", "structured", "tandem.bench.structured", "cost of structured outputs: tok/s constrained vs not, compile time"),
     ("bench", "kv-transfer", "tandem.bench.kv_transfer", "KV transfer latency and bandwidth between two processes (P/D)"),
+    ("bench", "soak", "tandem.bench.soak", "mixed traffic with faults for a while: none lost, KV back, resources flat"),
+    ("bench", "fuzz", "tandem.bench.fuzz", "API fuzzing from the server's OpenAPI document (schemathesis): no 5xx, no hang"),
     (None, "analyze", "tandem.tools.analyze_cli", "workload analysis of a trace or request log"),
     (None, "profile", "tandem.tools.profile_cli", "measure the executor (or a roofline) into a cost model for plan / simulate"),
     (None, "plan", "tandem.tools.plan_cli", "prefill / decode instance counts and the elastic schedule for a traffic"),

@@ -40,6 +40,7 @@ def test_models_routing_and_stream_passthrough(cluster):
 @pytest.mark.parametrize("kwargs,status,text", [
     (dict(json=body([1, 2], model="gpt-17")), 404, "does not exist"),
     (dict(content=b"{nope"), 400, "invalid JSON"),
+    (dict(content=b"[" * 20000 + b"]" * 20000), 400, "invalid JSON"),  # nested past the parser: not a 500
     (dict(content=b"x" * (1 << 17), headers={"content-type": "application/json"}), 413, "larger than"),
     (dict(json=body([10 ** 9])), 400, "outside the vocabulary"),  # the instance's own 400, passed through
 ])

@@ -43,10 +43,10 @@ def model_dir(tmp_path_factory):
 class Served:
     """A `tandem serve` subprocess of this tree's code."""
 
-    def __init__(self, model_dir: str, *flags: str) -> None:
-        self.port = free_port()
+    def __init__(self, model_dir: str, *flags: str, port: int | None = None, env: dict | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).resolve().parents[1])}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(tandem.__file__).resolve().parents[1])}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "serve", "--model", model_dir, "--port", str(self.port),
              "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--num-threads", "1",

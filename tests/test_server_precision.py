@@ -55,7 +55,7 @@ def test_precision_per_request(tiny_model_dirs, tmp_path, caplog):
         assert complete(model="tiny:int2").status_code == 400
         assert complete(model="other:int4").status_code == 404
         assert complete().status_code == 200  # still serving
-        metrics = httpx.get(url + "/metrics").text
+        metrics = httpx.get(url + "/metrics", headers=key).text  # /metrics follows the keys too
     served = [json.loads(line)["precision"] for line in log.read_text().splitlines()]
     assert served == ["int8", "int4", "fp16", "int4", "int4", "fp16", "int4", "int8"]
     assert 'tandem:requests_by_precision_total{model_name="tiny",precision="int4"} 4.0' in metrics

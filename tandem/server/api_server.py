@@ -4,6 +4,7 @@ module-level handlers in `server/routes/`, each reading what it needs from `app.
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from tandem.engine.async_llm import AsyncLLM
 from tandem.server.auth import require_api_key
@@ -24,15 +25,18 @@ ROUTERS = (completions.router, chat.router, tokenize.router, models.router, heal
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     check_key_classes(config.api_key_classes)
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(llm, config.model_name, config.request_log)
+    metrics = ServerMetrics(llm, config.model_name, config.request_log, config.request_log_text)
     app.state.serving = ServingState(llm, config, metrics, engine_facts(llm))
     for router in ROUTERS:
         app.include_router(router)
     add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-    app.middleware("http")(require_api_key)  # added last: runs first
+    app.middleware("http")(require_api_key)  # added late: runs early
+    if config.allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
     add_cluster_routes(app, llm, config, metrics)
-    add_server_dashboard(app, metrics.registry, config.api_key, config.model_name)
+    add_server_dashboard(app, metrics.registry, config.model_name)
     return app
 
 
@@ -40,5 +44,5 @@ def add_cluster_routes(app: FastAPI, llm: AsyncLLM, config: ServerConfig, metric
     """The instance side of a cluster (/tandem/state, /tandem/role, the P/D routes), and the
     per-step hook that feeds the metrics."""
     llm.on_step = metrics.on_step
-    add_instance_routes(app, InstanceSnapshot(llm, config.model_name, config.role, config.elastic))
-    add_pd_routes(app, llm, config.model_name)
+    add_instance_routes(app, InstanceSnapshot(llm, config.model_name, config.role or "colocated", config.elastic))
+    add_pd_routes(app, llm, config.model_name, in_cluster=config.role is not None)

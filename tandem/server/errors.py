@@ -34,7 +34,8 @@ async def validation_error(_: Request, e: RequestValidationError) -> JSONRespons
         return error_response(400, f"unsupported field `{where}`: this server does not implement it (a field "
                               f"it cannot honour is refused, not ignored; accepted without effect: "
                               f"{', '.join(NO_EFFECT_FIELDS)})", param=where)
-    return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return error_response(400, f"{where or 'body'}: {message}", param=where)
 
 
 async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -89,6 +89,8 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tandem.server.limits import LIMITS_HELP
+    p.epilog = LIMITS_HELP
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="model alias, HF folder or GGUF file (same as --model; default smollm2-135m)")
     p.add_argument("--model", default=None, help="model alias, HF folder or GGUF file (default smollm2-135m)")
@@ -100,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: $TANDEM_API_KEY, else none)")
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests before answering 429 (default: no limit)")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
+    p.add_argument("--request-log-text", dest="request_log_text", action="store_true", default=None,
+                   help="the request log holds each prompt and output text too (default: lengths and timings only)")
+    p.add_argument("--allowed-origins", dest="allowed_origins", default=None,
+                   type=lambda s: [o.strip() for o in s.split(",") if o.strip()],
+                   help="comma-separated browser origins allowed cross-origin (CORS; default: none, no CORS headers)")
+    p.add_argument("--max-request-bytes", dest="max_body_bytes", type=size_type("B"), default=None, metavar="SIZE",
+                   help="largest request body, e.g. 4MiB (a bare number is bytes), counted while it is read "
+                        "(413 past it; default 4MiB)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     p.add_argument("--step-trace", default=None,
                    help="append one JSON line per executed step (summarise: tandem bench steps FILE)")
@@ -108,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs: run decode steps eagerly too")
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
-                   help="role in a cluster's model group (tandem cluster; default colocated)")
+                   help="role in a cluster's model group (tandem cluster; default: none, a standalone server whose P/D routes answer 409)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
     p.add_argument("--engine-niceness", type=int, default=0,
                    help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few cores "
@@ -166,7 +176,8 @@ def main(args: argparse.Namespace) -> None:
         if not hasattr(server, key):
             raise ValueError(f"unknown server option {key!r} in {args.config}")
         setattr(server, key, value)
-    for key in ("api_key", "max_waiting", "request_log", "role", "elastic"):
+    for key in ("api_key", "max_waiting", "request_log", "request_log_text", "allowed_origins", "max_body_bytes",
+                "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
     llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)

@@ -116,8 +116,9 @@ def _spec_decode_families(stats: SchedulerStats, model: str):
 
 
 class ServerMetrics:
-    def __init__(self, llm: AsyncLLM, model: str, request_log: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, model: str, request_log: str | None = None, log_text: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self._log_text, self._tokenizer = log_text, llm.tokenizer
         self.model = model
         r, lbl = self.registry, ["model_name"]
         by_level = lbl + ["level"]
@@ -186,7 +187,8 @@ class ServerMetrics:
             self.log_request(out, t, num_out)
 
     def log_request(self, out: RequestOutput, t: dict[str, float], num_out: int) -> None:
-        """One JSON line per finished request, in the shape the workload analyzer reads."""
+        """One JSON line per finished request, in the shape the workload analyzer reads: lengths
+        and timings, no text unless the server was asked to log it."""
         decode_tokens = max(num_out - len(out.outputs), 0)
         line = {
             "request_id": out.request_id,
@@ -202,6 +204,10 @@ class ServerMetrics:
             "e2e_latency": t["e2e"],
             "finish_reason": ",".join(o.finish_reason or "abort" for o in out.outputs),
         }
+        if self._log_text:  # asked for (--request-log-text): the text, not only its length
+            tok = self._tokenizer
+            line["prompt"] = tok.decode(out.prompt_token_ids) if tok is not None else out.prompt_token_ids
+            line["outputs"] = [o.text for o in out.outputs]
         m = out.metrics
         if m.num_spec_steps:  # speculative decoding: this request's acceptance
             line["spec_acceptance_rate"] = m.num_accepted_tokens / m.num_draft_tokens

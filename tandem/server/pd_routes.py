@@ -18,15 +18,16 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.engine.core_messages import DrainKV, JoinKVGroup, ReceiveKV, ReleaseKV, SendKV
 from tandem.executor.kv_transfer import KVPoolFullError
 from tandem.server.decode_stream import DecodeLegs, send_outcome
+from tandem.server.limits import TokenId
 from tandem.server.protocol import CompletionRequest
 from tandem.server.responses import latency_split
 
@@ -35,12 +36,15 @@ NDJSON = "application/x-ndjson"
 router = APIRouter()
 
 
+Rank = Annotated[int, Field(ge=0, le=65535)]
+
+
 class PrefillRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    prompt: list[int]
+    prompt: list[TokenId]
     transfer_id: str
     sampling: dict = {}
-    kv_peer: int | None = None  # the other side's rank in the KV transfer group; None: shared memory
+    kv_peer: Rank | None = None  # the other side's rank in the KV transfer group; None: shared memory
 
 
 class DecodeRequest(PrefillRequest):
@@ -51,16 +55,16 @@ class DecodeRequest(PrefillRequest):
 class MigrateRequest(BaseModel):
     request_id: str
     transfer_id: str
-    kv_peer: int | None = None
+    kv_peer: Rank | None = None
 
 
 class KVGroupRequest(BaseModel):
-    rank: int
-    world_size: int
+    rank: Rank
+    world_size: Annotated[int, Field(ge=1, le=65536)]
     host: str
-    port: int
+    port: Annotated[int, Field(ge=0, le=65535)]
     backend: str | None = None
-    timeout_s: float = 120.0
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
 
 
 @dataclass(slots=True)
@@ -68,15 +72,22 @@ class PDState:
     llm: Any  # AsyncLLM
     model_name: str
     legs: DecodeLegs
+    in_cluster: bool  # False: a standalone `tandem serve`, which takes no P/D legs nor a KV group
 
 
-def add_pd_routes(app: FastAPI, llm: Any, model_name: str) -> None:
-    app.state.pd = PDState(llm, model_name, DecodeLegs(llm, model_name))
+def add_pd_routes(app: FastAPI, llm: Any, model_name: str, in_cluster: bool) -> None:
+    app.state.pd = PDState(llm, model_name, DecodeLegs(llm, model_name), in_cluster)
     app.include_router(router)
 
 
 def _state(request: Request) -> PDState:
-    return request.app.state.pd
+    """409 on a standalone server: these routes are the cluster's (its router and launcher),
+    and would have it wait for KV that never comes or reach an address a client names."""
+    st: PDState = request.app.state.pd
+    if not st.in_cluster:
+        raise HTTPException(409, "this server is not a cluster instance (started without --role): "
+                                 "it takes no P/D legs and joins no KV transfer group")
+    return st
 
 
 def _params(sampling: dict, prompt: list[int], max_tokens: int | None):

@@ -3,13 +3,15 @@ structured_outputs / guided_*, ...). A field not declared here is refused with a
 the few accepted without effect are NO_EFFECT_FIELDS (listed in the README)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core.request_class import CLASS_NAMES, LEVELS, priority_of
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.engine.chat import apply_chat_template
+from tandem.server.limits import (INT64_MAX, MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Choices, ConstraintText,
+                                   Count, Int64, Prompt, Schema, SchemaOrText, Stop, TokenId)
 
 NO_EFFECT_FIELDS = ("user", "metadata")
 
@@ -25,7 +27,7 @@ class StreamOptions(_Base):
 class JsonSchemaFormat(_Base):
     name: str
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: Schema = Field(default_factory=dict, alias="schema")
     strict: bool | None = None  # the schema is always enforced
 
 
@@ -36,27 +38,27 @@ class ResponseFormat(_Base):
 
 class StructuredOutputsField(_Base):
     """vLLM's `structured_outputs` request field."""
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: SchemaOrText | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: ConstraintText | None = None
+    choice: Choices | None = None
+    grammar: ConstraintText | None = None
 
 
 class SamplingFields(_Base):
     model: str | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=INT64_MAX)] = 1  # and at most the server's max_n
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -68,10 +70,10 @@ class SamplingFields(_Base):
     priority: Literal[CLASS_NAMES + LEVELS] | None = None  # a request class (core/request_class.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: SchemaOrText | None = None
+    guided_regex: ConstraintText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: ConstraintText | None = None
     precision: str | None = None  # a served variant (bf16, int8, int4, ...); see /v1/models
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -128,9 +130,9 @@ class SamplingFields(_Base):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None  # its range: SamplingParams
+    prompt: Prompt
+    max_tokens: Count | None = 16
+    logprobs: Int64 | None = None  # its range: SamplingParams
 
 
 class ContentPart(_Base):
@@ -164,7 +166,7 @@ class ChatMessage(_Base):
 class FunctionDefinition(_Base):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: Schema = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None  # the schema is always enforced
 
 
@@ -191,14 +193,14 @@ def _render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | Non
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None  # its range: SamplingParams (logprobs)
+    top_logprobs: Int64 | None = None  # its range: SamplingParams (logprobs)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
@@ -212,10 +214,10 @@ class TokenizeRequest(_Base):
     """vLLM's /tokenize: a prompt, or messages rendered as a chat request would render them."""
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool = True
 
     def chat_prompt(self, tokenizer) -> str:
@@ -225,4 +227,4 @@ class TokenizeRequest(_Base):
 
 class DetokenizeRequest(_Base):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -26,9 +26,11 @@ class ServerConfig:
     max_waiting: int = 512  # past this many waiting requests, answer 429
     max_n: int = 16
     max_body_bytes: int = 4 << 20
-    request_log: str | None = None
+    request_log: str | None = None  # one JSON line per finished request: lengths and timings
+    request_log_text: bool = False  # the log holds the prompt and output text too
+    allowed_origins: list[str] | None = None  # CORS: browser origins allowed (None: no CORS headers)
     api_key_classes: dict[str, str] | None = None  # further API keys, each mapped to a request class
-    role: str = "colocated"  # in a cluster: colocated | prefill | decode (tandem.cluster)
+    role: str | None = None  # a cluster's instance: colocated | prefill | decode; None: standalone
     elastic: bool = False  # may be switched between prefill and decode by the router
 
 

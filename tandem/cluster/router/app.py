@@ -66,7 +66,7 @@ class Router:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
             return json_error(400, f"body: invalid JSON ({e})")
         model = body.get("model") or self.default_model(kind)
         group = self.groups.get(model) if isinstance(model, str) else None

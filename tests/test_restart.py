@@ -1,0 +1,61 @@
+"""Restart after a crash, as a supervisor does it (examples/tandem.service: Restart=on-failure):
+a server whose engine-core process was SIGKILLed exits 1, leaving nothing of its run behind
+(its ZeroMQ ipc socket folder, the shared-memory segments and files its processes held), and
+the same command on the same port serves again."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+
+from structured_fixture import with_tokenizer
+from test_lifecycle import Served
+
+SHM = Path("/dev/shm")
+
+
+def held_files(pids: list[int]) -> set[str]:
+    """Shared-memory segments and temp-folder files the processes have open or mapped."""
+    held = set()
+    for pid in pids:
+        proc = psutil.Process(pid)
+        held |= {f.path for f in proc.open_files()}
+        held |= {m.path for m in proc.memory_maps() if m.path.startswith(str(SHM))}
+    return held
+
+
+def served_once(srv: Served) -> None:
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a b", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_engine_core_killed_exits_1_and_a_restart_serves_with_nothing_left(tiny_model_dirs, tmp_path):
+    model = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
+    run_tmp = tmp_path / "tmp"  # the server's TMPDIR: where its ipc socket folder lives
+    run_tmp.mkdir()
+    shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    first = Served(model, env={"TMPDIR": str(run_tmp)})
+    try:
+        served_once(first)
+        [engine] = first.engine_pids()
+        sockets = [p for p in run_tmp.iterdir() if p.name.startswith("tandem-core-")]
+        assert len(sockets) == 1 and {p.name for p in sockets[0].iterdir()} >= {"input", "output"}
+        held = held_files([first.proc.pid, engine])
+        os.kill(engine, signal.SIGKILL)
+        assert first.proc.wait(15) == 1
+    finally:
+        first.close()
+    assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
+    assert list(run_tmp.iterdir()) == [], list(run_tmp.iterdir())  # no socket folder, no file
+    assert not [p for p in held if Path(p).exists() and (p.startswith(str(SHM)) or p.startswith(str(run_tmp)))]
+    new_shm = {n for n in (set(os.listdir(SHM)) if SHM.is_dir() else set()) - shm_before if n.startswith("tandem")}
+    assert not new_shm, new_shm
+    second = Served(model, port=first.port, env={"TMPDIR": str(run_tmp)})  # the supervisor's restart
+    try:
+        served_once(second)
+        assert httpx.get(second.url + "/health", timeout=5).status_code == 200
+    finally:
+        second.close()
