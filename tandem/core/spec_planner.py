@@ -102,6 +102,14 @@ class SpecPlanner:
             req.spec.draft_token_ids = result.spec_token_ids.get(req.request_id, [])
         return k, accepted
 
+    def trace_policy(self, callback) -> bool:
+        """Record the policy's choices and the steps it saw with `callback` (one dict each); False
+        when no adaptive policy runs."""
+        if self.policy is None:
+            return False
+        self.policy.trace = callback
+        return True
+
     def observe_step(self, out: SchedulerOutput, seconds: float, proposal_seconds: float = 0.0) -> None:
         """A step that ran took `seconds` as throughput sees it (the executor's time and its
         idle wait before the step), `proposal_seconds` of them proposing the next step's drafts."""

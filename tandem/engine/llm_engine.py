@@ -79,11 +79,7 @@ class LLMEngine:
     def trace_adaptive_k(self, callback) -> bool:
         """Hand AdaptiveK's choices and the steps it saw to `callback` (one dict each); False when
         the engine runs no adaptive policy."""
-        policy = self.core.scheduler.planner.policy
-        if policy is None:
-            return False
-        policy.trace = callback
-        return True
+        return self.core.scheduler.planner.trace_policy(callback)
 
     def reset_stats(self) -> None:
         """Start the step figures afresh (see StepCounters), so a bench leaves out its warm-up."""
