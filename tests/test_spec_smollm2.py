@@ -23,29 +23,28 @@ def off():
     sets = load_prompt_sets()
     chats = [[{"role": "user", "content": p}] for p in sets["grounded"][:3] + sets["chat"][:2]]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    return LLM(path, dtype="float32", kv_cache_memory=64 << 20), chats, params
+    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
+    return llm, chats, params, [o.outputs[0] for o in llm.chat(chats, params)]  # the reference, run once
 
 
 @pytest.fixture(scope="module", params=PROPOSERS)
 def runs(request, off):
-    llm, chats, params = off
+    llm, chats, params, ref = off
     on = LLM(str(llm.engine.core.model_dir), dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
              speculative_config=dict(PROPOSERS[request.param], num_speculative_tokens=4, adaptive=False))
-    return llm, on, chats, params
+    return llm, on, chats, params, ref
 
 
 def test_greedy_equals_no_speculation(runs):
-    off, on, chats, params = runs
-    ref = [o.outputs[0].token_ids for o in off.chat(chats, params)]
-    assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == ref
+    off, on, chats, params, ref = runs
+    assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == [r.token_ids for r in ref]
     stats = on.engine.core.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # the grounded prompts copy; int4 agrees
 
 
 def test_stop_string_inside_an_accepted_run(runs):
-    off, on, chats, params = runs
-    ref = off.chat(chats[:1], params)[0].outputs[0]
-    words = ref.text.split()
+    off, on, chats, params, ref = runs
+    words = ref[0].text.split()
     stop = " ".join(words[len(words) // 2:len(words) // 2 + 2])  # a stop string mid-output
     stop_params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop])
     a = off.chat(chats[:1], stop_params)[0].outputs[0]
