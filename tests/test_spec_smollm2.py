@@ -4,8 +4,6 @@ and chat prompts, batched and chunked, and a stop string inside an accepted run 
 and the tokens where speculation off does."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -51,28 +49,3 @@ def test_stop_string_inside_an_accepted_run(runs):
     b = on.chat(chats[:1], stop_params)[0].outputs[0]
     assert a.finish_reason == b.finish_reason == "stop" and a.stop_reason == stop
     assert (b.text, b.token_ids) == (a.text, a.token_ids)
-
-
-def test_bench_spec_alternates_the_configurations_case_by_case(tmp_path):
-    """`tandem bench spec`: every case runs in each configuration's process before the next case
-    starts, the order rotating from case to case, for each round; a row gives every round's
-    ratio, and fp32 outputs with speculation equal speculation off."""
-    import argparse
-
-    from tandem.bench import spec
-    p = argparse.ArgumentParser()
-    spec.add_arguments(p)
-    trace = tmp_path / "trace.jsonl"
-    args = p.parse_args(["--dtype", "float32", "--batch-sizes", "1,2", "--num-prompts", "1", "--max-tokens", "6",
-                         "--rounds", "2", "--method", "ngram", "--trace-adaptive", str(trace),
-                         "--json", str(tmp_path / "spec.json")])
-    report = spec.main(args)
-    rows = report["rows"]
-    assert [(r["set"], r["batch"]) for r in rows] == [("grounded", 1), ("chat", 1), ("chat", 2)]
-    assert all(len(r["ratios"]) == 2 and r["equal_outputs"] == r["num_outputs"] for r in rows)
-    assert {line["round"] for line in map(json.loads, trace.read_text().splitlines())} == {0, 1}
-    runs = sorted((run["started_at"], name, run["set"], run["batch"], run["round"])
-                  for name, per_case in report["runs"].items() for run in per_case)
-    # in time order: (off, ngram), (ngram, off), (off, ngram), ... one case at a time
-    assert [name for _, name, *_ in runs] == ["off", "ngram", "ngram", "off"] * 3
-    assert all(runs[i][2:] == runs[i + 1][2:] for i in range(0, len(runs), 2))
