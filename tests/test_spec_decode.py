@@ -319,7 +319,7 @@ def test_metrics_and_request_log(copy_models, tmp_path):
     from tandem.server.metrics import ServerMetrics
     llm = _llm(copy_models["llama"], True)
     # what the server's metrics read: the engine core's stats (sent after each step) and its precisions
-    served = SimpleNamespace(precisions=llm.engine.precisions, weight_bytes={})
+    served = SimpleNamespace(precisions=llm.engine.precisions, weight_bytes={}, tokenizer=llm.tokenizer)
     metrics = ServerMetrics(served, "tiny", request_log=str(tmp_path / "requests.jsonl"))
     for out in llm.generate(_prompts()[-1:], GREEDY):
         metrics.on_finished(out)

@@ -4,8 +4,6 @@ and chat prompts, batched and chunked, and a stop string inside an accepted run 
 and the tokens where speculation off does."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -23,57 +21,31 @@ def off():
     sets = load_prompt_sets()
     chats = [[{"role": "user", "content": p}] for p in sets["grounded"][:3] + sets["chat"][:2]]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    return LLM(path, dtype="float32", kv_cache_memory=64 << 20), chats, params
+    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
+    return llm, chats, params, [o.outputs[0] for o in llm.chat(chats, params)]  # the reference, run once
 
 
 @pytest.fixture(scope="module", params=PROPOSERS)
 def runs(request, off):
-    llm, chats, params = off
+    llm, chats, params, ref = off
     on = LLM(str(llm.engine.core.model_dir), dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
              speculative_config=dict(PROPOSERS[request.param], num_speculative_tokens=4, adaptive=False))
-    return llm, on, chats, params
+    return llm, on, chats, params, ref
 
 
 def test_greedy_equals_no_speculation(runs):
-    off, on, chats, params = runs
-    ref = [o.outputs[0].token_ids for o in off.chat(chats, params)]
-    assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == ref
+    off, on, chats, params, ref = runs
+    assert [o.outputs[0].token_ids for o in on.chat(chats, params)] == [r.token_ids for r in ref]
     stats = on.engine.core.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # the grounded prompts copy; int4 agrees
 
 
 def test_stop_string_inside_an_accepted_run(runs):
-    off, on, chats, params = runs
-    ref = off.chat(chats[:1], params)[0].outputs[0]
-    words = ref.text.split()
+    off, on, chats, params, ref = runs
+    words = ref[0].text.split()
     stop = " ".join(words[len(words) // 2:len(words) // 2 + 2])  # a stop string mid-output
     stop_params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop])
     a = off.chat(chats[:1], stop_params)[0].outputs[0]
     b = on.chat(chats[:1], stop_params)[0].outputs[0]
     assert a.finish_reason == b.finish_reason == "stop" and a.stop_reason == stop
     assert (b.text, b.token_ids) == (a.text, a.token_ids)
-
-
-def test_bench_spec_alternates_the_configurations_case_by_case(tmp_path):
-    """`tandem bench spec`: every case runs in each configuration's process before the next case
-    starts, the order rotating from case to case, for each round; a row gives every round's
-    ratio, and fp32 outputs with speculation equal speculation off."""
-    import argparse
-
-    from tandem.bench import spec
-    p = argparse.ArgumentParser()
-    spec.add_arguments(p)
-    trace = tmp_path / "trace.jsonl"
-    args = p.parse_args(["--dtype", "float32", "--batch-sizes", "1,2", "--num-prompts", "1", "--max-tokens", "6",
-                         "--rounds", "2", "--method", "ngram", "--trace-adaptive", str(trace),
-                         "--json", str(tmp_path / "spec.json")])
-    report = spec.main(args)
-    rows = report["rows"]
-    assert [(r["set"], r["batch"]) for r in rows] == [("grounded", 1), ("chat", 1), ("chat", 2)]
-    assert all(len(r["ratios"]) == 2 and r["equal_outputs"] == r["num_outputs"] for r in rows)
-    assert {line["round"] for line in map(json.loads, trace.read_text().splitlines())} == {0, 1}
-    runs = sorted((run["started_at"], name, run["set"], run["batch"], run["round"])
-                  for name, per_case in report["runs"].items() for run in per_case)
-    # in time order: (off, ngram), (ngram, off), (off, ngram), ... one case at a time
-    assert [name for _, name, *_ in runs] == ["off", "ngram", "ngram", "off"] * 3
-    assert all(runs[i][2:] == runs[i + 1][2:] for i in range(0, len(runs), 2))
