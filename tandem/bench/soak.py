@@ -2,7 +2,8 @@
 starts (a KV pool small enough that requests are preempted) or one on loopback (--url). A
 share of clients leave mid-stream and mid-response, a share send malformed bodies, prompts
 share prefixes drawn from a pool that keeps moving (prefix-cache churn). At the end, once
-idle, it checks: every request answered or refused (none lost, none hung, no 5xx), KV free
+idle, it checks: every request answered or refused (none lost: each got a status or an error
+event it can see; none hung; a 5xx or an error event only just after the fault), KV free
 blocks back to the total, RSS, open FDs and threads of the server's processes at the end
 within 5% of the warm-up's (minute 2, or a quarter into a shorter run), and reports ITL p99 of
 the first and last minute. JSON on stdout; exit 1 if a check fails."""
@@ -25,6 +26,7 @@ from tandem.bench.soak_target import Target, add_target_arguments, start_target
 
 WORDS = "the a of river stone light market winter garden letter engine number silver quiet".split()
 HUNG_S = 120.0  # a request not answered within this long counts as hung
+FAULT_WINDOW_S = 30.0  # errors a client sees this long after the fault are the fault's
 
 
 @dataclass
@@ -33,9 +35,12 @@ class Outcomes:
     answered: int = 0
     refused: int = 0  # 4xx (malformed bodies, 429 under load) and 503 (no room: retry later)
     left: int = 0  # the client went away on purpose
-    lost: list = field(default_factory=list)  # 5xx, a dropped connection, a broken stream
+    errors: list = field(default_factory=list)  # (seconds since start, what): a 5xx, an error event
+    lost: list = field(default_factory=list)  # no answer the client can see: a dropped connection, a cut stream
     hung: int = 0
     itl: list = field(default_factory=list)  # (seconds since start, gap)
+    fault_at: float | None = None  # seconds since start
+    resources: list = field(default_factory=list)  # (seconds since start, resources()) each minute
 
 
 def prompt(rng: random.Random, elapsed: float) -> str:
@@ -55,11 +60,11 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t0: float
         if kind < args.malformed_share:
             content, ctype = hostile_raw(["prompt", "max_tokens", "n", "stop", "messages"], rng)
             r = await client.post(url + "/v1/completions", content=content, headers={"content-type": ctype})
-            return count(tally, r.status_code, r.text)
+            return count(tally, r.status_code, r.text, time.monotonic() - t0)
         if kind < args.malformed_share + args.disconnect_share / 2:  # leaves mid-response
             try:
-                await client.post(url + "/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
-                tally.answered += 1
+                r = await client.post(url + "/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
+                count(tally, r.status_code, r.text, time.monotonic() - t0)
             except httpx.TimeoutException:
                 tally.left += 1
             return
@@ -74,7 +79,7 @@ async def stream(client, url, body, rng, t0, tally: Outcomes, leave: bool) -> No
     """A streamed completion; `leave`: close it after a few chunks."""
     async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
-            return count(tally, r.status_code, (await r.aread()).decode(errors="replace"))
+            return count(tally, r.status_code, (await r.aread()).decode(errors="replace"), time.monotonic() - t0)
         last, chunks, done = None, 0, False
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
@@ -83,7 +88,7 @@ async def stream(client, url, body, rng, t0, tally: Outcomes, leave: bool) -> No
             if not line.startswith("data: "):
                 continue
             if '"error"' in line:
-                tally.lost.append(line[:200])
+                tally.errors.append((time.monotonic() - t0, line[:200]))
                 return
             now = time.monotonic()
             if last is not None:
@@ -98,25 +103,29 @@ async def stream(client, url, body, rng, t0, tally: Outcomes, leave: bool) -> No
             tally.lost.append("stream ended without [DONE]")
 
 
-def count(tally: Outcomes, status: int, text: str) -> None:
-    """2xx answered; 4xx, and 503 (overloaded: no room, retry later), refused; any other 5xx lost."""
+def count(tally: Outcomes, status: int, text: str, elapsed: float) -> None:
+    """2xx answered; 4xx, and 503 (overloaded: no room, retry later), refused; any other 5xx an
+    error (the client sees it: not lost, but a check that it came from the fault)."""
     if status < 300:
         tally.answered += 1
     elif status < 500 or status == 503:
         tally.refused += 1
     else:
-        tally.lost.append(f"{status}: {text[:200]}")
+        tally.errors.append((elapsed, f"{status}: {text[:200]}"))
 
 
 def resources(pids: list[int]) -> dict | None:
-    """RSS (bytes), open FDs and threads, summed over the server's processes."""
+    """RSS (bytes), open FDs and threads, summed over the server's processes; and the RSS of
+    each (the server, then its children: where growth is)."""
     import psutil
-    total = {"rss": 0, "fds": 0, "threads": 0}
+    total = {"rss": 0, "fds": 0, "threads": 0, "rss_by_process": []}
     try:
         for pid in pids:
             p = psutil.Process(pid)
             for proc in [p, *p.children(recursive=True)]:
-                total["rss"] += proc.memory_info().rss
+                rss = proc.memory_info().rss
+                total["rss"] += rss
+                total["rss_by_process"].append(rss)
                 total["fds"] += proc.num_fds()
                 total["threads"] += proc.num_threads()
     except psutil.Error:
@@ -141,8 +150,10 @@ async def drive(target: Target, args, tally: Outcomes) -> dict:
             elapsed = time.monotonic() - t0
             if not warm and elapsed >= warm_at:
                 warm = resources(target.pids) or {}
-            if elapsed >= args.duration / 2 and not target.faults:
-                await asyncio.to_thread(target.fault)
+            if elapsed >= 60 * len(tally.resources):
+                tally.resources.append((round(elapsed), resources(target.pids)))
+            if elapsed >= args.duration / 2 and not target.faults and await asyncio.to_thread(target.fault):
+                tally.fault_at = elapsed
             progress(elapsed, args.duration, tally)
         await asyncio.gather(*tasks)
     sys.stderr.write("\n")
@@ -153,7 +164,7 @@ def progress(elapsed: float, duration: float, tally: Outcomes) -> None:
     done = min(elapsed / duration, 1.0)
     bar = "#" * int(done * 30)
     sys.stderr.write(f"\r[{bar:<30}] {done:4.0%} sent {tally.sent} answered {tally.answered} refused "
-                     f"{tally.refused} left {tally.left} lost {len(tally.lost)} hung {tally.hung}")
+                     f"{tally.refused} left {tally.left} errors {len(tally.errors)} lost {len(tally.lost)} hung {tally.hung}")
     sys.stderr.flush()
 
 
@@ -193,24 +204,37 @@ def hit_share(metrics: dict) -> float | None:
     return round(metrics["tandem:prefix_cache_hits_total"] / queries, 3) if queries else None
 
 
+def second_half_growth(samples: list, end: dict | None, duration: float) -> float | None:
+    """RSS growth from the first minute sample of the run's second half to the end (how it
+    moves once the first half's warm-up is behind it)."""
+    mid = next((r for t, r in samples if t >= duration / 2 and r), None)
+    return round(end["rss"] / mid["rss"] - 1, 4) if mid and end else None
+
+
 def report(tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, duration: float) -> dict:
     window = min(60.0, duration / 4)
     growth = {k: round(end[k] / warm[k] - 1, 4) for k in ("rss", "fds", "threads")} if warm and end else None
     idle = idle or {}
+    at = tally.fault_at
     checks = {
         "none_lost": not tally.lost, "none_hung": tally.hung == 0,
-        "all_accounted": tally.sent == tally.answered + tally.refused + tally.left + len(tally.lost) + tally.hung,
+        "errors_only_at_fault": all(at is not None and at <= t <= at + FAULT_WINDOW_S for t, _ in tally.errors),
+        "all_accounted": tally.sent == tally.answered + tally.refused + tally.left + len(tally.errors)
+        + len(tally.lost) + tally.hung,
         "kv_free_at_idle": bool(idle) and idle.get("tandem:kv_cache_free_blocks")
         == idle.get("tandem:kv_cache_total_blocks"),
         "resources_flat": growth is not None and all(g <= 0.05 for g in growth.values()),
     }
     return {"duration_s": duration, "sent": tally.sent, "answered": tally.answered, "refused": tally.refused,
-            "left_on_purpose": tally.left, "lost": len(tally.lost), "hung": tally.hung, "lost_examples": tally.lost[:5],
+            "left_on_purpose": tally.left, "errors": len(tally.errors), "lost": len(tally.lost), "hung": tally.hung,
+            "error_examples": tally.errors[:5], "lost_examples": tally.lost[:5], "fault_at_s": at,
             "kv_free_blocks_idle": idle.get("tandem:kv_cache_free_blocks"),
             "kv_total_blocks": idle.get("tandem:kv_cache_total_blocks"),
             "preemptions": idle.get("tandem:num_preemptions_total"),
             "prefix_cache_hit_share": hit_share(idle),
             "resources_warm": warm, "resources_end": end, "growth": growth,
+            "rss_growth_second_half": second_half_growth(tally.resources, end, duration),
+            "resources_by_minute": tally.resources,
             "itl_p99_first_s": itl_p99(tally.itl, 0, window),
             "itl_p99_last_s": itl_p99(tally.itl, duration - window, duration + HUNG_S),
             "checks": checks, "ok": all(checks.values())}

@@ -28,20 +28,21 @@ class Target:
     cluster: bool = False
     faults: list[str] = field(default_factory=list)
 
-    def fault(self) -> None:
+    def fault(self) -> bool:
         """On a cluster: SIGKILL one decode instance (its API process; its engine core dies with
-        it). Elsewhere: none (recorded, so it runs once)."""
+        it). Elsewhere: none (recorded, so it runs once). Whether one was killed."""
         if not self.cluster:
             self.faults.append("none")
-            return
+            return False
         import psutil
         serves = [c for c in psutil.Process(self.proc.pid).children()
                   if "serve" in c.cmdline() and "decode" in c.cmdline()]
         if not serves:
             self.faults.append("no decode instance found to kill")
-            return
+            return False
         os.kill(serves[0].pid, signal.SIGKILL)
         self.faults.append(f"killed decode instance pid {serves[0].pid} at {time.strftime('%H:%M:%S')}")
+        return True
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -42,7 +42,7 @@ class DecodeLegs:
     async def stream(self, gen: AsyncIterator[RequestOutput], rid: str, prompt: list[int],
                      usage: bool) -> AsyncIterator[str]:
         move = self._moves[rid] = asyncio.get_running_loop().create_future()
-        created, final, finish_sent, nxt = int(time.time()), None, set(), None
+        created, final, finish_sent, nxt, sent = int(time.time()), None, set(), None, 0
         try:
             while True:
                 nxt = asyncio.ensure_future(anext(gen))
@@ -52,8 +52,11 @@ class DecodeLegs:
                 final = nxt.result()
                 chunk = R.completion_chunk(rid, self.model, created, 0, 1, final, finish_sent, False,
                                            self.llm.tokenizer)
-                if chunk:  # with the leg's token count: the router weighs what a move would free
-                    yield R.sse_event({**chunk, "num_tokens": len(final.outputs[0].token_ids)})
+                if chunk:  # with the leg's token count (the router weighs what a move would free) and the
+                    # ids of the tokens out since the last chunk (it resumes a failed leg from them)
+                    ids = final.outputs[0].token_ids
+                    yield R.sse_event({**chunk, "num_tokens": len(ids), "token_ids": ids[sent:]})
+                    sent = len(ids)
                 if final.finished:
                     if usage:
                         yield R.sse_event({"id": rid, "choices": [], "usage": R.usage([final])})

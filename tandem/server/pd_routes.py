@@ -9,8 +9,10 @@ blocks while the router starts the decode leg (a point-to-point send completes o
 receiver takes it); POST /tandem/decode reserves blocks for that KV, receives it into them layer
 by layer, and adds the request (prompt + first token) with `kv_transfer`, which commits the
 blocks to its prefix cache with the add, so the request finds them by the ordinary prefix
-lookup and recomputes less than a block; it answers with a completions-format SSE stream. A
-decode leg that fails before receiving still drains its transfer. POST /tandem/migrate moves a
+lookup and recomputes less than a block; it answers with a completions-format SSE stream whose
+chunks carry their token ids (the router resumes a failed leg elsewhere from them). A decode
+leg that fails before receiving still drains its transfer; one with no `transfer_id` receives
+nothing and computes its prompt itself. POST /tandem/migrate moves a
 streaming decode leg elsewhere (decode_stream.py)."""
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class PrefillRequest(BaseModel):
 
 
 class DecodeRequest(PrefillRequest):
+    transfer_id: str | None  # None: no KV comes; the leg computes its prompt itself (a failed leg resumed)
     stream_usage: bool = True
     request_id: str | None = None  # the router's id for this leg, for POST /tandem/migrate
 
@@ -140,7 +143,20 @@ async def _ndjson(head: dict, llm: Any = None, transfer_id: str | None = None):
 @router.post("/tandem/decode")
 async def decode(req: DecodeRequest, request: Request):
     st = _state(request)
-    llm, tid = st.llm, req.transfer_id
+    rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+    if req.transfer_id is None:
+        params, priority = _params(req.sampling, req.prompt, req.sampling.get("max_tokens"))
+        try:
+            gen = st.llm.generate(req.prompt, params, rid, priority)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        return _leg_stream(st, gen, rid, req)
+    return await _decode_received(st, req, req.transfer_id, rid)
+
+
+async def _decode_received(st: PDState, req: DecodeRequest, tid: str, rid: str) -> StreamingResponse:
+    """A decode leg whose prompt's KV comes from a peer under `tid`."""
+    llm = st.llm
     kv_tokens = req.prompt[:-1]  # the prefill side's prompt; the last token is its first output
     try:
         params, priority = _params(req.sampling, req.prompt, req.sampling.get("max_tokens"))
@@ -156,7 +172,6 @@ async def decode(req: DecodeRequest, request: Request):
     if "error" in got:  # timed out, peer gone, or a payload that does not fit: nothing is kept
         await llm.call_utility(ReleaseKV(tid))
         raise HTTPException(502, f"KV transfer {tid} failed: {got['error']}")
-    rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     # The engine commits the received blocks with the add, before a step can schedule the
     # request. Not the reserved tokens (or a reused id): released, and it recomputes its prompt.
     try:
@@ -164,6 +179,10 @@ async def decode(req: DecodeRequest, request: Request):
     except ValueError as e:  # the front end refused it: the core never sees the add, so give the KV back here
         await llm.call_utility(ReleaseKV(tid))
         raise HTTPException(400, str(e)) from None
+    return _leg_stream(st, gen, rid, req)
+
+
+def _leg_stream(st: PDState, gen, rid: str, req: DecodeRequest) -> StreamingResponse:
     return StreamingResponse(st.legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream")
 
 

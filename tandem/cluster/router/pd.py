@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.cluster.router.pd_decode import DecodeChain, DecodeLeg, kv_sent
+from tandem.cluster.router.pd_decode import DecodeChain, DecodeLeg, LegFailed, kv_sent
 from tandem.cluster.router.pd_format import PDFormat
 from tandem.cluster.router.pool import Instance
 from tandem.cluster.router.proxy import Retry, json_error
@@ -111,13 +111,11 @@ class PDHandoff:
         leg = DecodeLeg(fmt.rid, model, dec_inst, len(ids) + (max_tokens or 1))
         events = self.chain.events(leg, pre_inst, ids + first["token_ids"], first, sampling, max_tokens, tid)
         try:
-            head = await anext(events)  # the decode leg is up (or the request already finished)
-        except (httpx.HTTPError, StopAsyncIteration) as e:
-            if isinstance(e, httpx.TransportError):
-                r.pool.mark_failed(dec_inst, f"{type(e).__name__}: {e}")
+            head = await anext(events)  # a decode leg is up (or the request already finished)
+        except (LegFailed, StopAsyncIteration):  # no decode instance could start it
             r.metrics.retries.labels(model, "decode_failed").inc()
             return None
-        served = {"x-tandem-instance": f"{pre_inst.id}+{dec_inst.id}"}
+        served = {"x-tandem-instance": f"{pre_inst.id}+{leg.dec.id}"}  # where the first leg that started runs
         if stream:
             return StreamingResponse(fmt.sse(head, events), media_type="text/event-stream", headers=served)
         try:

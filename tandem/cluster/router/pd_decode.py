@@ -3,7 +3,9 @@ from the prefill side's first token; a migration (POST /tandem/migrate on the ro
 response's id, or `migrate_loop.py` when a decode instance runs short of KV) ends the leg on
 one decode instance, which sends the request's KV to another, and the next leg continues
 there from exactly the tokens streamed so far. The client's stream goes on with no token
-twice and none missing; greedy output is that of an unmoved run."""
+twice and none missing; greedy output is that of an unmoved run. A leg that fails (its
+instance refuses it, dies or drops the stream) is resumed the same way on another decode
+instance, which computes the KV of the tokens so far itself."""
 from __future__ import annotations
 
 import json
@@ -79,6 +81,28 @@ async def kv_sent(metrics: RouterMetrics, inst: Instance, key: int, resp: httpx.
         inst.finish(key)
 
 
+class LegFailed(RuntimeError):
+    """A decode leg ended without finishing its request: refused, gone, or its stream broken."""
+
+
+async def leg_events(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """A decode leg's events up to its [DONE]; LegFailed for an error event, a line that does not
+    parse, or a stream that closes before [DONE] (a connection dropped mid-stream)."""
+    async for line in lines:
+        if line == "data: [DONE]":
+            return
+        if not line.startswith("data: "):
+            continue
+        try:
+            ev = json.loads(line[6:])
+        except ValueError:
+            raise LegFailed(f"sent a line that does not parse: {line[:100]!r}") from None
+        if "error" in ev:
+            raise LegFailed(str(ev["error"].get("message", ev["error"])))
+        yield ev
+    raise LegFailed("closed the stream before it finished")
+
+
 class DecodeChain:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -86,19 +110,23 @@ class DecodeChain:
         self.background = Background()
 
     async def events(self, leg: DecodeLeg, src: Instance, tokens: list[int], head: dict, sampling: dict,
-                     max_tokens: int | None, tid: str) -> AsyncIterator[dict]:
+                     max_tokens: int | None, tid: str | None) -> AsyncIterator[dict]:
         """`head` (the prefill side's token) once the first leg is up, then the decode legs'
-        completion chunks. Raises before `head` if the first leg cannot start."""
+        completion chunks. A leg that fails (refused, its instance gone, its stream broken)
+        before the request's finish is resumed on another decode instance from the tokens the
+        client has, which computes their KV itself (`tid` None). Raises LegFailed (before `head`
+        if no leg could start) when no other decode instance can take it."""
         # "length" is only the prefill leg's max_tokens=1; a stop (EOS, stop token or string) is final.
         head = {**head, "finish_reason": None if head["finish_reason"] == "length" else head["finish_reason"]}
         if head["finish_reason"] is not None:
             yield head
             return
         r, done = self.router, len(head["token_ids"])  # tokens out so far: the prefill side's
+        failed: list[str] = []  # the decode instances a leg of this request failed on
         self.live[leg.id] = leg
         try:
             while True:
-                dec, resp, moved = leg.dec, None, None
+                dec, resp, moved, got, failure, finished = leg.dec, None, None, [], None, False
                 key = dec.start(0)
                 r.metrics.routed.labels(dec.model, dec.id).inc()
                 body = {"prompt": tokens, "transfer_id": tid, "kv_peer": src.kv_rank, "request_id": leg.instance_rid,
@@ -107,8 +135,7 @@ class DecodeChain:
                     resp = await r.client.send(r.client.build_request("POST", dec.url + "/tandem/decode", json=body),
                                                stream=True)
                     if resp.status_code != 200:
-                        raise httpx.RemoteProtocolError(f"decode instance {dec.id} answered {resp.status_code}: "
-                                                        f"{(await resp.aread())[:300]!r}")
+                        raise LegFailed(f"answered {resp.status_code}: {(await resp.aread())[:300]!r}")
                     dec.first_token(key)
                     if leg.move_to is dec:  # the move has landed (a new one may be asked for now)
                         leg.move_to = None
@@ -117,23 +144,35 @@ class DecodeChain:
                         yield head
                         head = None
                     lines = resp.aiter_lines()
-                    async for line in lines:
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        ev = json.loads(line[6:])
+                    async for ev in leg_events(lines):
                         if "migrate" in ev:
                             moved = ev["migrate"]
                             break
+                        got += ev.pop("token_ids", ())
                         if ev.get("usage"):  # the leg counts its own tokens
                             ev["usage"]["completion_tokens"] += done
                         if "num_tokens" in ev:  # the leg's tokens so far (not the client's to see)
                             leg.num_tokens = len(tokens) + ev.pop("num_tokens")
+                        finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
                         yield ev
+                except httpx.HTTPError as e:
+                    if isinstance(e, httpx.TransportError):
+                        r.pool.mark_failed(dec, f"{type(e).__name__}: {e}")
+                    failure = f"{type(e).__name__}: {e}"
+                except LegFailed as e:
+                    failure = str(e)
                 finally:
                     if moved is None:
                         if resp is not None:
                             await resp.aclose()
                         dec.finish(key)
+                if failure is not None and not finished:
+                    failed.append(dec.id)
+                    tokens, done = tokens + got, done + len(got)
+                    leg.dec, leg.move_to = self._resume_on(leg, failed, failure), None
+                    leg.n, src, tid = leg.n + 1, dec, None
+                    r.metrics.retries.labels(leg.model, "decode_leg_failed").inc()
+                    continue
                 if moved is None:
                     return
                 if leg.move_to is None:
@@ -145,6 +184,18 @@ class DecodeChain:
                 leg.dec, leg.n = leg.move_to, leg.n + 1
         finally:
             self.live.pop(leg.id, None)
+
+    def _resume_on(self, leg: DecodeLeg, failed: list[str], failure: str) -> Instance:
+        """Another decode instance with room for the request (the most free KV), or LegFailed."""
+        r = self.router
+        log.warning("decode leg of %s on %s failed: %s", leg.id, failed[-1], failure)
+        views = [i.view() for i in r.pool.group(leg.model) if i.id not in failed]
+        dst = choose_decode(views, leg.kv_tokens) if len(failed) < r.rcfg.max_attempts else None
+        if dst is None:
+            r.metrics.failures.labels(leg.model, "decode_failed").inc()
+            raise LegFailed(f"the decode leg on {failed[-1]} failed ({failure}) and no other decode instance "
+                            f"can resume it (tried {', '.join(failed)})")
+        return r.pool.instances[dst.instance_id]
 
     async def migrate(self, request_id: str, to: str | None = None, reason: str = "operator") -> Response:
         """Move a decoding P/D request to another decode instance (`to`, or the one with the

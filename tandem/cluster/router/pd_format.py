@@ -44,13 +44,11 @@ class PDFormat:
                 "decode_time": time.monotonic() - self.decode_start}
 
     async def pieces(self, head: dict, events: AsyncIterator[dict]) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, finish_reason) per step; raises RuntimeError on a decode-side error."""
+        """(text, finish_reason) per step; raises RuntimeError (LegFailed) when the decode side fails."""
         self.completion_tokens, self.prefill_split = 1, head.get("metrics") or {}
         self.decode_start = time.monotonic()
         yield head["text"], head["finish_reason"]
         async for ev in events:
-            if "error" in ev:
-                raise RuntimeError(ev["error"].get("message", "decode instance error"))
             if ev.get("usage"):
                 self.completion_tokens = ev["usage"]["completion_tokens"]  # every leg's, the first token's too
             for c in ev.get("choices") or ():

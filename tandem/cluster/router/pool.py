@@ -30,6 +30,7 @@ class Instance:
     pending: dict[int, int] = field(default_factory=dict)  # sent, first token not seen: key -> prompt tokens
     kv_rank: int | None = None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
     last_error: str | None = None
+    failed_at: float = float("-inf")  # when the router last saw it fail (time.monotonic())
 
     def __post_init__(self) -> None:
         if self.state is None:
@@ -87,7 +88,7 @@ class InstancePool:
     def mark_failed(self, inst: Instance, error: str) -> None:
         if inst.state.healthy:
             log.warning("instance %s (%s) marked unhealthy: %s", inst.id, inst.url, error)
-        inst.state.healthy, inst.last_error = False, error
+        inst.state.healthy, inst.last_error, inst.failed_at = False, error, time.monotonic()
 
     async def poll_once(self) -> None:
         started = time.monotonic()
@@ -100,6 +101,9 @@ class InstancePool:
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll(self, inst: Instance) -> None:
+        """A poll begun before the router saw `inst` fail does not make it healthy again (its
+        answer may predate the failure): only a later one does."""
+        started = time.monotonic()
         try:
             r = await self.client.get(inst.url + "/tandem/state", timeout=self.poll_timeout_s)
             r.raise_for_status()
@@ -108,6 +112,8 @@ class InstancePool:
             self.mark_failed(inst, f"state poll failed: {type(e).__name__}: {e}")
             return
         s = inst.state
+        if started < inst.failed_at:
+            return
         if not s.healthy:
             log.info("instance %s (%s) is healthy", inst.id, inst.url)
         s.healthy, inst.last_error = True, None
