@@ -28,10 +28,10 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tandem generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 128
 
-# The suite on TEST_JOBS pytest-xdist workers (TEST_JOBS=0: in this process), a file per worker at a time
+# The suite in this process by default; TEST_JOBS=N runs it on N pytest-xdist workers, a file per worker at a time
 # (a file's module fixtures, such as a loaded model or a server, are built once), in the order
 # tests/conftest.py gives: the files on the real model first.
-TEST_JOBS ?= 2
+TEST_JOBS ?= 0
 PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
