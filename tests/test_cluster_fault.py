@@ -84,7 +84,7 @@ def test_kill_instance_under_load(tiny_model_dirs, tmp_path):
             assert outcomes.count("ok") + len(errors) == 12 and outcomes.count("ok") >= 1
             assert all(victim.id in e and "mid-stream" in e for e in errors), errors
             assert [a[0] for a in after] == ["ok"] * 4
-            state = httpx.get(url + "/cluster/state").json()
+            state = httpx.get(url + "/cluster/state", timeout=30).json()
             assert not state[victim.id]["healthy"]
             print(f"killed {victim.id}: unhealthy after {detect:.2f}s; {outcomes.count('ok')} ok, "
                   f"{len(errors)} clear errors")
