@@ -61,14 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_prepare)
 
     p = sub.add_parser("generate", help="generate text from one prompt")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    p.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens with this probability mass (default 1: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampled tokens (default: the engine's, 0)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
     p.set_defaults(func=_generate)
 
     groups = {None: sub,

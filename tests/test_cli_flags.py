@@ -117,7 +117,7 @@ def test_bench_serve_result_file(tmp_path):
 
 
 def test_every_flag_has_help():
-    """Each option of serve and bench serve says what it is (its unit and default in the text)."""
+    """Each option of every command says what it is (its unit and default in the text)."""
 
     def walk(p: argparse.ArgumentParser, name: str):
         for a in p._actions:
@@ -127,6 +127,32 @@ def test_every_flag_has_help():
             elif a.option_strings and a.dest != "help":
                 yield name, a
 
-    for cmd in ("serve", "bench serve"):
-        missing = [a.option_strings[0] for name, a in walk(PARSER, "tandem") if name == f"tandem {cmd}" and not a.help]
-        assert not missing, f"tandem {cmd}: no help for {missing}"
+    missing = [f"{name} {a.option_strings[0]}" for name, a in walk(PARSER, "tandem") if not a.help]
+    assert not missing, f"no help for {missing}"
+
+
+def test_bench_offline_takes_speculative_config(capsys):
+    new = PARSER.parse_args(["bench", "offline", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    old = PARSER.parse_args(["bench", "offline", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+    assert capsys.readouterr().err.count("use --speculative-config") == 2
+    want = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    assert with_speculation_flags({}, new) == with_speculation_flags({}, old) == want
+    assert with_speculation_flags({}, PARSER.parse_args(["bench", "offline"])) == {}
+    assert _vars(["bench", "offline", "--kv-cache-memory", "64MiB"])["kv_cache_memory"] == 64 << 20
+
+
+def test_gpu_memory_utilization_sizes_the_kv_pool_from_a_share_of_memory():
+    import psutil
+    import torch
+
+    from tandem.config import EngineConfig
+    from tandem.executor.device import default_kv_cache_memory
+
+    assert _vars(["serve", "--gpu-memory-utilization", "0.5"])["gpu_memory_utilization"] == 0.5
+    cpu = torch.device("cpu")
+    half = default_kv_cache_memory(cpu, 0.5)
+    assert 0.4 < half / psutil.virtual_memory().available < 0.6  # what was available a moment ago
+    assert default_kv_cache_memory(cpu) <= 2 << 30  # unset: a quarter, at most 2 GiB
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(gpu_memory_utilization=bad)

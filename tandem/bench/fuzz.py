@@ -181,7 +181,7 @@ def main(args: argparse.Namespace) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running `tandem serve` on loopback")
     p.add_argument("--cases", type=int, default=3000, help="requests in all (default 3000)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated cases: the same seed sends the same requests (default 0)")
+    p.add_argument("--api-key", default=None, help="bearer key the server at --url expects (default: none)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a request may take to be answered")
     p.add_argument("--output", default=None, help="also write the JSON report here")

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tandem.bench import offline
+from tandem.flags import size_type
 
 
 def _tiny_model(folder: Path) -> str:
@@ -177,14 +178,15 @@ def _environment(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    p.add_argument("--device", default="cuda", help="cuda | cuda:N (default cuda)")
     p.add_argument("--dtype", default="bfloat16", help="for throughput and decode timing (equality is fp32)")
     p.add_argument("--tiny", action="store_true", help="a dry run: tiny model and workload (seconds on CPU)")
-    p.add_argument("--kv-cache-memory", type=int, default=16 << 30)
+    p.add_argument("--kv-cache-memory", type=size_type("B"), default=16 << 30, metavar="SIZE",
+                   help="KV pool, e.g. 16GiB (a bare number is bytes; default 16 GiB)")
     p.add_argument("--peak-bandwidth", type=float, default=4.3e12, help="bytes/s (H200 device copy: 4.3e12)")
     p.add_argument("--decode-prompt", type=int, default=256, help="context of each request when decode is timed")
-    p.add_argument("--decode-steps", type=int, default=30)
+    p.add_argument("--decode-steps", type=int, default=30, help="decode steps timed per batch size (default 30)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: equality,offline,decode")
 
 

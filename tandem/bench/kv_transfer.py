@@ -69,12 +69,12 @@ def measure(kind: str, tokens: list[int], repeats: int = 10, layers: int = 30, k
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connectors", default="shm,gloo", help="comma-separated: shm, gloo, nccl")
     p.add_argument("--tokens", default="16,64,256,1024,2048", help="payload sizes in tokens")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=10, help="transfers timed per size; the median is kept (default 10)")
+    p.add_argument("--layers", type=int, default=30, help="layers of the KV shape moved (default 30, SmolLM2-135M's)")
+    p.add_argument("--kv-heads", type=int, default=3, help="KV heads per layer (default 3)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    p.add_argument("--dtype", default="bfloat16", help="KV dtype: bfloat16 | float16 | float32 (default bfloat16)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--device", default="cpu", help="where the payload lives (cuda: shm and gloo bounce via host)")
     p.add_argument("--json", help="write the rows here")
 

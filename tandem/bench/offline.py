@@ -12,7 +12,8 @@ import random
 import resource
 import time
 
-from tandem.flags import renamed
+from tandem.flags import renamed, size_type
+from tandem.server.launch import add_speculative_arguments, with_speculation_flags
 
 
 def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -36,9 +37,7 @@ def _peak_gpu_mb() -> float | None:
 def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
     opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
-    if args.speculative_method:
-        opts["speculative_config"] = {"method": args.speculative_method, "model": args.speculative_model,
-                                      "num_speculative_tokens": args.num_speculative_tokens}
+    opts = with_speculation_flags(opts, args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
               enforce_eager=args.enforce_eager, **opts)
@@ -64,7 +63,7 @@ def run_tandem(args, requests) -> dict:
             "dtype": engine.info().dtype,
             "preemptions": c.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
             **gpu_step_ms(before, c),
-            "spec_decode": spec_summary(c.spec) if args.speculative_method else None}
+            "spec_decode": spec_summary(c.spec) if "speculative_config" in opts else None}
 
 
 def gpu_step_ms(before, after) -> dict:
@@ -179,38 +178,37 @@ def in_subprocess(fn, args, requests) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to run (default 64)")
     renamed(p, "--num-requests", "--num-prompts", "num_prompts", convert=int)
-    p.add_argument("--min-prompt", type=int, default=64)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--min-output", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=int, default=None)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--min-prompt", type=int, default=64, help="shortest random prompt, tokens (default 64)")
+    p.add_argument("--max-prompt", type=int, default=512, help="longest random prompt, tokens (default 512)")
+    p.add_argument("--min-output", type=int, default=64, help="fewest output tokens per request (default 64)")
+    p.add_argument("--max-output", type=int, default=256, help="most output tokens per request (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="requests in a step at most (default 128)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in a step at most (default 2048)")
+    p.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
+                   help="KV pool, e.g. 512MiB (a bare number is bytes; default: as tandem serve)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling with execution (default: the engine's default)")
     p.add_argument("--compare-async", action="store_true",
                    help="run tandem with and without async scheduling, side by side")
-    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
-    p.add_argument("--speculative-model", default=None, help="the draft of --speculative-method draft: self:int4, ...")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", choices=["hf"], default=None)
-    p.add_argument("--hf-batch-size", type=int, default=32)
+    add_speculative_arguments(p)
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths (default 0)")
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face transformers on the same requests, side by side (default: tandem alone)")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="--compare hf: requests per transformers generate() call (default 32)")
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: the same as --dtype)")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
     p.add_argument("--quantization", default=None,
                    help="comma-separated precisions (bf16,int8,int4): decode tok/s of each at --batch-sizes "
                         "(see bench/quantization.py) instead of the run above")
-    p.add_argument("--batch-sizes", default="1,8,32,64")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,8,32,64", help="--quantization: comma-separated batch sizes (default 1,8,32,64)")
+    p.add_argument("--prompt-len", type=int, default=128, help="--quantization: prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="--quantization: output tokens per request (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="--quantization: rounds, alternating; best kept")
     p.add_argument("--num-threads", type=int, default=None, help="--quantization: CPU threads (default: all cores)")
 

@@ -82,12 +82,12 @@ def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
     p.add_argument("--quantization", default="bf16,int8,int4", help="precisions; the first is the reference")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)")
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
 
 
 def main(args: argparse.Namespace) -> dict:

@@ -66,9 +66,9 @@ def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--running", default="64,256,1024,4096", help="comma-separated running request counts")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--policy", choices=["fcfs", "multilevel"], default="fcfs")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--steps", type=int, default=50, help="scheduler steps timed per running count (default 50)")
+    p.add_argument("--policy", choices=["fcfs", "multilevel"], default="fcfs", help="scheduling policy timed (default fcfs)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
 
 
 def main(args: argparse.Namespace) -> dict:

@@ -270,5 +270,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disconnect-share", type=float, default=0.15,
                    help="share of requests whose client leaves mid-stream or mid-response (default 0.15)")
     p.add_argument("--malformed-share", type=float, default=0.1, help="share of malformed requests (default 0.1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the traffic mix (default 0)")
     p.add_argument("--output", default=None, help="also write the JSON report here")

@@ -236,23 +236,23 @@ def policy_cost(path: str, batch_sizes: list[int]) -> list[dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
     p.add_argument("--method", default="ngram", help="comma-separated proposers to compare with speculation off: "
                    "ngram, draft (one run per --speculative-model)")
     p.add_argument("--speculative-model", default="self:int4",
                    help="comma-separated drafts of --method draft (self:int4, self:int8, self:bf16, or a model alias or path)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens per step at most (default 4; AdaptiveK chooses up to it)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="AdaptiveK chooses each step's k (--no-adaptive: always k)")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64],
                    help="comma-separated; 1 runs both prompt sets one prompt at a time, the rest the chat set")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per set at batch 1")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--rounds", type=int, default=2,
                    help="times every case runs in every configuration, alternating (the first with AdaptiveK new)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
     p.add_argument("--trace-adaptive", default=None, metavar="FILE",
                    help="append AdaptiveK's choices and the steps it saw to FILE (JSON lines; the file is "
                         "emptied first)")

@@ -26,13 +26,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") else torch.float32
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
-    """A sensible share of what is free: 90% of free GPU memory after the weights were
-    loaded, or a quarter of available host memory (at most 2 GiB) on CPU."""
+def default_kv_cache_memory(device: torch.device, memory_utilization: float | None = None) -> int:
+    """The KV pool's bytes when no size was given, measured after the weights were loaded.
+
+    With `memory_utilization` (vLLM's --gpu-memory-utilization): on CUDA, the engine may use
+    that fraction of the device's total memory, so the pool is what is free beyond the rest;
+    on CPU, that fraction of the host memory still available. Without it: 90% of free GPU
+    memory, or a quarter of available host memory up to 2 GiB (a CPU host runs other things)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return int(min(psutil.virtual_memory().available * 0.25, 2 << 30))
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free * 0.9 if memory_utilization is None else free - (1 - memory_utilization) * total
+    else:
+        available = psutil.virtual_memory().available
+        budget = min(available * 0.25, 2 << 30) if memory_utilization is None else available * memory_utilization
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={memory_utilization} leaves no memory for the KV pool: "
+                         f"more than that share of the device is in use already")
+    return int(budget)
 
 
 def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:

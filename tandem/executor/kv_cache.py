@@ -23,7 +23,7 @@ class KVCache:
     def __init__(self, config: EngineConfig, cfg: ModelConfig, draft_cfg: ModelConfig | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.block_size, self.dtype, self.device = config.block_size, dtype, device
-        budget = config.kv_cache_memory or default_kv_cache_memory(device)
+        budget = config.kv_cache_memory or default_kv_cache_memory(device, config.gpu_memory_utilization)
         target_per_block = per_block = cfg.kv_bytes_per_token(dtype) * self.block_size
         if draft_cfg is not None:
             per_block += draft_cfg.kv_bytes_per_token(dtype) * self.block_size

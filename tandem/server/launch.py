@@ -43,6 +43,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
                    help="KV pool size, e.g. 4GiB or 512MiB (a bare number is bytes); default: 90%% of free "
                         "GPU memory after the weights, or on CPU a quarter of available memory up to 2 GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="size the KV pool from a share of memory instead (0-1]: on CUDA the engine's share of the "
+                        "device's total memory, as vLLM; on CPU the share of host memory available after the "
+                        "weights. --kv-cache-memory wins when both are given (default: unset)")
     g.add_argument("--swap-space", type=_swap_gib, default=None, metavar="GiB",
                    help="host memory for swapped-out KV blocks, in GiB or with a unit (e.g. 0.5 or 512MiB; "
                         "default 0.5 GiB)")
@@ -77,6 +81,11 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
                         "takes about this many seconds (adapted from measured steps; default: their share)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default on; YAML: serving.scheduler.async_scheduling)")
+    add_speculative_arguments(g)
+
+
+def add_speculative_arguments(g) -> None:
+    """--speculative-config, and the --speculative-* spellings it replaced (see with_speculation_flags)."""
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram" | "draft", "model": "self:int4", '
                         '"num_speculative_tokens": 4}\' (model: the draft of method draft: self:int4 | self:int8 | '

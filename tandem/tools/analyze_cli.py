@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-shape", default="llama-3-8b",
                    help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)} (default llama-3-8b)")
     renamed(p, "--model", "--model-shape", "model_shape")
-    p.add_argument("--kv-cache-dtype", default="fp16", choices=list(KV_DTYPE_BYTES))
+    p.add_argument("--kv-cache-dtype", default="fp16", choices=list(KV_DTYPE_BYTES), help="KV element type the KV bytes are counted in (default fp16)")
     p.add_argument("--decode-tps", type=float, default=50.0,
                    help="decode tokens/s per request; a request holds its KV for output_tokens / this")
     p.add_argument("--hold-seconds", type=float, default=None, help="hold every request's KV this long instead")

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("traffic: a trace, or a rate and mean lengths")
     t.add_argument("--trace", default=None, help="azure | mooncake (the shipped traces) | a path: Azure CSV, "
                    "Mooncake JSONL or a tandem request log")
-    t.add_argument("--trace-format", default="auto")
+    t.add_argument("--trace-format", default="auto", help="azure | mooncake | request-log (a tandem request log) | auto: from the file (default auto)")
     t.add_argument("--strict", action="store_true", help="a malformed trace line is an error")
     t.add_argument("--rate", type=float, default=None, help="requests/s")
     t.add_argument("--prompt-mean", type=float, default=None, help="mean prompt tokens")

@@ -170,8 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="a tiny grid (tests)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the median is kept)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
                    help="KV pool, e.g. 256MiB (a bare number is bytes; default: as tandem serve)")
     p.add_argument("--num-threads", type=int, default=None,

@@ -28,11 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--replay", metavar="BENCH_JSON", help="the exact requests of a `tandem bench serve --save-result` run")
     src.add_argument("--mixed", action="store_true", help="synthetic long + short mix (see --long-*, --short-*)")
     g = p.add_argument_group("trace window")
-    g.add_argument("--window-start", type=float, default=0.0)
-    g.add_argument("--window-seconds", type=float, default=None)
-    g.add_argument("--max-requests", type=int, default=None)
+    g.add_argument("--window-start", type=float, default=0.0, help="seconds into the trace where the window starts (default 0)")
+    g.add_argument("--window-seconds", type=float, default=None, help="seconds of the trace simulated (default: to its end)")
+    g.add_argument("--max-requests", type=int, default=None, help="requests of the window simulated at most (default: all)")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival gaps (0.5 = twice the rate)")
-    g.add_argument("--length-scale", type=float, default=1.0)
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (default 1)")
     g.add_argument("--strict", action="store_true", help="reject a malformed trace line instead of skipping it")
     g.add_argument("--rate-per-instance", type=float, default=None,
                    help="rescale arrivals to this many requests/s per instance (trace or mixed), so every "
@@ -41,11 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", dest="num_requests", type=int, default=2000, help="requests (default 2000)")
     renamed(g, "--num-requests", "--num-prompts", "num_requests", convert=int)
     g.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
-    g.add_argument("--long-fraction", type=float, default=0.05)
-    g.add_argument("--long", type=int, nargs=2, default=(8000, 256), metavar=("PROMPT", "OUTPUT"))
-    g.add_argument("--short", type=int, nargs=2, default=(30, 30), metavar=("PROMPT", "OUTPUT"))
+    g.add_argument("--long-fraction", type=float, default=0.05, help="share of long requests (default 0.05)")
+    g.add_argument("--long", type=int, nargs=2, default=(8000, 256), metavar=("PROMPT", "OUTPUT"), help="tokens of a long request's prompt and output (default 8000 256)")
+    g.add_argument("--short", type=int, nargs=2, default=(30, 30), metavar=("PROMPT", "OUTPUT"), help="tokens of a short request's prompt and output (default 30 30)")
     g.add_argument("--priority-by-class", action="store_true", help="short -> L1, long -> L2 (else by length)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the mixed workload (default 0)")
     g = p.add_argument_group("cluster")
     g.add_argument("--profile", default="h100:llama-3-8b",
                    help="a profile JSON from `tandem profile`, or accelerator:model-shape for a roofline")
@@ -68,10 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="routing score of a full prefix-cache hit against load (router.weights.prefix); 0: by load alone")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--config", default=None, help="serving YAML (its engine/cache/scheduler sections)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests in a step at most, per instance (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the profile's step size")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--l2-min-share", type=float, default=0.2)
+    g.add_argument("--max-model-len", type=int, default=None, help="tokens per request at most (default: no limit)")
+    g.add_argument("--l2-min-share", type=float, default=0.2, help="multilevel: share of a step's tokens lower levels keep (default 0.2)")
     g.add_argument("--l1-step-time", type=float, default=None, help="multilevel: seconds per step the L1 throttle aims at")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="the simulated instances reuse shared prompt prefixes (default on)")
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="KEY:MS",
                    help="goodput SLOs in milliseconds, vLLM's syntax: ttft, tpot, e2el (default ttft:2000 tpot:100)")
     renamed(p, "--slo", "--goodput ttft:MS tpot:MS e2el:MS", "goodput", convert=slo_as_goodput)
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
 
 
 def _requests(args, instances: int = 1):

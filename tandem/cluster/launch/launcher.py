@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="cluster.yaml (see examples/cluster.yaml)")
     p.add_argument("--host", default=None, help="router host (default: router.host of the config)")
     p.add_argument("--port", type=int, default=None, help="router port (default: router.port of the config)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="router and launcher log level: debug | info | warning (default info)")
 
 
 def main(args: argparse.Namespace) -> None:
