@@ -95,7 +95,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model alias, HF folder or GGUF file (same as --model; default smollm2-135m)")
     p.add_argument("--model", default=None, help="model alias, HF folder or GGUF file (default smollm2-135m)")
     p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it; examples/serving.yaml)")
-    p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients send as `model`, each accepted; the first is the one responses report "
+                        "(default: the --model value; YAML: serving.server.served_model_name, a name or a list)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer other than the model's: a folder with tokenizer files, a tokenizer.json, or a "
+                        "model (alias, .gguf, HF folder); refused if it has more tokens than the model's "
+                        "embedding rows (default: the model's own; YAML: serving.engine.tokenizer)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="chat template in place of the tokenizer's: a Jinja file, or the template itself (a value "
+                        "holding {, } or a newline); refused if Jinja cannot parse it (default: the tokenizer's "
+                        "own; YAML: serving.engine.chat_template)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="bearer token clients must send "
@@ -140,6 +150,16 @@ def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
     return {**engine_opts, "speculative_config": spec} if spec else engine_opts
 
 
+def served_names(value: str | list) -> tuple[str, ...]:
+    """--served-model-name's names (or the YAML's, a name or a list): non-empty and distinct."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"served model name: a non-empty name or list of names, got {value!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"served model names must be distinct, got {names}")
+    return tuple(names)
+
+
 def model_of(args: argparse.Namespace) -> str | None:
     """`tandem serve MODEL` or --model (one of them, or both the same)."""
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -170,8 +190,9 @@ def main(args: argparse.Namespace) -> None:
         if value is not None and f.name != "speculative_config":
             engine_opts[f.name] = value
     engine_config = EngineConfig.from_dict(with_speculation_flags(engine_opts, args))
-    server = ServerConfig(model_name=args.served_model_name or server_opts.pop("served_model_name", None)
-                          or engine_config.model)
+    yaml_names = server_opts.pop("served_model_name", None)
+    names = served_names(args.served_model_name or yaml_names or engine_config.model)
+    server = ServerConfig(model_name=names[0], model_aliases=names[1:])
     for key, value in server_opts.items():
         if not hasattr(server, key):
             raise ValueError(f"unknown server option {key!r} in {args.config}")
