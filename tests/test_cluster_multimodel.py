@@ -121,8 +121,8 @@ def test_dashboard_rows_keep_models_apart():
 
 # ---- the real models, one `tandem cluster up` for the tests below ----------------------------
 SUMMARISER = "smollm2-135m"  # stand-in until gemma3-270m
-ENGINE = {"kv_cache_memory": 16 << 20, "max_model_len": 512, **INT4}
-MODELS = [{"name": "smollm2-135m", "model": "smollm2-135m", "instances": 1, "engine": ENGINE},
+ENGINE = {"kv_cache_memory": 16 << 20, "max_model_len": 512}
+MODELS = [{"name": "smollm2-135m", "model": "smollm2-135m", "instances": 1, "engine": {**ENGINE, **INT4}},
           {"name": "summariser", "model": SUMMARISER, "instances": 1, "engine": ENGINE},
           {"name": "minilm", "model": "all-minilm-l6-v2", "kind": "embedding", "instances": 1}]
 
@@ -173,9 +173,11 @@ def test_openai_client_against_a_multimodel_cluster(cluster_up):
     with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist; this cluster serves"):
         client.chat.completions.create(model="gpt-4", messages=ask, max_tokens=1)
     text = httpx.get(cluster_up + "/metrics", trust_env=False).text
-    samples = {(s.name, s.labels.get("model_name"), s.labels.get("instance")): s.value
+    samples = {(s.name, s.labels.get("model_name"), s.labels.get("instance"), s.labels.get("precision")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples[("tandem:generation_tokens_total", "smollm2-135m", "smollm2-135m-0")] > 0
-    assert samples[("tandem:generation_tokens_total", "summariser", "summariser-0")] > 0
-    assert samples[("tandem:requests_by_precision_total", "smollm2-135m", "smollm2-135m-0")] >= 0
-    assert samples[("tandem:embedding_requests_total", "minilm", "minilm-0")] == 1
+    assert samples[("tandem:generation_tokens_total", "smollm2-135m", "smollm2-135m-0", None)] > 0
+    assert samples[("tandem:generation_tokens_total", "summariser", "summariser-0", None)] > 0
+    assert samples[("tandem:requests_by_precision_total", "smollm2-135m", "smollm2-135m-0", "int4")] == 1
+    assert not any(k[0] == "tandem:requests_by_precision_total" and k[1:] == ("summariser", "summariser-0", "int4")
+                   for k in samples)  # its instance serves one variant only
+    assert samples[("tandem:embedding_requests_total", "minilm", "minilm-0", None)] == 1

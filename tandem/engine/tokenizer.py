@@ -61,6 +61,7 @@ def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str |
     """The serving tokenizer of `model` (None when the model ships none and no other is given).
     ValueError, in words, for a tokenizer with more tokens than the model has embedding rows
     (its ids would index past them) or a chat template without any tokenizer to apply it."""
+    template = read_chat_template(chat_template) if chat_template is not None else None
     model_dir = model_dir if model_dir is not None else resolve_model(model)
     if tokenizer is None:
         tok = load_tokenizer(model_dir)
@@ -70,8 +71,8 @@ def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str |
         if len(tok) > rows:
             raise ValueError(f"--tokenizer {tokenizer}: {len(tok)} tokens, but the model's embedding has "
                              f"{rows} rows; its ids past {rows - 1} would have no embedding")
-    if chat_template is not None:
+    if template is not None:
         if tok is None:
             raise ValueError(f"--chat-template: {model} ships no tokenizer to apply it with; give --tokenizer too")
-        tok.chat_template = read_chat_template(chat_template)
+        tok.chat_template = template
     return tok

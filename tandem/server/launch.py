@@ -5,9 +5,13 @@ import argparse
 import json
 import os
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from tandem.config import EngineConfig, load_yaml
 from tandem.flags import renamed, size_type
+
+if TYPE_CHECKING:
+    from tandem.server.state import ServerConfig
 
 
 def _swap_gib(text: str) -> int:
@@ -167,20 +171,9 @@ def model_of(args: argparse.Namespace) -> str | None:
     return args.model_tag or args.model
 
 
-def main(args: argparse.Namespace) -> None:
-    """Two processes: this one (HTTP, tokenising, detokenising, SSE; one torch thread) and the
-    engine core (scheduler, executor, KV pool; the cores), which dies with this one."""
-    import logging
-    import sys
-
-    import torch
-    import uvicorn
-
-    from tandem.engine.async_llm import AsyncLLM
-    from tandem.server.api_server import ServerConfig, build_app
-    from tandem.server.lifecycle import Lifecycle, RefuseWhenStopping, Server
-
-    torch.set_num_threads(1)  # no torch math here: the engine process has the cores
+def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's config: --config's `serving:` values, flags over them."""
+    from tandem.server.state import ServerConfig
     engine_opts, server_opts = {}, {}
     if args.config:
         engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
@@ -201,6 +194,24 @@ def main(args: argparse.Namespace) -> None:
                 "role", "elastic"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
+    return engine_config, server
+
+
+def main(args: argparse.Namespace) -> None:
+    """Two processes: this one (HTTP, tokenising, detokenising, SSE; one torch thread) and the
+    engine core (scheduler, executor, KV pool; the cores), which dies with this one."""
+    import logging
+    import sys
+
+    import torch
+    import uvicorn
+
+    from tandem.engine.async_llm import AsyncLLM
+    from tandem.server.api_server import build_app
+    from tandem.server.lifecycle import Lifecycle, RefuseWhenStopping, Server
+
+    torch.set_num_threads(1)  # no torch math here: the engine process has the cores
+    engine_config, server = build_configs(args)
     llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)
     lifecycle = Lifecycle(llm, args.shutdown_timeout)
     llm.on_dead = lifecycle.engine_died
