@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_fixture import router_for, serving, tiny_instance, wait_for
 from server_fixture import free_port
+from tandem.cluster.config import load_cluster_config
+from tandem.cluster.launch.launcher import instance_command, plan
 from tandem.cluster.router.prefix import prefix_hashes
 from test_cluster_routes import FakeEmbedder
 
@@ -102,6 +104,15 @@ def test_metrics_and_dashboard_per_model(cluster):
     rows = httpx.get(url + "/dashboard/data").json()["now"]["models"]
     assert set(rows) == {"a", "b", "emb"}
     assert rows["a"]["kv_usage"] is not None and rows["emb"]["kv_usage"] is None
+
+
+def test_the_example_names_three_models_of_two_kinds():
+    cfg = load_cluster_config(ROOT / "examples" / "cluster-multimodel.yaml")
+    assert [(g.name, g.kind) for g in cfg.models] == [("smollm2-135m", "chat"), ("gemma3-270m", "chat"),
+                                                      ("all-minilm-l6-v2", "embedding")]
+    commands = [instance_command(spec, 1, ROOT / "unused.yaml") for spec in plan(cfg)
+                if spec.group.kind == "embedding"]
+    assert len(plan(cfg)) == 3 and "tandem.cluster.launch.embedding_server" in commands[0]
 
 
 def test_dashboard_rows_keep_models_apart():
