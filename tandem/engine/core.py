@@ -24,11 +24,11 @@ from tandem.engine.core_messages import (CompileGrammar, EngineCoreOutputs, Engi
 from tandem.engine.core_stats import StepStats
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
+from tandem.engine.tokenizer import get_tokenizer
 from tandem.executor.base import Executor
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.models.llama import ModelConfig
-from tandem.engine.tokenizer import get_tokenizer
 from tandem.models.loader import load_config, resolve_model
 
 log = logging.getLogger(__name__)

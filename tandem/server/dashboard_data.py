@@ -171,10 +171,11 @@ class DashboardSeries:
         p["preemptions_swap"] = v.get("tandem:preemptions_by_mode_total|swap", 0.0)
         p["preemptions_recompute"] = v.get("tandem:preemptions_by_mode_total|recompute", 0.0)
         p["kv_transfers"] = v.get("tandem_router:kv_transfer_seconds_count", 0.0)
-        empty = {"values": {}, "buckets": {}}
-        p["models"] = {m: _model_point(c, (window or {}).get("models", {}).get(m, empty) if window else None,
-                                       (recent or {}).get("models", {}).get(m, empty) if recent else None, rate_dt)
-                       for m, c in cur["models"].items()}
+        empty = {"values": {}, "buckets": {}}  # a model the older sample had not seen yet
+
+        def then(sample: dict | None, m: str) -> dict | None:
+            return None if sample is None else sample["models"].get(m, empty)
+        p["models"] = {m: _model_point(c, then(window, m), then(recent, m), rate_dt) for m, c in cur["models"].items()}
         return p
 
     def series(self) -> dict[str, list]:
