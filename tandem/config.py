@@ -30,6 +30,11 @@ def cache_root() -> Path:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "smollm2-135m"
+    # The tokenizer served (engine/tokenizer.py): None, the model's own; else a tokenizer folder,
+    # a tokenizer.json, or a model. chat_template: a Jinja file or the template itself, in place
+    # of the tokenizer's.
+    tokenizer: str | None = None
+    chat_template: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16

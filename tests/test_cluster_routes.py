@@ -68,6 +68,9 @@ class FakeRouter:
     def cluster_state(self):
         return {"i0": {"healthy": self.healthy}}
 
+    def model_cards(self):
+        return [{"id": g.name, "object": "model", "kind": g.kind} for g in self.groups.values()]
+
 
 def router_client(healthy: bool = True) -> tuple[TestClient, FakeRouter]:
     app = FastAPI()

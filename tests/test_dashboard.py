@@ -137,6 +137,8 @@ def test_router_dashboard_shows_instances_and_pd_transfers(tiny_model_dirs):
     assert p["transfers"] > 0 and p["requests"] > 0 and p["latency"] > 0, p
     table = re.search(r'<table id="instances">(.*?)</table>', dom, re.S)[1]
     assert table.count("<tr>") == 3 and ">prefill<" in table and ">decode<" in table
+    rows = re.search(r'<table id="models">(.*?)</table>', dom, re.S)[1]  # one row per model, with its figures
+    assert rows.count("<tr>") == 2 and "<td>tiny</td>" in rows
     tiles = dict((v, k) for k, v in re.findall(r"<b>([^<]*)</b><span>([^<]*)</span>", dom))
     assert not tiles["P/D KV transfers"].startswith("0,")
 

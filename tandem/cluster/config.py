@@ -13,7 +13,8 @@ models:
     model: smollm2-135m   # alias, .gguf file or Hugging Face folder
     kind: chat            # chat | embedding
     instances: 3          # or roles: {prefill: 1, decode: 2, colocated: 0, elastic: 0}
-    engine: {kv_cache_memory: 268435456}   # any EngineConfig field
+    engine: {kv_cache_memory: 268435456}   # any EngineConfig field (tokenizer, chat_template too;
+                                           # an embedding group: num_threads only)
     resources: {num_gpus: 0, num_cpus: 1}  # per instance (Ray placement)
     restart: false        # an instance that dies: false = left out (the router routes around
                           # it), true = started again (not with torch_dist: it cannot rejoin)
@@ -33,6 +34,7 @@ from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig
 
 ROLE_KEYS = ("colocated", "prefill", "decode", "elastic")
+EMBEDDING_ENGINE_KEYS = {"num_threads"}  # the one engine option an embedding instance reads
 ELASTIC_START = "decode"  # elastic instances start as decode and are moved by the controller
 # SIGTERM/SIGINT: instances drain (finish what is in flight) this long, then get SIGKILL.
 # Longer than `tandem serve --shutdown-timeout` (30 s), so a drain is not cut short.
@@ -140,8 +142,15 @@ def _group(doc: dict, i: int) -> ModelGroup:
         raise ValueError(f"{where}.kind: chat or embedding, got {group.kind!r}")
     if group.kind == "embedding" and group.disaggregated:
         raise ValueError(f"{where}: an embedding model has no prefill/decode roles")
+    if group.kind == "embedding" and set(group.engine) - EMBEDDING_ENGINE_KEYS:
+        bad = ", ".join(sorted(set(group.engine) - EMBEDDING_ENGINE_KEYS))
+        raise ValueError(f"{where}.engine: {bad} cannot apply to an embedding model (its instance runs the "
+                         f"encoder with its own tokenizer and no chat template; it takes only num_threads)")
     if group.kind == "chat":
         EngineConfig.from_dict({"model": group.model, **group.engine})  # fail now on a bad option
+        if group.engine.get("chat_template") is not None:
+            from tandem.engine.tokenizer import read_chat_template
+            read_chat_template(group.engine["chat_template"])  # a template that does not parse, now
     if not group.instance_roles() and not group.urls:
         raise ValueError(f"{where}: no instances")
     return group

@@ -22,7 +22,7 @@ from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreOut
 from tandem.engine.input_processor import InputProcessor, PromptType
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.precision import PrecisionRouter
-from tandem.models.loader import load_tokenizer, resolve_model
+from tandem.engine.tokenizer import get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False,
                  on_dead: Callable[[str], None] | None = None, engine_niceness: int = 0) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(resolve_model(config.model))
+        self.tokenizer = get_tokenizer(config.model, config.tokenizer, config.chat_template)
         # Metrics hook, on the receiver thread: after each step (with its duration) and with
         # None for requests that ended outside a step (aborted).
         self.on_step: Callable[[float | None, list[RequestOutput], SchedulerStats | None], None] | None = None

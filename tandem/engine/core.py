@@ -24,11 +24,12 @@ from tandem.engine.core_messages import (CompileGrammar, EngineCoreOutputs, Engi
 from tandem.engine.core_stats import StepStats
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
+from tandem.engine.tokenizer import get_tokenizer
 from tandem.executor.base import Executor
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config, load_tokenizer, resolve_model
+from tandem.models.loader import load_config, resolve_model
 
 log = logging.getLogger(__name__)
 ExecutorFactory = Callable[[EngineConfig, Any, GrammarCompiler], Executor]
@@ -44,7 +45,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(self.model_dir)  # the grammar compiler's vocabulary
+        # the grammar compiler's vocabulary, and EOS
+        self.tokenizer = get_tokenizer(config.model, config.tokenizer, config.chat_template, self.model_dir)
         mcfg = ModelConfig.from_hf(load_config(self.model_dir))
         self.vocab_size = mcfg.vocab_size
         eos = mcfg.eos_token_ids[:1]

@@ -26,20 +26,38 @@ HISTOGRAMS = {"ttft": "tandem:time_to_first_token_seconds", "itl": "tandem:inter
 def parse(text: str) -> dict:
     """Exposition text -> {"values": {sample name, name|label value, or name#n (how many
     samples were summed): summed value},
-    "buckets": {histogram: {le: summed count}}}, summed over models and instances."""
-    values: dict[str, float] = defaultdict(float)
-    buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    "buckets": {histogram: {le: summed count}}}, summed over models and instances, and the
+    same per model under "models" ({model_name: {"values", "buckets"}})."""
+    total = _sums()
+    models: dict[str, dict] = defaultdict(_sums)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.endswith("_bucket"):
-                buckets[s.name[:-7]][float(s.labels["le"])] += s.value
-                continue
-            values[s.name] += s.value
-            values[f"{s.name}#n"] += 1
-            for key in ("level", "mode"):
-                if key in s.labels:
-                    values[f"{s.name}|{s.labels[key]}"] += s.value
-    return {"values": dict(values), "buckets": {k: dict(v) for k, v in buckets.items()}}
+            _add(total, s)
+            if s.labels.get("model_name"):
+                _add(models[s.labels["model_name"]], s)
+    out = _plain(total)
+    out["models"] = {m: _plain(v) for m, v in sorted(models.items())}
+    return out
+
+
+def _sums() -> dict:
+    return {"values": defaultdict(float), "buckets": defaultdict(lambda: defaultdict(float))}
+
+
+def _add(into: dict, s) -> None:
+    if s.name.endswith("_bucket"):
+        into["buckets"][s.name[:-7]][float(s.labels["le"])] += s.value
+        return
+    values = into["values"]
+    values[s.name] += s.value
+    values[f"{s.name}#n"] += 1
+    for key in ("level", "mode"):
+        if key in s.labels:
+            values[f"{s.name}|{s.labels[key]}"] += s.value
+
+
+def _plain(sums: dict) -> dict:
+    return {"values": dict(sums["values"]), "buckets": {k: dict(v) for k, v in sums["buckets"].items()}}
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float | None:
@@ -60,6 +78,34 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 def _delta(now: dict, then: dict | None, key: str) -> float:
     return now["values"].get(key, 0.0) - (then["values"].get(key, 0.0) if then else 0.0)
+
+
+def _window_quantile(q: float, name: str, cur: dict, window: dict | None) -> float | None:
+    """Milliseconds: the q-quantile of the observations of histogram `name` made within the window."""
+    b = cur["buckets"].get(name, {})
+    old = window["buckets"].get(name, {}) if window else {}
+    x = quantile(q, {le: c - old.get(le, 0.0) for le, c in b.items()})
+    return None if x is None else x * 1e3
+
+
+def _model_point(cur: dict, window: dict | None, recent: dict | None, rate_dt: float | None) -> dict:
+    """One model's row: its requests finished per second (chat and embeddings), queue, output
+    tokens/s, TTFT / E2E over the window and KV usage (the mean over its instances)."""
+    v = cur["values"]
+
+    def rate(*names: str) -> float | None:
+        if recent is None or not rate_dt:
+            return None
+        return sum(_delta(cur, recent, n) for n in names) / rate_dt
+    kv_n = v.get("tandem:kv_cache_usage_perc#n", 0.0)
+    embed = "tandem:embedding_latency_seconds"
+    return {"requests_s": rate("tandem:request_success_total", "tandem:embedding_requests_total"),
+            "running": v.get("tandem:num_requests_running", 0.0), "waiting": v.get("tandem:num_requests_waiting", 0.0),
+            "output_tok_s": rate("tandem:generation_tokens_total"),
+            "ttft_p50_ms": _window_quantile(0.5, HISTOGRAMS["ttft"], cur, window),
+            "ttft_p99_ms": _window_quantile(0.99, HISTOGRAMS["ttft"], cur, window),
+            "e2e_p50_ms": _window_quantile(0.5, embed if embed in cur["buckets"] else HISTOGRAMS["e2e"], cur, window),
+            "kv_usage": v.get("tandem:kv_cache_usage_perc", 0.0) / kv_n if kv_n else None}
 
 
 class DashboardSeries:
@@ -100,12 +146,8 @@ class DashboardSeries:
         v = cur["values"]
         p: dict = {"t": time.time()}
         for name in HISTOGRAMS:  # percentiles of the observations made within the window
-            b = cur["buckets"].get(HISTOGRAMS[name], {})
-            old = window["buckets"].get(HISTOGRAMS[name], {}) if window else {}
-            diff = {le: c - old.get(le, 0.0) for le, c in b.items()}
             for q in QUANTILES:
-                x = quantile(q, diff)
-                p[f"{name}_p{round(q * 100)}_ms"] = None if x is None else x * 1e3
+                p[f"{name}_p{round(q * 100)}_ms"] = _window_quantile(q, HISTOGRAMS[name], cur, window)
         n = _delta(cur, window, "tandem_router:kv_transfer_seconds_count")
         p["kv_transfer_ms"] = _delta(cur, window, "tandem_router:kv_transfer_seconds_sum") / n * 1e3 if n else None
         queries = _delta(cur, window, "tandem:prefix_cache_queries_total")
@@ -129,10 +171,16 @@ class DashboardSeries:
         p["preemptions_swap"] = v.get("tandem:preemptions_by_mode_total|swap", 0.0)
         p["preemptions_recompute"] = v.get("tandem:preemptions_by_mode_total|recompute", 0.0)
         p["kv_transfers"] = v.get("tandem_router:kv_transfer_seconds_count", 0.0)
+        empty = {"values": {}, "buckets": {}}  # a model the older sample had not seen yet
+
+        def then(sample: dict | None, m: str) -> dict | None:
+            return None if sample is None else sample["models"].get(m, empty)
+        p["models"] = {m: _model_point(c, then(window, m), then(recent, m), rate_dt) for m, c in cur["models"].items()}
         return p
 
     def series(self) -> dict[str, list]:
-        """Column arrays of every point (the uPlot data layout)."""
+        """Column arrays of every point (the uPlot data layout); the per-model rows are the
+        latest point's only."""
         with self.lock:
             points = list(self.points)
-        return {k: [p[k] for p in points] for k in (points[0] if points else {})}
+        return {k: [p[k] for p in points] for k in (points[0] if points else {}) if k != "models"}

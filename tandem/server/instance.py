@@ -3,8 +3,8 @@
 The load report is computed in the engine-core process with each step (engine/core_stats.py)
 and arrives with the step's outputs, so the HTTP side never reads engine structures. GET
 /tandem/state serves the latest one as JSON whose keys are `tandem.cluster.policy.routing.InstanceState`'s
-fields plus a few extras (block size, per level), with this instance's model, role and elastic
-flag; POST /tandem/role sets the role.
+fields plus a few extras (block size, per level), with this instance's model, role, elastic
+flag and precision variants (default, then every one a request may name); POST /tandem/role sets the role.
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ class InstanceSnapshot:
 
     @property
     def data(self) -> dict:
-        return {"model": self.model, "role": self.role, "elastic": self.elastic, **self.llm.stats.instance}
+        p = self.llm.precisions
+        return {"model": self.model, "role": self.role, "elastic": self.elastic, "precision": p.default,
+                "precisions": p.served, **self.llm.stats.instance}
 
     def set_role(self, role: str) -> None:
         if role not in ROLES:

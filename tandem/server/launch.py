@@ -5,9 +5,13 @@ import argparse
 import json
 import os
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from tandem.config import EngineConfig, load_yaml
 from tandem.flags import renamed, size_type
+
+if TYPE_CHECKING:
+    from tandem.server.state import ServerConfig
 
 
 def _swap_gib(text: str) -> int:
@@ -104,7 +108,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model alias, HF folder or GGUF file (same as --model; default smollm2-135m)")
     p.add_argument("--model", default=None, help="model alias, HF folder or GGUF file (default smollm2-135m)")
     p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it; examples/serving.yaml)")
-    p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients send as `model`, each accepted; the first is the one responses report "
+                        "(default: the --model value; YAML: serving.server.served_model_name, a name or a list)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer other than the model's: a folder with tokenizer files, a tokenizer.json, or a "
+                        "model (alias, .gguf, HF folder); refused if it has more tokens than the model's "
+                        "embedding rows (default: the model's own; YAML: serving.engine.tokenizer)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="chat template in place of the tokenizer's: a Jinja file, or the template itself (a value "
+                        "holding {, } or a newline); refused if Jinja cannot parse it (default: the tokenizer's "
+                        "own; YAML: serving.engine.chat_template)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="bearer token clients must send "
@@ -149,11 +163,47 @@ def with_speculation_flags(engine_opts: dict, args: argparse.Namespace) -> dict:
     return {**engine_opts, "speculative_config": spec} if spec else engine_opts
 
 
+def served_names(value: str | list) -> tuple[str, ...]:
+    """--served-model-name's names (or the YAML's, a name or a list): non-empty and distinct."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"served model name: a non-empty name or list of names, got {value!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"served model names must be distinct, got {names}")
+    return tuple(names)
+
+
 def model_of(args: argparse.Namespace) -> str | None:
     """`tandem serve MODEL` or --model (one of them, or both the same)."""
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")
     return args.model_tag or args.model
+
+
+def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's config: --config's `serving:` values, flags over them."""
+    from tandem.server.state import ServerConfig
+    engine_opts, server_opts = {}, {}
+    if args.config:
+        engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
+    args.model = model_of(args)
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None and f.name != "speculative_config":
+            engine_opts[f.name] = value
+    engine_config = EngineConfig.from_dict(with_speculation_flags(engine_opts, args))
+    yaml_names = server_opts.pop("served_model_name", None)
+    names = served_names(args.served_model_name or yaml_names or engine_config.model)
+    server = ServerConfig(model_name=names[0], model_aliases=names[1:])
+    for key, value in server_opts.items():
+        if not hasattr(server, key):
+            raise ValueError(f"unknown server option {key!r} in {args.config}")
+        setattr(server, key, value)
+    for key in ("api_key", "max_waiting", "request_log", "request_log_text", "allowed_origins", "max_body_bytes",
+                "role", "elastic"):
+        if getattr(args, key) is not None:
+            setattr(server, key, getattr(args, key))
+    return engine_config, server
 
 
 def main(args: argparse.Namespace) -> None:
@@ -166,29 +216,11 @@ def main(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tandem.engine.async_llm import AsyncLLM
-    from tandem.server.api_server import ServerConfig, build_app
+    from tandem.server.api_server import build_app
     from tandem.server.lifecycle import Lifecycle, RefuseWhenStopping, Server
 
     torch.set_num_threads(1)  # no torch math here: the engine process has the cores
-    engine_opts, server_opts = {}, {}
-    if args.config:
-        engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
-    args.model = model_of(args)
-    for f in fields(EngineConfig):
-        value = getattr(args, f.name, None)
-        if value is not None and f.name != "speculative_config":
-            engine_opts[f.name] = value
-    engine_config = EngineConfig.from_dict(with_speculation_flags(engine_opts, args))
-    server = ServerConfig(model_name=args.served_model_name or server_opts.pop("served_model_name", None)
-                          or engine_config.model)
-    for key, value in server_opts.items():
-        if not hasattr(server, key):
-            raise ValueError(f"unknown server option {key!r} in {args.config}")
-        setattr(server, key, value)
-    for key in ("api_key", "max_waiting", "request_log", "request_log_text", "allowed_origins", "max_body_bytes",
-                "role", "elastic"):
-        if getattr(args, key) is not None:
-            setattr(server, key, getattr(args, key))
+    engine_config, server = build_configs(args)
     llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)
     lifecycle = Lifecycle(llm, args.shutdown_timeout)
     llm.on_dead = lifecycle.engine_died

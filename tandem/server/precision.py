@@ -6,10 +6,10 @@ from tandem.core.request_class import CLASS_NAMES, priority_of
 from tandem.engine.precision import PrecisionRouter
 
 
-def split_model(model: str | None, served_name: str) -> tuple[str | None, str | None]:
+def split_model(model: str | None, served_names: tuple[str, ...]) -> tuple[str | None, str | None]:
     """(model name, precision suffix): `smollm2-135m:int4` -> ("smollm2-135m", "int4"). A name
     with a colon that is served as it is stays whole."""
-    if model is None or model == served_name or ":" not in model:
+    if model is None or model in served_names or ":" not in model:
         return model, None
     base, _, suffix = model.rpartition(":")
     return base, suffix
@@ -37,10 +37,13 @@ def check_key_classes(key_classes: dict[str, str] | None) -> None:
             raise ValueError(f"api_key_classes: {cls!r} is not a request class ({', '.join(CLASS_NAMES)})")
 
 
-def model_cards(name: str, router: PrecisionRouter, max_model_len: int) -> list[dict]:
-    """The model, then one `name:precision` entry per variant a request may name."""
+def model_cards(names: tuple[str, ...], router: PrecisionRouter, max_model_len: int) -> list[dict]:
+    """Each served name (the first is the one responses report; the others are its aliases),
+    then one `name:precision` entry per variant a request may name, of the first name."""
+    name = names[0]
     card = {"object": "model", "created": 0, "owned_by": "tandem", "max_model_len": max_model_len}
     cards = [{"id": name, **card, "precision": router.default}]
+    cards += [{"id": alias, **card, "root": name, "precision": router.default} for alias in names[1:]]
     if len(router.served) > 1:
         cards += [{"id": f"{name}:{p}", **card, "root": name, "precision": p} for p in router.served]
     return cards

@@ -25,10 +25,11 @@ Choice = tuple[int | None, str | None]  # (priority, precision)
 
 def check_admission(state: ServingState, model: str | None, n: int) -> None:
     config = state.config
-    model, _ = split_model(model, config.model_name)
-    if model is not None and model != config.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{config.model_name}`.",
-                       "not_found_error", "model")
+    names = config.served_model_names
+    model, _ = split_model(model, names)
+    if model is not None and model not in names:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                       f"{', '.join(f'`{n}`' for n in names)}.", "not_found_error", "model")
     if n > config.max_n:
         raise APIError(400, f"n must be at most {config.max_n}, got {n}", param="n")
     if state.llm.num_waiting >= config.max_waiting:
@@ -82,7 +83,7 @@ def choose(state: ServingState, req: SamplingFields, request: Request) -> Choice
     config = state.config
     priority = req.priority_level or key_priority(request.headers.get("authorization"), config.api_key_classes)
     try:
-        return priority, request_precision(req.precision, split_model(req.model, config.model_name)[1],
+        return priority, request_precision(req.precision, split_model(req.model, config.served_model_names)[1],
                                            state.facts.precisions)
     except ValueError as e:
         raise APIError(400, str(e), param="precision") from None

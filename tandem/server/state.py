@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ServerConfig:
-    model_name: str = "smollm2-135m"  # the name clients send as `model`
+    model_name: str = "smollm2-135m"  # the name clients send as `model`, and responses report
     api_key: str | None = None
     max_waiting: int = 512  # past this many waiting requests, answer 429
     max_n: int = 16
@@ -32,6 +32,11 @@ class ServerConfig:
     api_key_classes: dict[str, str] | None = None  # further API keys, each mapped to a request class
     role: str | None = None  # a cluster's instance: colocated | prefill | decode; None: standalone
     elastic: bool = False  # may be switched between prefill and decode by the router
+    model_aliases: tuple[str, ...] = ()  # further names accepted as `model` (--served-model-name A B ...)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
 
 @dataclass(slots=True)

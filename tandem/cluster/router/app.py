@@ -57,8 +57,20 @@ class Router:
     def tokenizer(self, model: str) -> PromptTokenizer:
         if model not in self.tokenizers:  # loaded once, on first use (cheap after that)
             group = self.groups[model]
-            self.tokenizers[model] = PromptTokenizer(group.model if group.kind == "chat" else None)
+            self.tokenizers[model] = PromptTokenizer(group.model, group.engine) if group.kind == "chat" \
+                else PromptTokenizer(None)
         return self.tokenizers[model]
+
+    def resolve(self, model: object) -> tuple[ModelGroup | None, str | None]:
+        """The group a request's `model` names, and its precision suffix: `smollm2-135m:int4` is
+        group `smollm2-135m` with suffix int4 (passed on as it is: the instance checks it). A
+        group whose own name has a colon is matched whole first."""
+        if not isinstance(model, str):
+            return None, None
+        if model in self.groups:
+            return self.groups[model], None
+        base, _, suffix = model.rpartition(":")
+        return self.groups.get(base), suffix or None
 
     async def route(self, request: Request, kind: str) -> Response:
         raw = await request.body()
@@ -68,23 +80,46 @@ class Router:
                 raise ValueError("the body must be a JSON object")
         except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
             return json_error(400, f"body: invalid JSON ({e})")
-        model = body.get("model") or self.default_model(kind)
-        group = self.groups.get(model) if isinstance(model, str) else None
+        asked = body.get("model") or self.default_model(kind)
+        group, suffix = self.resolve(asked)
         if group is None:
-            self.metrics.failures.labels(str(model), "unknown_model").inc()
-            return json_error(404, f"The model `{model}` does not exist; this cluster serves "
+            self.metrics.failures.labels("", "unknown_model").inc()  # not the client's text: one series
+            return json_error(404, f"The model `{asked}` does not exist; this cluster serves "
                                    f"{', '.join(f'`{m}`' for m in self.groups)}.")
+        model = group.name
         if group.kind != kind:
             return json_error(400, f"model `{model}` is a {group.kind} model; it does not serve {request.url.path}")
+        if suffix is not None and kind != "chat":
+            return json_error(400, f"model `{asked}`: a precision suffix applies to chat models; `{model}` is "
+                                   f"an {group.kind} model", "invalid_request_error")
         path = request.url.path
         stream = bool(body.get("stream")) and kind == "chat"
         ids = await asyncio.to_thread(self.tokenizer(model).token_ids, path, body) if kind == "chat" else None
-        block_size = next((i.block_size for i in self.pool.group(model) if i.block_size), 0)
-        hashes = prefix_hashes(ids, block_size) if ids and block_size else []
+        group_insts = self.pool.group(model)
+        block_size = next((i.block_size for i in group_insts if i.block_size), 0)
+        default = next((i.precision for i in group_insts if i.precision), None)
+        precision = body.get("precision") if isinstance(body.get("precision"), str) else suffix
+        salt = precision if precision not in (None, default) else None  # the instance's cache namespace
+        hashes = prefix_hashes(ids, block_size, salt) if ids and block_size else []
         num_tokens = len(ids) if ids else len(raw) // 4  # a rough token count when not tokenized
-        if self.pd.applies(model):
+        self.metrics.requests.labels(model, path.removeprefix("/v1/")).inc()
+        if suffix is None and self.pd.applies(model):  # a variant is served whole by one instance
             return await self.pd.handle(model, path, body, stream, ids, hashes)
         return await self.proxy.forward(model, path, raw, stream, hashes, num_tokens, self.rcfg.max_attempts)
+
+    def model_cards(self) -> list[dict]:
+        """Every group, and each chat group's precision variants as a single server lists them
+        (`name:precision`, from what its instances report) when it serves more than one."""
+        cards = []
+        for g in self.groups.values():
+            card = {"object": "model", "created": 0, "owned_by": "tandem", "kind": g.kind}
+            insts = self.pool.group(g.name)
+            default = next((i.precision for i in insts if i.precision), None)
+            served = next((i.precisions for i in insts if i.precisions), ())
+            cards.append({"id": g.name, **card, **({"precision": default} if default else {})})
+            if len(served) > 1:
+                cards += [{"id": f"{g.name}:{p}", **card, "root": g.name, "precision": p} for p in served]
+        return cards
 
     def cluster_state(self) -> dict:
         return {i.id: {"url": i.url, "model": i.model, "kind": i.kind, "healthy": i.state.healthy,

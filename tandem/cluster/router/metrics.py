@@ -47,6 +47,9 @@ class RouterMetrics:
     def __init__(self, pool: InstancePool) -> None:
         self.pool = pool
         self.registry = r = CollectorRegistry()
+        self.requests = Counter("tandem_router:requests", "Requests the router took, by model and endpoint "
+                                "(once each, however many instances it tried).", ["model_name", "endpoint"],
+                                registry=r)
         self.routed = Counter("tandem_router:requests_routed", "Requests sent to an instance (each attempt).",
                               ["model_name", "instance"], registry=r)
         self.retries = Counter("tandem_router:retries", "Requests retried on another instance, by cause.",

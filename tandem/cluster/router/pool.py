@@ -28,6 +28,8 @@ class Instance:
     block_size: int = 0  # 0: no prefix hashing (embedding instances)
     inflight: int = 0  # requests the router has open on it
     pending: dict[int, int] = field(default_factory=dict)  # sent, first token not seen: key -> prompt tokens
+    precision: str | None = None  # the variant it serves by default (None: not reported, an embedding instance)
+    precisions: tuple[str, ...] = ()  # every variant a request may name (`model:precision`)
     kv_rank: int | None = None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
     last_error: str | None = None
     failed_at: float = float("-inf")  # when the router last saw it fail (time.monotonic())
@@ -123,3 +125,4 @@ class InstancePool:
             setattr(s, name, data.get(name, 0))
         s.cached_prefixes = frozenset(data.get("cached_prefixes") or ())
         inst.block_size = int(data.get("block_size") or 0)
+        inst.precision, inst.precisions = data.get("precision"), tuple(data.get("precisions") or ())

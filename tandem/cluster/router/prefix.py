@@ -5,8 +5,8 @@ instance reports when it holds that block."""
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import Any
-
 
 from tandem.core.block_pool import hash_block
 from tandem.server.protocol import ChatCompletionRequest
@@ -15,8 +15,11 @@ log = logging.getLogger(__name__)
 MAX_BLOCKS = 1024  # hash at most this many leading blocks of a prompt
 
 
-def prefix_hashes(token_ids: list[int], block_size: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    out, parent = [], None
+def prefix_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
+                  max_blocks: int = MAX_BLOCKS) -> list[int]:
+    """`salt`: the precision variant's cache namespace (None: the default variant's), chained
+    first as the instance's KV cache manager does, so a variant's blocks hash as it holds them."""
+    out, parent = [], None if salt is None else hash_block(None, (zlib.crc32(salt.encode()),))
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         out.append(parent)
@@ -24,15 +27,17 @@ def prefix_hashes(token_ids: list[int], block_size: int, max_blocks: int = MAX_B
 
 
 class PromptTokenizer:
-    """One model's tokenizer in the router; without one, only token-id prompts are hashed."""
+    """One model's tokenizer in the router, as its instances load it (their `engine` options'
+    tokenizer and chat template); without one, only token-id prompts are hashed."""
 
-    def __init__(self, model: str | None) -> None:
+    def __init__(self, model: str | None, engine: dict[str, Any] | None = None) -> None:
         self.tokenizer = None
         if model is None:
             return
+        engine = engine or {}
         try:
-            from tandem.models.loader import load_tokenizer, resolve_model
-            self.tokenizer = load_tokenizer(resolve_model(model))
+            from tandem.engine.tokenizer import get_tokenizer
+            self.tokenizer = get_tokenizer(model, engine.get("tokenizer"), engine.get("chat_template"))
         except (OSError, ValueError) as e:  # routing still works, only without prefix affinity
             log.warning("no tokenizer for %s (%s): prefix-aware routing only for token-id prompts", model, e)
 

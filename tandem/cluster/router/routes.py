@@ -41,8 +41,7 @@ async def embeddings(request: Request):
 
 @api.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [{"id": g.name, "object": "model", "created": 0, "owned_by": "tandem",
-                                        "kind": g.kind} for g in router_of(request).groups.values()]}
+    return {"object": "list", "data": router_of(request).model_cards()}
 
 
 @api.get("/health")

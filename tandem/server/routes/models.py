@@ -12,5 +12,5 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(request: Request):
     state = serving_state(request)
-    return {"object": "list", "data": model_cards(state.config.model_name, state.facts.precisions,
+    return {"object": "list", "data": model_cards(state.config.served_model_names, state.facts.precisions,
                                                   state.facts.max_model_len)}

@@ -61,6 +61,17 @@ function instances(insts) {
     "<th>in flight</th><th>running</th><th>waiting</th><th>preempted</th><th>KV usage</th></tr>" + rows.join("");
 }
 
+function models(rows) {
+  const names = Object.keys(rows || {});
+  document.getElementById("models-box").hidden = names.length === 0;
+  const ms = (a, b) => `${fmt(a)} / ${fmt(b)}`;
+  const body = names.map((m) => { const r = rows[m]; return `<tr><td>${m}</td><td>${fmt(r.requests_s, 2)}</td>` +
+    `<td>${fmt(r.running, 0)} / ${fmt(r.waiting, 0)}</td><td>${fmt(r.output_tok_s)}</td>` +
+    `<td>${ms(r.ttft_p50_ms, r.ttft_p99_ms)}</td><td>${fmt(r.e2e_p50_ms)}</td><td>${pct(r.kv_usage)}</td></tr>`; });
+  document.getElementById("models").innerHTML = "<tr><th>model</th><th>requests done/s</th><th>running / waiting</th>" +
+    "<th>output tok/s</th><th>TTFT p50 / p99 ms</th><th>E2E p50 ms</th><th>KV usage</th></tr>" + body.join("");
+}
+
 function chart(id, title, series, data) {
   const cols = [data.t, ...series.map(([k]) => data[k] || data.t.map(() => null))];
   let box = document.getElementById("chart-" + id);
@@ -94,6 +105,7 @@ async function poll() {
     document.getElementById("auth").hidden = true;
     document.getElementById("main").hidden = false;
     tiles(d.now);
+    models(d.now.models);
     instances(d.instances);
     for (const [id, title, series] of CHARTS) chart(id, title, series, d.series);
     updates += 1;
