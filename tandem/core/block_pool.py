@@ -7,6 +7,7 @@ and are evicted LRU, and only when no plain free block is left.
 """
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import KeysView
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Deterministic across processes (ints and tuples of ints are not salted, but None's
     hash is its address before Python 3.12), so instances and the router agree on hashes."""
     return hash((-1 if parent_hash is None else parent_hash, token_ids))
+
+
+def salt_hash(cache_salt: str | None) -> int | None:
+    """The parent hash of a prompt's first block: None, or its cache salt's (a precision
+    variant's KV lives in its own namespace; the router chains the same root)."""
+    return None if cache_salt is None else hash_block(None, (zlib.crc32(cache_salt.encode()),))
 
 
 class BlockPool:

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import itertools
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tandem.core.block_pool import BlockPool, KVBlock, hash_block
+from tandem.core.block_pool import BlockPool, KVBlock, hash_block, salt_hash
 from tandem.core.request import Request
 
 
@@ -74,7 +73,7 @@ class KVCacheManager:
         if self.max_prefix_tokens is not None:
             limit = min(limit, self.max_prefix_tokens)
         bs, tokens, blocks = self.block_size, req.all_token_ids, []
-        parent = _root_hash(req)
+        parent = salt_hash(req.cache_salt)
         for i in range(limit // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             parent = hash_block(parent, chunk)
@@ -111,7 +110,7 @@ class KVCacheManager:
             limit = min(limit, self.max_prefix_tokens)
         for i in range(len(hashes), min(limit // bs, len(blocks))):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else _root_hash(req), chunk)
+            h = hash_block(hashes[-1] if hashes else salt_hash(req.cache_salt), chunk)
             hashes.append(h)
             self.pool.cache_block(blocks[i], h, chunk)
 
@@ -273,8 +272,3 @@ class KVCacheManager:
             return 1.0
         return sum(self._req_tokens.values()) / (num_blocks * self.block_size)
 
-
-def _root_hash(req: Request) -> int | None:
-    """The parent hash of a request's first block: None, or its cache salt's (a variant's KV
-    lives in its own namespace)."""
-    return None if req.cache_salt is None else hash_block(None, (zlib.crc32(req.cache_salt.encode()),))

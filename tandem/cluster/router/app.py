@@ -27,6 +27,7 @@ from tandem.cluster.router.metrics import RouterMetrics
 from tandem.cluster.router.routes import api
 from tandem.server.dashboard import add_router_dashboard
 from tandem.server.middleware import BodySizeLimit
+from tandem.server.precision import split_model
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,7 @@ class Router:
         group whose own name has a colon is matched whole first."""
         if not isinstance(model, str):
             return None, None
-        if model in self.groups:
-            return self.groups[model], None
-        base, _, suffix = model.rpartition(":")
+        base, suffix = split_model(model, tuple(self.groups))
         return self.groups.get(base), suffix or None
 
     async def route(self, request: Request, kind: str) -> Response:

@@ -5,10 +5,9 @@ instance reports when it holds that block."""
 from __future__ import annotations
 
 import logging
-import zlib
 from typing import Any
 
-from tandem.core.block_pool import hash_block
+from tandem.core.block_pool import hash_block, salt_hash
 from tandem.server.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -19,7 +18,7 @@ def prefix_hashes(token_ids: list[int], block_size: int, salt: str | None = None
                   max_blocks: int = MAX_BLOCKS) -> list[int]:
     """`salt`: the precision variant's cache namespace (None: the default variant's), chained
     first as the instance's KV cache manager does, so a variant's blocks hash as it holds them."""
-    out, parent = [], None if salt is None else hash_block(None, (zlib.crc32(salt.encode()),))
+    out, parent = [], salt_hash(salt)
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         out.append(parent)
