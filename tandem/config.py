@@ -39,7 +39,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a share of free memory
-    gpu_memory_utilization: float | None = None  # the share of memory the KV pool sizes to (kv_cache_memory wins)
+    gpu_memory_utilization: float | None = None  # or the KV pool sized from a share of memory
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context, capped by the KV pool
@@ -86,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError("kv_cache_memory and gpu_memory_utilization both size the KV pool: give one of them")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -153,6 +153,7 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_from_a_share_of_memory():
     half = default_kv_cache_memory(cpu, 0.5)
     assert 0.4 < half / psutil.virtual_memory().available < 0.6  # what was available a moment ago
     assert default_kv_cache_memory(cpu) <= 2 << 30  # unset: a quarter, at most 2 GiB
-    for bad in (0, 1.5, -0.1):
+    for bad in (dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.5),
+                dict(gpu_memory_utilization=-0.1), dict(gpu_memory_utilization=0.5, kv_cache_memory=1 << 20)):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
-            EngineConfig(gpu_memory_utilization=bad)
+            EngineConfig(**bad)

@@ -50,7 +50,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="size the KV pool from a share of memory instead (0-1]: on CUDA the engine's share of the "
                         "device's total memory, as vLLM; on CPU the share of host memory available after the "
-                        "weights. --kv-cache-memory wins when both are given (default: unset)")
+                        "weights; not with --kv-cache-memory (default: unset)")
     g.add_argument("--swap-space", type=_swap_gib, default=None, metavar="GiB",
                    help="host memory for swapped-out KV blocks, in GiB or with a unit (e.g. 0.5 or 512MiB; "
                         "default 0.5 GiB)")
