@@ -63,7 +63,7 @@ def compare(args) -> dict:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for p in precisions:
-            r = in_subprocess(_RunPrecision(p), args, None)
+            r = in_subprocess(RunPrecision(p), args, None)
             prev = best.get(p)
             if prev is not None:
                 for b, v in prev["decode_tok_s"].items():
@@ -75,7 +75,7 @@ def compare(args) -> dict:
     return best
 
 
-class _RunPrecision:
+class RunPrecision:
     """Picklable `fn(args, requests)` for the spawned process."""
 
     def __init__(self, precision: str) -> None:
