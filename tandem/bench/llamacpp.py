@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tandem.flags import size_type
 
+LLAMA = "llama.cpp"
+
 
 def llama_cpp_tool(name: str, path: str | None) -> Path:
     """The llama.cpp binary `name`: `path` when given, else the one on PATH; refused in words
@@ -87,7 +89,8 @@ def _tandem_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def compare(args: argparse.Namespace) -> dict:
-    """Alternate the sides for `repeats` rounds (Tandem first in even rounds); keep each best."""
+    """Every side (each Tandem precision, then llama.cpp) for `repeats` rounds, the order
+    rotating by one each round; each figure keeps its best."""
     from tandem.bench.offline import in_subprocess
     from tandem.bench.quantization import RunPrecision
     from tandem.models.loader import gguf_source
@@ -96,33 +99,36 @@ def compare(args: argparse.Namespace) -> dict:
         raise ValueError(f"--model {args.model!r}: llama.cpp needs a .gguf file (or an alias of one)")
     command = batched_bench_command(llama_cpp_tool("llama-batched-bench", args.llama_batched_bench), gguf, args)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    best = {"tandem": dict.fromkeys(batches, 0.0), "llama.cpp": dict.fromkeys(batches, 0.0)}
-    tandem_run: dict = {}
+    sides = [*args.quantization.split(","), LLAMA]
+    best = {side: dict.fromkeys(batches, 0.0) for side in sides}
+    peak_rss_mb: dict[str, float] = {}
     for round_ in range(args.repeats):
-        for side in (("tandem", "llama.cpp") if round_ % 2 == 0 else ("llama.cpp", "tandem")):
-            if side == "tandem":
-                tandem_run = in_subprocess(RunPrecision(args.quantization), _tandem_args(args), None)
-                got = tandem_run["decode_tok_s"]
-            else:
+        for side in sides[round_ % len(sides):] + sides[:round_ % len(sides)]:
+            if side == LLAMA:
                 got = run_llama(command, batches)
+            else:
+                run = in_subprocess(RunPrecision(side), _tandem_args(args), None)
+                got, peak_rss_mb[side] = run["decode_tok_s"], run["peak_rss_mb"]
             best[side] = {b: max(best[side][b], got[b]) for b in batches}
-    return {"model": str(gguf), "precision": args.quantization, "llama_command": " ".join(command),
-            "decode_tok_s": best, "ratio": {b: best["tandem"][b] / best["llama.cpp"][b] for b in batches},
-            "tandem_peak_rss_mb": tandem_run.get("peak_rss_mb"), "tandem_dtype": tandem_run.get("dtype")}
+    return {"model": str(gguf), "llama_command": " ".join(command), "decode_tok_s": best,
+            "ratio": {side: {b: best[side][b] / best[LLAMA][b] for b in batches} for side in sides[:-1]},
+            "tandem_peak_rss_mb": peak_rss_mb}
 
 
 def print_table(report: dict) -> None:
-    print(f"{report['model']}: tandem {report['precision']} ({report['tandem_dtype']} activations) against "
-          f"`{report['llama_command']}`")
-    print(f"{'batch':>5} {'tandem tok/s':>13} {'llama.cpp S_TG':>15} {'tandem/llama.cpp':>17}")
-    for b, ratio in report["ratio"].items():
-        d = report["decode_tok_s"]
-        print(f"{b:>5} {d['tandem'][b]:>13.1f} {d['llama.cpp'][b]:>15.1f} {ratio:>16.2f}x")
+    print(f"{report['model']}, against `{report['llama_command']}`; decode tok/s")
+    sides = list(report["decode_tok_s"])
+    print(f"{'batch':>5} " + " ".join(f"{'tandem ' + s if s != LLAMA else 'llama.cpp S_TG':>15}" for s in sides)
+          + " " + " ".join(f"{s + '/llama.cpp':>15}" for s in report["ratio"]))
+    for b in report["decode_tok_s"][LLAMA]:
+        print(f"{b:>5} " + " ".join(f"{report['decode_tok_s'][s][b]:>15.1f}" for s in sides)
+              + " " + " ".join(f"{r[b]:>14.2f}x" for r in report["ratio"].values()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="a .gguf file or an alias of one (default smollm2-135m)")
-    p.add_argument("--quantization", default="int4", help="Tandem's precision (default int4)")
+    p.add_argument("--quantization", default="int4",
+                   help="Tandem's precision, or several comma-separated, each its own column (default int4)")
     p.add_argument("--dtype", default="auto", help="Tandem's float dtype (default auto)")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default 1,16)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
