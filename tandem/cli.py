@@ -42,11 +42,13 @@ COMMANDS = [
     ("bench", "structured", "tandem.bench.structured", "cost of structured outputs: tok/s constrained vs not, compile time"),
     ("bench", "kv-transfer", "tandem.bench.kv_transfer", "KV transfer latency and bandwidth between two processes (P/D)"),
     ("bench", "soak", "tandem.bench.soak", "mixed traffic with faults for a while: none lost, KV back, resources flat"),
+    ("bench", "llamacpp", "tandem.bench.llamacpp", "decode tok/s side by side with llama.cpp's llama-batched-bench on one GGUF"),
     ("bench", "fuzz", "tandem.bench.fuzz", "API fuzzing from the server's OpenAPI document (schemathesis): no 5xx, no hang"),
     (None, "analyze", "tandem.tools.analyze_cli", "workload analysis of a trace or request log"),
     (None, "profile", "tandem.tools.profile_cli", "measure the executor (or a roofline) into a cost model for plan / simulate"),
     (None, "plan", "tandem.tools.plan_cli", "prefill / decode instance counts and the elastic schedule for a traffic"),
     (None, "simulate", "tandem.tools.simulate_cli", "discrete-event cluster simulator driven by the real scheduling code"),
+    (None, "random-gguf", "tandem.tools.random_gguf", "write a random-weight Llama GGUF of a named shape (1b, 3b) for speed figures"),
     (None, "diagnose", "tandem.tools.diagnose_cli", "tail latency in three layers and fragmentation, from a run's records"),
 ]
 

@@ -18,18 +18,21 @@ DEFAULT_BATCHES = (1, 8, 32, 64)
 def run_precision(args, precision: str) -> dict:
     """One process: load the variant, then decode each batch size in turn."""
     import psutil
-    import torch
 
     from tandem import LLM, SamplingParams
     from tandem.bench.offline import _peak_rss_mb, until_first_tokens
+    from tandem.executor.device import resolve_device, resolve_dtype
+    from tandem.models.builder import resolve_precision
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import load_config, resolve_model
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    # KV for the largest batch (bf16, with a block of slack per request), not a share of the
-    # machine: peak RSS then shows the weights, not an untouched pool.
+    # KV for the largest batch (in the dtype the variant computes in, with a block of slack per
+    # request), not a share of the machine: peak RSS then shows the weights, not an untouched pool.
+    device = resolve_device(args.device)
+    kv_dtype = resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2]
     kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
     kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
-        torch.bfloat16) * kv_tokens
+        kv_dtype) * kv_tokens
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=precision,
               max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads)
     engine = llm.engine
@@ -63,7 +66,7 @@ def compare(args) -> dict:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for p in precisions:
-            r = in_subprocess(_RunPrecision(p), args, None)
+            r = in_subprocess(RunPrecision(p), args, None)
             prev = best.get(p)
             if prev is not None:
                 for b, v in prev["decode_tok_s"].items():
@@ -75,7 +78,7 @@ def compare(args) -> dict:
     return best
 
 
-class _RunPrecision:
+class RunPrecision:
     """Picklable `fn(args, requests)` for the spawned process."""
 
     def __init__(self, precision: str) -> None:

@@ -1,0 +1,70 @@
+"""`tandem bench llamacpp`: llama-batched-bench's table parsed from a captured run, its command
+built to match Tandem's decode steps, and a missing binary refused in words."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from tandem.bench import llamacpp
+from tandem.bench.llamacpp import batched_bench_command, llama_cpp_tool, parse_batched_bench, run_llama
+
+# Captured SAMPLE_PLACEHOLDER
+SAMPLE = """\
+main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |    127 |    1 |    255 |    0.123 |  1040.65 |    1.234 |   102.92 |    1.357 |   187.91 |
+|   128 |    127 |   16 |   4080 |    1.987 |  1030.70 |    6.543 |   310.56 |    8.530 |   478.31 |
+
+llama_perf_context_print:        load time =     123.45 ms
+"""
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"batch_sizes": "1,16", "prompt_len": 128, "output_len": 128, "num_threads": 2, **kw})
+
+
+def test_parses_the_table_by_its_header_names():
+    rows = parse_batched_bench(SAMPLE)
+    assert sorted(rows) == [1, 16]
+    assert rows[1]["S_TG t/s"] == 102.92 and rows[16]["S_TG t/s"] == 310.56
+    assert rows[16]["N_KV"] == 4080 and rows[16]["TG"] == 127
+
+
+def test_no_table_is_an_error_in_words():
+    with pytest.raises(ValueError, match="no llama-batched-bench table"):
+        parse_batched_bench("main: error: unable to load model\n")
+
+
+def test_command_decodes_the_same_steps_as_tandem():
+    cmd = batched_bench_command(Path("/bin/llama-batched-bench"), Path("m.gguf"), _args())
+    flags = dict(zip(cmd[1::2], cmd[2::2]))
+    assert flags == {"-m": "m.gguf", "-c": str(16 * 256), "-npp": "128", "-ntg": "127", "-npl": "1,16", "-t": "2"}
+
+
+def test_run_llama_reads_s_tg_and_misses_no_batch(tmp_path):
+    fake = tmp_path / "llama-batched-bench"
+    (tmp_path / "out.txt").write_text(SAMPLE)
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'out.txt'}\n")
+    fake.chmod(0o755)
+    assert run_llama([str(fake)], [1, 16]) == {1: 102.92, 16: 310.56}
+    with pytest.raises(ValueError, match=r"no row for batch size\(s\) \[32\]"):
+        run_llama([str(fake)], [1, 32])
+    fake.write_text("#!/bin/sh\necho 'error: unable to load model' >&2\nexit 1\n")
+    with pytest.raises(ValueError, match="failed \\(exit 1\\):\nerror: unable to load model"):
+        run_llama([str(fake)], [1])
+
+
+def test_missing_binary_is_refused_in_words(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="llama-batched-bench is not on PATH.*--llama-batched-bench PATH"):
+        llama_cpp_tool("llama-batched-bench", None)
+    with pytest.raises(FileNotFoundError, match="not an executable file"):
+        llama_cpp_tool("llama-batched-bench", str(tmp_path / "missing"))
+    args = _args(model="smollm2-135m", quantization="int4", dtype="auto", repeats=1, kv_cache_memory=None,
+                 seed=0, llama_batched_bench=None, json_path=None)
+    with pytest.raises(FileNotFoundError, match="not on PATH"):
+        llamacpp.main(args)
