@@ -83,6 +83,7 @@ def load_config(folder: Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path}: not a decoder LLM config (missing {', '.join(missing)})")
     rope = dict(config.get("rope_parameters") or {})
+    rope = dict(rope.get("full_attention", rope))  # Gemma 3: a set per layer type; the global one here
     config.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
         config.setdefault("rope_scaling", rope)
