@@ -14,15 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.models.layers import Linear, RMSNorm, RotaryEmbedding, StepRope, gelu_tanh_and_mul
-from tandem.models.llama import Attention, AttentionFactory, LlamaForCausalLM, ModelConfig
+from tandem.models.layers import RMSNorm, RotaryEmbedding, StepRope, gelu_tanh_and_mul
+from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausalLM, ModelConfig
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+class Gemma3MLP(MLP):
+    """The Llama MLP's fused [gate | up] projection, gated by gelu-tanh instead of silu."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(gelu_tanh_and_mul(self.gate_up_proj.forward(x)))
