@@ -5,7 +5,9 @@ and the MLP; the embedding scaled by sqrt(hidden); an attention scale from query
 an optional final logit soft cap.
 
 Gemma's RMSNorm scales by (1 + w); the weights are stored here with the 1 added at load time (in
-fp32, as transformers adds it), so the Llama RMSNorm and its fused native kernels serve them."""
+fp32, as transformers adds it), so the Llama RMSNorm and its fused native kernels serve them. A
+bf16 variant holds 1 + w rounded to bf16 (transformers multiplies by it in fp32): bf16 is not
+bit-exact with transformers anyway; fp32 is."""
 from __future__ import annotations
 
 from collections.abc import Iterable
