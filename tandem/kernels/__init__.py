@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -160,7 +161,15 @@ def _import(name: str, path: Path):
     return module
 
 
+KERNELS = ("cpu_paged_attention", "cpu_fused_ops", "cpu_quant_gemm")
+
+
 def prepare() -> dict[str, bool]:
-    """Build (or find) every native kernel; True for each that loads."""
-    return {"cpu_paged_attention": cpu_paged_attention() is not None, "cpu_fused_ops": cpu_fused_ops() is not None,
-            "cpu_quant_gemm": cpu_quant_gemm() is not None}
+    """Build (or find) every native kernel; True for each that loads. Each builds in a process of
+    its own, all at once: a build is one compiler on one core."""
+    if os.environ.get("TANDEM_NO_NATIVE") != "1":
+        code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); getattr(k, sys.argv[1])()"
+        builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in KERNELS]
+        for b in builds:
+            b.wait()
+    return {name: globals()[name]() is not None for name in KERNELS}

@@ -3,7 +3,10 @@
 // PyTorch code it replaces rounds (models/layers.py), so bf16 results are the same bits.
 // Serial on purpose: built without OpenMP, so the process keeps torch's one OpenMP team (a
 // second, spinning team made every oneDNN GEMM ~50x slower on 2 cores).
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
 #include <cmath>
 
 namespace {
@@ -26,9 +29,9 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   }
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous [T, H]");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   int64_t t = x.size(0), h = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -40,10 +43,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // (s, rms_norm(s)) with s = x + residual: the residual add and the next norm in one pass.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous(), "add_rms_norm: contiguous [T, H]");
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
+  auto sum = at::empty_like(x);
+  auto out = at::empty_like(x);
   int64_t t = x.size(0), h = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -63,7 +66,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 // Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, row] (q then k):
 // x * cos + rotate_half(x) * sin, cos and sin rounded to the dtype first, each product and the
 // sum rounded as PyTorch's elementwise ops round them. cos_sin: [max_pos, head_dim] fp32 (cos | sin).
-void rope_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, int64_t heads, int64_t head_dim) {
+void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, int64_t heads, int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_: [T, row] with unit inner stride");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "rope_: fp32 cos_sin table");
   int64_t t = qkv.size(0), row = qkv.stride(0), half = head_dim / 2;

@@ -3,8 +3,12 @@
 // so the query heads of a GQA group share every K/V row they read.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
 
 #include <algorithm>
 #include <cmath>
@@ -71,13 +75,13 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
 
 // q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; block_tables: [B, max_blocks] int64;
 // seq_lens: [B] int64 (context length including the query token). Returns [B, Hq, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     int64_t block_size, double scale, int64_t window) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens,
+                                  int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_attention supports head_dim 64, 128 or 256");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
@@ -93,9 +97,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // (q, k, v of one token per sequence, RoPE applied); writes k and v at slot_mapping [B] of
 // kv_cache [2, num_slots, Hkv, D], then attends. Returns [B, Hq * D]. At batch 1 the separate
 // split / index_copy_ / slice / copy ops around the kernel cost more than the attention.
-torch::Tensor paged_decode_qkv(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, int64_t num_heads,
-                               int64_t block_size, double scale, int64_t window) {
+at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot_mapping,
+                            at::Tensor block_tables, at::Tensor seq_lens, int64_t num_heads,
+                            int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.dim() == 4 && kv_cache.is_contiguous());
   TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type(), "paged_decode_qkv: qkv and cache dtypes differ");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && slot_mapping.is_contiguous());
@@ -104,7 +108,7 @@ torch::Tensor paged_decode_qkv(torch::Tensor qkv, torch::Tensor kv_cache, torch:
   const int64_t b = qkv.size(0), hkv = kv_cache.size(2), d = kv_cache.size(3), slots = kv_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_qkv supports head_dim 64, 128 or 256");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && slot_mapping.numel() == b && seq_lens.numel() >= b);
-  auto out = torch::empty({b, num_heads * d}, qkv.options());
+  auto out = at::empty({b, num_heads * d}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "paged_decode_qkv", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();

@@ -16,8 +16,10 @@
 // the gate and the matching tile of the up half together and writes silu(gate) * up, [M, I],
 // rounding where the unfused path rounds (gate and up to the output dtype, silu, the product):
 // at batch 1 the separate chunk / silu / mul ops cost more than the GEMM's own epilogue.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
 #include <immintrin.h>
 
 #include <type_traits>
@@ -177,14 +179,14 @@ struct Scratch {
 };
 
 // Quantise x's rows, then every 16-column tile in parallel, up to 4 rows per weight read.
-torch::Tensor run(const torch::Tensor& x, const Weights& p, bool silu_mul) {
+at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == p.k, "quant gemm: contiguous [M, K] input");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant gemm: float32 or bfloat16 input");
   TORCH_CHECK(!silu_mul || p.n % (2 * kTile) == 0, "quant gemm: silu_mul needs N % 32 == 0");
   const int64_t m = x.size(0), k = p.k, nb = k / kBlock, n_out = silu_mul ? p.n / 2 : p.n;
   thread_local Scratch scratch;
   scratch.q.resize(m * k), scratch.d.resize(m * nb), scratch.ds.resize(m * nb);
-  auto y = torch::empty({m, n_out}, x.options());
+  auto y = at::empty({m, n_out}, x.options());
   auto body = [&](auto* xp, auto* yp) {
     int8_t* qp = scratch.q.data();
     float *dp = scratch.d.data(), *dsp = scratch.ds.data();
@@ -232,11 +234,11 @@ bool supported() {
 }
 
 // codes [N, K] uint8 in [0, 15] -> the int4 tile layout above.
-torch::Tensor pack_int4(torch::Tensor codes) {
+at::Tensor pack_int4(at::Tensor codes) {
   TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, "pack_int4: [N % 16, K % 32]");
   const int64_t n = codes.size(0), k = codes.size(1);
   auto c = codes.to(at::kByte).contiguous();
-  auto out = torch::empty({n * k / 2}, c.options());
+  auto out = at::empty({n * k / 2}, c.options());
   const uint8_t* cp = c.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n / kTile; ++t)
@@ -251,11 +253,11 @@ torch::Tensor pack_int4(torch::Tensor codes) {
 }
 
 // qweight [N, K] int8 -> the int8 tile layout above.
-torch::Tensor pack_int8(torch::Tensor qweight) {
+at::Tensor pack_int8(at::Tensor qweight) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) % kTile == 0 && qweight.size(1) % kBlock == 0, "pack_int8: [N % 16, K % 32]");
   const int64_t n = qweight.size(0), k = qweight.size(1);
   auto w = qweight.to(at::kChar).contiguous();
-  auto out = torch::empty({n * k}, w.options().dtype(at::kByte));
+  auto out = at::empty({n * k}, w.options().dtype(at::kByte));
   const int8_t* wp = w.data_ptr<int8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n / kTile; ++t)
@@ -267,27 +269,27 @@ torch::Tensor pack_int8(torch::Tensor qweight) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 // y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16.
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor d, torch::Tensor m, int64_t n, bool silu_mul) {
+at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t n, bool silu_mul) {
   TORCH_CHECK(supported(), "int4_gemm: this CPU has no AVX512-VNNI / BF16");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
-  auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true}, silu_mul);
 }
 
 // y [M, N] = x W^T with int8 weights: packed from pack_int8, one fp32 scale per column.
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool silu_mul) {
+at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool silu_mul) {
   TORCH_CHECK(supported(), "int8_gemm: this CPU has no AVX512-VNNI / BF16");
   const int64_t k = x.size(-1), n = scales.numel();
   TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
   return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false}, silu_mul);
 }
 #else
-torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool) {
+at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool) {
   TORCH_CHECK(false, "int4_gemm: built without AVX512-VNNI / BF16");
 }
-torch::Tensor int8_gemm(torch::Tensor, torch::Tensor, torch::Tensor, bool) {
+at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
   TORCH_CHECK(false, "int8_gemm: built without AVX512-VNNI / BF16");
 }
 #endif

@@ -12,7 +12,8 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
@@ -48,6 +49,20 @@ class DecodeLeg:
     @property
     def instance_rid(self) -> str:
         return f"{self.id}-{self.n}"
+
+
+@dataclass(slots=True)
+class _LegRun:
+    """How one decode leg went: the tokens it streamed and why it ended (finished, moved, failed)."""
+
+    key: int  # the instance's busy mark
+    head: dict | None  # the prefill side's token, until a leg is up to follow it
+    got: list[int] = field(default_factory=list)
+    moved: dict | None = None  # the migrate event, when the leg ended by moving
+    failure: str | None = None
+    finished: bool = False
+    resp: httpx.Response | None = None
+    lines: AsyncIterator[str] | None = None
 
 
 def leg_sampling(sampling: dict, max_tokens: int | None, done: int) -> dict:
@@ -126,64 +141,75 @@ class DecodeChain:
         self.live[leg.id] = leg
         try:
             while True:
-                dec, resp, moved, got, failure, finished = leg.dec, None, None, [], None, False
-                key = dec.start(0)
-                r.metrics.routed.labels(dec.model, dec.id).inc()
+                dec = leg.dec
+                run = _LegRun(dec.start(0), head)
                 body = {"prompt": tokens, "transfer_id": tid, "kv_peer": src.kv_rank, "request_id": leg.instance_rid,
                         "sampling": leg_sampling(sampling, max_tokens, done)}
-                try:
-                    resp = await r.client.send(r.client.build_request("POST", dec.url + "/tandem/decode", json=body),
-                                               stream=True)
-                    if resp.status_code != 200:
-                        raise LegFailed(f"answered {resp.status_code}: {(await resp.aread())[:300]!r}")
-                    dec.first_token(key)
-                    if leg.move_to is dec:  # the move has landed (a new one may be asked for now)
-                        leg.move_to = None
-                    leg.num_tokens = len(tokens)
-                    if head is not None:
-                        yield head
-                        head = None
-                    lines = resp.aiter_lines()
-                    async for ev in leg_events(lines):
-                        if "migrate" in ev:
-                            moved = ev["migrate"]
-                            break
-                        got += ev.pop("token_ids", ())
-                        if ev.get("usage"):  # the leg counts its own tokens
-                            ev["usage"]["completion_tokens"] += done
-                        if "num_tokens" in ev:  # the leg's tokens so far (not the client's to see)
-                            leg.num_tokens = len(tokens) + ev.pop("num_tokens")
-                        finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
+                async with aclosing(self._stream_leg(leg, run, body, len(tokens), done)) as stream:
+                    async for ev in stream:  # closed at once if the client goes
                         yield ev
-                except httpx.HTTPError as e:
-                    if isinstance(e, httpx.TransportError):
-                        r.pool.mark_failed(dec, f"{type(e).__name__}: {e}")
-                    failure = f"{type(e).__name__}: {e}"
-                except LegFailed as e:
-                    failure = str(e)
-                finally:
-                    if moved is None:
-                        if resp is not None:
-                            await resp.aclose()
-                        dec.finish(key)
-                if failure is not None and not finished:
+                head = run.head
+                if run.failure is not None and not run.finished:
                     failed.append(dec.id)
-                    tokens, done = tokens + got, done + len(got)
-                    leg.dec, leg.move_to = self._resume_on(leg, failed, failure), None
+                    tokens, done = tokens + run.got, done + len(run.got)
+                    leg.dec, leg.move_to = self._resume_on(leg, failed, run.failure), None
                     leg.n, src, tid = leg.n + 1, dec, None
                     r.metrics.retries.labels(leg.model, "decode_leg_failed").inc()
                     continue
-                if moved is None:
+                if run.moved is None:
                     return
                 if leg.move_to is None:
                     raise RuntimeError(f"decode instance {dec.id} moved the request, but not at the router's asking")
-                self.background.spawn(kv_sent(r.metrics, dec, key, resp, lines))
+                self.background.spawn(kv_sent(r.metrics, dec, run.key, run.resp, run.lines))
                 r.metrics.migrations.labels(leg.model, dec.id, leg.move_reason).inc()
-                tokens, done = tokens + moved["token_ids"], done + len(moved["token_ids"])
+                tokens, done = tokens + run.moved["token_ids"], done + len(run.moved["token_ids"])
                 src, tid = dec, leg.transfer_id
                 leg.dec, leg.n = leg.move_to, leg.n + 1
         finally:
             self.live.pop(leg.id, None)
+
+    async def _stream_leg(self, leg: DecodeLeg, run: _LegRun, body: dict, num_prompt: int,
+                          done: int) -> AsyncIterator[dict]:
+        """One leg on `leg.dec`: `run.head` once it is up, then its chunks with the usage counted
+        from the request's start. How it ended goes into `run`; after a migration the response
+        stays open for the sender's KV report. `done`: the request's tokens before this leg."""
+        r, dec = self.router, leg.dec
+        r.metrics.routed.labels(dec.model, dec.id).inc()
+        try:
+            run.resp = await r.client.send(r.client.build_request("POST", dec.url + "/tandem/decode", json=body),
+                                           stream=True)
+            if run.resp.status_code != 200:
+                raise LegFailed(f"answered {run.resp.status_code}: {(await run.resp.aread())[:300]!r}")
+            dec.first_token(run.key)
+            if leg.move_to is dec:  # the move has landed (a new one may be asked for now)
+                leg.move_to = None
+            leg.num_tokens = num_prompt
+            if run.head is not None:
+                yield run.head
+                run.head = None
+            run.lines = run.resp.aiter_lines()
+            async for ev in leg_events(run.lines):
+                if "migrate" in ev:
+                    run.moved = ev["migrate"]
+                    break
+                run.got += ev.pop("token_ids", ())
+                if ev.get("usage"):  # the leg counts its own tokens
+                    ev["usage"]["completion_tokens"] += done
+                if "num_tokens" in ev:  # the leg's tokens so far (not the client's to see)
+                    leg.num_tokens = num_prompt + ev.pop("num_tokens")
+                run.finished = run.finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
+                yield ev
+        except httpx.HTTPError as e:
+            if isinstance(e, httpx.TransportError):
+                r.pool.mark_failed(dec, f"{type(e).__name__}: {e}")
+            run.failure = f"{type(e).__name__}: {e}"
+        except LegFailed as e:
+            run.failure = str(e)
+        finally:
+            if run.moved is None:
+                if run.resp is not None:
+                    await run.resp.aclose()
+                dec.finish(run.key)
 
     def _resume_on(self, leg: DecodeLeg, failed: list[str], failure: str) -> Instance:
         """Another decode instance with room for the request (the most free KV), or LegFailed."""
