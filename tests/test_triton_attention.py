@@ -1,6 +1,7 @@
 """The Triton KV write and unified paged attention agree with the PyTorch reference
 (executor/attention.py) on mixed batches: decodes and prefill chunks with and without a
-cached prefix, GQA, head_dim 32/64/128, block sizes 16/32. On CPU they run under
+cached prefix, GQA, head_dim 32/64/128 (256 with a sliding window), block sizes 16/32, sliding
+windows. On CPU they run under
 TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), on tiny shapes."""
 from __future__ import annotations
 
@@ -95,6 +96,25 @@ def test_unified_attention_matches_torch_reference(dtype, tol, heads, kv_heads, 
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 1, 256)])
+@pytest.mark.parametrize("window", [5, 20])
+def test_sliding_window_matches_torch_reference(heads, kv_heads, head_dim, window):
+    """A sliding-window layer: windows shorter than the chunks and contexts, in fp32."""
+    g = torch.Generator().manual_seed(1)
+    bs, query_lens, context_lens = 8, [1, 1, 9, 30], [3, 40, 33, 0]
+    block_tables, seq_lens, qsl, slots = _batch(query_lens, context_lens, bs, 64, g)
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(DEVICE) for h in (heads, kv_heads, kv_heads))
+    cache = torch.randn(2, 64 * bs, kv_heads, head_dim, generator=g).to(DEVICE)
+    meta = _reference_meta(block_tables, seq_lens, qsl, slots, query_lens, bs)
+    attn = TorchAttention(heads, kv_heads, head_dim, scale=0.1, sliding_window=window)
+    ref = attn.forward(q, k, v, cache.clone(), meta).view(t, heads, head_dim)
+    triton_attention.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    out = triton_attention.unified_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                             max(query_lens), bs, 0.1, window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_kv_write_skips_padding_slots():
     """A CUDA-graph batch pads with slot -1: those tokens write nothing."""
     k = torch.ones(3, 2, 32, device=DEVICE)
@@ -104,7 +124,8 @@ def test_kv_write_skips_padding_slots():
     assert cache[:, [i for i in range(16) if i not in (0, 5)]].eq(0).all()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # head_dim 16 (GQA) and 32
+# head_dim 16 (GQA) and 32; Gemma 3 (sliding windows shorter than the prompts) takes ~30 s interpreted
+@pytest.mark.parametrize("kind", ["llama", "qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_engine_on_triton_matches_hf(kind, tiny_model_dirs):
     """Through the model runner: mixed batches, chunked prefill and prefix hits on the Triton
     backend give transformers' greedy tokens."""

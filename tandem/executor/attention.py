@@ -16,7 +16,7 @@ writes the layer's K/V and one attends for the whole batch (executor/triton_atte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import importlib.util
 import os
@@ -60,6 +60,41 @@ class AttentionMetadata:
     decode_kernel: Callable | None = None  # native paged decode attention, when available
     triton: bool = False  # the Triton kernels run the whole batch
     max_query_len: int = 1
+    # sliding window -> (decodes, prefills) that see only it: built by the first layer of that
+    # window in a step, shared by the others
+    windowed: dict[int, tuple[list[DecodeBucket], list[PrefillSpan]]] = field(default_factory=dict)
+
+    def rows_for(self, window: int | None) -> tuple[list[DecodeBucket], list[PrefillSpan]]:
+        """The step's SDPA decode buckets and prefill spans for a layer with this sliding window."""
+        if window is None:
+            return self.decodes, self.prefills
+        if window not in self.windowed:
+            self.windowed[window] = (
+                [_windowed_bucket(b, self.seq_lens[b.start:b.end], window) for b in self.decodes],
+                [_windowed_span(span, window) for span in self.prefills])
+        return self.windowed[window]
+
+
+def _windowed_bucket(bucket: DecodeBucket, seq_lens: torch.Tensor, window: int) -> DecodeBucket:
+    """The bucket's mask also hides the keys before each row's last `window` positions."""
+    grid = torch.arange(bucket.mask.shape[-1], device=bucket.mask.device)
+    recent = grid[None, :] >= (seq_lens - window)[:, None]
+    return DecodeBucket(bucket.start, bucket.end, bucket.slots, bucket.mask & recent[:, None, None, :])
+
+
+def _windowed_span(span: PrefillSpan, window: int) -> PrefillSpan:
+    """The span with only the keys some query of it can see (the window before its first query
+    on), and the mask of each query's window: key k is seen from query q when q - window < k <= q
+    (transformers' sliding window)."""
+    seq_len, q_len = span.context_slots.shape[0], span.q_end - span.q_start
+    first = seq_len - q_len  # the first query's position
+    if first == 0 and q_len <= window:
+        return span  # plain causal already sees only the window
+    lo = max(0, first - window + 1)
+    device = span.context_slots.device
+    q_pos = torch.arange(first, seq_len, device=device)[:, None]
+    k_pos = torch.arange(lo, seq_len, device=device)[None, :]
+    return PrefillSpan(span.q_start, span.q_end, span.context_slots[lo:], (k_pos <= q_pos) & (k_pos > q_pos - window))
 
 
 def build_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
@@ -142,10 +177,15 @@ class TorchAttention:
     """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when meta.triton.
     KV cache layout: [2, num_slots, num_kv_heads, head_dim]."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.window_arg = sliding_window or 0  # the kernels' form: 0, the whole context
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -157,7 +197,7 @@ class TorchAttention:
             triton_attention.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
             return triton_attention.unified_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                meta.block_size, self.scale).view(q.shape[0], -1)
+                meta.block_size, self.scale, self.window_arg).view(q.shape[0], -1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -165,10 +205,11 @@ class TorchAttention:
         nd = meta.num_decodes
         if nd and meta.decode_kernel is not None:
             out[:nd] = meta.decode_kernel(q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd],
-                                          meta.seq_lens[:nd], meta.block_size, self.scale)
-        for bucket in meta.decodes:
+                                          meta.seq_lens[:nd], meta.block_size, self.scale, self.window_arg)
+        decodes, prefills = meta.rows_for(self.sliding_window)
+        for bucket in decodes:
             out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], k_cache, v_cache, bucket)
-        for span in meta.prefills:
+        for span in prefills:
             out[span.q_start:span.q_end] = self._prefill(
                 q[span.q_start:span.q_end], k_cache, v_cache, span)
         return out.view(q.shape[0], -1)
@@ -180,7 +221,8 @@ class TorchAttention:
         if meta.decode_kernel is None or meta.triton or meta.num_decodes != qkv.shape[0] or not qkv.is_contiguous():
             return None
         return cpu_paged_attention().paged_decode_qkv(qkv, kv_cache, meta.slot_mapping, meta.block_tables,
-                                                      meta.seq_lens, self.num_heads, meta.block_size, self.scale)
+                                                      meta.seq_lens, self.num_heads, meta.block_size, self.scale,
+                                                      self.window_arg)
 
     def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:
         # One query token per sequence: fold the query heads of a KV group into the

@@ -81,12 +81,13 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, denom, acc
 
-    # num_seqs and block_size are plain arguments, not specialised: one compiled kernel serves
-    # every batch (1 included) and block size of a model.
-    @triton.jit(do_not_specialize=["num_seqs", "block_size"])
+    # num_seqs, block_size and window are plain arguments, not specialised: one compiled kernel
+    # serves every batch (1 included), block size and layer of a model. window > 0: a
+    # sliding-window layer, where a query sees only its last `window` positions.
+    @triton.jit(do_not_specialize=["num_seqs", "block_size", "window"])
     def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-        scale, num_seqs, block_size,
+        scale, num_seqs, block_size, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -115,8 +116,10 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
             # Keys this program can see: up to its last query token's position.
             kv_end = tl.minimum(seq_len, context + first + BLOCK_Q)
+            # ... and, in a sliding-window layer, from its first query token's window on.
+            kv_start = tl.where(window > 0, tl.maximum(context + first - window + 1, 0), 0)
             offs = tl.arange(0, TILE)
-            for j in range(0, tl.cdiv(kv_end, TILE)):
+            for j in range(kv_start // TILE, tl.cdiv(kv_end, TILE)):
                 # A tile is one KV block, or several when blocks are smaller than a tl.dot tile.
                 k_pos = j * TILE + offs
                 k_ok = k_pos < kv_end
@@ -127,7 +130,8 @@ if triton is not None:
                 else:
                     s = tl.dot(q, tl.trans(k))
                 s = s * scale
-                s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+                seen = (k_pos[None, :] <= q_pos[:, None]) & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+                s = tl.where(seen, s, float("-inf"))
                 m, denom, acc = _online_softmax_step(s, v, m, denom, acc, IEEE)
             acc = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
             tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -156,10 +160,11 @@ def _tiles(group: int, max_query_len: int, block_size: int) -> tuple[int, int, i
 
 def unified_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor, max_query_len: int, block_size: int, scale: float,
+    query_start_loc: torch.Tensor, max_query_len: int, block_size: int, scale: float, window: int = 0,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (the batch's query tokens, sequence after sequence); returns [T, Hq, D].
-    seq_lens are context lengths after this step; query_start_loc is [num_seqs + 1]."""
+    seq_lens are context lengths after this step; query_start_loc is [num_seqs + 1]; window > 0:
+    each query sees only its last `window` positions (a sliding-window layer)."""
     num_tokens, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads = k_cache.shape[1]
@@ -170,7 +175,7 @@ def unified_attention(
     # An upper bound on the q blocks over all sequences; programs past the last one exit.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs, block_size,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs, block_size, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), TILE=tile,

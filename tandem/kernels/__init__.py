@@ -104,8 +104,8 @@ def cpu_paged_attention():
 
 def cpu_paged_decode(head_dim: int):
     """The native paged decode-attention function for a model of this head_dim (the kernel
-    is built for 64 and 128), or None: attention then runs on the SDPA buckets."""
-    ext = cpu_paged_attention() if head_dim in (64, 128) else None
+    is built for 64, 128 and 256), or None: attention then runs on the SDPA buckets."""
+    ext = cpu_paged_attention() if head_dim in (64, 128, 256) else None
     return ext.paged_decode_attention if ext is not None else None
 
 

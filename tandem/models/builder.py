@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.gguf_quants import Int4Codes, read_int4_tensors
-from tandem.models.layers import Linear
+from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import iter_weights
 from tandem.models.quantization import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear
@@ -50,10 +51,12 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
                 attention: AttentionFactory, gguf_path: Path | None = None) -> LlamaForCausalLM:
     """weights: "float" (the activation dtype) or one of QUANTIZED."""
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, attention)
+        model = (Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM)(cfg, attention)
     model.load_weights(iter_weights(model_dir))
     model.to(dtype)
-    model.rotary.cos_sin = model.rotary.cos_sin.float()
+    for rotary in model.modules():
+        if isinstance(rotary, RotaryEmbedding):  # the RoPE tables stay fp32
+            rotary.cos_sin = rotary.cos_sin.float()
     model.eval()
     if weights == "float":
         if device.type == "cpu":
@@ -80,7 +83,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights the variant holds: parameters, buffers (the rotary table excluded) and
     the kernel-packed copies that replaced plain weights."""
-    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if not n.startswith("rotary.")]
+    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if not n.endswith("cos_sin")]
     for module in model.modules():
         tensors += [getattr(module, a, None) for a in ("packed", "codes", "packed_lm_head")]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -24,6 +24,7 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -40,6 +41,14 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Architectures whose layers name some tensors otherwise (Gemma's norms around attention and MLP).
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp's convert_hf_to_gguf stores Gemma 3's RMSNorm weights w as 1 + w (its `norm_shift`,
+# the (1 + w) of Gemma3RMSNorm): every `*norm.weight` tensor, undone here.
+_NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
 
 # Strings whose token ids must survive the tokenizer save/reload round trip.
@@ -64,13 +73,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         _save_tokenizer(reader, gguf_path, out_dir, config["max_position_embeddings"])
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name (e.g. `blk.3.attn_q.weight`) to its Hugging Face name."""
     base, _, kind = gguf_name.rpartition(".")
     layer = _LAYER_NAME.fullmatch(base)
+    tensors = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
     if kind in ("weight", "bias"):
-        if layer and layer[2] in _LAYER_TENSORS:
-            return f"model.layers.{layer[1]}.{_LAYER_TENSORS[layer[2]]}.{kind}"
+        if layer and layer[2] in tensors:
+            return f"model.layers.{layer[1]}.{tensors[layer[2]]}.{kind}"
         if base in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[base]}.{kind}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
@@ -81,13 +91,20 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hf_norm_weight(arch: str, gguf_name: str, w: np.ndarray) -> np.ndarray:
+    """A norm weight as Hugging Face stores it: Gemma 3's without llama.cpp's norm shift."""
+    shift = _NORM_SHIFT.get(arch)
+    return w - np.float32(shift) if shift and gguf_name.endswith("norm.weight") else w
+
+
 def _convert_tensors(reader: GGUFReader, arch: str) -> dict[str, torch.Tensor]:
-    """Dequantise every tensor to fp32 in HF layout; llama q/k are un-permuted (qwen GGUFs never are)."""
+    """Dequantise every tensor to fp32 in HF layout; llama q/k are un-permuted (qwen and gemma3
+    GGUFs never are), Gemma's norms un-shifted."""
     n_head = _meta(reader, f"{arch}.attention.head_count")
     n_head_kv = _meta(reader, f"{arch}.attention.head_count_kv", n_head)
     weights = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:  # a quantisation type the gguf package cannot decode
@@ -97,6 +114,7 @@ def _convert_tensors(reader: GGUFReader, arch: str) -> dict[str, torch.Tensor]:
             w = unpermute_qk(w, n_head)
         elif arch == "llama" and ".attn_k." in t.name:
             w = unpermute_qk(w, n_head_kv)
+        w = hf_norm_weight(arch, t.name, w)
         weights[name] = torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
     return weights
 
@@ -134,7 +152,29 @@ def _build_config(reader: GGUFReader, arch: str, weights: dict[str, torch.Tensor
         original = _meta(reader, f"{arch}.rope.scaling.original_context_length", None)
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = original
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, config))
     return config
+
+
+def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's own fields. llama.cpp fixes what the file may leave out: every 6th layer
+    global, local RoPE base 10000, attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) on
+    the 62-layer 27B)."""
+    layers = config["num_hidden_layers"]
+    pattern = _meta(reader, "gemma3.attention.sliding_window_pattern", 6)
+    sliding = list(pattern) if isinstance(pattern, list) else [bool((i + 1) % pattern) for i in range(layers)]
+    big = layers == 62
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _meta(reader, "gemma3.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": _meta(reader, "gemma3.rope.freq_base_swa", 10000.0),
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"],
+        "final_logit_softcapping": _meta(reader, "gemma3.final_logit_softcapping", None),
+        "attn_logit_softcapping": None,
+    }
 
 
 def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, context_length: int) -> None:

