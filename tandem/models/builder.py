@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.models.batch_invariant import make_batch_invariant
 from tandem.models.gguf_quants import Int4Codes, read_int4_tensors
 from tandem.models.layers import Linear
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
@@ -47,8 +48,10 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
 
 
 def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
-                attention: AttentionFactory, gguf_path: Path | None = None) -> LlamaForCausalLM:
-    """weights: "float" (the activation dtype) or one of QUANTIZED."""
+                attention: AttentionFactory, gguf_path: Path | None = None,
+                deterministic: bool = False) -> LlamaForCausalLM:
+    """weights: "float" (the activation dtype) or one of QUANTIZED. deterministic: float GEMMs
+    on the batch-invariant kernel (models/batch_invariant.py) instead of oneDNN's packing."""
     with torch.device(device):
         model = LlamaForCausalLM(cfg, attention)
     model.load_weights(iter_weights(model_dir))
@@ -56,7 +59,9 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
     model.rotary.cos_sin = model.rotary.cos_sin.float()
     model.eval()
     if weights == "float":
-        if device.type == "cpu":
+        if deterministic:
+            make_batch_invariant(model)
+        elif device.type == "cpu":
             model.pack_for_cpu()
         return model
     if weights not in QUANTIZED:
