@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -30,17 +31,23 @@ inline __m256 widen8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// MR rows x NP panels: acc[r][2p + h] holds columns 8h .. 8h + 7 of panel p for row r.
+// MR rows x NP panels: acc[r][2p + h] holds columns 8h .. 8h + 7 of panel p for row r. The
+// unroll pragmas matter: unrolled before scalar replacement, acc lives in registers (else GCC
+// keeps a stack copy and stores every accumulator every k).
 template <typename W, int MR, int NP>
 void tile(const float* x, int64_t ldx, const W* w, int64_t k, float* out) {
   __m256 acc[MR][2 * NP];
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
     for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_setzero_ps();
   const int64_t panel = k * kPanel;
   for (int64_t i = 0; i < k; ++i) {
+#pragma GCC unroll 16
     for (int p = 0; p < NP; ++p) {
       const W* wp = w + p * panel + i * kPanel;
       const __m256 w0 = widen8(wp), w1 = widen8(wp + 8);
+#pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);
         acc[r][2 * p] = _mm256_fmadd_ps(b, w0, acc[r][2 * p]);
@@ -48,7 +55,9 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t k, float* out) {
       }
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
     for (int j = 0; j < 2 * NP; ++j) _mm256_storeu_ps(out + r * NP * kPanel + j * 8, acc[r][j]);
 }
 #else
@@ -89,28 +98,50 @@ TileFn<W> one_panel(int rows) {
   return fns[rows - 1];
 }
 
+// Rows [m0, m0 + rows) x panels [p, p + np) of the tile buffer into y, bias added, rounded.
+template <typename T>
+void store(const float* buf, int rows, int64_t np, int64_t m0, int64_t p, int64_t n, const float* bias, T* y) {
+  const int64_t end = std::min(n, (p + np) * kPanel);
+  for (int r = 0; r < rows; ++r) {
+    const float* src = buf + r * np * kPanel - p * kPanel;
+    T* dst = y + (m0 + r) * n;
+    for (int64_t col = p * kPanel; col < end; ++col) dst[col] = static_cast<T>(bias ? src[col] + bias[col] : src[col]);
+  }
+}
+
+// Threads split the output panels. Within a thread, rows go in blocks whose activations stay in
+// L2 (~192 KB); each panel's weights are read once per block, by every 6-row tile of it, and the
+// block's last rows (fewer than 6) take a tile as wide as their registers allow.
 template <typename W, typename T>
 void run_gemm(const float* x, int64_t m, int64_t k, const W* w, int64_t n, const float* bias, T* y) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t block = std::max<int64_t>(kMaxRows, (48 * 1024 / k) / kMaxRows * kMaxRows);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float buf[kMaxRows * 4 * kPanel];
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min(kMaxRows, m - m0));
-      TileFn<W> wide;
-      const int64_t np = panels_for<W>(rows, &wide);
-      for (int64_t p = p0; p < p1;) {
-        const int64_t take = p + np <= p1 ? np : 1;
-        (take == np ? wide : one_panel<W>(rows))(x + m0 * k, k, w + p * k * kPanel, k, buf);
-        for (int r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < take * kPanel; ++c) {
-            const int64_t col = p * kPanel + c;
-            if (col >= n) break;
-            float v = buf[r * take * kPanel + c];
-            if (bias) v += bias[col];
-            y[(m0 + r) * n + col] = static_cast<T>(v);
+    for (int64_t b0 = 0; b0 < m; b0 += block) {
+      const int64_t b1 = std::min(m, b0 + block);
+      const int tail = static_cast<int>((b1 - b0) % kMaxRows);
+      const int64_t full_end = b1 - tail;
+      TileFn<W> wide = nullptr;
+      const int64_t np = tail ? panels_for<W>(tail, &wide) : 1;
+      for (int64_t p = p0; p < p1; p += np) {
+        const int64_t take = std::min(np, p1 - p);
+        for (int64_t q = p; q < p + take; ++q) {
+          for (int64_t m0 = b0; m0 < full_end; m0 += kMaxRows) {
+            tile<W, kMaxRows, 1>(x + m0 * k, k, w + q * k * kPanel, k, buf);
+            store(buf, kMaxRows, 1, m0, q, n, bias, y);
           }
         }
-        p += take;
+        if (!tail) continue;
+        if (take == np) {
+          wide(x + full_end * k, k, w + p * k * kPanel, k, buf);
+          store(buf, tail, np, full_end, p, n, bias, y);
+        } else {
+          for (int64_t q = p; q < p + take; ++q) {
+            one_panel<W>(tail)(x + full_end * k, k, w + q * k * kPanel, k, buf);
+            store(buf, tail, 1, full_end, q, n, bias, y);
+          }
+        }
       }
     }
   });
