@@ -109,14 +109,16 @@ void store(const float* buf, int rows, int64_t np, int64_t m0, int64_t p, int64_
   }
 }
 
-// Threads split the output panels. Within a thread, rows go in blocks whose activations stay in
+// Threads split the output panels (the split never changes a column's arithmetic). Within a thread, rows go in blocks whose activations stay in
 // L2 (~192 KB); each panel's weights are read once per block, by every 6-row tile of it, and the
 // block's last rows (fewer than 6) take a tile as wide as their registers allow.
 template <typename W, typename T>
 void run_gemm(const float* x, int64_t m, int64_t k, const W* w, int64_t n, const float* bias, T* y) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t block = std::max<int64_t>(kMaxRows, (48 * 1024 / k) / kMaxRows * kMaxRows);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // A thread takes at least ~1M multiply-adds: below that, waking the team costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / (m * k * kPanel));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     float buf[kMaxRows * 4 * kPanel];
     for (int64_t b0 = 0; b0 < m; b0 += block) {
       const int64_t b1 = std::min(m, b0 + block);
