@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from conftest import write_tiny_model
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_invariant_gemm, cpu_paged_decode
 
@@ -29,18 +29,9 @@ PRECISIONS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """A tied-embedding Llama and a Qwen2 (qkv biases, untied head)."""
     import transformers as tf
-    out = {}
-    for kind, config in (("llama", tf.LlamaConfig(**TINY, tie_word_embeddings=True)),
-                         ("qwen2", tf.Qwen2Config(**TINY, tie_word_embeddings=False))):
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        for layer in model.model.layers if kind == "qwen2" else ():
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.3)
-        path = tmp_path_factory.mktemp(f"det-{kind}")
-        model.save_pretrained(path)
-        out[kind] = str(path)
-    return out
+    return {kind: write_tiny_model(config, tmp_path_factory.mktemp(f"det-{kind}"))
+            for kind, config in (("llama", tf.LlamaConfig(**TINY, tie_word_embeddings=True)),
+                                 ("qwen2", tf.Qwen2Config(**TINY, tie_word_embeddings=False)))}
 
 
 def _prompts() -> list[list[int]]:
