@@ -74,7 +74,7 @@ def alone(model_dirs) -> dict:
     return out
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["llama", "qwen2"]), precision=st.sampled_from(list(PRECISIONS)), seeded=st.booleans(),
        indices=st.lists(st.integers(0, len(PROMPTS) - 1), min_size=1, max_size=8, unique=True),
        max_num_batched_tokens=st.sampled_from([8, 17, 64, 2048]), max_num_seqs=st.integers(1, 8),
