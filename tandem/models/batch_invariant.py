@@ -25,12 +25,12 @@ class InvariantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", cpu_invariant_gemm().pack(weight.contiguous()))
+        self.register_buffer("panels", cpu_invariant_gemm().pack(weight.contiguous()))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = cpu_invariant_gemm().gemm(x2d, self.packed, self.bias, self.out_features)
+        y = cpu_invariant_gemm().gemm(x2d, self.panels, self.bias, self.out_features)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
