@@ -14,7 +14,7 @@ from tandem.core.spec_decode import SpeculativeConfig
 from tandem.flags import parse_size
 
 log = logging.getLogger(__name__)
-KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "speculative_decoding")
+KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "speculative_decoding", "deterministic")
 # Quantisation: a precision names one variant of the model. fp16 is the device's 16-bit float
 # (bf16 on CPU, float16 on CUDA); int8 / int4 are weight-only, activations in the engine dtype.
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "int4")
@@ -74,6 +74,9 @@ class EngineConfig:
     precision_classes: dict[str, str] | None = None  # request class (priority name) -> precision
     # Speculative decoding (core/spec_decode.py): a dict of SpeculativeConfig keys, kept as one.
     speculative_config: SpeculativeConfig | dict | None = None
+    # A request's tokens do not depend on what shares its steps (batch-invariant kernels,
+    # every position attended as a one-token row; models/batch_invariant.py). CPU only for now.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -92,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         self._check_precisions()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
@@ -148,7 +153,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
     prefix cache; serving.engine holds any other EngineConfig field by name (kv_cache_memory and
     swap_space in bytes, or a string with a unit: "4GiB");
-    serving.speculative_decoding.{draft_model, verify_interval} is speculative_config.
+    serving.speculative_decoding.{draft_model, verify_interval} is speculative_config;
+    serving.deterministic (true / false) is deterministic.
     section "server": serving.server (host-independent server options, e.g. api_key).
     """
     try:
@@ -177,6 +183,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     for key in ("kv_cache_memory", "swap_space"):  # bytes, or a size with its unit ("4GiB")
         if isinstance(out.get(key), str):
             out[key] = parse_size(out[key])
+    if "deterministic" in serving:
+        out["deterministic"] = serving["deterministic"]
     out.update(_quantization_options(serving.get("quantization"), path))
     if serving.get("speculative_decoding"):
         out["speculative_config"] = SpeculativeConfig.from_yaml(serving["speculative_decoding"])

@@ -55,23 +55,26 @@ def _tiny_config(kind: str):
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    return {kind: write_tiny_model(_tiny_config(kind), tmp_path_factory.mktemp(f"tiny-{kind}"))
+            for kind in ("llama", "qwen2", "qwen3", "mistral", "gemma3")}
+
+
+def write_tiny_model(config, path) -> str:
+    """A random model of this transformers config saved at `path` (seed 0); a Qwen2's qkv biases
+    random too, so the bias path is really exercised."""
     import transformers as tf
-    out = {}
-    for kind in ("llama", "qwen2", "qwen3", "mistral", "gemma3"):
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32)
-        if kind == "qwen2":  # random biases, so the qkv bias path is really exercised
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    torch.nn.init.normal_(proj.bias, std=0.3)
-        if kind == "gemma3":  # Gemma's norms start at w = 0 (a scale of 1 + w): make them matter
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    torch.nn.init.normal_(param, std=0.3)
-        path = tmp_path_factory.mktemp(f"tiny-{kind}")
-        model.save_pretrained(path)
-        out[kind] = str(path)
-    return out
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if config.model_type == "qwen2":
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.3)
+    if config.model_type == "gemma3_text":  # Gemma's norms start at w = 0 (a scale of 1 + w): make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(param, std=0.3)
+    model.save_pretrained(path)
+    return str(path)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -96,3 +96,16 @@ def test_ngram_proposes_what_followed_the_longest_suffix():
     assert p.propose([5, 6, 7]) == []
     assert p.propose([7] * 8) == [7, 7, 7]  # a repeating tail: a match with k tokens after it
     assert NgramProposer(3, min_n=2, max_n=2).propose([1, 2, 3, 1]) == []
+
+
+def test_a_seeded_stream_drops_the_rejected_positions_draws():
+    """Verifying drafts draws one row of noise per position; after a rejection the generator is
+    where sampling the emitted tokens alone would have left it, so later tokens equal speculation off."""
+    torch.manual_seed(0)
+    logits, params = torch.randn(4, V), SamplingParams(temperature=1.0, seed=3, max_tokens=8)
+    spec, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    verify = RejectionSampler(Sampler())
+    [(tokens, _)] = verify(logits, [VerifyRow(params, [], [], spec, None, [V, V, V])], torch.device("cpu"))
+    assert len(tokens) == 1  # draft V is never a token: the first position rejects
+    [(alone, _)] = verify(logits[:1], [VerifyRow(params, [], [], plain, None, [])], torch.device("cpu"))
+    assert alone == tokens and torch.equal(spec.get_state(), plain.get_state())

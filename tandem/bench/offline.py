@@ -40,7 +40,7 @@ def run_tandem(args, requests) -> dict:
     opts = with_speculation_flags(opts, args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              enforce_eager=args.enforce_eager, **opts)
+              enforce_eager=args.enforce_eager, deterministic=args.deterministic, **opts)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
     engine.reset_stats()
@@ -60,7 +60,7 @@ def run_tandem(args, requests) -> dict:
             "steps": c.num_steps, "ms_per_step": per_step_ms,
             "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
             "kv_utilization_mean": c.kv_utilization_sum / steps, "kv_usage_peak": c.kv_usage_peak,
-            "dtype": engine.info().dtype,
+            "dtype": engine.info().dtype, "deterministic": engine.config.deterministic,
             "preemptions": c.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
             **gpu_step_ms(before, c),
             "spec_decode": spec_summary(c.spec) if "speculative_config" in opts else None}
@@ -126,7 +126,8 @@ def run_hf(args, requests) -> dict:
 
 
 def _print_run(t: dict) -> None:
-    print(f"tandem (async scheduling {'on' if t['async_scheduling'] else 'off'}): {t['output_tokens']} tokens "
+    print(f"tandem (async scheduling {'on' if t['async_scheduling'] else 'off'}"
+          f"{', deterministic' if t['deterministic'] else ''}): {t['output_tokens']} tokens "
           f"in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s ({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)")
     ms = t["ms_per_step"]
     print(f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.2f} ms "
@@ -197,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-async", action="store_true",
                    help="run tandem with and without async scheduling, side by side")
     add_speculative_arguments(p)
+    p.add_argument("--deterministic", action="store_true",
+                   help="serve with deterministic=True (batch-invariant kernels; see README)")
+    p.add_argument("--compare-deterministic", action="store_true",
+                   help="--quantization: each precision with and without --deterministic, alternating, and the ratio")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths (default 0)")
     p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face transformers on the same requests, side by side (default: tandem alone)")

@@ -7,7 +7,8 @@
 - greedy agreement with the reference precision over 50 prompts: the share of tokens that
   match before the first divergence, and how many outputs are identical;
 - batch dependence: for how many prompts a variant's greedy output batched (all 50 at once)
-  differs from its output run alone.
+  differs from its output run alone; with `--deterministic both` (the default) also in a second
+  engine with deterministic=True, where it must be 0.
 """
 from __future__ import annotations
 
@@ -87,35 +88,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)")
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
+    p.add_argument("--deterministic", choices=["off", "on", "both"], default="both",
+                   help="off: the engine as configured by default; on: deterministic=True; both (default): "
+                        "also the batch dependence of a second engine with deterministic=True")
     p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
 
 
-def main(args: argparse.Namespace) -> dict:
+def _engine(args, precisions: list[str], deterministic: bool):
     from tandem import LLM
-    precisions = args.quantization.split(",")
-    llm = LLM(args.model, dtype=args.dtype, quantization=precisions[0], precision_classes={
+    return LLM(args.model, dtype=args.dtype, quantization=precisions[0], precision_classes={
         cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])},
-        kv_cache_memory=256 << 20, enable_prefix_caching=False)
+        kv_cache_memory=256 << 20, enable_prefix_caching=False, deterministic=deterministic)
+
+
+def _batch_dependent(engine, batch: list[list[int]], precision: str, max_tokens: int) -> tuple[list[list[int]], int]:
+    """(the batched outputs, how many prompts' outputs differ run alone)."""
+    batched = _greedy(engine, batch, precision, max_tokens, batched=True)
+    single = _greedy(engine, batch, precision, max_tokens, batched=False)
+    return batched, sum(a != b for a, b in zip(batched, single))
+
+
+def main(args: argparse.Namespace) -> dict:
+    precisions = args.quantization.split(",")
+    llm = _engine(args, precisions, args.deterministic == "on")
     engine, runner = llm.engine, llm.engine.core.executor
     text_ids = llm.tokenizer.encode(TEXT.read_text())
     batch = prompts(llm.tokenizer)
-    report = {"text_tokens": len(text_ids), "num_prompts": len(batch), "max_tokens": args.max_tokens, "variants": {}}
+    report = {"text_tokens": len(text_ids), "num_prompts": len(batch), "max_tokens": args.max_tokens,
+              "deterministic": args.deterministic == "on", "variants": {}}
     ref = None
     for p in precisions:
-        batched = _greedy(engine, batch, p, args.max_tokens, batched=True)
-        single = _greedy(engine, batch, p, args.max_tokens, batched=False)
+        batched, dependent = _batch_dependent(engine, batch, p, args.max_tokens)
         ref = ref or batched
         share, identical = _agreement(ref, batched)
         report["variants"][p] = {
             "perplexity": perplexity(runner, p, text_ids, args.window), "agreement": share,
-            "identical_outputs": identical, "batch_dependent_prompts": sum(a != b for a, b in zip(batched, single)),
+            "identical_outputs": identical, "batch_dependent_prompts": dependent,
         }
+    if args.deterministic == "both":
+        del llm, engine, runner
+        det = _engine(args, precisions, True).engine
+        for p in precisions:
+            report["variants"][p]["batch_dependent_prompts_deterministic"] = _batch_dependent(
+                det, batch, p, args.max_tokens)[1]
     print(f"{report['text_tokens']} text tokens; {len(batch)} prompts x {args.max_tokens} greedy tokens; "
-          f"reference {precisions[0]}")
-    print(f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}")
+          f"reference {precisions[0]}{'; deterministic' if report['deterministic'] else ''}")
+    both = args.deterministic == "both"
+    print(f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}"
+          + (f" {'with --deterministic':>21}" if both else ""))
     for p, r in report["variants"].items():
         print(f"{p:10} {r['perplexity']:>10.3f} {r['agreement']:>10.1%} {r['identical_outputs']:>7}/{len(batch)}"
-              f" {r['batch_dependent_prompts']:>13}/{len(batch)}")
+              f" {r['batch_dependent_prompts']:>13}/{len(batch)}"
+              + (f" {r['batch_dependent_prompts_deterministic']:>18}/{len(batch)}" if both else ""))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return report

@@ -15,7 +15,7 @@ import time
 DEFAULT_BATCHES = (1, 8, 32, 64)
 
 
-def run_precision(args, precision: str) -> dict:
+def run_precision(args, precision: str, deterministic: bool) -> dict:
     """One process: load the variant, then decode each batch size in turn."""
     import psutil
 
@@ -34,7 +34,8 @@ def run_precision(args, precision: str) -> dict:
     kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
         kv_dtype) * kv_tokens
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=precision,
-              max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads)
+              max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads,
+              deterministic=deterministic)
     engine = llm.engine
     rng = random.Random(args.seed)
     vocab, info = engine.vocab_size, engine.info()
@@ -60,13 +61,16 @@ def run_precision(args, precision: str) -> dict:
 
 
 def compare(args) -> dict:
-    """Every precision, `repeats` rounds alternating; the best of each figure."""
+    """Every precision (with --compare-deterministic: with and without the flag, as "<p>" and
+    "<p> det"), `repeats` rounds alternating; the best of each figure."""
     from tandem.bench.offline import in_subprocess
-    precisions = args.quantization.split(",")
+    modes = (False, True) if args.compare_deterministic else (args.deterministic,)
+    runs = [(p, d) for p in args.quantization.split(",") for d in modes]
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
-        for p in precisions:
-            r = in_subprocess(RunPrecision(p), args, None)
+        for precision, deterministic in runs:
+            p = precision + (" det" if deterministic else "")
+            r = in_subprocess(RunPrecision(precision, deterministic), args, None)
             prev = best.get(p)
             if prev is not None:
                 for b, v in prev["decode_tok_s"].items():
@@ -75,17 +79,22 @@ def compare(args) -> dict:
                 r["peak_rss_mb"] = max(r["peak_rss_mb"], prev["peak_rss_mb"])
             best[p] = r
     _print_table(best)
+    if args.compare_deterministic:
+        print("deterministic / not: " + "; ".join(
+            f"{p} " + ", ".join(f"B={b} {best[p + ' det']['decode_tok_s'][b] / r['decode_tok_s'][b]:.2f}x"
+                                for b in r["decode_tok_s"])
+            for p, r in best.items() if not p.endswith(" det")))
     return best
 
 
 class RunPrecision:
     """Picklable `fn(args, requests)` for the spawned process."""
 
-    def __init__(self, precision: str) -> None:
-        self.precision = precision
+    def __init__(self, precision: str, deterministic: bool = False) -> None:
+        self.precision, self.deterministic = precision, deterministic
 
     def __call__(self, args, _requests) -> dict:
-        return run_precision(args, self.precision)
+        return run_precision(args, self.precision, self.deterministic)
 
 
 def _print_table(best: dict[str, dict]) -> None:

@@ -50,13 +50,23 @@ def block_table(block_ids: list[list[int]]) -> np.ndarray:
 
 class InputBuilder:
     """Flattens rows (a query of tokens each, after its computed context, in its blocks) for one
-    model's attention: the native CPU decode kernel where the model's head_dim has one."""
+    model's attention: the native CPU decode kernel where the model's head_dim has one.
 
-    def __init__(self, block_size: int, device: torch.device, attention_backend: str, head_dim: int) -> None:
+    deterministic: every position of every query is a one-token row on that kernel, so a token's
+    attention is the same arithmetic whether it is decoded, prefilled in any chunk, recomputed
+    after preemption or verified as a draft (its context length alone shapes it)."""
+
+    def __init__(self, block_size: int, device: torch.device, attention_backend: str, head_dim: int,
+                 deterministic: bool = False) -> None:
         self.block_size, self.device, self.attention_backend = block_size, device, attention_backend
         self.triton = attention_backend == "triton"
         native = attention_backend == "torch" and device.type == "cpu"
         self.decode_kernel = cpu_paged_decode(head_dim) if native else None
+        self.deterministic = deterministic
+        if deterministic and self.decode_kernel is None:
+            raise ValueError("deterministic serving attends on the native CPU paged kernel (attention_backend torch "
+                             f"on CPU, head_dim 64 or 128, a C++ compiler); here: {attention_backend} on "
+                             f"{device.type}, head_dim {head_dim}")
 
     def build(self, token_ids: list[int], query_lens: np.ndarray, computed: np.ndarray,
               block_tables: np.ndarray, num_split: int = 0) -> ModelInputs:
@@ -128,8 +138,9 @@ class InputBatch:
     def _one_token_rows(self, state: CachedRequestState, n: int) -> bool:
         """Whether the request's n positions run as one-token attention rows: a decode, or (except
         under Triton, whose kernel takes queries of any length) a verify query, whose positions
-        then take the paged decode kernel instead of the chunked-prefill path."""
-        return n == 1 or (bool(state.spec_token_ids) and not self.builder.triton)
+        then take the paged decode kernel instead of the chunked-prefill path; and every row in the
+        deterministic mode."""
+        return n == 1 or self.builder.deterministic or (bool(state.spec_token_ids) and not self.builder.triton)
 
     def prepare_inputs(self, states: list[CachedRequestState], counts: np.ndarray
                        ) -> tuple[ModelInputs, list[int], torch.Tensor]:

@@ -25,6 +25,7 @@ from tandem.executor.sampler import Sampler
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
 from tandem.kernels import cpu_fused_ops
+from tandem.models.batch_invariant import check_supported
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
 from tandem.models.variants import build_draft, build_variants
@@ -38,8 +39,10 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = cfg = ModelConfig.from_hf(load_config(model_dir))
-        self.variants = build_variants(config, model_dir, cfg, self.device,
-                                       resolve_dtype(config.dtype, self.device), TorchAttention)
+        dtype = resolve_dtype(config.dtype, self.device)
+        if config.deterministic:  # refused before the weights load, not after
+            check_supported(self.device, dtype)
+        self.variants = build_variants(config, model_dir, cfg, self.device, dtype, TorchAttention)
         self.dtype = self.variants.dtype
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
         spec = config.speculative_config
@@ -58,7 +61,7 @@ class ModelRunner:
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
-        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim)
+        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim, config.deterministic)
         self.input_batch = InputBatch(builder, self.variants.default)
         self.proposer = build_proposer(spec, draft, self.kv, builder)
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),

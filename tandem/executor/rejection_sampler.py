@@ -41,6 +41,16 @@ def logits_indices(ends: list[int], num_drafts: list[int]) -> list[int]:
     return [i for end, k in zip(ends, num_drafts) for i in range(end - 1 - k, end)]
 
 
+def rewind(generator: torch.Generator, state: torch.Tensor, draws: int, vocab_size: int) -> None:
+    """Leave a seeded request's generator as `draws` sampled rows from `state` leave it (each
+    row draws vocab_size exponentials, as Sampler does), dropping the rejected positions' draws:
+    its later tokens are then those of a run without speculation."""
+    generator.set_state(state)
+    noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(draws):
+        noise.exponential_(generator=generator)
+
+
 class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -54,13 +64,17 @@ class RejectionSampler:
             for j in range(len(r.drafts) + 1):
                 output = r.output_token_ids + r.drafts[:j] if j else r.output_token_ids
                 sampling_rows.append(SamplingRow(r.params, r.prompt_token_ids, output, r.generator, r.eos_token_id))
+        streams = {i: r.generator.get_state() for i, r in enumerate(rows)
+                   if r.drafts and r.generator is not None and not r.params.greedy}
         result = self.sampler(logits, SamplingMetadata.build(sampling_rows, logits.shape[-1], device))
         out, start = [], 0
-        for r in rows:
+        for i, r in enumerate(rows):
             targets = result.sampled_token_ids[start:start + len(r.drafts) + 1]
             accepted = 0
             while accepted < len(r.drafts) and r.drafts[accepted] == targets[accepted]:
                 accepted += 1
+            if i in streams and accepted < len(r.drafts):
+                rewind(r.generator, streams[i], accepted + 1, logits.shape[-1])
             lps = None
             if result.logprobs is not None and r.params.logprobs is not None:
                 lps = result.logprobs[start:start + accepted + 1]

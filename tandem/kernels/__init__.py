@@ -124,6 +124,14 @@ def cpu_quant_gemm():
     return _load("tandem_cpu_quant_gemm", "cpu_quant_gemm.cpp", ["-fopenmp"])
 
 
+@functools.cache
+def cpu_invariant_gemm():
+    """The batch-invariant GEMM for the deterministic mode (kernels/cpu_invariant_gemm.cpp), or
+    None. No fast-math and no FMA contraction beyond the kernel's own: its per-element FMA chain
+    is the point."""
+    return _load("tandem_cpu_invariant_gemm", "cpu_invariant_gemm.cpp", ["-ffp-contract=off", "-fopenmp"])
+
+
 def _load(name: str, source: str, cflags: list[str]):
     """Import one extension from the shared cache, building it first when it is not there;
     None where that fails."""
@@ -161,7 +169,7 @@ def _import(name: str, path: Path):
     return module
 
 
-KERNELS = ("cpu_paged_attention", "cpu_fused_ops", "cpu_quant_gemm")
+KERNELS = ("cpu_paged_attention", "cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm")
 
 
 def prepare() -> dict[str, bool]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tandem.models.gemma3 import Gemma3ForCausalLM
+from tandem.models.batch_invariant import make_batch_invariant
 from tandem.models.gguf_quants import Int4Codes, read_int4_tensors
 from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
@@ -48,8 +49,10 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
 
 
 def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
-                attention: AttentionFactory, gguf_path: Path | None = None) -> LlamaForCausalLM:
-    """weights: "float" (the activation dtype) or one of QUANTIZED."""
+                attention: AttentionFactory, gguf_path: Path | None = None,
+                deterministic: bool = False) -> LlamaForCausalLM:
+    """weights: "float" (the activation dtype) or one of QUANTIZED. deterministic: float GEMMs
+    on the batch-invariant kernel (models/batch_invariant.py) instead of oneDNN's packing."""
     with torch.device(device):
         model = (Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM)(cfg, attention)
     model.load_weights(iter_weights(model_dir))
@@ -59,7 +62,9 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
             rotary.cos_sin = rotary.cos_sin.float()
     model.eval()
     if weights == "float":
-        if device.type == "cpu":
+        if deterministic:
+            make_batch_invariant(model)
+        elif device.type == "cpu":
             model.pack_for_cpu()
         return model
     if weights not in QUANTIZED:

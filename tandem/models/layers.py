@@ -1,6 +1,7 @@
 """Building blocks of the Llama family, written for flattened [num_tokens, hidden] batches."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,8 +40,20 @@ class Linear(nn.Module):
 
 
 def can_pack_cpu(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_bf16_packing()
+
+
+@functools.cache
+def _onednn_bf16_packing() -> bool:
+    """oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT) and says so only when called:
+    on an AVX2 CPU it raises, and bf16 linears stay on F.linear."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False
 
 
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, devi
             if variant_dtype != dtype:
                 raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
                                  "variants share one KV pool")
-            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(config.model))
+            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(config.model),
+                                deterministic=config.deterministic)
         except (ValueError, RuntimeError) as e:
             if config.precision_fallback in (None, name):  # nothing could serve its requests
                 what = "the fallback " if name == config.precision_fallback else ""

@@ -65,6 +65,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    "serve at most (default: no limit)")
     g.add_argument("--min-match-length", type=int, default=None, help="tokens a prefix hit must cover to be used "
                    "(default 0)")
+    g.add_argument("--deterministic", action="store_true", default=None,
+                   help="a request's tokens do not depend on the other requests in its steps, the batch size, "
+                        "chunking, prefix hits, preemption or speculation (CPU; YAML: serving.deterministic)")
 
 
 def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
