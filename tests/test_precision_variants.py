@@ -21,7 +21,8 @@ def _prompts(n: int, seed: int = 5) -> list[list[int]]:
 
 
 def _llm(path: str, **kw) -> LLM:
-    return LLM(path, kv_cache_memory=1 << 22, **kw)
+    # bf16 activations for every variant, as in the mixed engine (an AVX2 CPU's default is fp32)
+    return LLM(path, kv_cache_memory=1 << 22, **{"dtype": "bfloat16", **kw})
 
 
 def test_mixed_engine_gives_each_request_its_variant_alone_tokens(tiny_model_dirs):

@@ -31,7 +31,8 @@ def test_precision_per_request(tiny_model_dirs, tmp_path, caplog):
         opts = load_yaml(path)
         server_opts = load_yaml(path, section="server")
     assert "not supported" not in caplog.text
-    engine = EngineConfig.from_dict(opts | {"model": tiny_model_dirs["llama"], "kv_cache_memory": 1 << 22})
+    # bf16 activations, so the fp16 variant shares the int8 default's KV pool on any CPU
+    engine = EngineConfig.from_dict(opts | {"model": tiny_model_dirs["llama"], "kv_cache_memory": 1 << 22, "dtype": "bfloat16"})
     log = tmp_path / "requests.jsonl"
     server = ServerConfig(model_name="tiny", request_log=str(log), **server_opts)
     key = {"Authorization": "Bearer sesame"}
