@@ -65,5 +65,5 @@ def test_bench_offline_and_quantization_report_from_the_public_figures(tiny_mode
     assert r["steps"] >= max(out for _, out in requests) and r["ms_per_step"]["prepare"] > 0
     assert r["gpu_busy_ms"] is None and r["spec_decode"] is None
     args.batch_sizes, args.prompt_len, args.output_len = "1,2", 8, 4
-    q = quantization.run_precision(args, "fp32")
+    q = quantization.run_precision(args, "fp32", deterministic=False)
     assert q["dtype"] == "float32" and q["weight_mib"] > 0 and set(q["decode_tok_s"]) == {1, 2}

@@ -1,4 +1,4 @@
-"""`tandem bench spec` on the real default model, SmolLM2-135M in fp32 (a file of its own, so
+"""`tandem bench spec` on the real default model, SmolLM2-135M in bf16, deterministic (a file of its own, so
 under `make test`'s xdist workers it runs beside tests/test_spec_smollm2.py, not after it)."""
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ pytestmark = pytest.mark.slow
 def test_bench_spec_alternates_the_configurations_case_by_case(tmp_path):
     """`tandem bench spec`: every case runs in each configuration's process before the next case
     starts, the order rotating from case to case, for each round; a row gives every round's
-    ratio, and fp32 outputs with speculation equal speculation off."""
+    ratio, and with --deterministic bf16 outputs with speculation equal speculation off."""
     import argparse
 
     from tandem.bench import spec
     p = argparse.ArgumentParser()
     spec.add_arguments(p)
     trace = tmp_path / "trace.jsonl"
-    args = p.parse_args(["--dtype", "float32", "--batch-sizes", "1,2", "--num-prompts", "1", "--max-tokens", "6",
-                         "--rounds", "2", "--method", "ngram", "--trace-adaptive", str(trace),
+    args = p.parse_args(["--dtype", "bfloat16", "--deterministic", "--batch-sizes", "1,2", "--num-prompts", "1",
+                         "--max-tokens", "6", "--rounds", "2", "--method", "ngram", "--trace-adaptive", str(trace),
                          "--json", str(tmp_path / "spec.json")])
     report = spec.main(args)
     rows = report["rows"]

@@ -15,7 +15,8 @@ move a ratio as much as speculation does; alternating takes each on/off pair wit
 The first round meets AdaptiveK's buckets new (a fresh server's probes); later rounds find
 them measured. A row gives each round's ratio and their geometric
 mean. Tokens equal to speculation off are counted, since a verify step's GEMM shapes differ
-from a one-token step's and low precision can flip a near-tie.
+from a one-token step's and low precision can flip a near-tie; with `--deterministic` every
+output must equal speculation off, in any precision.
 
 `--policy-cost FILE` runs nothing: it reads a `--trace-adaptive` file and prints what
 AdaptiveK's own choices cost."""
@@ -65,7 +66,8 @@ class CaseRunner:
         from tandem import LLM, SamplingParams
         self.args, self.spec, self.sets = args, args.spec, load_prompt_sets()
         self.llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                       speculative_config=self.spec, enable_prefix_caching=False, num_threads=args.num_threads)
+                       speculative_config=self.spec, enable_prefix_caching=False, num_threads=args.num_threads,
+                       deterministic=args.deterministic)
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         self.llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
         self.engine = self.llm.engine
@@ -252,6 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="times every case runs in every configuration, alternating (the first with AdaptiveK new)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every configuration with deterministic=True: then every output must equal speculation off")
     p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
     p.add_argument("--trace-adaptive", default=None, metavar="FILE",
                    help="append AdaptiveK's choices and the steps it saw to FILE (JSON lines; the file is "
@@ -274,7 +278,7 @@ def main(args: argparse.Namespace) -> dict:
     rows = [_row(name, [results["off"][i, r] for r in range(args.rounds)],
                  [results[name][i, r] for r in range(args.rounds)]) for name in specs for i in range(ncases)]
     off = summaries["off"]
-    print(f"{args.model} {off['dtype']}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"
+    print(f"{args.model} {off['dtype']}{', deterministic' if args.deterministic else ''}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"
           f"{'' if args.adaptive else ' (fixed)'}, {args.rounds} alternating round(s); peak RSS off "
           f"{off['peak_rss_mb']:.0f} MiB, " + ", ".join(f"{n} {summaries[n]['peak_rss_mb']:.0f} MiB" for n in specs)
           + f" (async overlap {'on' if off['async_scheduling'] else 'off'})")
