@@ -41,20 +41,22 @@ def torch_kernels(monkeypatch):
     monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", sorted(set(SMOLLM2_SHAPES + TINY_SHAPES)))
-def test_quantized_linear_equals_reference(shape, torch_kernels):
+def test_quantized_linear_equals_reference(shape, dtype, torch_kernels):
+    """On CPU the kernels take bf16 activations whatever the model's dtype (fp32 in, fp32 out)."""
     n, k = shape
     torch.manual_seed(n + k)
     w, bias = torch.randn(n, k), torch.randn(n)
-    x = torch.randn(5, k, dtype=torch.bfloat16)
+    x = torch.randn(5, k, dtype=torch.bfloat16).to(dtype)
     q8, s8 = quantize_int8(w)
-    int8 = Int8Linear(q8, s8, bias, torch.bfloat16)
-    ref8 = F.linear(x.float(), q8.float() * s8.bfloat16().float()[:, None], bias.bfloat16().float())
-    assert int8.use_kernel and _rel_err(int8(x), ref8) < TOL
+    int8 = Int8Linear(q8, s8, bias, dtype)
+    ref8 = F.linear(x.float(), q8.float() * s8.bfloat16().float()[:, None], bias.to(dtype).float())
+    assert int8.use_kernel and int8(x).dtype == dtype and _rel_err(int8(x), ref8) < TOL
     codes, scales, zeros = quantize_int4(w, 32)
-    int4 = Int4Linear(codes, scales, zeros, bias, torch.bfloat16)
-    ref4 = F.linear(x.float(), int4_dequantize(codes, scales.bfloat16(), zeros.bfloat16()), bias.bfloat16().float())
-    assert int4.packed is not None and _rel_err(int4(x), ref4) < TOL
+    int4 = Int4Linear(codes, scales, zeros, bias, dtype)
+    ref4 = F.linear(x.float(), int4_dequantize(codes, scales.bfloat16(), zeros.bfloat16()), bias.to(dtype).float())
+    assert int4.packed is not None and int4(x).dtype == dtype and _rel_err(int4(x), ref4) < TOL
 
 
 def test_quantization_error_is_bounded():
@@ -123,9 +125,15 @@ def _dequantised_copy(src: str, dst: Path, precision: str) -> str:
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp_path, kind, precision):
+def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp_path, kind, precision, monkeypatch):
     """fp32 activations: the quantised engine, batched, gives transformers' greedy tokens for
-    the dequantised checkpoint (run one prompt at a time)."""
+    the dequantised checkpoint (run one prompt at a time). The layers run their dequantise-then-
+    F.linear path: the kernels round activations to bf16 (held to that path above)."""
+    def reject(*args):
+        raise RuntimeError("the reference path")
+    monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", reject)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", reject)
     rng = random.Random(4)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(4)]
     reference = hf_greedy(_dequantised_copy(tiny_model_dirs[kind], tmp_path / kind, precision), prompts, 10)

@@ -50,9 +50,12 @@ class Int8Linear(nn.Module):
             self.register_buffer("scales", scales.float().contiguous())
             self.use_kernel = False
             return
+        self.kernel_dtype = _kernel_dtype(qweight.device, dtype)
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(dtype).contiguous())
-        self.use_kernel = _kernel_accepts(self._kernel, self.in_features, dtype, qweight.device, "int8")
+        self.register_buffer("scales", scales.to(self.kernel_dtype).contiguous())
+        self.use_kernel = _kernel_accepts(self._kernel, self.in_features, self.kernel_dtype, qweight.device, "int8")
+        if not self.use_kernel:  # the reference path dequantises in the activation dtype
+            self.scales = scales.to(dtype).contiguous()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> "Int8Linear":
@@ -60,7 +63,7 @@ class Int8Linear(nn.Module):
         return cls(qweight, scales, bias, dtype)
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x2d, self.qweight, self.scales)
+        return torch._weight_int8pack_mm(x2d.to(self.kernel_dtype), self.qweight, self.scales).to(x2d.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q = self.qweight
@@ -105,11 +108,16 @@ class Int4Linear(nn.Module):
             self.register_buffer("m", tiles(zeros.float() - 8 * scales.float()))
             self.packed = self.codes = None
             return
-        # [K // g, N, 2] in the activation dtype: the layout (and dtype) both kernels read.
-        self.register_buffer("scales_zeros", torch.stack([scales.t(), zeros.t()], -1).to(dtype).contiguous())
+        self.kernel_dtype = _kernel_dtype(codes.device, dtype)
+        # [K // g, N, 2] in the kernel's dtype: the layout (and dtype) both kernels read.
+        scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
+        self.register_buffer("scales_zeros", scales_zeros.to(self.kernel_dtype))
         self.packed = _pack_int4(codes, dtype)
-        if self.packed is not None and not _kernel_accepts(self._kernel, self.in_features, dtype, codes.device, "int4"):
+        if self.packed is not None and not _kernel_accepts(self._kernel, self.in_features, self.kernel_dtype,
+                                                           codes.device, "int4"):
             self.packed = None
+        if self.packed is None:  # the reference path dequantises in the activation dtype
+            self.scales_zeros = scales_zeros.to(dtype)
         # The reference path keeps the codes two to a byte (even k in the low nibble).
         self.codes = None if self.packed is not None else (codes[:, ::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
 
@@ -121,7 +129,8 @@ class Int4Linear(nn.Module):
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.packed.device.type == "cuda":
             return torch._weight_int4pack_mm(x2d, self.packed, self.group_size, self.scales_zeros)
-        return torch._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(x2d.to(self.kernel_dtype), self.packed, self.group_size, self.scales_zeros)
+        return y.to(x2d.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """On the VNNI and reference paths (torch's packed layouts are its own)."""
@@ -201,6 +210,13 @@ def vnni_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
         return None
     ext = cpu_quant_gemm()
     return ext if ext is not None and ext.supported() else None
+
+
+def _kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What torch's int8 / int4 weight kernels compute in: on CPU bf16 whatever the activations
+    (their fp32 path is scalar, 20-100x slower per row; the activations are rounded on the way
+    in and the output widened back), elsewhere the activation dtype."""
+    return torch.bfloat16 if device.type == "cpu" else dtype
 
 
 def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
