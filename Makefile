@@ -31,10 +31,11 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tandem generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 128
 
-# The suite in this process by default; TEST_JOBS=N runs it on N pytest-xdist workers, a file per worker at a time
-# (a file's module fixtures, such as a loaded model or a server, are built once), in the order
-# tests/conftest.py gives: the files on the real model first.
-TEST_JOBS ?= 0
+# The suite on two pytest-xdist workers (the machines it is sized for have two cores; TEST_JOBS=N
+# for N, 0 for one process), a file per worker at a time (a file's module fixtures, such as a
+# loaded model or a server, are built once), in the order tests/conftest.py gives: the files on
+# the real model first.
+TEST_JOBS ?= 2
 PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)

@@ -133,7 +133,8 @@ def test_pd_burst_all_complete(pd):
 
 
 @pytest.mark.slow  # two `tandem serve` processes (each with its engine-core process), or two Ray actors: 5-10 s each
-@pytest.mark.parametrize("backend,connector", [("local", "torch_dist"), ("ray", "torch_dist"), ("local", "shm")])
+# gloo between local processes is test_kv_transfer.py's; the local launcher is the shm case's
+@pytest.mark.parametrize("backend,connector", [("ray", "torch_dist"), ("local", "shm")])
 def test_pd_across_processes_equals_colocated(tiny_model_dirs, tmp_path, backend, connector):
     """Prefill and decode in two processes (or two Ray actors on a one-node Ray head started
     here), the KV links in their engine-core processes: joined by gloo, the KV moves
