@@ -1,5 +1,6 @@
-"""`tandem bench spec` on the real default model, SmolLM2-135M in bf16, deterministic (a file of its own, so
-under `make test`'s xdist workers it runs beside tests/test_spec_smollm2.py, not after it)."""
+"""`tandem bench spec` on the real default model, SmolLM2-135M in bf16 with --deterministic (a
+file of its own, so under `make test`'s xdist workers it runs beside tests/test_spec_smollm2.py,
+not after it)."""
 from __future__ import annotations
 
 import json

@@ -278,7 +278,8 @@ def main(args: argparse.Namespace) -> dict:
     rows = [_row(name, [results["off"][i, r] for r in range(args.rounds)],
                  [results[name][i, r] for r in range(args.rounds)]) for name in specs for i in range(ncases)]
     off = summaries["off"]
-    print(f"{args.model} {off['dtype']}{', deterministic' if args.deterministic else ''}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"
+    mode = ", deterministic" if args.deterministic else ""
+    print(f"{args.model} {off['dtype']}{mode}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"
           f"{'' if args.adaptive else ' (fixed)'}, {args.rounds} alternating round(s); peak RSS off "
           f"{off['peak_rss_mb']:.0f} MiB, " + ", ".join(f"{n} {summaries[n]['peak_rss_mb']:.0f} MiB" for n in specs)
           + f" (async overlap {'on' if off['async_scheduling'] else 'off'})")
