@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="resolve a model (convert a GGUF once into the cache) and build the "
-                       "native kernels into their shared cache")
+    p = sub.add_parser("prepare", help="resolve a model (a GGUF's config and tokenizer written once into the "
+                       "cache) and build the native kernels into their shared cache")
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf or HF folder (default smollm2-135m)")
     p.set_defaults(func=_prepare)
 

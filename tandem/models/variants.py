@@ -33,6 +33,7 @@ class ModelVariants:
 def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device,
                    dtype: torch.dtype, attention: AttentionFactory) -> ModelVariants:
     """`dtype`: the engine's `dtype` resolved for the device (the executor's choice)."""
+    gguf_path = gguf_source(config.model)
     default = config.quantization or FLOAT_NAMES[dtype]
     if config.dtype == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
@@ -43,7 +44,7 @@ def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, devi
             if variant_dtype != dtype:
                 raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
                                  "variants share one KV pool")
-            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(config.model),
+            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_path,
                                 deterministic=config.deterministic)
         except (ValueError, RuntimeError) as e:
             if config.precision_fallback in (None, name):  # nothing could serve its requests
@@ -97,7 +98,7 @@ def _external_draft(variants: ModelVariants, name: str, model_dir: Path, cfg: Mo
     if (ours is None) != (theirs is None) or (ours is not None and ours.get_vocab() != theirs.get_vocab()):
         raise ValueError(f"speculative model {name!r} has another tokenizer than the target's: "
                          "a draft must share the target's tokenizer")
-    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention)
+    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention, gguf_source(name))
     variants.weight_bytes[f"draft:{name}"] = weight_bytes(model)
     log.info("weights of draft %s (%d layers): %.1f MiB", name, draft_cfg.num_layers, weight_bytes(model) / 2**20)
     return model
