@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tandem.models.batch_invariant import make_batch_invariant
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 QUANTIZED = ("int8", "int4")
 # Our fused modules and the Hugging Face tensors they hold, in row order.
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# GGUF types by the precision that serves them as stored: 4-5 bit blocks int4, 6-8 bit int8.
+_STORED_AS = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int4", Q.Q5_1: "int4", Q.Q5_K: "int4",
+              Q.Q6_K: "int8", Q.Q8_0: "int8", Q.F16: "fp16", Q.BF16: "bf16"}
+_FOLDER_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -56,6 +61,20 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
             return precision, "float", dtype
         return precision, "float", torch.float16 if device.type == "cuda" else torch.bfloat16
     return precision, "float", {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def stored_precision(model_dir: Path, gguf_path: Path | None, hf_config: dict) -> str | None:
+    """The precision the weights are stored in (what `quantization: auto` serves): a GGUF's by
+    the type holding most of its decoder-layer weights (`_STORED_AS`), a folder's by its
+    config's dtype; None for fp32 weights (the engine's float dtype serves them)."""
+    if gguf_path is None:
+        return _FOLDER_DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype"))
+    sizes: dict[str | None, int] = {}
+    for name, t in GGUFWeights(gguf_path).tensors.items():
+        if name.startswith("model.layers.") and len(t.shape) == 2:
+            kind = _STORED_AS.get(t.kind)
+            sizes[kind] = sizes.get(kind, 0) + t.shape[0] * t.shape[1]
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
