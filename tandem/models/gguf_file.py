@@ -1,13 +1,17 @@
-"""A GGUF file's header (metadata scalars, tensor table) and its tensors' bytes, memory-mapped.
+"""A GGUF file's header (metadata scalars, tensor table), and its tensors' bytes read by rows.
 
 `gguf.GGUFReader` builds a numpy view for every item of every metadata array: for a tokenizer
 of 262k tokens that is seconds and hundreds of MB of Python objects, held while the weights
 load. Loading needs only a few scalars and the tensor table, so this reader steps over arrays
-(their strings' lengths are walked, nothing is built) and maps the file once. The tokenizer
-and config are still read by `GGUFReader`, once, when the cache folder is written.
+(their strings' lengths are walked, nothing is built), mapping the file only while it parses.
+Tensor bytes are then read with positional reads into buffers the decoders free: a mapping
+would keep the pages it touched in the process's RSS (dropping them with madvise proved leaky
+with the kernel's fault-around), so loading would hold the file beside its serving form. The
+tokenizer and config are still read by `GGUFReader`, once, when the cache folder is written.
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,29 +34,42 @@ class TensorInfo:
     offset: int  # absolute, in the file
     nbytes: int
 
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.dims[1:])) if len(self.dims) > 1 else 1
+
 
 class GGUFFile:
-    """The header of a GGUF (v2/v3, little-endian) and a read-only map of the whole file."""
+    """The header of a GGUF (v2/v3, little-endian); its tensors' bytes on request."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        try:
-            self.data = np.memmap(self.path, mode="r")
-            self.metadata, self.tensors = self._parse(memoryview(self.data))
+        try:  # the map is dropped when this returns: the header's pages leave the process
+            self.metadata, self.tensors = self._parse(memoryview(np.memmap(self.path, mode="r")))
         except (struct.error, ValueError, IndexError, KeyError) as e:
             raise ValueError(f"{self.path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+        size = self.path.stat().st_size
+        for t in self.tensors:
+            if t.offset + t.nbytes > size:
+                raise ValueError(f"{self.path}: corrupt or truncated GGUF file (tensor {t.name!r} ends past the end)")
+        self._file = open(self.path, "rb", buffering=0)  # read from for the object's life
 
-    def tensor_bytes(self, t: TensorInfo) -> np.ndarray:
-        """The tensor's bytes as rows: [rows, bytes per row] (fp32 / fp16 tensors: of their type)."""
-        raw = self.data[t.offset:t.offset + t.nbytes]
-        if raw.shape[0] != t.nbytes:
-            raise ValueError(f"{self.path}: corrupt or truncated GGUF file (tensor {t.name!r} ends past the end)")
-        rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
+    def read_rows(self, t: TensorInfo, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of the tensor's bytes: [rows, bytes per row] (fp32 / fp16 tensors: of
+        their type), in a fresh buffer."""
+        row_bytes = t.nbytes // t.rows
+        buf = np.empty((stop - start) * row_bytes, np.uint8)
+        view, pos = memoryview(buf), t.offset + start * row_bytes
+        while view.nbytes:
+            n = os.preadv(self._file.fileno(), [view], pos)
+            if n <= 0:
+                raise ValueError(f"{self.path}: corrupt or truncated GGUF file (tensor {t.name!r})")
+            view, pos = view[n:], pos + n
         if t.kind == GGMLQuantizationType.F32:
-            raw = raw.view(np.float32)
+            buf = buf.view(np.float32)
         elif t.kind == GGMLQuantizationType.F16:
-            raw = raw.view(np.float16)
-        return raw.reshape(rows, -1)
+            buf = buf.view(np.float16)
+        return buf.reshape(stop - start, -1)
 
     def _parse(self, buf: memoryview) -> tuple[dict[str, Any], list[TensorInfo]]:
         if bytes(buf[:4]) != _MAGIC:

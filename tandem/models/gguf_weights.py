@@ -1,16 +1,14 @@
 """A GGUF file's tensors under their Hugging Face names, read one at a time from the file.
 
-The file is memory-mapped (`gguf_file.py`); a tensor is decoded from its mapped bytes when the
-builder asks for it (floats in the Hugging Face layout, or a 4-bit format's own int4 codes), and
-its pages are then dropped from the process (madvise DONTNEED: the kernel keeps them in the page
-cache, our RSS does not count them), so loading holds the serving weights plus one tensor, never
-the file and a float copy of it. Layout differences are undone here: llama.cpp permutes the rows
-of llama q/k (whole rows, so codes and block scales are unpermuted alike) and stores Gemma 3's
-norm weights as 1 + w.
+A tensor's bytes are read (`gguf_file.py`) and decoded when the builder asks for it (floats in
+the Hugging Face layout, a large one a chunk of rows at a time, or a 4-bit format's own int4
+codes), so loading holds the serving weights plus one tensor's buffers, never the file and a
+float copy of it. Layout differences are undone here: llama.cpp permutes the rows of llama q/k
+(whole rows, so codes and block scales are unpermuted alike) and stores Gemma 3's norm weights
+as 1 + w.
 """
 from __future__ import annotations
 
-import mmap
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tandem.models.gguf_config import SUPPORTED_ARCHS
-from tandem.models.gguf_file import GGUFFile
+from tandem.models.gguf_file import GGUFFile, TensorInfo
 from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows
 
 Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
@@ -57,9 +55,7 @@ class GGUFTensor:
     name: str  # the GGUF name
     kind: GGMLQuantizationType
     shape: tuple[int, ...]  # the Hugging Face shape: [rows, cols] or [n]
-    data: np.ndarray  # the mapped bytes (or elements, for float types), one row per weight row
-    offset: int  # where the bytes start in the file
-    nbytes: int
+    info: TensorInfo  # where its bytes are
     heads: int | None  # llama q/k: the heads llama.cpp permuted the rows in
 
 
@@ -88,7 +84,7 @@ class GGUFWeights:
             elif self.arch == "llama" and ".attn_k." in t.name:
                 heads = n_head_kv
             shape = tuple(reversed(t.dims))  # GGUF lists dims innermost first
-            self.tensors[name] = GGUFTensor(t.name, t.kind, shape, self.file.tensor_bytes(t), t.offset, t.nbytes, heads)
+            self.tensors[name] = GGUFTensor(t.name, t.kind, shape, t, heads)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -105,8 +101,7 @@ class GGUFWeights:
         """The tensor dequantised to fp32, in the Hugging Face layout: decoded a chunk of rows at
         a time into the one output array (a large embedding is never held twice)."""
         t = self.tensors[name]
-        w = self._decode(t, 0, t.data.shape[0])
-        self.release(name)
+        w = self._decode(t, 0, t.info.rows)
         if t.heads is not None:
             w = np.ascontiguousarray(unpermute_qk(w, t.heads))
         w = w.reshape(t.shape)
@@ -124,19 +119,20 @@ class GGUFWeights:
         t = self.tensors[name]
         if t.heads is not None or len(t.shape) != 2:
             raise ValueError(f"{name}: only an unpermuted 2-D tensor is read by rows")
-        stop = min(stop, t.shape[0])
-        w = torch.from_numpy(self._decode(t, start, stop))
-        row_bytes = t.nbytes // t.shape[0]
-        self._release_bytes(t.offset + start * row_bytes, (stop - start) * row_bytes)
-        return w
+        return torch.from_numpy(self._decode(t, start, min(stop, t.shape[0])))
+
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start:stop of the tensor's bytes as stored: [rows, bytes per row]."""
+        t = self.tensors[name]
+        return self.file.read_rows(t.info, start, min(stop or t.info.rows, t.info.rows))
 
     def _decode(self, t: GGUFTensor, start: int, stop: int) -> np.ndarray:
         """Rows start:stop as fp32 [rows, K], decoded a chunk at a time into one array."""
-        w = np.empty((stop - start, int(np.prod(t.shape)) // t.data.shape[0]), np.float32)
+        w = np.empty((stop - start, int(np.prod(t.shape)) // t.info.rows), np.float32)
         try:
             for i in range(start, stop, _ROWS_PER_CHUNK):
                 end = min(i + _ROWS_PER_CHUNK, stop)
-                w[i - start:end - start] = dequantize_rows(t.data[i:end], t.kind)
+                w[i - start:end - start] = dequantize_rows(self.file.read_rows(t.info, i, end), t.kind)
         except ValueError as e:
             raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from e
         return w
@@ -147,24 +143,10 @@ class GGUFWeights:
         t = self.tensors[name]
         if t.kind not in INT4_KINDS:
             return None
-        arrays = int4_rows(t.data, t.kind)
+        arrays = int4_rows(self.file.read_rows(t.info, 0, t.info.rows), t.kind)
         if t.heads is not None:
             arrays = tuple(unpermute_qk(a, t.heads) for a in arrays)
-        out = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
-        self.release(name)
-        return out
-
-    def release(self, name: str) -> None:
-        """Drop the tensor's mapped pages from this process (they stay in the page cache)."""
-        t = self.tensors[name]
-        self._release_bytes(t.offset, t.nbytes)
-
-    def _release_bytes(self, offset: int, nbytes: int) -> None:
-        backing = getattr(self.file.data, "_mmap", None)
-        if backing is None or not hasattr(backing, "madvise"):
-            return
-        start = offset - offset % mmap.PAGESIZE
-        backing.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
