@@ -33,6 +33,7 @@ COMMANDS = [
     (None, "serve", "tandem.server.launch", "the OpenAI-compatible server"),
     ("cluster", "up", "tandem.cluster.launch.launcher", "start the instances of a cluster.yaml and serve the router"),
     ("bench", "offline", "tandem.bench.offline", "offline throughput, optionally against transformers"),
+    ("bench", "load", "tandem.bench.load", "loading a model: file size, cache bytes written, peak RSS, time"),
     ("bench", "quality", "tandem.bench.quality", "perplexity, greedy agreement and batch dependence per precision"),
     ("bench", "scheduler", "tandem.bench.scheduler", "scheduler cost per step with a null executor"),
     ("bench", "serve", "tandem.bench.serve", "token-level load test of an OpenAI-compatible endpoint"),
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="resolve a model (convert a GGUF once into the cache) and build the "
-                       "native kernels into their shared cache")
+    p = sub.add_parser("prepare", help="resolve a model (a GGUF's config and tokenizer written once into the "
+                       "cache) and build the native kernels into their shared cache")
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf or HF folder (default smollm2-135m)")
     p.set_defaults(func=_prepare)
 

@@ -67,9 +67,10 @@ class EngineConfig:
     # graphs for decode-only steps (see executor/cuda_graphs.py), off with enforce_eager.
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
-    # Quantisation (see models/builder.py): the default precision; None: the float dtype above.
-    # With a fallback or classes the engine holds one variant per precision named.
-    quantization: str | None = None
+    # Quantisation (see models/builder.py): the default precision; auto (or None): the precision
+    # the weights are stored in (models/variants.py). With a fallback or classes the engine holds
+    # one variant per precision named.
+    quantization: str | None = "auto"
     precision_fallback: str | None = None  # serves requests whose variant could not be built
     precision_classes: dict[str, str] | None = None  # request class (priority name) -> precision
     # Speculative decoding (core/spec_decode.py): a dict of SpeculativeConfig keys, kept as one.
@@ -113,13 +114,14 @@ class EngineConfig:
                 raise ValueError(f"quantization class {cls!r} is not a request class; known: {', '.join(CLASS_NAMES)}")
             named[f"class {cls!r}"] = precision
         for what, precision in named.items():
-            if precision is not None and precision not in PRECISIONS:
-                raise ValueError(f"{what}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+            known = ("auto", *PRECISIONS) if what == "quantization" else PRECISIONS  # auto: as stored
+            if precision is not None and precision not in known:
+                raise ValueError(f"{what}: unknown precision {precision!r}; known: {', '.join(known)}")
 
     def precisions(self, default: str) -> list[str]:
-        """The variants to build, default first; `default` names the float dtype when
-        `quantization` is None."""
-        names = [self.quantization or default, *(self.precision_classes or {}).values(), self.precision_fallback]
+        """The variants to build, default first; `default` names what `quantization: auto` chose."""
+        first = default if self.quantization in (None, "auto") else self.quantization
+        names = [first, *(self.precision_classes or {}).values(), self.precision_fallback]
         return list(dict.fromkeys(n for n in names if n is not None))
 
     @classmethod

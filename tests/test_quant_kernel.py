@@ -120,9 +120,11 @@ def test_bf16_quantised_engine_is_batch_independent(tiny_model_dirs, precision):
 @pytest.mark.slow
 def test_smollm2_int4_tiles_hold_the_gguf_q4_1_weights():
     """The kernel's fp16 d / m tiles keep the default model's Q4_1 weights exactly: each layer
-    dequantises to the gguf package's dequantisation (which the float conversion stores)."""
-    from tandem.models.gguf_quants import read_int4_tensors
-    from tandem.models.loader import gguf_source, iter_weights, resolve_model
-    floats = dict(iter_weights(resolve_model("smollm2-135m")))
-    for name, (c, s, z) in read_int4_tensors(gguf_source("smollm2-135m")).items():
-        assert torch.equal(Int4Linear(c, s, z, None, torch.bfloat16).dequantize(), floats[name]), name
+    dequantises to the gguf package's dequantisation (which the float variants load)."""
+    from tandem.models.gguf_weights import GGUFWeights
+    from tandem.models.loader import gguf_source
+    weights = GGUFWeights(gguf_source("smollm2-135m"))
+    for name in weights.names():
+        codes = weights.int4(name)
+        if codes is not None:
+            assert torch.equal(Int4Linear(*codes, None, torch.bfloat16).dequantize(), weights.get(name)), name

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models.gguf_quants import decode_blocks
+from tandem.models.gguf_quants import int4_rows
 from tandem.models import quantization
 from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8
 
@@ -95,7 +95,7 @@ def test_gguf_q4_blocks_decode_to_gguf_dequantisation(kind):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((24, 96)) * rng.uniform(0.01, 3, (24, 1))).astype(np.float32)
     raw = quantize(w, kind)
-    codes, scales, zeros = decode_blocks(raw, kind)
+    codes, scales, zeros = int4_rows(raw, kind)
     ours = int4_dequantize(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
     assert codes.max() <= 15
     np.testing.assert_array_equal(ours.numpy(), dequantize(raw, kind).reshape(w.shape))
@@ -111,9 +111,10 @@ def _dequantised_copy(src: str, dst: Path, precision: str) -> str:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
         config["tie_word_embeddings"] = False
     for name, w in weights.items():
-        if w.dim() != 2 or "embed_tokens" in name:
+        if w.dim() != 2:
             continue
-        if precision == "int8" or name == "lm_head.weight":
+        # the embedding is read from an int8 table (the tied LM head's, or its own)
+        if precision == "int8" or name == "lm_head.weight" or "embed_tokens" in name:
             q, s = quantize_int8(w)
             weights[name] = q.float() * s[:, None]
         else:
@@ -145,11 +146,28 @@ def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp
 @pytest.mark.slow
 def test_smollm2_int4_holds_the_gguf_q4_1_weights():
     """Every Q4_1 tensor of the default model (q/k un-permuted on the codes) dequantises exactly
-    to the gguf package's dequantisation, which the float conversion stores."""
-    from tandem.models.gguf_quants import read_int4_tensors
-    from tandem.models.loader import gguf_source, iter_weights, resolve_model
-    codes = read_int4_tensors(gguf_source("smollm2-135m"))
-    floats = dict(iter_weights(resolve_model("smollm2-135m")))
+    to the gguf package's dequantisation, which the float variants load."""
+    from tandem.models.gguf_weights import GGUFWeights
+    from tandem.models.loader import gguf_source
+    weights = GGUFWeights(gguf_source("smollm2-135m"))
+    codes = {name: weights.int4(name) for name in weights.names()}
+    codes = {name: c for name, c in codes.items() if c is not None}
     assert len(codes) == 210
     for name, (c, s, z) in codes.items():
-        assert torch.equal(int4_dequantize(c, s, z), floats[name]), name
+        assert torch.equal(int4_dequantize(c, s, z), weights.get(name)), name
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_int8_embedding_rows_are_the_tables_dequantised_rows(vnni):
+    """An int8 variant's embedding reads rows of its LM head's table: the rows `dequantize`
+    gives, on the plain layout and on the VNNI kernel's tiles ([N/16, K/4, 16, 4] bytes of q + 128,
+    laid out here by hand: this CPU may not have the kernel)."""
+    layer = Int8Linear.from_float(torch.randn(48, 64), None, torch.float32)
+    if vnni:
+        q = layer.qweight.to(torch.int16) + 128
+        layer.qweight = q.to(torch.uint8).reshape(3, 16, 16, 4).permute(0, 2, 1, 3).contiguous().reshape(48, -1)
+        layer.scales, layer.vnni = layer.scales.float(), True
+    ids = torch.tensor([[0, 17, 47], [5, 5, 31]])
+    rows = quantization.Int8Embedding(layer, torch.float32)(ids)
+    assert rows.shape == (2, 3, 64)
+    torch.testing.assert_close(rows, layer.dequantize()[ids], rtol=0, atol=0)

@@ -15,7 +15,7 @@ MAX_NEW = 24
 def smollm():
     from tandem.models.loader import resolve_model
     path = str(resolve_model("smollm2-135m"))
-    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=64 << 20)
     tok = llm.tokenizer
     system = "You are a concise assistant. Answer in one short sentence."
     chats = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
@@ -44,8 +44,8 @@ def test_chunked_and_preempted_greedy_matches_hf(smollm):
     from tandem.models.loader import load_config
     import torch
     per_block = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32) * 16
-    llm = LLM(path, dtype="float32", kv_cache_memory=per_block * 12, max_num_batched_tokens=32,
-              enable_prefix_caching=False)
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=per_block * 12,
+              max_num_batched_tokens=32, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref

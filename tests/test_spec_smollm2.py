@@ -21,14 +21,15 @@ def off():
     sets = load_prompt_sets()
     chats = [[{"role": "user", "content": p}] for p in sets["grounded"][:3] + sets["chat"][:2]]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20)
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=64 << 20)
     return llm, chats, params, [o.outputs[0] for o in llm.chat(chats, params)]  # the reference, run once
 
 
 @pytest.fixture(scope="module", params=PROPOSERS)
 def runs(request, off):
     llm, chats, params, ref = off
-    on = LLM(str(llm.engine.core.model_dir), dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
+    on = LLM(str(llm.engine.core.model_dir), dtype="float32", quantization="fp32", kv_cache_memory=64 << 20,
+             max_num_batched_tokens=64,
              speculative_config=dict(PROPOSERS[request.param], num_speculative_tokens=4, adaptive=False))
     return llm, on, chats, params, ref
 

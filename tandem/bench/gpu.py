@@ -49,10 +49,10 @@ def _new_llm(model: str, **options):
     return LLM(model, **options)
 
 
-def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
+def _hf_greedy(model: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
     import torch
-    import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    from tandem.models.hf_reference import hf_model
+    model = hf_model(model, torch.float32).to(device)
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
@@ -64,19 +64,20 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device) -
     return outs
 
 
-def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int) -> dict:
-    """{case: {"graphs"|"eager": {"equal", "mismatched", ...}}} against transformers' greedy tokens."""
+def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) -> dict:
+    """{case: {"graphs"|"eager": {"equal", "mismatched", ...}}} against transformers' greedy tokens,
+    in fp32 (a GGUF's weights dequantised on both sides)."""
     import torch
     from tandem import SamplingParams
     from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config
+    from tandem.models.loader import load_config, resolve_model
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 200))] for _ in range(n)]
     shared = [rng.randrange(vocab) for _ in range(64)]
     prefixed = [shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(3)]
-    ref = _hf_greedy(model_dir, prompts + prefixed, max_new, torch.device(device))
+    ref = _hf_greedy(model, prompts + prefixed, max_new, torch.device(device))
     longest = max(map(len, prompts)) + max_new
-    per_block = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32) * 16
+    per_block = ModelConfig.from_hf(load_config(resolve_model(model))).kv_bytes_per_token(torch.float32) * 16
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     cases = {  # name: (engine options, prompts, reference)
         "mixed_batch": ({}, prompts, ref[:n]),
@@ -89,7 +90,7 @@ def check_equality(model_dir: str, device: str, max_new: int, n: int, vocab: int
     report = {}
     for name, (opts, ps, expected) in cases.items():
         for eager in (False, True):
-            llm = _new_llm(model_dir, dtype="float32", device=device, enforce_eager=eager,
+            llm = _new_llm(model, dtype="float32", quantization="fp32", device=device, enforce_eager=eager,
                            **{"kv_cache_memory": 256 << 20, **opts})
             if name == "prefix_hits":
                 outs = llm.generate(ps[:1], params) + llm.generate(ps[1:], params)
@@ -214,12 +215,12 @@ def main(args: argparse.Namespace) -> dict:
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))  # what is done so far survives
 
     n_eq, new_eq = (4, 6) if args.tiny else (8, 24)
-    part("equality", lambda: {"model": check_equality(model_dir, args.device, new_eq, n_eq, vocab),
+    part("equality", lambda: {"model": check_equality(args.model, args.device, new_eq, n_eq, vocab),
                               "tiny_llama": check_equality(_tiny_model(Path(tmp.name) / "tiny-eq"), args.device,
                                                            new_eq, n_eq, 512)})
     wl = dict(num_requests=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16) if args.tiny else \
         dict(num_requests=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
-    oargs = argparse.Namespace(model=model_dir, dtype=args.dtype, device=args.device, seed=0, max_num_seqs=256,
+    oargs = argparse.Namespace(model=args.model, dtype=args.dtype, device=args.device, seed=0, max_num_seqs=256,
                                max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory,
                                async_scheduling=None, progress=False, hf_dtype=None, hf_batch_size=256,
                                enforce_eager=False, **wl)

@@ -99,10 +99,10 @@ def run_hf(args, requests) -> dict:
     from tqdm import tqdm
 
     from tandem.executor.device import resolve_device, resolve_dtype
-    from tandem.models.loader import resolve_model
+    from tandem.models.hf_reference import hf_model
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.hf_dtype or args.dtype, device)
-    model = tf.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).to(device).eval()
+    model = hf_model(args.model, dtype).to(device)
     with torch.inference_mode():  # warm-up (CUDA context, kernels), as tandem has
         model.generate(torch.ones(1, 4, dtype=torch.long, device=device), max_new_tokens=2, pad_token_id=0)
     start = time.perf_counter()

@@ -66,8 +66,9 @@ def _decode_weight_bytes(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
                  if getattr(m, "packed", None) is not None)
-    if model.lm_head is not None:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    embedding = getattr(model.embed_tokens, "weight", None)  # an int8 embedding is the LM head's table
+    if model.lm_head is not None and embedding is not None:
+        total -= embedding.numel() * embedding.element_size()
     return total
 
 

@@ -1,33 +1,48 @@
-"""Build one precision variant of a model: load the weights, then quantise the GEMM weights.
+"""Build one precision variant of a model: read each weight from the file into its serving form.
 
 Storage per variant, chosen by the bytes a decode step reads against the quality it costs:
 - every Linear of the decoder layers: bf16 (pre-packed for oneDNN on CPU), int8 per output
-  channel, or int4 in groups of 32 (from a GGUF, the file's own Q4_0 / Q4_1 codes);
+  channel, or int4 in groups of 32: from a GGUF, the file's own Q4_0 / Q4_1 / Q4_K codes as
+  they are (a fused layer's other parts, and every other type, quantised from that one
+  tensor's dequantised floats: approximate, as any requantisation);
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves);
-- the embedding stays in the activation dtype: a step gathers only its tokens' rows.
+- the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.
+
+A quantised Linear is built straight from its file tensors, so no float copy of the decoder
+layers is ever held; the float modules it replaces are never written (their untouched pages
+cost no memory).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.batch_invariant import make_batch_invariant
-from tandem.models.gguf_quants import Int4Codes, read_int4_tensors
+from tandem.models.gemma3 import Gemma3ForCausalLM
+from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
-from tandem.models.loader import iter_weights
-from tandem.models.quantization import DEFAULT_INT4_GROUP, Int4Linear, Int8Linear
+from tandem.models.loader import FolderWeights, weight_source
+from tandem.models.quantization import (
+    DEFAULT_INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear, quantize_int4, quantize_int8,
+)
 
 log = logging.getLogger(__name__)
 
 QUANTIZED = ("int8", "int4")
 # Our fused modules and the Hugging Face tensors they hold, in row order.
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# GGUF types by the precision that serves them as stored: 4-5 bit blocks int4, 6-8 bit int8.
+_STORED_AS = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int4", Q.Q5_1: "int4", Q.Q5_K: "int4",
+              Q.Q6_K: "int8", Q.Q8_0: "int8", Q.F16: "fp16", Q.BF16: "bf16"}
+_FOLDER_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -48,40 +63,56 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
     return precision, "float", {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
+def stored_precision(model_dir: Path, gguf_path: Path | None, hf_config: dict) -> str | None:
+    """The precision the weights are stored in (what `quantization: auto` serves): a GGUF's by
+    the type holding most of its decoder-layer weights (`_STORED_AS`), a folder's by its
+    config's dtype; None for fp32 weights (the engine's float dtype serves them)."""
+    if gguf_path is None:
+        return _FOLDER_DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype"))
+    sizes: dict[str | None, int] = {}
+    for name, t in GGUFWeights(gguf_path).tensors.items():
+        if name.startswith("model.layers.") and len(t.shape) == 2:
+            kind = _STORED_AS.get(t.kind)
+            sizes[kind] = sizes.get(kind, 0) + t.shape[0] * t.shape[1]
+    return max(sizes, key=sizes.get) if sizes else None
+
+
 def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
                 attention: AttentionFactory, gguf_path: Path | None = None,
                 deterministic: bool = False) -> LlamaForCausalLM:
-    """weights: "float" (the activation dtype) or one of QUANTIZED. deterministic: float GEMMs
-    on the batch-invariant kernel (models/batch_invariant.py) instead of oneDNN's packing."""
+    """weights: "float" (the activation dtype) or one of QUANTIZED, read from `gguf_path` when
+    given, else from the folder's safetensors. deterministic: float GEMMs on the batch-invariant
+    kernel (models/batch_invariant.py) instead of oneDNN's packing."""
+    if weights != "float" and weights not in QUANTIZED:
+        raise ValueError(f"unknown weight format {weights!r}")
     with torch.device(device):
         model = (Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM)(cfg, attention)
-    model.load_weights(iter_weights(model_dir))
-    model.to(dtype)
-    for rotary in model.modules():
-        if isinstance(rotary, RotaryEmbedding):  # the RoPE tables stay fp32
-            rotary.cos_sin = rotary.cos_sin.float()
+    _retype(model, dtype)
     model.eval()
+    source = weight_source(model_dir, gguf_path)
+    consumed: set[str] = set()
+    if weights in QUANTIZED:
+        native = 0
+        for name, module in list(model.named_modules()):
+            if isinstance(module, Linear) and module is not model.lm_head:
+                parent, _, attr = name.rpartition(".")
+                quantised, parts, from_file = _quantise(name, module, weights, dtype, source)
+                native += from_file
+                consumed.update(parts)
+                setattr(model.get_submodule(parent), attr, quantised)
+                _trim_heap()
+        if native:
+            log.info("int4 from %s: %d of the linear layers' tensors hold the file's own int4 codes",
+                     getattr(source, "path", model_dir), native)
+        consumed |= _quantise_vocab(model, source, dtype)
+    model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
     if weights == "float":
         if deterministic:
             make_batch_invariant(model)
         elif device.type == "cpu":
             model.pack_for_cpu()
         return model
-    if weights not in QUANTIZED:
-        raise ValueError(f"unknown weight format {weights!r}")
-    codes = _gguf_codes(gguf_path) if weights == "int4" and gguf_path is not None else {}
-    native = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and module is not model.lm_head:
-            parent, _, attr = name.rpartition(".")
-            quantised, from_gguf = _quantise(name, module, weights, dtype, codes)
-            native += from_gguf
-            setattr(model.get_submodule(parent), attr, quantised)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Int8Linear.from_float(head.data, None, dtype)
-    if codes:
-        log.info("int4 from %s: %d linear layers hold the file's own Q4 codes, %d were quantised from floats",
-                 gguf_path.name, native, sum(isinstance(m, Int4Linear) for m in model.modules()) - native)
+    _trim_heap()
     return model
 
 
@@ -94,22 +125,80 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _gguf_codes(gguf_path: Path) -> dict[str, Int4Codes]:
-    codes = read_int4_tensors(gguf_path)
-    if not codes:
-        log.info("%s has no Q4_0 / Q4_1 tensors: int4 is quantised from the dequantised weights", gguf_path.name)
-    return codes
+def _retype(model: nn.Module, dtype: torch.dtype) -> None:
+    """The parameters in `dtype`, left unwritten (every one is loaded, or replaced by a
+    quantised module): `model.to(dtype)` would write, so hold, a whole float model. The RoPE
+    tables stay fp32, rounded through `dtype` as `model.to(dtype)` then `.float()` rounds them."""
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
+    for rotary in model.modules():
+        if isinstance(rotary, RotaryEmbedding):
+            rotary.cos_sin = rotary.cos_sin.to(dtype).float()
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A layer's temporaries
+    (decoded blocks, int32 codes for packing) are freed into the heap, between the layers'
+    packed weights, where glibc keeps them: trimmed after each layer, loading holds the weights
+    and one layer's temporaries, not every layer's."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights, dtype: torch.dtype) -> set[str]:
+    """The LM head as an int8 table, and the embedding read from it (tied) or from its own int8
+    table, each requantised a slice of rows at a time; returns the file tensors taken."""
+    device = model.embed_tokens.weight.device
+    embed = "model.embed_tokens.weight"
+    head = embed if model.lm_head is None else "lm_head.weight"
+    model.lm_head = _int8_table(source, head, dtype, device)
+    table = model.lm_head if head == embed else _int8_table(source, embed, dtype, device)
+    model.embed_tokens = Int8Embedding(table, dtype)
+    return {embed, head}
+
+
+def _int8_table(source: GGUFWeights | FolderWeights, name: str, dtype: torch.dtype,
+                device: torch.device, rows_per_chunk: int = 2048) -> Int8Linear:
+    """Int8Linear.from_float of a [V, K] tensor without holding it in floats: by row slices,
+    each one's temporaries handed back before the next."""
+    rows, cols = source.shape(name)
+    qweight = torch.empty(rows, cols, dtype=torch.int8, device=device)
+    scales = torch.empty(rows, dtype=torch.float32, device=device)
+    for start in range(0, rows, rows_per_chunk):
+        stop = min(start + rows_per_chunk, rows)
+        qweight[start:stop], scales[start:stop] = quantize_int8(source.rows(name, start, stop).to(device))
+        _trim_heap()
+    return Int8Linear(qweight, scales, None, dtype)
 
 
 def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype,
-              codes: dict[str, Int4Codes]) -> tuple[nn.Module, bool]:
-    """The quantised replacement of one Linear, and whether it took a GGUF's codes as they are."""
-    bias = None if module.bias is None else module.bias.data
-    if weights == "int8":
-        return Int8Linear.from_float(module.weight.data, bias, dtype), False
+              source: GGUFWeights | FolderWeights) -> tuple[nn.Module, list[str], int]:
+    """The quantised replacement of one Linear, the file tensors it took, and how many of them
+    it took as the file's own int4 codes."""
     prefix, _, leaf = name.rpartition(".")
-    parts = [f"model.{prefix}.{p}.weight" for p in _FUSED_PARTS.get(leaf, (leaf,))]
-    if all(p in codes for p in parts):
-        c, s, z = (torch.cat([codes[p][i] for p in parts]).to(module.weight.device) for i in range(3))
-        return Int4Linear(c, s, z, bias, dtype), True
-    return Int4Linear.from_float(module.weight.data, bias, dtype, DEFAULT_INT4_GROUP), False
+    parts = [f"model.{prefix}.{p}" for p in _FUSED_PARTS.get(leaf, (leaf,))]
+    device = module.weight.device
+    bias = None
+    if module.bias is not None:
+        bias = torch.cat([source.get(f"{p}.bias") for p in parts]).to(device)
+    names = [f"{p}.weight" for p in parts] + ([f"{p}.bias" for p in parts] if bias is not None else [])
+    if weights == "int8":
+        weight = torch.cat([source.get(f"{p}.weight") for p in parts]).to(device)
+        return Int8Linear.from_float(weight, bias, dtype), names, 0
+    pieces, native = [], 0
+    for p in parts:
+        codes = source.int4(f"{p}.weight")
+        native += codes is not None
+        pieces.append(codes or quantize_int4(source.get(f"{p}.weight").to(device), DEFAULT_INT4_GROUP))
+    c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
+    return Int4Linear(c, s, z, bias, dtype), names, native

@@ -1,55 +1,155 @@
-"""GGUF Q4_0 / Q4_1 tensors read as int4 codes with per-block scale and zero, for `Int4Linear`.
+"""Decoders of llama.cpp's block formats: raw GGUF rows -> fp32 weights, and the int4 codes of
+the 4-bit formats as `Int4Linear` holds them.
 
-A block is 32 weights along a row: fp16 d (Q4_1: then fp16 m), then 16 bytes whose low nibbles
-are weights 0-15 and high nibbles weights 16-31. Q4_1 means w = d q + m, Q4_0 w = d (q - 8);
-in the int4 layer's convention (w = (q - 8) scale + zero) that is scale = d and zero = m + 8 d,
-or zero = 0, so the codes are the file's own. llama.cpp permutes the rows of llama q/k weights;
-the permutation moves whole rows, so it is undone on the codes and on the block scales alike.
-Every other tensor type is left to the float conversion (`gguf_convert.py`).
+Each decoder computes what the `gguf` package's reference (`gguf.quants.dequantize`) computes,
+in the same fp32 operations and order, so the floats are bit for bit the reference's: a
+block's scale times a small integer is exact in fp32 (at most 19 + 6 significant bits, rounded
+once in Q6_K, as the reference rounds it); the formats with a minimum subtract it in one
+rounding. They work on any slice of rows, so a large tensor is decoded a chunk at a time.
+
+int4 codes (Q4_0, Q4_1, Q4_K), in the int4 layer's convention w = (q - 8) scale + zero:
+  Q4_0 w = d (q - 8)          -> scale = d,      zero = 0
+  Q4_1 w = d q + m            -> scale = d,      zero = m + 8 d
+  Q4_K w = d sc q - dmin m    -> scale = d sc,   zero = 8 d sc - dmin m  (32-weight sub-blocks)
+`scale` is exact in fp32 (fp16 d times a 6-bit sc); `zero` is rounded once in fp32, and
+(q - 8) scale + zero rounds again where the reference rounds once, so the int4 layer's weights
+are within a few ulp of the reference's, not bit-exact (tests/test_gguf_quants.py measures it).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as reference_dequantize
 
-from tandem.models.gguf_convert import hf_tensor_name, unpermute_qk, _meta
-
+QK_K = 256
 GROUP_SIZE = 32
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+# (weights per block, bytes per block)
+BLOCKS: dict[Q, tuple[int, int]] = {
+    Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q8_0: (32, 34),
+    Q.Q4_K: (QK_K, 144), Q.Q5_K: (QK_K, 176), Q.Q6_K: (QK_K, 210),
+}
+FLOATS = (Q.F32, Q.F16, Q.BF16)
+INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
-Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
-
-
-def read_int4_tensors(gguf_path: Path) -> dict[str, Int4Codes]:
-    """HF weight name -> (codes, scales, zeros) for every Q4_0 / Q4_1 tensor in the file."""
-    reader = GGUFReader(gguf_path)
-    arch = _meta(reader, "general.architecture")
-    n_head = _meta(reader, f"{arch}.attention.head_count")
-    n_head_kv = _meta(reader, f"{arch}.attention.head_count_kv", n_head)
-    out = {}
-    for t in reader.tensors:
-        if t.tensor_type not in _BLOCK_BYTES:
-            continue
-        codes, scales, zeros = decode_blocks(np.asarray(t.data), t.tensor_type)
-        heads = n_head if ".attn_q." in t.name else n_head_kv if ".attn_k." in t.name else None
-        if arch == "llama" and heads is not None:
-            codes, scales, zeros = (unpermute_qk(a, heads) for a in (codes, scales, zeros))
-        out[hf_tensor_name(t.name)] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, zeros))
-    return out
+Int4Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
 
 
-def decode_blocks(data: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[N, bytes per row] raw blocks -> codes [N, K] uint8, scales and zeros [N, K // 32] fp32."""
+def dequantize_rows(data: np.ndarray, kind: Q) -> np.ndarray:
+    """[N, bytes per row] raw rows (fp32 / fp16 / bf16: [N, K] of that type) -> fp32 [N, K].
+    Types without a decoder here go to the `gguf` package's; one it cannot decode either is
+    refused naming the type."""
+    if kind == Q.F32:
+        return np.asarray(data).view(np.float32).reshape(data.shape[0], -1)
+    if kind == Q.F16:
+        return np.asarray(data).view(np.float16).reshape(data.shape[0], -1).astype(np.float32)
+    if kind == Q.BF16:
+        bits = np.asarray(data).view(np.uint16).reshape(data.shape[0], -1).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        try:
+            return reference_dequantize(np.asarray(data), kind).reshape(data.shape[0], -1)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF type {kind.name} cannot be decoded") from e
     rows = data.shape[0]
-    blocks = data.reshape(rows, -1, _BLOCK_BYTES[kind])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == GGMLQuantizationType.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros, qs = m + 8 * d, blocks[..., 4:]
+    size, nbytes = BLOCKS[kind]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, nbytes)
+    return decoder(blocks).reshape(rows, -1)
+
+
+def int4_rows(data: np.ndarray, kind: Q) -> Int4Arrays:
+    """[N, bytes per row] raw Q4_0 / Q4_1 / Q4_K rows -> codes [N, K] uint8 in [0, 15], and
+    scales, zeros [N, K // 32] fp32 (see the module docstring)."""
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[kind][1])
+    if kind == Q.Q4_K:
+        d, dmin, sc, m = _k_scales(blocks)
+        scales = d * sc
+        zeros = 8 * scales - dmin * m
+        codes = _nibbles_k(blocks[:, 16:])
     else:
-        zeros, qs = np.zeros_like(d), blocks[..., 2:]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
-    return codes, d, zeros
+        d = _half(blocks, 0)
+        if kind == Q.Q4_1:
+            scales, zeros, qs = d, _half(blocks, 2) + 8 * d, blocks[:, 4:]
+        else:
+            scales, zeros, qs = d, np.zeros_like(d), blocks[:, 2:]
+        codes = _nibbles(qs)
+    return codes.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1)
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of every block, as fp32 [B, 1]."""
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 codes: low nibbles are weights 0-15, high nibbles 16-31."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _nibbles_k(qs: np.ndarray) -> np.ndarray:
+    """A K-quant's 128 bytes of nibbles -> [B, 8, 32] codes: each 32 bytes hold sub-block 2j in
+    their low nibbles and sub-block 2j + 1 in their high nibbles."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K: d, dmin [B, 1] and the eight 6-bit scales and mins [B, 8], as fp32 [B, 8, 1]
+    products' factors. Bytes 4-15 pack them: scales 0-3 and mins 0-3 in the low 6 bits of bytes
+    0-3 and 4-7, scales and mins 4-7 in the nibbles of bytes 8-11 plus those bytes' top 2 bits."""
+    s = blocks[:, 4:16]
+    lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=1)
+    m = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
+    as_factor = lambda a: a.astype(np.float32)[..., None]  # noqa: E731
+    return as_factor(_half(blocks, 0)), as_factor(_half(blocks, 2)), as_factor(sc), as_factor(m)
+
+
+def _q4_0(blocks: np.ndarray) -> np.ndarray:
+    return _half(blocks, 0) * (_nibbles(blocks[:, 2:]).astype(np.float32) - 8)
+
+
+def _q4_1(blocks: np.ndarray) -> np.ndarray:
+    return _half(blocks, 0) * _nibbles(blocks[:, 4:]).astype(np.float32) + _half(blocks, 2)
+
+
+def _q5_0(blocks: np.ndarray) -> np.ndarray:
+    qh = blocks[:, 2:6].copy().view(np.uint32)  # bit j: the fifth bit of weight j
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return _half(blocks, 0) * ((_nibbles(blocks[:, 6:]) | high).astype(np.float32) - 16)
+
+
+def _q8_0(blocks: np.ndarray) -> np.ndarray:
+    return _half(blocks, 0) * blocks[:, 2:].view(np.int8).astype(np.float32)
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m = _k_scales(blocks)
+    return (d * sc) * _nibbles_k(blocks[:, 16:]).astype(np.float32) - dmin * m
+
+
+def _q5_k(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K's layout with 32 bytes of fifth bits after the scales: bit i of byte j is the high
+    bit of weight j of sub-block i."""
+    d, dmin, sc, m = _k_scales(blocks)
+    qh = blocks[:, 16:48].reshape(-1, 1, 32)
+    high = ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
+    return (d * sc) * (_nibbles_k(blocks[:, 48:]) | high).astype(np.float32) - dmin * m
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    """128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d.
+    Each half of the block (128 weights) takes 64 low-nibble bytes (weights 0-63 low, 64-127
+    high) and 32 high-bit bytes (bits 2i..2i+1 for weights 32i..32i+31)."""
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64)
+    low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    q = ((low | (high << 4)).astype(np.int8) - 32).reshape(-1, 16, 16).astype(np.float32)
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    d = _half(blocks, 208) * scales
+    return d[..., None] * q
+
+
+_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}

@@ -272,7 +272,10 @@ class LlamaForCausalLM(nn.Module):
             dst = param.data if start is None else param.data.narrow(0, start, size)
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if start is None and (tensor.dtype, tensor.device) == (dst.dtype, dst.device) and tensor.is_contiguous():
+                param.data = tensor  # taken as it is: a large embedding is not held twice while copied
+            else:
+                dst.copy_(tensor)
             loaded.add(name)
         expected = {n for n in params}
         got = set()

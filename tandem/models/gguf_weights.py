@@ -1,0 +1,167 @@
+"""A GGUF file's tensors under their Hugging Face names, read one at a time from the file.
+
+A tensor's bytes are read (`gguf_file.py`) and decoded when the builder asks for it (floats in
+the Hugging Face layout, a large one a chunk of rows at a time, or a 4-bit format's own int4
+codes), so loading holds the serving weights plus one tensor's buffers, never the file and a
+float copy of it. Layout differences are undone here: llama.cpp permutes the rows of llama q/k
+(whole rows, so codes and block scales are unpermuted alike) and stores Gemma 3's norm weights
+as 1 + w.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from tandem.models.gguf_config import SUPPORTED_ARCHS
+from tandem.models.gguf_file import GGUFFile, TensorInfo
+from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows
+
+Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Architectures whose layers name some tensors otherwise (Gemma's norms around attention and MLP).
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp's convert_hf_to_gguf stores Gemma 3's RMSNorm weights w as 1 + w (its `norm_shift`,
+# the (1 + w) of Gemma3RMSNorm): every `*norm.weight` tensor, undone here.
+_NORM_SHIFT = {"gemma3": 1.0}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
+_ROWS_PER_CHUNK = 4096
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    name: str  # the GGUF name
+    kind: GGMLQuantizationType
+    shape: tuple[int, ...]  # the Hugging Face shape: [rows, cols] or [n]
+    info: TensorInfo  # where its bytes are
+    heads: int | None  # llama q/k: the heads llama.cpp permuted the rows in
+
+
+class GGUFWeights:
+    """The tensors of one GGUF file, by Hugging Face name."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file = GGUFFile(self.path)
+        meta = self.file.metadata
+        self.arch = meta.get("general.architecture")
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"{self.path}: unsupported GGUF architecture {self.arch!r} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        n_head = meta.get(f"{self.arch}.attention.head_count")
+        n_head_kv = meta.get(f"{self.arch}.attention.head_count_kv", n_head)
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in self.file.tensors:
+            try:
+                name = hf_tensor_name(t.name, self.arch)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: {e}") from e
+            heads = None
+            if self.arch == "llama" and ".attn_q." in t.name:
+                heads = n_head
+            elif self.arch == "llama" and ".attn_k." in t.name:
+                heads = n_head_kv
+            shape = tuple(reversed(t.dims))  # GGUF lists dims innermost first
+            self.tensors[name] = GGUFTensor(t.name, t.kind, shape, t, heads)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 tensor), one at a time."""
+        for name in list(self.tensors):
+            yield name, self.get(name)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor dequantised to fp32, in the Hugging Face layout: decoded a chunk of rows at
+        a time into the one output array (a large embedding is never held twice)."""
+        t = self.tensors[name]
+        w = self._decode(t, 0, t.info.rows)
+        if t.heads is not None:
+            w = np.ascontiguousarray(unpermute_qk(w, t.heads))
+        w = w.reshape(t.shape)
+        shift = _NORM_SHIFT.get(self.arch)
+        if shift and t.name.endswith("norm.weight"):
+            w -= np.float32(shift)
+        return torch.from_numpy(w)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of a 2-D tensor (never a permuted q/k), fp32: a large table is
+        requantised a slice at a time."""
+        t = self.tensors[name]
+        if t.heads is not None or len(t.shape) != 2:
+            raise ValueError(f"{name}: only an unpermuted 2-D tensor is read by rows")
+        return torch.from_numpy(self._decode(t, start, min(stop, t.shape[0])))
+
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start:stop of the tensor's bytes as stored: [rows, bytes per row]."""
+        t = self.tensors[name]
+        return self.file.read_rows(t.info, start, min(stop or t.info.rows, t.info.rows))
+
+    def _decode(self, t: GGUFTensor, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop as fp32 [rows, K], decoded a chunk at a time into one array."""
+        w = np.empty((stop - start, int(np.prod(t.shape)) // t.info.rows), np.float32)
+        try:
+            for i in range(start, stop, _ROWS_PER_CHUNK):
+                end = min(i + _ROWS_PER_CHUNK, stop)
+                w[i - start:end - start] = dequantize_rows(self.file.read_rows(t.info, i, end), t.kind)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from e
+        return w
+
+    def int4(self, name: str) -> Int4Codes | None:
+        """The file's own int4 codes, scales and zeros (`gguf_quants.int4_rows`) where the tensor
+        is Q4_0, Q4_1 or Q4_K; else None."""
+        t = self.tensors[name]
+        if t.kind not in INT4_KINDS:
+            return None
+        arrays = int4_rows(self.file.read_rows(t.info, 0, t.info.rows), t.kind)
+        if t.heads is not None:
+            arrays = tuple(unpermute_qk(a, t.heads) for a in arrays)
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name (e.g. `blk.3.attn_q.weight`) to its Hugging Face name."""
+    base, _, kind = gguf_name.rpartition(".")
+    layer = _LAYER_NAME.fullmatch(base)
+    tensors = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
+    if kind in ("weight", "bias"):
+        if layer and layer[2] in tensors:
+            return f"model.layers.{layer[1]}.{tensors[layer[2]]}.{kind}"
+        if base in _GLOBAL_TENSORS:
+            return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf `LlamaModel.permute`) for rotate-half RoPE."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,137 @@
+"""A quantised GGUF served as it is stored: `quantization: auto` picks the file's precision, int4
+layers hold the file's Q4_K codes, fp32 serving equals transformers on the file's dequantised
+weights, and a precision the file cannot give is refused in words. Tiny random Llama files
+whose layers mix the types of a Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from conftest import hf_greedy
+from tandem import LLM, SamplingParams
+from tandem.models import quantization
+from tandem.models.builder import build_model
+from tandem.models.gguf_weights import GGUFWeights
+from tandem.models.llama import ModelConfig
+from tandem.models.loader import load_config, resolve_model
+from tandem.models.quantization import Int4Linear
+from tandem.executor.attention import TorchAttention
+
+HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
+Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
+          "ffn_gate": Q.Q5_0, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# byte offset of each block's fp16 d (then dmin, where the format has one), and the size that
+# keeps weights small: |w| <= d * (largest scale code) * (largest quant)
+_SCALES = {Q.Q4_K: ((0, 2), 2e-4), Q.Q6_K: ((208,), 2e-5), Q.Q5_0: ((0,), 4e-3), Q.Q8_0: ((0,), 1e-3),
+           Q.Q4_0: ((0,), 4e-3), Q.Q8_1: ((0,), 1e-3)}
+
+
+def _blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of `kind` with small positive fp16 scales: [rows, bytes per row]."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (rows * cols // size, nbytes), dtype=np.uint8)
+    offsets, scale = _SCALES[kind]
+    for at in offsets:
+        d = (rng.uniform(0.5, 1.5, len(blocks)) * scale).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_quantised_gguf(path: Path, kinds: dict[str, Q], default: Q = Q.Q4_K, seed: int = 0) -> Path:
+    """A tiny tied-embedding Llama GGUF: each 2-D tensor random blocks of its kind (by llama.cpp
+    name; F32 for plain float32), norms F32 around 1."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    head_dim = HIDDEN // HEADS
+    shapes = {"token_embd": (VOCAB, HIDDEN), "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    names = [("token_embd", "token_embd.weight"), ("output_norm", "output_norm.weight")]
+    for i in range(LAYERS):
+        parts = [*shapes.keys() - {"token_embd"}, "attn_norm", "ffn_norm"]
+        names += [(part, f"blk.{i}.{part}.weight") for part in parts]
+    for part, name in names:
+        if part not in shapes:
+            writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+            continue
+        kind = kinds.get(part, default)
+        rows, cols = shapes[part]
+        if kind == Q.F32:
+            writer.add_tensor(name, (0.05 * rng.standard_normal((rows, cols))).astype(np.float32))
+        else:
+            writer.add_tensor(name, _blocks(kind, rows, cols, rng), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory) -> str:
+    return str(write_quantised_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf", Q4_K_M))
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 33)]
+
+
+@pytest.mark.parametrize("kinds, default, expected", [
+    (Q4_K_M, Q.Q4_K, "int4"),
+    ({"token_embd": Q.Q8_0}, Q.Q8_0, "int8"),
+    ({"token_embd": Q.F32}, Q.F32, "fp32"),  # float weights: the engine's float dtype (fp32 asked here)
+])
+def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, expected) -> None:
+    path = write_quantised_gguf(tmp_path / "m.gguf", kinds, default)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)
+    assert llm.engine.core.executor.variants.default == expected
+    assert llm.engine.core.config.quantization == "auto"
+    assert len(llm.generate(_prompts()[:1], GREEDY)[0].outputs[0].token_ids) == 8
+
+
+def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
+    """On the reference path (the codes kept as they are): a layer whose parts are all Q4_K
+    dequantises to the file's weights within a few ulp (tests/test_gguf_quants.py says why
+    not bit for bit); a fused layer with a Q6_K or Q5_0 part holds the others' codes as they are."""
+    monkeypatch.setattr(quantization, "_pack_int4", lambda *args: None)
+    monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
+    folder = resolve_model(q4_k_m)
+    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
+                        torch.float32, TorchAttention, Path(q4_k_m))
+    weights = GGUFWeights(Path(q4_k_m))
+    o_proj = model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, Int4Linear)
+    torch.testing.assert_close(o_proj.dequantize(), weights.get("model.layers.0.self_attn.o_proj.weight"),
+                               rtol=1e-6, atol=1e-7)
+    qkv = model.layers[1].self_attn.qkv_proj.dequantize()
+    q = weights.get("model.layers.1.self_attn.q_proj.weight")
+    torch.testing.assert_close(qkv[:q.shape[0]], q, rtol=1e-6, atol=1e-7)
+
+
+def test_fp32_serving_equals_transformers_on_the_dequantised_file(q4_k_m) -> None:
+    prompts = _prompts()
+    llm = LLM(q4_k_m, dtype="float32", quantization="fp32", kv_cache_memory=1 << 22)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(q4_k_m, prompts, 8)
+
+
+def test_a_precision_the_file_cannot_give_is_refused_in_words(tmp_path) -> None:
+    path = write_quantised_gguf(tmp_path / "odd.gguf", {"ffn_down": Q.Q8_1, "token_embd": Q.Q8_0}, Q.Q4_0)
+    with pytest.raises(ValueError, match=r"precision int4 cannot be built here: .*odd.gguf: tensor "
+                                         r"'blk.0.ffn_down.weight': GGUF type Q8_1 cannot be decoded"):
+        LLM(str(path), dtype="float32", quantization="int4", kv_cache_memory=1 << 22)
