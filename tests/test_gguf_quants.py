@@ -58,8 +58,9 @@ def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
     """Codes are the file's, scale = d (d sc for Q4_K) exactly; zero = 8 scale - min is rounded
     once in fp32, so (q - 8) scale + zero (two roundings) is within a few ulp of the reference's
     d sc q - dmin m (one rounding), not bit-exact. In fp32 `Int4Linear` stores scale and zero as
-    given (its reference and torch-kernel paths keep them in the activation dtype: bf16 rounds
-    them; the AVX512-VNNI path keeps fp16 d and m = zero - 8 scale, which rounds d sc)."""
+    given on its reference path (the torch-kernel path keeps them in the kernel's dtype, bf16 on
+    CPU, which rounds them; the AVX512-VNNI path keeps fp16 d and m = zero - 8 scale, which
+    rounds d sc)."""
     data = random_rows(kind, 32, 512, seed=1)
     codes, scales, zeros = int4_rows(data, kind)
     assert codes.dtype == np.uint8 and codes.max() <= 15 and codes.shape == (32, 512)
@@ -72,9 +73,11 @@ def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
     if kind == Q.Q4_0:  # zero = 0: nothing is rounded
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     layer = Int4Linear(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros), None, torch.float32)
-    assert layer.scales_zeros.dtype == torch.float32
     if layer.packed is None and not layer.vnni:  # the reference path: the same fp32 arithmetic
+        assert layer.scales_zeros.dtype == torch.float32
         torch.testing.assert_close(layer.dequantize(), got, rtol=0, atol=0)
+    elif layer.packed is not None:
+        assert layer.scales_zeros.dtype == layer.kernel_dtype
 
 
 def _real_files():

@@ -84,12 +84,12 @@ def measure(args: argparse.Namespace) -> dict:
             "held_rss_above_baseline": rss - base, "weight_bytes": dict(variants.weight_bytes)}
 
 
-def _phase(args: argparse.Namespace, phase: str) -> dict:
+def _phase(args: argparse.Namespace, phase: str, cache: str) -> dict:
     argv = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--phase", phase]
     if args.quantization:
         argv += ["--quantization", args.quantization]
     import tandem  # the children import the same checkout as this process
-    env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1]), "TANDEM_CACHE_DIR": cache}
     out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -102,8 +102,8 @@ def main(args: argparse.Namespace) -> dict:
     from tandem.models.loader import gguf_source
     source = gguf_source(args.model)  # an alias's file is located (and assembled) before measuring
     with tempfile.TemporaryDirectory(prefix="tandem-bench-load-") as tmp:
-        os.environ["TANDEM_CACHE_DIR"] = args.cache or tmp
-        report = {"model": args.model, **_phase(args, "resolve"), **_phase(args, "load")}
+        cache = args.cache or tmp  # the children's cache only: this process's stays as it was
+        report = {"model": args.model, **_phase(args, "resolve", cache), **_phase(args, "load", cache)}
     report["file_bytes"] = source.stat().st_size if source is not None else sum(
         f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
     report["peak_over_file"] = round(report["load_peak_rss_above_baseline"] / report["file_bytes"], 2)
