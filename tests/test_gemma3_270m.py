@@ -1,7 +1,8 @@
 """The real Gemma 3 270M (the Q4_K_M GGUF of `--model gemma3-270m`, dequantised): greedy tokens
 equal transformers' Gemma3ForCausalLM (fp32) on the converted weights, batched, with prefix-cache
 hits, chunked prefill, swap preemption and n-gram speculation; one prompt is longer than the
-512-token sliding window, so the local layers' window is exercised."""
+512-token sliding window, so the local layers' window is exercised, and their blocks behind it
+are freed (KV groups)."""
 from __future__ import annotations
 
 import pytest
@@ -40,9 +41,10 @@ def test_batched_and_prefix_hits_match_hf(gemma):
 def test_chunked_prefill_and_swap_match_hf(gemma):
     _, path, prompts, ref = gemma
     per_block = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32) * 16
-    # room for the long request alone (45 blocks of 16), not for all three at once
-    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=per_block * 46,
-              max_num_batched_tokens=128, enable_prefix_caching=False, preemption_mode="swap")
+    # Room for the long request alone (45 blocks of 16 in the full layers; its local layers hold
+    # their 512-token window plus a chunk, the blocks behind it freed), not for all three at once.
+    llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=per_block * 40,
+              max_num_batched_tokens=64, enable_prefix_caching=False, preemption_mode="swap")
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.engine.core.scheduler.preemptions_by_mode["swap"] > 0
 

@@ -27,9 +27,12 @@ _TOPICS = ["photosynthesis", "the French Revolution", "a binary search", "black 
 
 def prompts(tokenizer) -> list[list[int]]:
     """25 chat questions and 25 continuations of the text (24-token windows evenly spaced through
-    it): 50 varied prompts."""
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"Explain {t} in two sentences."}],
-                                           tokenize=False, add_generation_prompt=True) for t in _TOPICS]
+    it): 50 varied prompts. A model without a chat template (a base model) takes the questions as
+    plain text."""
+    questions = [f"Explain {t} in two sentences." for t in _TOPICS]
+    chats = questions if not getattr(tokenizer, "chat_template", None) else [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions]
     text = tokenizer.encode(TEXT.read_text())
     step = (len(text) - 24) // 25
     return [tokenizer.encode(c) for c in chats] + [text[i * step:i * step + 24] for i in range(25)]

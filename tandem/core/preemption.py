@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request
 
 if TYPE_CHECKING:
@@ -43,13 +43,13 @@ def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCa
     """Seats and blocks L1 must leave this step: the blocks the running L2 requests of the
     guaranteed seats need for their `tokens` share, and, while L2 runs below its guaranteed
     seats, a seat and blocks for the first waiting L2."""
-    bs, blocks = kv.block_size, 0
+    blocks = 0
     guaranteed = l2_running[:l2_floor]
     for r in guaranteed:
         chunk = max(1, min(r.num_tokens_with_placeholders - r.num_computed_tokens, tokens))
         tokens = max(tokens - chunk, 0)
-        blocks += max(cdiv(r.num_computed_tokens + chunk, bs) - len(kv.req_to_blocks.get(r.request_id, ())), 0)
+        blocks += max(kv.blocks_needed(r, chunk), 0)
     if len(guaranteed) >= l2_floor or l2_waiting_head is None:
         return 0, blocks
     head = l2_waiting_head
-    return 1, blocks + cdiv(head.num_computed_tokens + max(1, min(head.num_tokens_with_placeholders - head.num_computed_tokens, tokens)), bs)
+    return 1, blocks + max(kv.blocks_needed(head, max(1, min(head.num_tokens_with_placeholders - head.num_computed_tokens, tokens))), 0)

@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
@@ -34,7 +34,7 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float]
     ) -> None:
-        capacity = kv_manager.pool.num_blocks * kv_manager.block_size
+        capacity = kv_manager.token_capacity(config.max_num_batched_tokens)
         if capacity < config.max_model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool ({capacity} tokens): "
                              "one request could never fit")
@@ -193,8 +193,7 @@ class Scheduler:
                 new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None and num_new > 1:  # a shorter prefill chunk may fit
                 held = self._held_for_l2(step)[1] if level == 1 else 0
-                room = (len(self.kv.req_to_blocks.get(req.request_id, ())) + self.kv.num_free_blocks - held) \
-                    * self.kv.block_size - req.num_computed_tokens
+                room = self.kv.token_room(req, self.kv.num_free_blocks - held)
                 if room > 0:
                     num_new = min(num_new, room)
                     new_block_ids = self._allocate(req, num_new, step)
@@ -244,8 +243,7 @@ class Scheduler:
         """allocate_slots, except that L1 may not take the blocks held for L2's share."""
         if req.level == 1:
             held = self._held_for_l2(step)[1]
-            need = cdiv(req.num_computed_tokens + num_new, self.kv.block_size) - len(self.kv.req_to_blocks.get(req.request_id, ()))
-            if need > self.kv.num_free_blocks - held:
+            if self.kv.blocks_needed(req, num_new) > self.kv.num_free_blocks - held:
                 return None
         return self.kv.allocate_slots(req, num_new)
 
@@ -262,14 +260,14 @@ class Scheduler:
 
     def _admit(self, req: Request, cap: int, step: StepBudget, blocks_held: int) -> bool:
         """Take a waiting request into this step's batch; False when its blocks do not fit."""
-        out, bs = step.out, self.kv.block_size
+        out = step.out
         free = self.kv.num_free_blocks - blocks_held
         if req.swapped:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
-            if cdiv(req.num_computed_tokens + num_new + lookahead, bs) > free:
+            if self.kv.blocks_needed(req, num_new + lookahead) > free:
                 lookahead = 0  # the drafts are what gives way
-            if cdiv(req.num_computed_tokens + num_new, bs) > free:
+            if self.kv.blocks_needed(req, num_new) > free:
                 return False
             swapped_in = self.kv.swap_in(req, num_new + lookahead)
             if swapped_in is None:
@@ -281,8 +279,8 @@ class Scheduler:
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, cap)
             lookahead = self.planner.lookahead(req, num_hit + num_new)
-            need = cdiv(num_hit + num_new, bs) - len(computed_blocks) + sum(1 for b in computed_blocks if b.ref_cnt == 0)
-            if need + cdiv(num_hit + num_new + lookahead, bs) - cdiv(num_hit + num_new, bs) > free:
+            need = self.kv.blocks_needed(req, num_new, computed_blocks)
+            if self.kv.blocks_needed(req, num_new + lookahead, computed_blocks) > free:
                 lookahead = 0  # the drafts are what gives way
             block_ids = self.kv.allocate_slots(req, num_new + lookahead, computed_blocks) if need <= free else None
             if block_ids is None:

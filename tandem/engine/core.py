@@ -59,13 +59,13 @@ class EngineCore:
         # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
         # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
         self.executor: Executor = self.pipeline.call(executor_factory, config, self.model_dir, self.grammar_compiler)
-        capacity = self.executor.num_kv_blocks * self.executor.block_size
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings, capacity)
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             config.max_prefix_tokens, config.min_match_length, self.executor.num_host_blocks,
+            self.executor.kv_group_windows,
         )
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings,
+                                 self.kv_manager.token_capacity(config.max_num_batched_tokens))
         # P/D export / import of KV blocks; a write waits for the steps in flight
         self.kv_handoff = KVHandoff(self.kv_manager, self.executor, lambda: self.pipeline.in_flight())
         swap_cost, recompute_cost = self.executor.preemption_costs()

@@ -29,7 +29,7 @@ class StepTrace:
             "swap_out_blocks": len(sched.blocks_to_swap_out), "swap_in_blocks": len(sched.blocks_to_swap_in),
             "waiting": len(scheduler.waiting), "running": len(scheduler.running),
             "waiting_by_level": {f"L{lv}": scheduler.waiting.count(lv) for lv in LEVELS},
-            "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.pool.num_blocks,
+            "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.num_blocks,
             "host_free_blocks": kv.num_free_host_blocks, "host_total_blocks": kv.num_host_blocks,
             "swapped": len(kv.req_to_host_blocks), "preemptions": scheduler.num_preemptions,
             "max_num_seqs": cfg.max_num_seqs, "token_budget": cfg.max_num_batched_tokens,

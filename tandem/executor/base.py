@@ -18,6 +18,7 @@ class StepExecutor(Protocol):
     num_kv_blocks: int  # device KV pool, in blocks of block_size tokens
     num_host_blocks: int  # host tier for swapped-out requests
     block_size: int
+    kv_group_windows: tuple[int | None, ...]  # per KV group its sliding window (core/kv_groups.py)
 
     def preemption_costs(self) -> tuple[float, float]:
         """Seconds per token to swap KV out and back, and to recompute it."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tandem.core.kv_groups import KVGroups
 from tandem.core.outputs import NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import AttentionMetadata, build_attention_metadata
@@ -35,7 +36,8 @@ class CachedRequestState:
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    attn_metadata: AttentionMetadata
+    # one for every layer, or with KV groups one per layer (its group's block table)
+    attn_metadata: AttentionMetadata | list[AttentionMetadata]
     query_start_loc: np.ndarray  # [num_rows + 1], on the host
     seq_lens: np.ndarray  # [num_rows] context length after this step, on the host
 
@@ -57,8 +59,9 @@ class InputBuilder:
     after preemption or verified as a draft (its context length alone shapes it)."""
 
     def __init__(self, block_size: int, device: torch.device, attention_backend: str, head_dim: int,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, groups: KVGroups | None = None) -> None:
         self.block_size, self.device, self.attention_backend = block_size, device, attention_backend
+        self.groups = groups  # None: the plain layout
         self.triton = attention_backend == "triton"
         native = attention_backend == "torch" and device.type == "cpu"
         self.decode_kernel = cpu_paged_decode(head_dim) if native else None
@@ -72,21 +75,30 @@ class InputBuilder:
               block_tables: np.ndarray, num_split: int = 0) -> ModelInputs:
         """Row i's query_lens[i] tokens from position computed[i]. The first `num_split` rows run
         each position as a one-token attention row (a verify query on the paged decode kernel);
-        one-token rows come first."""
+        one-token rows come first. With KV groups, block_tables holds G entries per logical block
+        and each group gets metadata of its own."""
         bs, b = self.block_size, len(query_lens)
         seq_lens = computed + query_lens
         qsl = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         token_row = np.repeat(np.arange(b), query_lens)
         positions = np.arange(int(qsl[-1])) - qsl[:-1][token_row] + computed[token_row]
-        slot_mapping = block_tables[token_row, positions // bs] * bs + positions % bs
         nt = int(qsl[num_split])
         rest = np.arange(num_split, b)
         attn_row = np.concatenate([token_row[:nt], rest])
-        meta = build_attention_metadata(
-            block_tables[attn_row], np.concatenate([positions[:nt] + 1, seq_lens[rest]]),
-            np.concatenate([np.ones(nt, dtype=np.int64), query_lens[rest]]), slot_mapping, bs, self.device,
-            self.decode_kernel, self.triton)
+        attn_seq_lens = np.concatenate([positions[:nt] + 1, seq_lens[rest]])
+        attn_query_lens = np.concatenate([np.ones(nt, dtype=np.int64), query_lens[rest]])
+
+        def metadata(table: np.ndarray) -> AttentionMetadata:
+            slot_mapping = table[token_row, positions // bs] * bs + positions % bs
+            return build_attention_metadata(table[attn_row], attn_seq_lens, attn_query_lens, slot_mapping, bs,
+                                            self.device, self.decode_kernel, self.triton)
+        if self.groups is None or self.groups.num_groups == 1:
+            meta = metadata(block_tables)
+        else:
+            tables = block_tables.reshape(b, -1, self.groups.num_groups)
+            per_group = [metadata(np.ascontiguousarray(tables[:, :, k])) for k in range(self.groups.num_groups)]
+            meta = [per_group[k] for k, _ in self.groups.layer_slots]
         input_ids = to_device(np.array(token_ids, dtype=np.int64), self.device)
         return ModelInputs(input_ids, to_device(positions, self.device), meta, qsl, seq_lens)
 

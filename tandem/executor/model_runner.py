@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
+from tandem.core.kv_groups import KVGroups, kv_groups, plain_groups
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.executor.attention import TorchAttention, resolve_attention_backend
 from tandem.executor.cuda_graphs import capture_graphs
@@ -29,6 +30,17 @@ from tandem.models.batch_invariant import check_supported
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
 from tandem.models.variants import build_draft, build_variants
+
+
+def kv_layout(cfg: ModelConfig, device: torch.device, own_draft_kv: bool) -> KVGroups:
+    """KV groups (sliding-window layers' blocks freed behind the window) for a model with
+    sliding-window layers, on CPU; the plain layout elsewhere: with a draft model keeping KV of
+    its own (one block table serves both) and on CUDA (its graphs capture one metadata for
+    every layer; not yet measured there)."""
+    windows = cfg.layer_windows
+    if not windows or all(w is None for w in windows) or device.type != "cpu" or own_draft_kv:
+        return plain_groups(cfg.num_layers)
+    return kv_groups(windows)
 
 
 class ModelRunner:
@@ -49,7 +61,9 @@ class ModelRunner:
         draft = None if spec is None or spec.method != "draft" else build_draft(
             self.variants, spec.self_draft, spec.model, config.model, model_dir, cfg, self.device, TorchAttention)
         own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
-        self.kv = KVCache(config, cfg, draft.cfg if own_draft_kv else None, self.dtype, self.device)
+        groups = kv_layout(cfg, self.device, own_draft_kv)
+        self.kv_group_windows = groups.windows
+        self.kv = KVCache(config, cfg, draft.cfg if own_draft_kv else None, self.dtype, self.device, groups)
         self.block_size, self.num_kv_blocks, self.num_host_blocks = (
             self.kv.block_size, self.kv.num_kv_blocks, self.kv.num_host_blocks)
         self.kv_caches, self.kv_device = self.kv.kv_caches, self.kv.kv_cache.device
@@ -61,7 +75,8 @@ class ModelRunner:
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
-        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim, config.deterministic)
+        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim, config.deterministic,
+                               groups)
         self.input_batch = InputBatch(builder, self.variants.default)
         self.proposer = build_proposer(spec, draft, self.kv, builder)
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tandem.models.layers import RMSNorm, RotaryEmbedding, StepRope, gelu_tanh_and_mul
-from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausalLM, ModelConfig
+from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausalLM, ModelConfig, per_layer
 
 
 class Gemma3MLP(MLP):
@@ -66,8 +66,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
         ropes = {False: self.rotary(positions, x.dtype), True: self.rotary_local(positions, x.dtype)}
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):
+            x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache, layer_meta)
         return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

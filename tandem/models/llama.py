@@ -6,6 +6,7 @@ how K/V are cached and attended, and the per-step metadata that says where, belo
 executor; the model only projects, rotates and passes them on."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,6 +121,12 @@ def gemma3_fields(hf: dict) -> dict:
     )
 
 
+def per_layer(meta: Any) -> Iterable[Any]:
+    """A step's attention metadata for each layer in turn: a list holds one per layer (KV groups,
+    core/kv_groups.py), anything else serves every layer."""
+    return meta if isinstance(meta, list) else itertools.repeat(meta)
+
+
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -227,11 +234,12 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[torch.Tensor], meta: Any,
     ) -> torch.Tensor:
-        """Hidden states before the final norm (compute_logits applies it), one row per input token."""
+        """Hidden states before the final norm (compute_logits applies it), one row per input token.
+        `meta`: the attention metadata of every layer, or a list of one per layer."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):
+            x, residual = layer.forward(x, residual, rope, kv_cache, layer_meta)
         return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

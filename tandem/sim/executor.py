@@ -14,6 +14,7 @@ class SimulatedExecutor:
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         self.block_size = cost.block_size
+        self.kv_group_windows: tuple[int | None, ...] = (None,)  # the plain KV layout
         self.num_kv_blocks = cost.kv_capacity_tokens // cost.block_size
         self.num_host_blocks = cost.host_kv_capacity_tokens // cost.block_size
         self.num_tokens: dict[str, int] = {}  # the persistent batch: tokens per request

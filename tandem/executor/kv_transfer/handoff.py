@@ -44,7 +44,8 @@ class KVHandoff:
         wait(self._in_flight())
         blocks = self.kv.cached_prefix(token_ids)
         kv = self.executor.read_kv_blocks([b.block_id for b in blocks])
-        return KVPayload(list(token_ids[:len(blocks) * self.kv.block_size]), self.kv.block_size, kv)
+        num_tokens = len(blocks) // self.kv.num_groups * self.kv.block_size
+        return KVPayload(list(token_ids[:num_tokens]), self.kv.block_size, kv)
 
     # ---- decode side --------------------------------------------------------------
     def reserve(self, token_ids: list[int]) -> KVReservation:
@@ -77,7 +78,7 @@ class KVHandoff:
         """After the transfer, with the decode request added: index the received blocks and
         keep them pinned until `request_id` is admitted or gone. Releases them and raises
         ValueError when the payload is not the KV of the reserved tokens (or the id is pinned)."""
-        bs, n = self.kv.block_size, min(payload.num_blocks, len(res.blocks))
+        bs, n = self.kv.block_size, min(payload.num_blocks, len(res.blocks) // self.kv.num_groups)
         if payload.block_size != bs or payload.token_ids[:n * bs] != res.token_ids[:n * bs] or request_id in self._pins:
             self.kv.release(res)
             raise ValueError(f"the KV payload does not hold the reserved tokens, or {request_id!r} already has some")
@@ -96,14 +97,21 @@ class KVHandoff:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(res.blocks) for res in self._pins.values())
+        """Logical blocks (of block_size tokens) held for decode requests not yet admitted."""
+        return sum(len(res.blocks) for res in self._pins.values()) // self.kv.num_groups
 
     def _write(self, res: KVReservation, kv: torch.Tensor, layer: int | None) -> None:
-        fresh = [i for i in res.fresh if i < kv.shape[-4]]
-        if len(fresh) < kv.shape[-4]:  # blocks already cached here are not overwritten
-            kv = kv.index_select(kv.dim() - 4, torch.tensor(fresh, dtype=torch.long, device=kv.device))
+        """The payload's logical blocks with a fresh entry; within one, a group's entry already
+        cached here (or behind its window) takes the write into the null block, which is never
+        read unmasked, so nothing cached is overwritten."""
+        G, fresh = self.kv.num_groups, set(res.fresh)
+        logical = sorted({e // G for e in fresh if e // G < kv.shape[-4]})
+        if len(logical) < kv.shape[-4]:
+            kv = kv.index_select(kv.dim() - 4, torch.tensor(logical, dtype=torch.long, device=kv.device))
+        sink = self.kv.null_block
         # even with nothing fresh: the executor checks that the payload fits its cache
-        self.executor.write_kv_blocks([res.blocks[i].block_id for i in fresh], kv, layer)
+        self.executor.write_kv_blocks([res.blocks[e].block_id if e in fresh else sink.block_id
+                                       for i in logical for e in range(i * G, (i + 1) * G)], kv, layer)
 
     def _need_caching(self) -> None:
         if not self.kv.enable_caching:
