@@ -34,6 +34,7 @@ COMMANDS = [
     ("cluster", "up", "tandem.cluster.launch.launcher", "start the instances of a cluster.yaml and serve the router"),
     ("bench", "offline", "tandem.bench.offline", "offline throughput, optionally against transformers"),
     ("bench", "load", "tandem.bench.load", "loading a model: file size, cache bytes written, peak RSS, time"),
+    ("bench", "kv", "tandem.bench.kv", "KV one long request holds with sliding-window layers, against full attention"),
     ("bench", "quality", "tandem.bench.quality", "perplexity, greedy agreement and batch dependence per precision"),
     ("bench", "scheduler", "tandem.bench.scheduler", "scheduler cost per step with a null executor"),
     ("bench", "serve", "tandem.bench.serve", "token-level load test of an OpenAI-compatible endpoint"),

@@ -140,3 +140,20 @@ def test_gemma3_serves_a_request_the_plain_layout_could_not_hold(tiny_model_dirs
     # while decoding past position 40: 13 blocks of the full layer, at most 4 per sliding layer
     assert max(held[-3:]) <= 13 + 2 * 4 < 3 * 13
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+
+
+def test_bench_kv_reports_the_window_held_against_full_attention(tiny_model_dirs, tmp_path):
+    """`tandem bench kv` on tiny Gemma 3: 60 + 4 tokens in blocks of 16 hold the full layer's 4
+    blocks and 1-2 per sliding layer while decoding, against 4 per layer with full attention."""
+    import argparse
+    import json
+
+    from tandem.bench.kv import main
+
+    out = tmp_path / "kv.json"
+    report = main(argparse.Namespace(model=tiny_model_dirs["gemma3"], prompt_len=60, output_len=4,
+                                     max_num_batched_tokens=16, quantization="auto", dtype="float32", seed=0,
+                                     json_path=str(out)))
+    assert report["kv_groups"] == ["window 12", "window 12", "full"] and report["layers_per_group"] == 1
+    assert 6 / 12 <= report["last_step_vs_full"] <= 8 / 12 and report["peak_vs_full"] <= 1.0
+    assert json.loads(out.read_text()) == report
