@@ -112,8 +112,9 @@ class KVCacheManager:
         self.pool.free_blocks([blocks[e] for e in reversed(dead)])
         for e in dead:
             blocks[e] = self.null_block
-        self._req_dead[req.request_id] = min(min(self._live_from(k, req.num_computed_tokens), len(blocks) // self.num_groups)
-                                             for k, w in enumerate(self.group_windows) if w is not None)
+        live = min(self._live_from(k, req.num_computed_tokens)
+                   for k, w in enumerate(self.group_windows) if w is not None)
+        self._req_dead[req.request_id] = min(live, len(blocks) // self.num_groups)
 
     def blocks_needed(self, req: Request, num_new: int, computed_blocks: list[KVBlock] = ()) -> int:
         """Free blocks `allocate_slots` (or `swap_in`, for a swapped request) would take for
@@ -144,8 +145,10 @@ class KVCacheManager:
         if not sliding:
             return usable // G * bs
         span = max(cdiv(w - 1 + max_chunk, bs) + 1 for w in sliding)  # logical blocks a sliding group holds
-        if G * span >= usable or not self._full_groups:
-            return usable // G * bs if G * span >= usable else 1 << 40
+        if G * span >= usable:
+            return usable // G * bs  # the pool runs out before any window frees a block
+        if not self._full_groups:
+            return 1 << 40  # every layer windowed: any length fits
         return (span + (usable - G * span) // len(self._full_groups)) * bs
 
     # ---- prefix cache -------------------------------------------------------------
@@ -154,14 +157,12 @@ class KVCacheManager:
         routers match)."""
         return block_hash if k == 0 else hash_block(block_hash, (-1 - k,))
 
-    def _longest_hit(self, token_ids: list[int], parent: int | None, num_blocks: int
-                     ) -> tuple[list[KVBlock], list[int]]:
+    def _longest_hit(self, token_ids: list[int], parent: int | None, num_blocks: int) -> list[KVBlock]:
         """The longest run of logical blocks of `token_ids` (at most `num_blocks`) the prefix
-        cache holds for every group that a query right after it reads: (the flat entries, the
-        null block where a sliding group no longer reads; the chained hashes)."""
+        cache holds for every group that a query right after it reads, as flat entries (the null
+        block where a sliding group no longer reads)."""
         G, bs = self.num_groups, self.block_size
         found: list[list[KVBlock | None]] = []
-        hashes = []
         for i in range(num_blocks):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = hash_block(parent, chunk)
@@ -169,14 +170,12 @@ class KVCacheManager:
             if any(row[k] is None for k in self._full_groups):
                 break
             found.append(row)
-            hashes.append(parent)
         n = len(found)
         while n and any(found[i][k] is None for k, w in enumerate(self.group_windows) if w is not None
                         for i in range(self._live_from(k, n * bs), n)):
             n -= 1
-        blocks = [found[i][k] if i >= self._live_from(k, n * bs) else self.null_block
-                  for i in range(n) for k in range(G)]
-        return blocks, hashes[:n]
+        return [found[i][k] if i >= self._live_from(k, n * bs) else self.null_block
+                for i in range(n) for k in range(G)]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's tokens, in whole blocks (flat entries, see
@@ -187,7 +186,7 @@ class KVCacheManager:
         limit = req.num_tokens - 1
         if self.max_prefix_tokens is not None:
             limit = min(limit, self.max_prefix_tokens)
-        blocks, _ = self._longest_hit(req.all_token_ids, salt_hash(req.cache_salt), limit // self.block_size)
+        blocks = self._longest_hit(req.all_token_ids, salt_hash(req.cache_salt), limit // self.block_size)
         num_hit = len(blocks) // self.num_groups * self.block_size
         if num_hit < max(self.min_match_length, 1):
             blocks, num_hit = [], 0
@@ -232,7 +231,7 @@ class KVCacheManager:
     def cached_prefix(self, token_ids: list[int]) -> list[KVBlock]:
         """The longest run of whole blocks of `token_ids` in the prefix cache, as flat entries
         (nothing taken)."""
-        return self._longest_hit(token_ids, None, self._num_transfer_blocks(token_ids))[0]
+        return self._longest_hit(token_ids, None, self._num_transfer_blocks(token_ids))
 
     def reserve(self, token_ids: list[int]) -> KVReservation | None:
         """Hold a block for each whole block of `token_ids` a later prefix lookup would reach

@@ -52,4 +52,5 @@ def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCa
     if len(guaranteed) >= l2_floor or l2_waiting_head is None:
         return 0, blocks
     head = l2_waiting_head
-    return 1, blocks + max(kv.blocks_needed(head, max(1, min(head.num_tokens_with_placeholders - head.num_computed_tokens, tokens))), 0)
+    chunk = max(1, min(head.num_tokens_with_placeholders - head.num_computed_tokens, tokens))
+    return 1, blocks + max(kv.blocks_needed(head, chunk), 0)

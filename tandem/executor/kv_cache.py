@@ -44,7 +44,8 @@ class KVCache:
         self.kv_caches = [rows[row] for _, row in groups.layer_slots]  # per layer [2, slots, heads, head_dim]
         log.info("KV cache: %d blocks of %d tokens x %d layers, %d group(s) (%.1f MiB, %s)", self.num_kv_blocks,
                  self.block_size, groups.layers_per_group, groups.num_groups, _mib(self.kv_cache), dtype)
-        self.draft_kv_caches = None if draft_cfg is None else list(self._zeros(draft_cfg, draft_cfg.num_layers).unbind(0))
+        self.draft_kv_caches = None if draft_cfg is None else list(
+            self._zeros(draft_cfg, draft_cfg.num_layers).unbind(0))
         if self.draft_kv_caches is not None:
             log.info("draft KV cache: %d layers beside the target's (%.1f MiB)", draft_cfg.num_layers,
                      sum(map(_mib, self.draft_kv_caches)))
