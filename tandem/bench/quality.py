@@ -40,7 +40,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def perplexity(runner, precision: str, token_ids: list[int], window: int) -> float:
     """exp(mean NLL) of every token after the first of each `window`-token chunk, computed by
-    one prefill per chunk (the runner's own input building, on blocks 0..n)."""
+    one prefill per chunk (the runner's own input building, on blocks 0..n: G entries per logical
+    block with KV groups)."""
     import numpy as np
     import torch
 
@@ -51,7 +52,7 @@ def perplexity(runner, precision: str, token_ids: list[int], window: int) -> flo
         chunk = token_ids[start:start + window]
         if len(chunk) < 2:
             break
-        blocks = list(range(math.ceil(len(chunk) / runner.block_size)))
+        blocks = list(range(math.ceil(len(chunk) / runner.block_size) * len(runner.kv_group_windows)))
         state = CachedRequestState("ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision)
         inputs, *_ = runner.input_batch.prepare_inputs([state], np.array([len(chunk)]))
         input_ids = inputs.input_ids
