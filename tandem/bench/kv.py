@@ -32,6 +32,7 @@ def main(args: argparse.Namespace) -> dict:
     import torch
 
     from tandem import LLM, SamplingParams
+    from tandem.bench.report import mib
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import load_config, resolve_model
 
@@ -70,7 +71,6 @@ def main(args: argparse.Namespace) -> dict:
     }
     report["last_step_vs_full"] = round(report["held_bytes_last_step"] / full_bytes, 3)
     report["peak_vs_full"] = round(report["peak_held_bytes"] / full_bytes, 3)
-    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     print(f"{args.model} ({report['dtype']} KV), {args.prompt_len} + {args.output_len} tokens, "
           f"{len(kv.group_windows)} KV group(s) of {cache.groups.layers_per_group} layers: "
           f"held while decoding {mib(report['held_bytes_last_step'])} ({report['last_step_vs_full']}x), "

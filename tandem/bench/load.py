@@ -99,6 +99,7 @@ def main(args: argparse.Namespace) -> dict:
         report = measure(args)
         print(json.dumps(report))
         return report
+    from tandem.bench.report import mib
     from tandem.models.loader import gguf_source
     source = gguf_source(args.model)  # an alias's file is located (and assembled) before measuring
     with tempfile.TemporaryDirectory(prefix="tandem-bench-load-") as tmp:
@@ -107,7 +108,6 @@ def main(args: argparse.Namespace) -> dict:
     report["file_bytes"] = source.stat().st_size if source is not None else sum(
         f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
     report["peak_over_file"] = round(report["load_peak_rss_above_baseline"] / report["file_bytes"], 2)
-    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     print(f"{report['model']}: file {mib(report['file_bytes'])}, cache written {mib(report['cache_bytes_written'])} "
           f"(resolve {report['resolve_s']} s, peak +{mib(report['resolve_peak_rss_above_baseline'])}); "
           f"load {'+'.join(report['precisions'])} ({report['dtype']}) {report['load_s']} s, "

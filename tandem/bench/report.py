@@ -118,6 +118,11 @@ def build_run(url: str, results: list[dict], duration: float, slo: dict, pcts: t
             "requests": [{k: r[k] for k in slim} for r in results], "_raw": results}
 
 
+def mib(num_bytes: float) -> str:
+    """Bytes as the reports print them: "12.3 MiB"."""
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
 def fmt(v, digits: int = 2) -> str:
     if v is None:
         return "-"
