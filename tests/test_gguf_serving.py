@@ -92,8 +92,9 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kinds, default, expected", [
-    (Q4_K_M, Q.Q4_K, "int4"),
+    ({**Q4_K_M, "ffn_gate": Q.Q4_K}, Q.Q4_K, "int4"),  # mostly Q4_K by size, as a large model's Q4_K_M
     ({"token_embd": Q.Q8_0}, Q.Q8_0, "int8"),
+    ({"token_embd": Q.Q8_0}, Q.Q5_0, "int8"),  # 5-bit blocks: int4 would requantise them
     ({"token_embd": Q.F32}, Q.F32, "fp32"),  # float weights: the engine's float dtype (fp32 asked here)
 ])
 def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, expected) -> None:
