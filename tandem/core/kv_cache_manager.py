@@ -8,6 +8,7 @@ allocated to anyone, never read unmasked), so only the window's blocks stay held
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tandem.core.block_pool import BlockPool, KVBlock, hash_block, salt_hash
@@ -116,7 +117,7 @@ class KVCacheManager:
                    for k, w in enumerate(self.group_windows) if w is not None)
         self._req_dead[req.request_id] = min(live, len(blocks) // self.num_groups)
 
-    def blocks_needed(self, req: Request, num_new: int, computed_blocks: list[KVBlock] = ()) -> int:
+    def blocks_needed(self, req: Request, num_new: int, computed_blocks: Sequence[KVBlock] = ()) -> int:
         """Free blocks `allocate_slots` (or `swap_in`, for a swapped request) would take for
         `num_new` more tokens: new ones, less those freed behind sliding windows, plus unowned
         prefix hits. May be negative (a step that frees more than it takes)."""
@@ -157,16 +158,23 @@ class KVCacheManager:
         routers match)."""
         return block_hash if k == 0 else hash_block(block_hash, (-1 - k,))
 
+    def _chunks(self, token_ids: list[int], parent: int | None, num_blocks: int
+                ) -> Iterator[tuple[int, list[KVBlock | None]]]:
+        """(chained hash, each group's cached block or None) of the first `num_blocks` whole
+        blocks of `token_ids`."""
+        bs = self.block_size
+        for i in range(num_blocks):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, chunk)
+            yield parent, [self.pool.lookup(self._group_key(parent, k), chunk) for k in range(self.num_groups)]
+
     def _longest_hit(self, token_ids: list[int], parent: int | None, num_blocks: int) -> list[KVBlock]:
         """The longest run of logical blocks of `token_ids` (at most `num_blocks`) the prefix
         cache holds for every group that a query right after it reads, as flat entries (the null
         block where a sliding group no longer reads)."""
         G, bs = self.num_groups, self.block_size
         found: list[list[KVBlock | None]] = []
-        for i in range(num_blocks):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent = hash_block(parent, chunk)
-            row = [self.pool.lookup(self._group_key(parent, k), chunk) for k in range(G)]
+        for _, row in self._chunks(token_ids, parent, num_blocks):
             if any(row[k] is None for k in self._full_groups):
                 break
             found.append(row)
@@ -220,7 +228,7 @@ class KVCacheManager:
             h = hash_block(hashes[-1] if hashes else salt_hash(req.cache_salt), chunk)
             hashes.append(h)
             for k in range(G):
-                if blocks[i * G + k] is not self.null_block:  # freed before it was indexed
+                if blocks[i * G + k] is not self.null_block:  # a prefix hit's, behind the window
                     self.pool.cache_block(blocks[i * G + k], self._group_key(h, k), chunk)
 
     # ---- KV computed elsewhere (P/D) ----------------------------------------------
@@ -238,14 +246,11 @@ class KVCacheManager:
         (each group's, the null block where a sliding group would not read it), pinning those
         cached here already. None when blocks are short (nothing changed then)."""
         G, bs = self.num_groups, self.block_size
-        n, parent, hashes = self._num_transfer_blocks(token_ids), None, []
+        n, hashes = self._num_transfer_blocks(token_ids), []
         hits: list[KVBlock | None] = []
-        for i in range(n):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent = hash_block(parent, chunk)
-            hashes.append(parent)
-            hits.extend(self.null_block if i < self._live_from(k, n * bs)
-                        else self.pool.lookup(self._group_key(parent, k), chunk) for k in range(G))
+        for i, (h, row) in enumerate(self._chunks(token_ids, None, n)):
+            hashes.append(h)
+            hits.extend(self.null_block if i < self._live_from(k, n * bs) else row[k] for k in range(G))
         fresh = [e for e, b in enumerate(hits) if b is None]
         pinned = self._real([b for b in hits if b is not None])
         if len(fresh) > self.pool.num_free_blocks - sum(1 for b in pinned if b.ref_cnt == 0):
@@ -310,7 +315,7 @@ class KVCacheManager:
         survive a recompute preemption)."""
         blocks = self.req_to_blocks.get(req.request_id, ())
         k = self._full_groups[0] if self._full_groups else 0
-        return sum(1 for b in blocks[k::self.num_groups] if b.block_hash is not None and b is not self.null_block)
+        return sum(1 for b in blocks[k::self.num_groups] if b.block_hash is not None)  # the null block never is
 
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host tier: (device, host) pairs to copy, or None
