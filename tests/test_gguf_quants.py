@@ -59,7 +59,7 @@ def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
     once in fp32, so (q - 8) scale + zero (two roundings) is within a few ulp of the reference's
     d sc q - dmin m (one rounding), not bit-exact. In fp32 `Int4Linear` stores scale and zero as
     given on its reference path (the torch-kernel path keeps them in the kernel's dtype, bf16 on
-    CPU, which rounds them; the AVX512-VNNI path keeps fp16 d and m = zero - 8 scale, which
+    CPU, which rounds them; the integer-activation path keeps fp16 d and m = zero - 8 scale, which
     rounds d sc)."""
     data = random_rows(kind, 32, 512, seed=1)
     codes, scales, zeros = int4_rows(data, kind)
@@ -73,7 +73,7 @@ def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
     if kind == Q.Q4_0:  # zero = 0: nothing is rounded
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     layer = Int4Linear(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros), None, torch.float32)
-    if layer.packed is None and not layer.vnni:  # the reference path: the same fp32 arithmetic
+    if layer.packed is None and not layer.int8_act:  # the reference path: the same fp32 arithmetic
         assert layer.scales_zeros.dtype == torch.float32
         torch.testing.assert_close(layer.dequantize(), got, rtol=0, atol=0)
     elif layer.packed is not None:

@@ -110,7 +110,7 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     dequantises to the file's weights within a few ulp (tests/test_gguf_quants.py says why
     not bit for bit); a fused layer with a Q6_K or Q5_0 part holds the others' codes as they are."""
     monkeypatch.setattr(quantization, "_pack_int4", lambda *args: None)
-    monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
+    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
     model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
                         torch.float32, TorchAttention, Path(q4_k_m))

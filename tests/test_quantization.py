@@ -37,8 +37,8 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture
 def torch_kernels(monkeypatch):
-    """The weight-only torch-kernel path, as on a CPU without AVX512-VNNI (that kernel: test_quant_kernel.py)."""
-    monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
+    """The weight-only torch-kernel path, as on a CPU without AVX2 or AVX512-VNNI (the integer kernel: test_quant_kernel.py)."""
+    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -132,7 +132,7 @@ def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp
     F.linear path: the kernels round activations to bf16 (held to that path above)."""
     def reject(*args):
         raise RuntimeError("the reference path")
-    monkeypatch.setattr(quantization, "vnni_kernel", lambda *args: None)
+    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", reject)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", reject)
     rng = random.Random(4)
@@ -157,16 +157,16 @@ def test_smollm2_int4_holds_the_gguf_q4_1_weights():
         assert torch.equal(int4_dequantize(c, s, z), weights.get(name)), name
 
 
-@pytest.mark.parametrize("vnni", [False, True])
-def test_int8_embedding_rows_are_the_tables_dequantised_rows(vnni):
+@pytest.mark.parametrize("int8_act", [False, True])
+def test_int8_embedding_rows_are_the_tables_dequantised_rows(int8_act):
     """An int8 variant's embedding reads rows of its LM head's table: the rows `dequantize`
-    gives, on the plain layout and on the VNNI kernel's tiles ([N/16, K/4, 16, 4] bytes of q + 128,
+    gives, on the plain layout and on the integer kernel's tiles ([N/16, K/4, 16, 4] bytes of q + 128,
     laid out here by hand: this CPU may not have the kernel)."""
     layer = Int8Linear.from_float(torch.randn(48, 64), None, torch.float32)
-    if vnni:
+    if int8_act:
         q = layer.qweight.to(torch.int16) + 128
         layer.qweight = q.to(torch.uint8).reshape(3, 16, 16, 4).permute(0, 2, 1, 3).contiguous().reshape(48, -1)
-        layer.scales, layer.vnni = layer.scales.float(), True
+        layer.scales, layer.int8_act = layer.scales.float(), True
     ids = torch.tensor([[0, 17, 47], [5, 5, 31]])
     rows = quantization.Int8Embedding(layer, torch.float32)(ids)
     assert rows.shape == (2, 3, 64)

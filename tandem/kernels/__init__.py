@@ -119,7 +119,7 @@ def cpu_fused_ops():
 @functools.cache
 def cpu_quant_gemm():
     """int8-activation GEMMs for the int4 / int8 linears (kernels/cpu_quant_gemm.cpp), or None;
-    `supported()` says whether this CPU has AVX512-VNNI. OpenMP here is torch's own runtime
+    `supported()` says whether this CPU runs it (AVX512-VNNI, or AVX2 with FMA). OpenMP here is torch's own runtime
     (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's thread team."""
     return _load("tandem_cpu_quant_gemm", "cpu_quant_gemm.cpp", ["-fopenmp"])
 

@@ -1,16 +1,21 @@
 // Integer-activation GEMMs for the quantised linears on CPU (W4A8 and W8A8, as llama.cpp's
 // Q4_1 x Q8_1 and Q8_0 x Q8_0): each activation row is quantised to int8 in blocks of 32 with
-// one fp32 scale, and the dot products run on AVX512-VNNI `vpdpbusd` (64 u8 x s8 products per
-// instruction) instead of dequantising every weight to fp32, which made torch's int4 / int8
-// kernels compute-bound. Output columns are split over torch's own thread pool (at::parallel_for
-// in torch's OpenMP runtime: no second team). A row's result does not depend on the other rows.
+// one fp32 scale, and the dot products run on integer instructions instead of dequantising every
+// weight to floats, which made torch's int4 / int8 kernels compute-bound. Two builds of one
+// design, chosen by the compiler's target (-march=native):
+//  AVX-512 (VNNI, BW, BF16): `vpdpbusd`, 64 u8 x s8 products per instruction, 16 columns a register.
+//  AVX2 (FMA, F16C): `vpmaddubsw` (u8 x s8 pairs to int16) then `vpmaddwd` (to int32), 8 columns
+//  a register; its int32 dot products equal vpdpbusd's exactly.
+// Output columns are split over torch's own thread pool (at::parallel_for in torch's OpenMP
+// runtime: no second team). A row's result does not depend on the other rows.
 //
-// Packed weights, 16 output columns per tile, 32 inputs per block:
+// Packed weights (one layout for both builds), 16 output columns per tile, 32 inputs per block:
 //  int4: [N/16][K/32][4][64] bytes; byte (j, 4n+i) holds column n's code for input 4j+i in
 //        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: fp16 [N/16][K/32][16],
 //        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
-//  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd);
-//        one fp32 scale per column. The +128 comes back out as 128 * sum(x) per row.
+//  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd),
+//        q in [-127, 127]; one fp32 scale per column. AVX-512 takes the +128 back out as
+//        128 * sum(x) per row; AVX2 flips the top bit back to q and multiplies |x| by q with x's sign.
 //
 // silu_mul: for a fused gate_up projection ([gate | up], N = 2I) the kernel computes tile t of
 // the gate and the matching tile of the up half together and writes silu(gate) * up, [M, I],
@@ -27,10 +32,10 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32, kTile = 16, kRows = 4, kPrefetch = 8;
+constexpr int64_t kBlock = 32, kTile = 16, kRows = 4, kPrefetch = 8;  // kRows: rows per weight read
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr bool kBuilt = true;
+#define TANDEM_QUANT_GEMM 512
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -121,6 +126,184 @@ void q8_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     store16(y + r * ldy, _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.f * offset[r]))));
 }
 
+// exp(v) for v in fp32, 16 lanes: 2^n * e^f with n = round(v / ln 2), |f| <= ln 2 / 2, e^f by
+// its degree-6 Taylor polynomial (relative error < 2e-7, below the bf16 / fp32 rounding after it).
+inline __m512 exp16(__m512 v) {
+  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), v);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+  __m512 e = _mm512_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(e, n);
+}
+
+inline __m512 round_as(__m512 v, const float*) { return v; }
+inline __m512 round_as(__m512 v, const at::BFloat16*) {  // to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// y = silu(g) * u for 16 columns of fp32 gate and up, each value rounded to T where PyTorch's ops round.
+template <typename T>
+inline void silu_mul16(const float* gate, const float* up, T* y) {
+  const T* tag = nullptr;
+  __m512 g = round_as(load16(gate), tag), u = round_as(load16(up), tag);
+  __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  store16(y, _mm512_mul_ps(round_as(s, tag), u));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TANDEM_QUANT_GEMM 256
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// fp32 -> bf16 bits, round to nearest even (a NaN stays a quiet NaN), as torch rounds.
+inline __m128i bf16_bits(__m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(v)); }
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// One row: q = round(x / d) in [-127, 127] per block, d = max|x| / 127; ds = d * sum(q).
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) v[i] = load8(x + b * kBlock + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    float top = hmax8(amax), scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back.
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p);
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(hsum8(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]))));
+  }
+}
+
+inline __m256i quad(const int8_t* x) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+
+// R rows x 16 columns of y = x W^T for int4 weights. A 64-byte chunk is columns 0-7 then 8-15.
+// Per block and row, the 8 maddubs results of a half (|pair| <= 2 * 15 * 127) add up in int16
+// (<= 30480, no overflow) before one madd widens them to int32.
+template <int R, typename T>
+void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
+             const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum[R];
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 4 + j) * 64 + h * 32));
+        __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
+          sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, quad(xr)),
+                                                             _mm256_maddubs_epi16(hi, quad(xr + 16))));
+        }
+      }
+      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)));
+      __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTile + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+        acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r * nb + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store8(y + r * ldy, acc[r][0]), store8(y + r * ldy + 8, acc[r][1]);
+}
+
+// R rows x 16 columns for int8 weights stored as q + 128: q = byte ^ 0x80, and maddubs takes
+// |x| (unsigned) times q with x's sign (|pair| <= 2 * 127 * 127, no saturation).
+template <int R, typename T>
+void q8_tile(const int8_t* xq, const float* xd, const float*, int64_t k, const uint8_t* w,
+             const float* ws, T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 512 + j * 64), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + j) * 64 + h * 32)), top);
+        for (int r = 0; r < R; ++r) {
+          __m256i x = quad(xq + r * k + b * kBlock + 4 * j);
+          __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(q, x));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(xd[r * nb + b]), acc[r][h]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) store8(y + r * ldy + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(ws + 8 * h), acc[r][h]));
+}
+
+// exp(v), 8 lanes, as exp16 in the AVX-512 build (2^n built in the exponent bits: n in [-127, 127]).
+inline __m256 exp8(__m256 v) {
+  v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.f)), _mm256_set1_ps(-88.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), v);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), f);
+  __m256 e = _mm256_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm256_fmadd_ps(e, f, _mm256_set1_ps(c));
+  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(pow2));
+}
+
+inline __m256 round_as(__m256 v, const float*) { return v; }
+inline __m256 round_as(__m256 v, const at::BFloat16*) {  // to bf16 and back
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+
+// y = silu(g) * u for 16 columns of fp32 gate and up, each value rounded to T where PyTorch's ops round.
+template <typename T>
+inline void silu_mul16(const float* gate, const float* up, T* y) {
+  const T* tag = nullptr;
+  for (int h = 0; h < 16; h += 8) {
+    __m256 g = round_as(load8(gate + h), tag), u = round_as(load8(up + h), tag);
+    __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    store8(y + h, _mm256_mul_ps(round_as(s, tag), u));
+  }
+}
+#endif
+
+#ifdef TANDEM_QUANT_GEMM
+constexpr bool kBuilt = true;
+
 // One packed weight: int4 (fp16 d and m per tile and block) or int8 (fp32 column scales).
 struct Weights {
   const uint8_t* w;
@@ -141,35 +324,13 @@ void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds,
     q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, ldy);
 }
 
-// exp(v) for v in fp32, 16 lanes: 2^n * e^f with n = round(v / ln 2), |f| <= ln 2 / 2, e^f by
-// its degree-6 Taylor polynomial (relative error < 2e-7, below the bf16 / fp32 rounding after it).
-inline __m512 exp16(__m512 v) {
-  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), v);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
-  __m512 e = _mm512_set1_ps(1.f / 720);
-  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(e, n);
-}
-
-inline __m512 round_as(__m512 v, const float*) { return v; }
-inline __m512 round_as(__m512 v, const at::BFloat16*) {  // to bf16 and back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-// silu(gate) * up for R rows of 16 columns, each value rounded to T where PyTorch's ops round.
+// silu(gate) * up for R rows of 16 columns.
 template <int R, typename T>
 void silu_mul_tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y, int64_t ldy) {
   float gate[kRows * kTile], up[kRows * kTile];
   tile<R>(p, xq, xd, xds, t, gate, kTile);
   tile<R>(p, xq, xd, xds, t + p.n / 2 / kTile, up, kTile);
-  const T* tag = nullptr;
-  for (int r = 0; r < R; ++r) {
-    __m512 g = round_as(load16(gate + r * kTile), tag), u = round_as(load16(up + r * kTile), tag);
-    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    store16(y + r * ldy, _mm512_mul_ps(round_as(s, tag), u));
-  }
+  for (int r = 0; r < R; ++r) silu_mul16(gate + r * kTile, up + r * kTile, y + r * ldy);
 }
 
 // Per-thread scratch for the quantised activations (no tensor allocation per call).
@@ -229,8 +390,12 @@ constexpr bool kBuilt = false;
 bool supported() {
   if (!kBuilt) return false;
   __builtin_cpu_init();
+#if TANDEM_QUANT_GEMM == 512
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512bf16");
+#else
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
 }
 
 // codes [N, K] uint8 in [0, 15] -> the int4 tile layout above.
@@ -267,10 +432,10 @@ at::Tensor pack_int8(at::Tensor qweight) {
   return out;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#ifdef TANDEM_QUANT_GEMM
 // y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16.
 at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t n, bool silu_mul) {
-  TORCH_CHECK(supported(), "int4_gemm: this CPU has no AVX512-VNNI / BF16");
+  TORCH_CHECK(supported(), "int4_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
@@ -280,24 +445,24 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m
 
 // y [M, N] = x W^T with int8 weights: packed from pack_int8, one fp32 scale per column.
 at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool silu_mul) {
-  TORCH_CHECK(supported(), "int8_gemm: this CPU has no AVX512-VNNI / BF16");
+  TORCH_CHECK(supported(), "int8_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1), n = scales.numel();
   TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
   return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false}, silu_mul);
 }
 #else
 at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool) {
-  TORCH_CHECK(false, "int4_gemm: built without AVX512-VNNI / BF16");
+  TORCH_CHECK(false, "int4_gemm: built without AVX2 / AVX512-VNNI");
 }
 at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
-  TORCH_CHECK(false, "int8_gemm: built without AVX512-VNNI / BF16");
+  TORCH_CHECK(false, "int8_gemm: built without AVX2 / AVX512-VNNI");
 }
 #endif
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("supported", &supported, "whether this CPU and build have AVX512-VNNI / BW / BF16");
+  mod.def("supported", &supported, "whether this CPU runs the build here (AVX512-VNNI / BW / BF16, or AVX2 / FMA / F16C)");
   mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles");
   mod.def("pack_int8", &pack_int8, "int8 weights [N, K] -> packed tiles");
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",

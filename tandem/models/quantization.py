@@ -1,12 +1,13 @@
 """Weight-only quantised linear layers: int8 with one symmetric scale per output channel, int4
 in groups along the input axis with a scale and a zero point.
 
-On a CPU with AVX512-VNNI, with bf16 activations, both run on `kernels/cpu_quant_gemm.cpp`
-instead: the activations are quantised to int8 in blocks of 32 (W8A8 / W4A8, as llama.cpp's
-Q8_0 / Q4_1 dot products), 3-4x faster than torch's kernels at every batch size measured; a
-gate_up layer's SiLU-and-mul runs in that kernel's epilogue (`forward_silu_mul`), which saves
-a pass over the intermediate activations. fp32 engines keep weight-only arithmetic: they are the
-reference precision, and the tests compare them with transformers token for token.
+On a CPU with AVX512-VNNI or AVX2, with bf16 or fp32 activations, both run on
+`kernels/cpu_quant_gemm.cpp` instead: the activations are quantised to int8 in blocks of 32
+(W8A8 / W4A8, as llama.cpp's Q8_0 / Q4_1 dot products), 2-7x faster than torch's kernels at
+every batch size measured (torch's CPU kernels round activations to bf16 and dequantise every
+weight); a gate_up layer's SiLU-and-mul runs in that kernel's epilogue (`forward_silu_mul`),
+which saves a pass over the intermediate activations. The tests that compare a quantised engine
+with transformers token for token take the weight-only reference path.
 
 Elsewhere both run on torch's own kernels where this device, dtype and shape are accepted
 (`torch._weight_int8pack_mm`; `torch._weight_int4pack_mm_for_cpu` on CPU,
@@ -43,9 +44,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        ext = vnni_kernel(qweight.device, dtype, *qweight.shape)
-        self.vnni = ext is not None
-        if self.vnni:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales
+        ext = int8_act_kernel(qweight.device, dtype, *qweight.shape)
+        self.int8_act = ext is not None
+        if self.int8_act:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales
             self.register_buffer("qweight", ext.pack_int8(qweight))
             self.register_buffer("scales", scales.float().contiguous())
             self.use_kernel = False
@@ -67,29 +68,29 @@ class Int8Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q = self.qweight
-        if self.vnni:  # [N/16, K/4, 16, 4] bytes of q + 128
+        if self.int8_act:  # [N/16, K/4, 16, 4] bytes of q + 128
             q = q.reshape(-1, self.in_features // 4, 16, 4).permute(0, 2, 1, 3).reshape(self.out_features, -1)
             q = q.to(torch.int16) - 128
         return (q.float() * self.scales.float()[:, None]).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of W, dequantised as `dequantize` does: an embedding lookup in this table."""
-        if self.vnni:  # row n is tile n // 16's lane n % 16: [K/4, 4] bytes of q + 128
+        if self.int8_act:  # row n is tile n // 16's lane n % 16: [K/4, 4] bytes of q + 128
             tiles = self.qweight.view(self.out_features // 16, self.in_features // 4, 16, 4)
             q = tiles[ids // 16, :, ids % 16, :].reshape(-1, self.in_features).to(torch.int16) - 128
         else:
             q = self.qweight[ids]
         return (q.float() * self.scales.float()[ids, None]).to(dtype)
 
-    def _vnni(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         return cpu_quant_gemm().int8_gemm(x2d, self.qweight, self.scales, silu_mul)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return vnni_silu_and_mul(self, x)
+        return int8_act_silu_and_mul(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni:
-            return vnni_forward(self, x)
+        if self.int8_act:
+            return int8_act_forward(self, x)
         if not self.use_kernel:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
@@ -121,9 +122,9 @@ class Int4Linear(nn.Module):
         if self.group_size * scales.shape[1] != self.in_features:
             raise ValueError(f"int4: {scales.shape[1]} groups do not divide K={self.in_features}")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        ext = vnni_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
-        self.vnni = ext is not None
-        if self.vnni:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
+        ext = int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
+        self.int8_act = ext is not None
+        if self.int8_act:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
             tiles = lambda t: t.half().reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
             self.register_buffer("qpacked", ext.pack_int4(codes))
             self.register_buffer("d", tiles(scales))
@@ -155,8 +156,8 @@ class Int4Linear(nn.Module):
         return y.to(x2d.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """On the VNNI and reference paths (torch's packed layouts are its own)."""
-        if self.vnni:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
+        """On the integer-activation and reference paths (torch's packed layouts are its own)."""
+        if self.int8_act:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
             p = self.qpacked.reshape(-1, self.in_features // 32, 4, 16, 4)
             codes = torch.stack([p & 15, p >> 4], 2).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
             untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
@@ -164,36 +165,36 @@ class Int4Linear(nn.Module):
         codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
 
-    def _vnni(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         return cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features, silu_mul)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return vnni_silu_and_mul(self, x)
+        return int8_act_silu_and_mul(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni:
-            return vnni_forward(self, x)
+        if self.int8_act:
+            return int8_act_forward(self, x)
         if self.packed is None:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-def vnni_forward(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+def int8_act_forward(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """A quantised layer on the integer-activation kernel; a 2-D contiguous x (the model's
     flattened batch) goes in as it is: at batch 1 each extra view is a visible cost."""
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.in_features).contiguous()
-    y = layer._vnni(x2d, False)
+    y = layer._int8_act(x2d, False)
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.out_features)
     return y if layer.bias is None else y + layer.bias
 
 
-def vnni_silu_and_mul(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+def int8_act_silu_and_mul(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
     the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
-    if layer.vnni and layer.bias is None and x.dim() == 2 and layer.out_features % 32 == 0:
-        return layer._vnni(x.contiguous(), True)
+    if layer.int8_act and layer.bias is None and x.dim() == 2 and layer.out_features % 32 == 0:
+        return layer._int8_act(x.contiguous(), True)
     return silu_and_mul(layer(x))
 
 
@@ -231,10 +232,10 @@ def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return (codes.float() - 8) * expand(scales) + expand(zeros)
 
 
-def vnni_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
+def int8_act_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
     """The integer-activation kernel module where it serves an [n, k] layer (CPU with
-    AVX512-VNNI, bf16 activations, n % 16 == 0, k % 32 == 0), else None."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or n % 16 or k % 32:
+    AVX2 or AVX512-VNNI, bf16 or fp32 activations, n % 16 == 0, k % 32 == 0), else None."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or n % 16 or k % 32:
         return None
     ext = cpu_quant_gemm()
     return ext if ext is not None and ext.supported() else None
