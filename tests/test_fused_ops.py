@@ -51,3 +51,20 @@ def test_rope_in_place_on_qkv(dtype):
     q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], -1)
     assert torch.equal(q.reshape(t, nq, hd), want_q) and torch.equal(k.reshape(t, nkv, hd), want_k)
     assert torch.equal(v, want_v)
+
+
+@DTYPES
+def test_qk_norm_in_place_on_qkv(dtype):
+    """Each q head normed with q's weight, each k head with k's, v untouched: the modules' result."""
+    torch.manual_seed(2)
+    nq, nkv, hd, t = 4, 1, 256, 3
+    q_norm, k_norm = _norm(hd, dtype), _norm(hd, dtype)
+    qkv = torch.randn(t, (nq + 2 * nkv) * hd).to(dtype) * 4
+    q, k, v = (p.reshape(t, -1, hd) for p in qkv.split([nq * hd, nkv * hd, nkv * hd], -1))
+    want_q, want_k, want_v = _torch_norm(q_norm, q), _torch_norm(k_norm, k), v.clone()
+    ext.qk_rms_norm_(qkv, q_norm.weight, k_norm.weight, nq, nkv, hd, q_norm.eps)
+    q, k, v = (p.reshape(t, -1, hd) for p in qkv.split([nq * hd, nkv * hd, nkv * hd], -1))
+    tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    assert torch.equal(v, want_v)

@@ -63,6 +63,29 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tens
   return {sum, out};
 }
 
+// RMSNorm in place over each head_dim slice of the first q_heads (q_weight) and the next
+// k_heads (k_weight) heads of each row of qkv [T, row]: QK-norm on the fused projection, so
+// RoPE and the decode kernel can take it as it is.
+void qk_rms_norm_(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t q_heads, int64_t k_heads,
+                  int64_t head_dim, double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qk_rms_norm_: [T, row] with unit inner stride");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.numel() == head_dim &&
+              k_weight.numel() == head_dim && q_weight.scalar_type() == qkv.scalar_type() &&
+              k_weight.scalar_type() == qkv.scalar_type(), "qk_rms_norm_: [head_dim] weights in qkv's dtype");
+  TORCH_CHECK((q_heads + k_heads) * head_dim <= qkv.size(1), "qk_rms_norm_: more heads than the row holds");
+  int64_t t = qkv.size(0), row = qkv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qk_rms_norm_", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    const scalar_t* qw = q_weight.data_ptr<scalar_t>();
+    const scalar_t* kw = k_weight.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t hd = 0; hd < q_heads + k_heads; ++hd) {
+        scalar_t* x = base + i * row + hd * head_dim;
+        rms_norm_row(x, hd < q_heads ? qw : kw, x, head_dim, (float)eps);  // reads x whole before writing
+      }
+  });
+}
+
 // Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, row] (q then k):
 // x * cos + rotate_half(x) * sin, cos and sin rounded to the dtype first, each product and the
 // sum rounded as PyTorch's elementwise ops round them. cos_sin: [max_pos, head_dim] fp32 (cos | sin).
@@ -103,5 +126,6 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, int64_t hea
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
+  m.def("qk_rms_norm_", &qk_rms_norm_, "RMSNorm in place on each q and k head of a fused qkv");
   m.def("rope_", &rope_, "rotate-half RoPE in place on q and k");
 }

@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _fused_ops(x)
+        ext = fused_ops_for(x)
         if ext is not None:
             return ext.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers (normalise in fp32, scale in the model dtype).
@@ -101,7 +101,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, its norm): the residual add and this norm in one native pass."""
-        ext = _fused_ops(x)
+        ext = fused_ops_for(x)
         if ext is not None:
             s, normed = ext.add_rms_norm(x, residual, self.weight, self.eps)
             return s, normed
@@ -109,7 +109,7 @@ class RMSNorm(nn.Module):
         return s, self.forward(s)
 
 
-def _fused_ops(x: torch.Tensor):
+def fused_ops_for(x: torch.Tensor):
     """The native fused-op extension for a contiguous CPU [T, H] tensor, else None."""
     if x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
         return None
@@ -162,7 +162,7 @@ class StepRope:
 
     def rotate_qk_(self, qkv: torch.Tensor, heads: int, head_dim: int) -> bool:
         """Rotate the first `heads` heads (q then k) of each qkv row in place; False: not here."""
-        ext = _fused_ops(qkv)
+        ext = fused_ops_for(qkv)
         if ext is None:
             return False
         ext.rope_(qkv, self.positions, self.table, heads, head_dim)

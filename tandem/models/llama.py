@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tandem.models.layers import (
-    Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, pack_cpu_weight,
+    Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, fused_ops_for, pack_cpu_weight,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -160,16 +160,27 @@ class Attention(nn.Module):
     def forward(self, x, rope: StepRope, kv_cache, meta: Any) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
-        rotated = not self.qk_norm and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
+        qk_ready = not self.qk_norm or self._qk_norm_(qkv)  # no QK-norm, or normed in place
+        rotated = qk_ready and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
         if rotated and (out := self.attn.forward_qkv(qkv, kv_cache, meta)) is not None:
             return self.o_proj.forward(out)
         q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
-        if self.qk_norm:
+        if not qk_ready:
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = rope.rotate(q), rope.rotate(k)
         return self.o_proj.forward(self.attn.forward(q, k, v, kv_cache, meta))
+
+
+    def _qk_norm_(self, qkv: torch.Tensor) -> bool:
+        """QK-norm in place on the fused projection with the native kernel (then RoPE and the
+        decode kernel take qkv as it is); False: not on this device, use the modules."""
+        ext = fused_ops_for(qkv)
+        if ext is None:
+            return False
+        ext.qk_rms_norm_(qkv, self.q_norm.weight, self.k_norm.weight, self.nq, self.nkv, self.hd, self.q_norm.eps)
+        return True
 
 
 class MLP(nn.Module):
