@@ -56,12 +56,12 @@ class StructuredOutputMatchers:
         """Set disallowed tokens to -inf in the rows of constrained requests (in place, with
         xgrammar's kernel for the logits' device). Returns the seconds it took (the step
         trace's masking cost)."""
-        import xgrammar as xgr
-
         start = time.perf_counter()
         rows = [i for i, r in enumerate(req_ids) if r in self._matchers]
-        if not rows:
+        if not rows:  # xgrammar is imported (seconds, once) only by a server that has a constrained request
             return 0.0
+        import xgrammar as xgr
+
         # One int32 word per 32 tokens: bit j of word w allows token 32 * w + j.
         bitmask = torch.full((len(req_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
         eos = self.compiler.eos_token_id
