@@ -204,9 +204,9 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
 
 inline __m256i quad(const int8_t* x) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
 
-// R rows x 16 columns of y = x W^T for int4 weights. A 64-byte chunk is columns 0-7 then 8-15.
-// Per block and row, the 8 maddubs results of a half (|pair| <= 2 * 15 * 127) add up in int16
-// (<= 30480, no overflow) before one madd widens them to int32.
+// R rows x 16 columns of y = x W^T for int4 weights. A 64-byte chunk is columns 0-7 then 8-15,
+// both unpacked once for all R rows. Per block, row and half the 8 maddubs results
+// (|pair| <= 2 * 15 * 127) add up in int16 (<= 30480, no overflow) before one madd widens them.
 template <int R, typename T>
 void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
              const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
@@ -218,22 +218,26 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      __m256i sum[R];
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 4 + j) * 64 + h * 32));
-        __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
-          sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, quad(xr)),
-                                                             _mm256_maddubs_epi16(hi, quad(xr + 16))));
-        }
+    __m256i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* wj = w + (b * 4 + j) * 64;
+      __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
+      __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32));
+      __m256i lo0 = _mm256_and_si256(raw0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask);
+      __m256i lo1 = _mm256_and_si256(raw1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
+        __m256i xa = quad(xr), xb = quad(xr + 16);
+        sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb)));
+        sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb)));
       }
+    }
+    for (int h = 0; h < 2; ++h) {
       __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTile + 8 * h)));
       for (int r = 0; r < R; ++r) {
-        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones));
         acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r * nb + b]), acc[r][h]);
       }
@@ -253,20 +257,21 @@ void q8_tile(const int8_t* xq, const float* xd, const float*, int64_t k, const u
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 512 + j * 64), _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      __m256i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + j) * 64 + h * 32)), top);
-        for (int r = 0; r < R; ++r) {
-          __m256i x = quad(xq + r * k + b * kBlock + 4 * j);
-          __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(q, x));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
-        }
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* wj = w + (b * 8 + j) * 64;
+      __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj)), top);
+      __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32)), top);
+      for (int r = 0; r < R; ++r) {
+        __m256i x = quad(xq + r * k + b * kBlock + 4 * j), ax = _mm256_sign_epi8(x, x);
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q0, x)), ones));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q1, x)), ones));
       }
-      for (int r = 0; r < R; ++r)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(xd[r * nb + b]), acc[r][h]);
     }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_set1_ps(xd[r * nb + b]), acc[r][h]);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) store8(y + r * ldy + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(ws + 8 * h), acc[r][h]));
