@@ -29,7 +29,7 @@ def _layers(n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16):
     w, bias = torch.randn(n, k), torch.randn(n)
     codes, scales, zeros = quantize_int4(w, 32)
     q8, s8 = quantize_int8(w)
-    return (Int4Linear(codes, scales, zeros, bias, dtype), Int8Linear(q8, s8, bias, dtype),
+    return (Int4Linear(codes, scales, zeros, bias, dtype), Int8Linear(q8.clone(), s8, bias, dtype),
             (codes, scales, zeros), (q8, s8))
 
 

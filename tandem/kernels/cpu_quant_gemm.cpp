@@ -27,6 +27,7 @@
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
 #include <immintrin.h>
 
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -422,19 +423,23 @@ at::Tensor pack_int4(at::Tensor codes) {
   return out;
 }
 
-// qweight [N, K] int8 -> the int8 tile layout above.
-at::Tensor pack_int8(at::Tensor qweight) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) % kTile == 0 && qweight.size(1) % kBlock == 0, "pack_int8: [N % 16, K % 32]");
+// qweight [N, K] int8 -> the int8 tile layout above, in place: a tile is a permutation of its
+// own 16 rows' bytes, so a vocabulary's table (Gemma 3: 160 MiB) is never held twice.
+// Returns the same storage as [N * K] uint8.
+at::Tensor pack_int8_(at::Tensor qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) % kTile == 0 && qweight.size(1) % kBlock == 0, "pack_int8_: [N % 16, K % 32]");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "pack_int8_: contiguous int8");
   const int64_t n = qweight.size(0), k = qweight.size(1);
-  auto w = qweight.to(at::kChar).contiguous();
-  auto out = at::empty({n * k}, w.options().dtype(at::kByte));
-  const int8_t* wp = w.data_ptr<int8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  for (int64_t t = 0; t < n / kTile; ++t)
+  uint8_t* base = reinterpret_cast<uint8_t*>(qweight.data_ptr<int8_t>());
+  std::vector<int8_t> rows(kTile * k);
+  for (int64_t t = 0; t < n / kTile; ++t) {
+    uint8_t* op = base + t * kTile * k;
+    std::memcpy(rows.data(), op, rows.size());
     for (int64_t j = 0; j < k / 4; ++j)
       for (int64_t col = 0; col < kTile; ++col)
-        for (int64_t i = 0; i < 4; ++i) *op++ = static_cast<uint8_t>(wp[(t * kTile + col) * k + 4 * j + i] + 128);
-  return out;
+        for (int64_t i = 0; i < 4; ++i) *op++ = static_cast<uint8_t>(rows[col * k + 4 * j + i] + 128);
+  }
+  return qweight.view({n * k}).view(at::kByte);
 }
 
 #ifdef TANDEM_QUANT_GEMM
@@ -448,7 +453,7 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m
   return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true}, silu_mul);
 }
 
-// y [M, N] = x W^T with int8 weights: packed from pack_int8, one fp32 scale per column.
+// y [M, N] = x W^T with int8 weights: packed by pack_int8_, one fp32 scale per column.
 at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool silu_mul) {
   TORCH_CHECK(supported(), "int8_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1), n = scales.numel();
@@ -469,7 +474,7 @@ at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("supported", &supported, "whether this CPU runs the build here (AVX512-VNNI / BW / BF16, or AVX2 / FMA / F16C)");
   mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles");
-  mod.def("pack_int8", &pack_int8, "int8 weights [N, K] -> packed tiles");
+  mod.def("pack_int8_", &pack_int8_, "int8 weights [N, K] -> packed tiles, in place");
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false);
   mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",

@@ -37,7 +37,8 @@ DEFAULT_INT4_GROUP = 32
 
 
 class Int8Linear(nn.Module):
-    """y = x (q * s)^T + b, q int8 [N, K], s [N]."""
+    """y = x (q * s)^T + b, q int8 [N, K], s [N]. On the integer kernel's path `qweight` is
+    packed in place (an int8 tensor passed in becomes the kernel's layout)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -47,7 +48,7 @@ class Int8Linear(nn.Module):
         ext = int8_act_kernel(qweight.device, dtype, *qweight.shape)
         self.int8_act = ext is not None
         if self.int8_act:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales
-            self.register_buffer("qweight", ext.pack_int8(qweight))
+            self.register_buffer("qweight", ext.pack_int8_(qweight.to(torch.int8).contiguous()))
             self.register_buffer("scales", scales.float().contiguous())
             self.use_kernel = False
             return
