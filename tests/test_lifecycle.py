@@ -153,6 +153,7 @@ def test_engine_core_kill_ends_16_streams_within_2s(model_dir):
         srv.close()
 
 
+@pytest.mark.slow  # two served processes, one killed
 def test_request_metrics_cross_then_no_orphan_after_the_api_process_is_killed(model_dir):
     srv = Served(model_dir)
     try:

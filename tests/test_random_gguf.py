@@ -22,6 +22,7 @@ def tiny_gguf(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # the default model's GGUF read, and a file written from it
 def test_tiny_file_has_the_shape_and_the_default_models_vocab(tiny_gguf):
     reader = GGUFReader(tiny_gguf)
     source = GGUFReader(gguf_source("smollm2-135m"))
@@ -35,6 +36,7 @@ def test_tiny_file_has_the_shape_and_the_default_models_vocab(tiny_gguf):
     assert np.all(np.asarray(tensors["blk.1.ffn_norm.weight"].data) == 1)
 
 
+@pytest.mark.slow
 def test_tandem_loads_and_generates_from_it(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     llm = LLM(str(tiny_gguf), dtype="float32", kv_cache_memory=1 << 22)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from cluster_fixture import wait_for
 from structured_fixture import with_tokenizer
@@ -37,6 +38,7 @@ def served_once(srv: Served) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.slow  # a served process twice, and a wait for its segments
 def test_engine_core_killed_exits_1_and_a_restart_serves_with_nothing_left(tiny_model_dirs, tmp_path):
     model = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
     run_tmp = tmp_path / "tmp"  # the server's TMPDIR: where its ipc socket folder lives

@@ -13,10 +13,11 @@ from tandem.cli import build_parser
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 
+@pytest.mark.slow  # a served process and 10 s of traffic
 def test_short_soak_loses_nothing_and_gives_the_kv_back(tiny_model_dirs, tmp_path):
     model = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
     args = build_parser().parse_args(
-        ["bench", "soak", "--model", model, "--duration", "20", "--kv-cache-memory", str(1 << 18),
+        ["bench", "soak", "--model", model, "--duration", "10", "--kv-cache-memory", str(1 << 18),
          "--concurrency", "8", "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--num-threads",
          "--serve-arg=1"])
     report = run_soak(args)

@@ -41,7 +41,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def client():
-    engine = EngineConfig(model=MODEL, kv_cache_memory=64 << 20, max_model_len=1024)
+    # KV room for the 64 requests in flight, each at its max_tokens (22.5 KiB a token): none is
+    # preempted, which here only cost time (grammars across preemption: test_structured_output.py)
+    engine = EngineConfig(model=MODEL, kv_cache_memory=288 << 20, max_model_len=1024)
     with running_server(engine, ServerConfig(model_name=MODEL)) as (url, _):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused")
 
