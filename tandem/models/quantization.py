@@ -3,8 +3,8 @@ in groups along the input axis with a scale and a zero point.
 
 On a CPU with AVX512-VNNI or AVX2, with bf16 or fp32 activations, both run on
 `kernels/cpu_quant_gemm.cpp` instead: the activations are quantised to int8 in blocks of 32
-(W8A8 / W4A8, as llama.cpp's Q8_0 / Q4_1 dot products), 2-7x faster than torch's kernels at
-every batch size measured (torch's CPU kernels round activations to bf16 and dequantise every
+(W8A8 / W4A8, as llama.cpp's Q8_0 / Q4_1 dot products), 1.9-7x faster than torch's kernels at
+every batch size measured on AVX2 (torch's CPU kernels round activations to bf16 and dequantise every
 weight); a gate_up layer's SiLU-and-mul runs in that kernel's epilogue (`forward_silu_mul`),
 which saves a pass over the intermediate activations. The tests that compare a quantised engine
 with transformers token for token take the weight-only reference path.
