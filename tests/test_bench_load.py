@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from gguf import GGMLQuantizationType as Q
 from test_gguf_serving import Q4_K_M, write_quantised_gguf
 from tandem.bench import load
 
 
 def test_bench_load_reports_the_load_of_a_gguf(tmp_path, capsys):
-    path = write_quantised_gguf(tmp_path / "tiny-Q4_K_M.gguf", Q4_K_M)
+    path = write_quantised_gguf(tmp_path / "tiny-Q4_K_M.gguf", {**Q4_K_M, "ffn_gate": Q.Q4_K})  # mostly Q4_K: int4
     args = argparse.Namespace(model=str(path), quantization=None, dtype="float32", cache=None,
                               json_path=str(tmp_path / "load.json"), phase=None)
     report = load.main(args)

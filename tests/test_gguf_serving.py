@@ -62,7 +62,7 @@ def write_quantised_gguf(path: Path, kinds: dict[str, Q], default: Q = Q.Q4_K, s
               "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
     names = [("token_embd", "token_embd.weight"), ("output_norm", "output_norm.weight")]
     for i in range(LAYERS):
-        parts = [*shapes.keys() - {"token_embd"}, "attn_norm", "ffn_norm"]
+        parts = [*(part for part in shapes if part != "token_embd"), "attn_norm", "ffn_norm"]
         names += [(part, f"blk.{i}.{part}.weight") for part in parts]
     for part, name in names:
         if part not in shapes:

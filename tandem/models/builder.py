@@ -67,8 +67,9 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
 
 def stored_precision(model_dir: Path, gguf_path: Path | None, hf_config: dict) -> str | None:
     """The precision the weights are stored in (what `quantization: auto` serves): a GGUF's by
-    the type holding most of its decoder-layer weights (`_STORED_AS`), a folder's by its
-    config's dtype; None for fp32 weights (the engine's float dtype serves them)."""
+    the type holding most of its decoder-layer weights (`_STORED_AS`; a tie goes to the wider
+    type, which loses nothing), a folder's by its config's dtype; None for fp32 weights (the
+    engine's float dtype serves them)."""
     if gguf_path is None:
         return _FOLDER_DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype"))
     sizes: dict[str | None, int] = {}
@@ -76,7 +77,8 @@ def stored_precision(model_dir: Path, gguf_path: Path | None, hf_config: dict) -
         if name.startswith("model.layers.") and len(t.shape) == 2:
             kind = _STORED_AS.get(t.kind)
             sizes[kind] = sizes.get(kind, 0) + t.shape[0] * t.shape[1]
-    return max(sizes, key=sizes.get) if sizes else None
+    wider = ["int4", "int8", "fp16", "bf16", None]
+    return max(sizes, key=lambda kind: (sizes[kind], wider.index(kind))) if sizes else None
 
 
 def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
