@@ -53,6 +53,21 @@ def test_rope_in_place_on_qkv(dtype):
     assert torch.equal(v, want_v)
 
 
+def test_rope_table_grows_with_the_positions_seen():
+    """On CPU the table covers the positions seen (doubling, capped at the context), and its rows
+    equal the whole-context table's, rounding through the model's dtype included."""
+    whole = RotaryEmbedding(64, 20000, 10000.0, {"rope_type": "linear", "factor": 2.0})
+    whole.cos_sin = whole._table(20000)
+    rotary = RotaryEmbedding(64, 20000, 10000.0, {"rope_type": "linear", "factor": 2.0})
+    for r in (whole, rotary):
+        r.round_through(torch.bfloat16)
+    assert rotary.cos_sin.shape[0] == RotaryEmbedding.MIN_POSITIONS
+    rotary(torch.tensor([3, 9000]), torch.float32)
+    assert rotary.cos_sin.shape[0] == 16384 and torch.equal(rotary.cos_sin, whole.cos_sin[:16384])
+    rotary(torch.tensor([19999]), torch.float32)
+    assert torch.equal(rotary.cos_sin, whole.cos_sin)
+
+
 @DTYPES
 def test_qk_norm_in_place_on_qkv(dtype):
     """Each q head normed with q's weight, each k head with k's, v untouched: the modules' result."""

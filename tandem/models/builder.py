@@ -138,7 +138,7 @@ def _retype(model: nn.Module, dtype: torch.dtype) -> None:
             param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
     for rotary in model.modules():
         if isinstance(rotary, RotaryEmbedding):
-            rotary.cos_sin = rotary.cos_sin.to(dtype).float()
+            rotary.round_through(dtype)
 
 
 def _trim_heap() -> None:

@@ -139,16 +139,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Hugging Face layout) from one fp32 table of cos | sin per position."""
+    """Rotate-half RoPE (Hugging Face layout) from one fp32 table of cos | sin per position.
+
+    On CPU the table covers the positions seen so far (at least 4,096, grown by doubling up to
+    the model's context) rather than the whole context: Gemma 3's two tables of 32k positions
+    held 64 MiB, a quarter of its weights, for contexts few requests reach. On CUDA it is built
+    whole: a captured graph's positions never pass through Python."""
+
+    MIN_POSITIONS = 4096
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.max_positions = max_positions
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rounding = torch.float32  # the dtype the table's values are rounded through
+        whole = torch.get_default_device().type != "cpu"
+        n = max_positions if whole else min(max_positions, self.MIN_POSITIONS)
+        self.register_buffer("cos_sin", self._table(n), persistent=False)
+
+    def round_through(self, dtype: torch.dtype) -> None:
+        """Round the table's values through `dtype` (kept in fp32), as `model.to(dtype)` then
+        `.float()` would, now and as it grows."""
+        self.rounding = dtype
+        self.cos_sin = self._table(self.cos_sin.shape[0]).to(self.cos_sin.device)
+
+    def _table(self, n: int) -> torch.Tensor:
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.rounding).float()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRope":
+        if positions.device.type == "cpu" and positions.numel():
+            need = int(positions.max()) + 1
+            if need > self.cos_sin.shape[0]:
+                size = self.cos_sin.shape[0]
+                while size < need:
+                    size *= 2
+                self.cos_sin = self._table(min(max(size, need), self.max_positions))
         return StepRope(positions, self.cos_sin, dtype)
 
 

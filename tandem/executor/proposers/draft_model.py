@@ -35,7 +35,7 @@ class SelfDraftProposer:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], builder: InputBuilder) -> None:
         self.model, self.kv_caches, self.builder = model, kv_caches, builder
-        self.max_position = model.rotary.cos_sin.shape[0] - 1
+        self.max_position = model.rotary.max_positions - 1
         self.num_forwards = 0  # draft forwards run (bench spec's cost per forward)
 
     def forget(self, req_ids: set[str]) -> None:
