@@ -287,6 +287,32 @@ def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> 
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_header_reads_short_number_arrays_and_steps_over_long_ones(tmp_path: Path, fresh_cache: Path) -> None:
+    """The config comes from our own header parse: a per-layer sliding pattern (a short array)
+    is read, a tokenizer-sized array is stepped over, float32s read as their shortest decimal."""
+    from tandem.models.gguf_file import GGUFFile
+
+    model = _tiny_gemma3()
+    path = tmp_path / "tiny-gemma3-pattern.gguf"
+    pattern = [True, False, True, True, True, False]
+    original = gguf.GGUFWriter.add_sliding_window
+
+    def add_with_pattern(writer: gguf.GGUFWriter, value: int) -> None:
+        original(writer, value)
+        writer.add_array("gemma3.attention.sliding_window_pattern", pattern)
+        writer.add_array("tokenizer.ggml.scores", [0.5] * 5000)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gguf.GGUFWriter, "add_sliding_window", add_with_pattern)
+        _write_gguf(model, path, "gemma3")
+    header = GGUFFile(path).metadata
+    assert header["gemma3.attention.sliding_window_pattern"] == pattern
+    assert header["tokenizer.ggml.scores"] is None
+    assert header["gemma3.attention.layer_norm_rms_epsilon"] == model.config.rms_norm_eps
+    config = json.loads((resolve_model(str(path)) / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention" if s else "full_attention" for s in pattern]
+
+
 def test_gguf_change_means_new_conversion(tmp_path: Path, fresh_cache: Path) -> None:
     path = tmp_path / "tiny.gguf"
     _write_gguf(_tiny_llama(), path, "llama")

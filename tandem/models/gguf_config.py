@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from tandem.models.gguf_file import GGUFFile
 
 # Bump when the folder's contents change so stale cached folders are not reused.
 FOLDER_VERSION = 2
@@ -31,7 +30,7 @@ _MISSING = object()
 
 def write_model_folder(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, generation_config.json and the tokenizer of a GGUF into out_dir."""
-    reader = open_gguf(gguf_path)
+    reader = GGUFFile(gguf_path)  # the header only: a ValueError names a corrupt or truncated file
     arch = architecture(reader, gguf_path)
     try:
         config = _build_config(reader, arch)
@@ -40,13 +39,13 @@ def write_model_folder(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if "tokenizer.ggml.tokens" in reader.fields:
-        _save_tokenizer(reader, gguf_path, out_dir, config["max_position_embeddings"])
+    if "tokenizer.ggml.tokens" in reader.metadata:
+        _save_tokenizer(reader, gguf_path, out_dir, config["model_type"], config["max_position_embeddings"])
 
 
-def _build_config(reader: GGUFReader, arch: str) -> dict[str, Any]:
+def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
     """HF config.json from the `<arch>.*` metadata; vocab size comes from the embedding, which is authoritative."""
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    shapes = {t.name: list(t.dims) for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise ValueError("no token_embd.weight tensor")
     model_type, hf_class = SUPPORTED_ARCHS[arch]
@@ -85,7 +84,7 @@ def _build_config(reader: GGUFReader, arch: str) -> dict[str, Any]:
     return config
 
 
-def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_config(reader: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     """Gemma3TextConfig's own fields. llama.cpp fixes what the file may leave out: every 6th layer
     global, local RoPE base 10000, attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) on
     the 62-layer 27B)."""
@@ -105,11 +104,16 @@ def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, context_length: int) -> None:
-    """Build the fast tokenizer transformers derives from the GGUF, save it, and check the reload matches."""
+def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type: str, context_length: int) -> None:
+    """Build the fast tokenizer transformers derives from the GGUF, save it, and check the reload
+    matches. Naming the model type picks the class AutoTokenizer would pick from the model's
+    config, without its reading that config from the GGUF: for some architectures (Gemma 3)
+    that read walks every metadata array, 15 s of Gemma 3 270M's first load."""
     from transformers import AutoTokenizer  # slow import; only needed while converting
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    kind = model_type if model_type in TOKENIZER_MAPPING_NAMES else None
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, tokenizer_type=kind)
     tokenizer.chat_template = metadata(reader, "tokenizer.chat_template", None)
     tokenizer.model_max_length = context_length
     # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader finds it.
@@ -124,15 +128,7 @@ def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, context_
             raise ValueError(f"{gguf_path}: saved tokenizer does not round-trip {text!r}")
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF, turning the reader's low-level errors (it fails oddly on truncation) into one clear one."""
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError, ... depending on where the file ends
-        raise ValueError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
-
-
-def architecture(reader: GGUFReader, path: Path) -> str:
+def architecture(reader: GGUFFile, path: Path) -> str:
     """The `general.architecture` value, checked against what the converter supports."""
     arch = metadata(reader, "general.architecture", None)
     if arch not in SUPPORTED_ARCHS:
@@ -140,14 +136,10 @@ def architecture(reader: GGUFReader, path: Path) -> str:
     return arch
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    """One metadata value; float32 values are tidied (1e-05, not 9.999999747378752e-06)."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
-        return default
-    value = field.contents()
-    if field.types == [GGUFValueType.FLOAT32]:
-        value = float(str(np.float32(value)))
-    return value
+def metadata(reader: GGUFFile, key: str, default: Any = _MISSING) -> Any:
+    """One metadata value, or `default`; a required key that is missing is a clear error."""
+    if key in reader.metadata:
+        return reader.metadata[key]
+    if default is _MISSING:
+        raise ValueError(f"GGUF metadata key {key!r} is missing")
+    return default

@@ -7,7 +7,8 @@ load. Loading needs only a few scalars and the tensor table, so this reader step
 Tensor bytes are then read with positional reads into buffers the decoders free: a mapping
 would keep the pages it touched in the process's RSS (dropping them with madvise proved leaky
 with the kernel's fault-around), so loading would hold the file beside its serving form. The
-tokenizer and config are still read by `GGUFReader`, once, when the cache folder is written.
+The cache folder's config is built from this header too; the tokenizer is left to transformers
+(which reads the file once more, with `GGUFReader`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 _MAGIC = b"GGUF"
 # GGUF value type -> struct format of a scalar (8: string, 9: array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+# Arrays of numbers up to this length are read (Gemma 3's per-layer sliding-window pattern);
+# longer ones (a tokenizer's scores and token types) are stepped over like strings.
+_ARRAY_READ_MAX = 1024
 
 
 @dataclass(slots=True)
@@ -104,14 +108,23 @@ def _string(buf: memoryview, pos: int) -> tuple[str, int]:
 
 
 def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
-    """(value, position after it); an array's value is None, stepped over."""
+    """(value, position after it). A float32 reads as its shortest decimal (1e-05, not
+    9.999999747378752e-06); an array of at most `_ARRAY_READ_MAX` numbers as a list; any other
+    array is None, stepped over."""
     if vtype == _STRING:
         return _string(buf, pos)
     if vtype != _ARRAY:
         fmt = _SCALARS[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+        value = struct.unpack_from(fmt, buf, pos)[0]
+        return float(str(np.float32(value))) if vtype == _FLOAT32 else value, pos + struct.calcsize(fmt)
     item, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12
+    if item in _SCALARS and count <= _ARRAY_READ_MAX:
+        values = []
+        for _ in range(count):
+            value, pos = _value(buf, pos, item)
+            values.append(value)
+        return values, pos
     if item == _STRING:
         for _ in range(count):
             pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
