@@ -146,3 +146,29 @@ def test_a_poll_begun_before_a_failure_does_not_make_the_instance_healthy():
             await pool.poll_once()  # begun after the failure: healthy again
             assert inst.state.healthy and inst.last_error is None
     asyncio.run(run())
+
+
+def test_one_timed_out_poll_leaves_an_instance_healthy_two_in_a_row_or_a_refusal_do_not():
+    """A busy instance whose state poll times out once keeps its traffic; two timeouts in a row
+    mark it, as a refused connection does at once; an answer resets the count."""
+    script: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        what = script.pop(0)
+        if what == "timeout":
+            raise httpx.ReadTimeout("slow", request=request)
+        if what == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"role": "both"})
+
+    async def run() -> list[bool]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            inst = Instance("a", "http://a", "tiny")
+            pool = InstancePool([inst], RoutingWeights(), client)
+            seen = []
+            for what in ["ok", "timeout", "ok", "timeout", "timeout", "ok", "refused"]:
+                script.append(what)
+                await pool.poll_once()
+                seen.append(inst.state.healthy)
+            return seen
+    assert asyncio.run(run()) == [True, True, True, True, False, True, False]

@@ -16,6 +16,7 @@ from tandem.cluster.policy.routing import InstanceState, RoutingWeights, choose_
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
+TIMEOUTS_TO_FAIL = 2  # state polls in a row that time out before an instance is marked unhealthy
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class Instance:
     kv_rank: int | None = None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
     last_error: str | None = None
     failed_at: float = float("-inf")  # when the router last saw it fail (time.monotonic())
+    poll_timeouts: int = 0  # state polls in a row that timed out
 
     def __post_init__(self) -> None:
         if self.state is None:
@@ -104,15 +106,24 @@ class InstancePool:
 
     async def _poll(self, inst: Instance) -> None:
         """A poll begun before the router saw `inst` fail does not make it healthy again (its
-        answer may predate the failure): only a later one does."""
+        answer may predate the failure): only a later one does. One poll that times out is a
+        busy instance as often as a dead one (a loaded machine, a long step): it takes
+        `TIMEOUTS_TO_FAIL` in a row to mark it; a refused connection or a bad answer marks it at
+        once (and a dead instance's streams fail their requests sooner still)."""
         started = time.monotonic()
         try:
             r = await self.client.get(inst.url + "/tandem/state", timeout=self.poll_timeout_s)
             r.raise_for_status()
             data = r.json()
+        except httpx.TimeoutException as e:
+            inst.poll_timeouts += 1
+            if inst.poll_timeouts >= TIMEOUTS_TO_FAIL:
+                self.mark_failed(inst, f"state poll timed out {inst.poll_timeouts} times in a row: {type(e).__name__}")
+            return
         except (httpx.HTTPError, ValueError) as e:
             self.mark_failed(inst, f"state poll failed: {type(e).__name__}: {e}")
             return
+        inst.poll_timeouts = 0
         s = inst.state
         if started < inst.failed_at:
             return
