@@ -63,6 +63,23 @@ def test_packed_layouts_hold_the_weights():
     torch.testing.assert_close(exact.dequantize(), int4_dequantize(codes, d, m + 8 * d), rtol=0, atol=1e-5)
 
 
+def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
+    """Int4Linear.concat (a fused qkv loaded one part at a time) holds the same tiles, and so
+    computes the same outputs, as the layer built from the concatenated codes."""
+    torch.manual_seed(5)
+    parts = [quantize_int4(torch.randn(n, 128), 32) for n in (64, 32, 32)]
+    bias = torch.randn(128)
+    whole = Int4Linear(*(torch.cat([p[i] for p in parts]) for i in range(3)), bias, torch.float32)
+    joined = Int4Linear.concat([Int4Linear(*p, None, torch.float32) for p in parts], bias, torch.float32)
+    for name in ("qpacked", "d", "m", "bias"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    x = torch.randn(5, 128)
+    assert joined.out_features == 128 and torch.equal(joined(x), whole(x))
+    with pytest.raises(ValueError, match="16 rows"):
+        Int4Linear.concat([Int4Linear(*quantize_int4(torch.randn(8, 128), 32), None, torch.float32)] * 2, None,
+                          torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_row_does_not_depend_on_its_batch(dtype):
     int4, int8, _, _ = _layers(576, 1536, 4, dtype)

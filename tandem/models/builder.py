@@ -31,7 +31,7 @@ from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import FolderWeights, weight_source
 from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear, quantize_int4, quantize_int8,
+    DEFAULT_INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear, int4_concatenates, quantize_int4, quantize_int8,
 )
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights
 
 
 def _int8_table(source: GGUFWeights | FolderWeights, name: str, dtype: torch.dtype,
-                device: torch.device, rows_per_chunk: int = 2048) -> Int8Linear:
+                device: torch.device, rows_per_chunk: int = 512) -> Int8Linear:
     """Int8Linear.from_float of a [V, K] tensor without holding it in floats: by row slices,
     each one's temporaries handed back before the next."""
     rows, cols = source.shape(name)
@@ -199,10 +199,17 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype,
     if weights == "int8":
         weight = torch.cat([source.get(f"{p}.weight") for p in parts]).to(device)
         return Int8Linear.from_float(weight, bias, dtype), names, 0
+    rows = [source.shape(f"{p}.weight")[0] for p in parts]
+    by_part = int4_concatenates(device, dtype, rows, module.in_features)
     pieces, native = [], 0
     for p in parts:
         codes = source.int4(f"{p}.weight")
         native += codes is not None
-        pieces.append(codes or quantize_int4(source.get(f"{p}.weight").to(device), DEFAULT_INT4_GROUP))
+        codes = codes or quantize_int4(source.get(f"{p}.weight").to(device), DEFAULT_INT4_GROUP)
+        # packed as it comes where the kernel serves the layer: one part's one-byte codes at a time
+        pieces.append(Int4Linear(*(t.to(device) for t in codes), None, dtype) if by_part else codes)
+        del codes
+    if by_part:
+        return Int4Linear.concat(pieces, bias, dtype), names, native
     c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
     return Int4Linear(c, s, z, bias, dtype), names, native

@@ -47,7 +47,9 @@ _ARCH_LAYER_TENSORS = {
 # the (1 + w) of Gemma3RMSNorm): every `*norm.weight` tensor, undone here.
 _NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
-_ROWS_PER_CHUNK = 4096
+# A tensor is decoded this many weights at a time (whole rows): the decoders' temporaries are
+# several times their chunk, so a chunk of a 1B model's whole down_proj raised the load's peak.
+_WEIGHTS_PER_CHUNK = 1 << 20
 
 
 @dataclass(slots=True)
@@ -129,9 +131,10 @@ class GGUFWeights:
     def _decode(self, t: GGUFTensor, start: int, stop: int) -> np.ndarray:
         """Rows start:stop as fp32 [rows, K], decoded a chunk at a time into one array."""
         w = np.empty((stop - start, int(np.prod(t.shape)) // t.info.rows), np.float32)
+        rows_per_chunk = max(1, _WEIGHTS_PER_CHUNK // w.shape[1])
         try:
-            for i in range(start, stop, _ROWS_PER_CHUNK):
-                end = min(i + _ROWS_PER_CHUNK, stop)
+            for i in range(start, stop, rows_per_chunk):
+                end = min(i + rows_per_chunk, stop)
                 w[i - start:end - start] = dequantize_rows(self.file.read_rows(t.info, i, end), t.kind)
         except ValueError as e:
             raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from e

@@ -150,6 +150,22 @@ class Int4Linear(nn.Module):
                    group_size: int = DEFAULT_INT4_GROUP) -> "Int4Linear":
         return cls(*quantize_int4(weight, group_size), bias, dtype)
 
+    @classmethod
+    def concat(cls, parts: list["Int4Linear"], bias: torch.Tensor | None, dtype: torch.dtype) -> "Int4Linear":
+        """One layer of the row parts (a fused qkv or gate_up), each already packed for the
+        integer kernel with a multiple of 16 rows: built part by part, loading holds one part's
+        one-byte codes rather than the whole layer's beside their concatenation. Takes over the
+        first part."""
+        layer = parts[0]
+        if not all(p.int8_act and p.out_features % 16 == 0 for p in parts):
+            raise ValueError("int4: only parts packed for the integer kernel, 16 rows at a time, concatenate")
+        if len(parts) > 1:
+            layer.out_features = sum(p.out_features for p in parts)
+            for name in ("qpacked", "d", "m"):
+                setattr(layer, name, torch.cat([getattr(p, name) for p in parts]))
+        layer.bias = None if bias is None else bias.to(dtype)
+        return layer
+
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.packed.device.type == "cuda":
             return torch._weight_int4pack_mm(x2d, self.packed, self.group_size, self.scales_zeros)
@@ -212,18 +228,28 @@ def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[tor
     return qweight, scales
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric per group of `group_size` inputs (as GGUF Q4_1): codes [N, K], scales and zeros [N, K // g]."""
+def quantize_int4(weight: torch.Tensor, group_size: int,
+                  rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of `group_size` inputs (as GGUF Q4_1): codes [N, K], scales and zeros
+    [N, K // g]. A chunk of rows at a time: each row's groups are its own, and the fp32
+    temporaries of a whole layer (a 1B model's 8192 x 2048 down_proj: 64 MiB each) set the peak of
+    loading a file whose 6-bit layers are requantised."""
     n, k = weight.shape
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     if k % group_size:
         raise ValueError(f"int4 group size {group_size} does not divide the input size {k}")
-    w = weight.float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(-1), w.amax(-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-12)
-    codes = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-    return codes.reshape(n, k), scales, lo + 8 * scales
+    codes = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(n, k // group_size, dtype=torch.float32, device=weight.device)
+    zeros = torch.empty_like(scales)
+    for start in range(0, n, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        w = weight[rows].float().reshape(-1, k // group_size, group_size)
+        lo, hi = w.amin(-1), w.amax(-1)
+        s = ((hi - lo) / 15).clamp(min=1e-12)
+        codes[rows] = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).reshape(-1, k)
+        scales[rows], zeros[rows] = s, lo + 8 * s
+    return codes, scales, zeros
 
 
 def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -231,6 +257,12 @@ def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     group = codes.shape[1] // scales.shape[1]
     expand = lambda t: t.float().repeat_interleave(group, dim=1)  # noqa: E731
     return (codes.float() - 8) * expand(scales) + expand(zeros)
+
+
+def int4_concatenates(device: torch.device, dtype: torch.dtype, rows: list[int], k: int) -> bool:
+    """Whether int4 parts of these row counts (of k inputs), each packed as it is read, join
+    into one layer (Int4Linear.concat): on the integer kernel, 16 rows a tile."""
+    return int8_act_kernel(device, dtype, sum(rows), k) is not None and all(r % 16 == 0 for r in rows)
 
 
 def int8_act_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
