@@ -197,6 +197,6 @@ def test_openai_client_against_a_multimodel_cluster(cluster_up):
     assert samples[("tandem:generation_tokens_total", "smollm2-135m", "smollm2-135m-0", None)] > 0
     assert samples[("tandem:generation_tokens_total", "summariser", "summariser-0", None)] > 0
     assert samples[("tandem:requests_by_precision_total", "smollm2-135m", "smollm2-135m-0", "int4")] == 1
-    # the Q4_K_M file, mostly Q5_0, is served as int8 (auto), one completion; the refused chat ran nothing
-    assert samples[("tandem:requests_by_precision_total", "summariser", "summariser-0", "int8")] == 1
+    # the Q4_K_M file, mostly Q5_0, is served as int4 (auto: its own 5-bit codes), one completion; the refused chat ran nothing
+    assert samples[("tandem:requests_by_precision_total", "summariser", "summariser-0", "int4")] == 1
     assert samples[("tandem:embedding_requests_total", "minilm", "minilm-0", None)] == 1

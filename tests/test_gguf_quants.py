@@ -1,5 +1,5 @@
 """GGUF block decoders: bit for bit the `gguf` package's reference, on random blocks and on the
-shipped files' tensors; the int4 codes of Q4_0 / Q4_1 / Q4_K as `Int4Linear` holds them."""
+shipped files' tensors; the codes of the 4- and 5-bit types as `Int4Linear` holds them."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,12 +8,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference
 
-from tandem.models.gguf_quants import BLOCKS, INT4_KINDS, dequantize_rows, int4_rows
+from tandem.models.gguf_quants import BLOCKS, FIVE_BIT_KINDS, INT4_KINDS, dequantize_rows, int4_rows
 from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.quantization import Int4Linear, int4_dequantize
 
 # Byte offsets of each block's fp16 fields (d, and dmin / m where the format has one).
-_HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def random_rows(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -55,24 +55,27 @@ def test_an_undecodable_type_is_refused_in_words() -> None:
 
 @pytest.mark.parametrize("kind", INT4_KINDS, ids=lambda k: k.name)
 def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
-    """Codes are the file's, scale = d (d sc for Q4_K) exactly; zero = 8 scale - min is rounded
-    once in fp32, so (q - 8) scale + zero (two roundings) is within a few ulp of the reference's
-    d sc q - dmin m (one rounding), not bit-exact. In fp32 `Int4Linear` stores scale and zero as
-    given on its reference path (the torch-kernel path keeps them in the kernel's dtype, bf16 on
-    CPU, which rounds them; the integer-activation path keeps fp16 d and m = zero - 8 scale, which
-    rounds d sc)."""
+    """Codes are the file's (5-bit ones with their fifth bit), scale = d (d sc for the K types)
+    exactly; zero = 8 scale - min is rounded once in fp32, so (q - 8) scale + zero (two roundings)
+    is within a few ulp of the reference's d sc q - dmin m (one rounding), not bit-exact. In fp32
+    `Int4Linear` stores scale and zero as given on its reference path (the torch-kernel path keeps
+    them in the kernel's dtype, bf16 on CPU, which rounds them; the integer-activation path keeps
+    fp16 d and m = zero - 8 scale, which rounds d sc)."""
+    bits = 5 if kind in FIVE_BIT_KINDS else 4
     data = random_rows(kind, 32, 512, seed=1)
     codes, scales, zeros = int4_rows(data, kind)
-    assert codes.dtype == np.uint8 and codes.max() <= 15 and codes.shape == (32, 512)
+    assert codes.dtype == np.uint8 and codes.shape == (32, 512)
+    assert codes.max() == (1 << bits) - 1 and codes.min() == 0  # random blocks use every code
     assert scales.shape == zeros.shape == (32, 16)
     expected = torch.from_numpy(reference(data, kind))
     got = int4_dequantize(*(torch.from_numpy(a) for a in (codes, scales, zeros)))
     # the largest term of the sum bounds the rounding error: a few ulp of it
-    bound = (torch.from_numpy(scales).abs() * 8 + torch.from_numpy(zeros).abs()).repeat_interleave(32, 1)
+    bound = (torch.from_numpy(scales).abs() * 24 + torch.from_numpy(zeros).abs()).repeat_interleave(32, 1)
     assert ((got - expected).abs() <= 4 * torch.finfo(torch.float32).eps * bound).all()
-    if kind == Q.Q4_0:  # zero = 0: nothing is rounded
+    if kind in (Q.Q4_0, Q.Q5_0):  # zero = 0 or -8 d: nothing is rounded
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    layer = Int4Linear(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros), None, torch.float32)
+    layer = Int4Linear(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros), None,
+                       torch.float32, bits)
     if layer.packed is None and not layer.int8_act:  # the reference path: the same fp32 arithmetic
         assert layer.scales_zeros.dtype == torch.float32
         torch.testing.assert_close(layer.dequantize(), got, rtol=0, atol=0)

@@ -1,5 +1,5 @@
 """A quantised GGUF served as it is stored: `quantization: auto` picks the file's precision, int4
-layers hold the file's Q4_K codes, fp32 serving equals transformers on the file's dequantised
+layers hold the file's Q4_K and Q5_0 codes, fp32 serving equals transformers on the file's dequantised
 weights, and a precision the file cannot give is refused in words. Tiny random Llama files
 whose layers mix the types of a Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tandem.models.builder import build_model
 from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config, resolve_model
-from tandem.models.quantization import Int4Linear
+from tandem.models.quantization import Int4Linear, Int8Linear
 from tandem.executor.attention import TorchAttention
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
@@ -94,7 +94,8 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize("kinds, default, expected", [
     ({**Q4_K_M, "ffn_gate": Q.Q4_K}, Q.Q4_K, "int4"),  # mostly Q4_K by size, as a large model's Q4_K_M
     ({"token_embd": Q.Q8_0}, Q.Q8_0, "int8"),
-    ({"token_embd": Q.Q8_0}, Q.Q5_0, "int8"),  # 5-bit blocks: int4 would requantise them
+    ({"token_embd": Q.Q8_0}, Q.Q5_0, "int4"),  # 5-bit blocks: int4 holds their 5-bit codes
+    ({"token_embd": Q.Q8_0}, Q.Q6_K, "int8"),
     ({"token_embd": Q.F32}, Q.F32, "fp32"),  # float weights: the engine's float dtype (fp32 asked here)
 ])
 def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, expected) -> None:
@@ -108,7 +109,8 @@ def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, exp
 def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     """On the reference path (the codes kept as they are): a layer whose parts are all Q4_K
     dequantises to the file's weights within a few ulp (tests/test_gguf_quants.py says why
-    not bit for bit); a fused layer with a Q6_K or Q5_0 part holds the others' codes as they are."""
+    not bit for bit), and so does a layer of Q5_0 and Q4_K parts, held as 5-bit codes; in this
+    file stored mostly in 4-5 bits, a layer with a Q6_K part is int8."""
     monkeypatch.setattr(quantization, "_pack_int4", lambda *args: None)
     monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
@@ -116,12 +118,28 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
                         torch.float32, TorchAttention, Path(q4_k_m))
     weights = GGUFWeights(Path(q4_k_m))
     o_proj = model.layers[0].self_attn.o_proj
-    assert isinstance(o_proj, Int4Linear)
+    assert isinstance(o_proj, Int4Linear) and o_proj.bits == 4
     torch.testing.assert_close(o_proj.dequantize(), weights.get("model.layers.0.self_attn.o_proj.weight"),
                                rtol=1e-6, atol=1e-7)
-    qkv = model.layers[1].self_attn.qkv_proj.dequantize()
-    q = weights.get("model.layers.1.self_attn.q_proj.weight")
-    torch.testing.assert_close(qkv[:q.shape[0]], q, rtol=1e-6, atol=1e-7)
+    gate_up = model.layers[0].mlp.gate_up_proj
+    file_gate_up = torch.cat([weights.get(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up")])
+    assert isinstance(gate_up, Int4Linear) and gate_up.bits == 5
+    torch.testing.assert_close(gate_up.dequantize(), file_gate_up, rtol=1e-6, atol=1e-7)
+    assert isinstance(model.layers[1].self_attn.qkv_proj, Int8Linear)  # v_proj Q6_K
+    assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # Q6_K
+
+
+def test_int4_of_a_file_stored_wider_is_4_bits_throughout(tmp_path) -> None:
+    """`--quantization int4` of a Q8_0 file (mostly) asks for the smaller model: every layer
+    requantised to 4 bits, the odd Q5_0 layer held as its 5-bit codes."""
+    path = write_quantised_gguf(tmp_path / "q8.gguf", {"ffn_up": Q.Q5_0}, Q.Q8_0)
+    folder = resolve_model(str(path))
+    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
+                        torch.float32, TorchAttention, path)
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert all(isinstance(m, Int4Linear) for m in layers if m is not model.lm_head)
+    assert {m.bits for m in layers if isinstance(m, Int4Linear)} == {4, 5}
+    assert model.layers[0].mlp.gate_up_proj.bits == 5 and model.layers[0].self_attn.qkv_proj.bits == 4
 
 
 def test_fp32_serving_equals_transformers_on_the_dequantised_file(q4_k_m) -> None:

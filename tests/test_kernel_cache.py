@@ -31,7 +31,7 @@ def test_a_built_kernel_is_imported_without_torchs_build(monkeypatch):
     """What `tandem prepare` built, a server start imports: torch's `load` (ninja, whose build file
     names this virtualenv's paths) is not called."""
     source = kernels.Path(kernels.__file__).with_name("cpu_fused_ops.cpp")
-    cflags = ["-O3", "-march=native", "-ffp-contract=off"]
+    cflags = ["-O3", *kernels.target_flags(), "-ffp-contract=off"]
     build, _ = kernels.build_dir(source, cache_root().parent / "kernels", " ".join(cflags) + "|" + kernels.toolchain())
     if not (build / "tandem_cpu_fused_ops.so").exists():
         pytest.skip("cpu_fused_ops is not built here (`tandem prepare` builds it)")

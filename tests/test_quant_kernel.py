@@ -3,13 +3,18 @@ W4A8 / W8A8 against the weight-only dequantise-then-F.linear reference, its pack
 against the weights they came from, batch independence, and where it is (not) used."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
+from tandem.kernels import cpu_quant_gemm
 from tandem.models.layers import silu_and_mul
 from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8, int8_act_kernel
 
@@ -63,6 +68,36 @@ def test_packed_layouts_hold_the_weights():
     torch.testing.assert_close(exact.dequantize(), int4_dequantize(codes, d, m + 8 * d), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (64, 256)])
+def test_five_bit_codes_equal_the_weight_only_reference(shape, dtype):
+    """5-bit codes (a GGUF's Q5 blocks): the nibble and fifth-bit planes read back exactly, the
+    GEMM as the reference's; and codes of 31 against inputs of +-127 in every lane, the sums the
+    AVX2 build keeps in int16 (a wrong widening would overflow them)."""
+    n, k = shape
+    torch.manual_seed(n + k)
+    codes, scales, zeros = quantize_int4(torch.randn(n, k), 32, bits=5)
+    assert codes.max() == 31
+    d, m = scales.half().float(), (zeros - 8 * scales).half().float()  # exact in the kernel's fp16
+    layer = Int4Linear(codes, d, m + 8 * d, torch.randn(n), dtype, bits=5)
+    assert layer.int8_act and layer.qhigh.numel() == n * k // 8
+    expand = lambda t: t.repeat_interleave(32, 1)  # noqa: E731
+    torch.testing.assert_close(layer.dequantize(), codes.float() * expand(d) + expand(m), rtol=0, atol=1e-6)
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, k, dtype=dtype) * 3
+        ref = F.linear(x.float(), layer.dequantize(), layer.bias.float())
+        assert _rel_err(layer(x), ref) < TOL, rows
+        assert torch.equal(layer(x)[rows - 1], layer(x[rows - 1:])[0])
+    ones = torch.ones(n, k // 32)
+    top = Int4Linear(torch.full((n, k), 31, dtype=torch.uint8), ones, 8 * ones, None, dtype, bits=5)  # w = 31
+    for sign in (1, -1):
+        x = torch.full((4, k), sign * 0.5, dtype=dtype)  # every input quantises to +-127
+        rtol = 1e-5 if dtype == torch.float32 else 2 ** -8  # the output's own rounding
+        torch.testing.assert_close(top(x).float(), torch.full((4, n), sign * 15.5 * k), rtol=rtol, atol=0)
+    with pytest.raises(ValueError, match="a code above 15 in a layer of 4-bit codes"):
+        Int4Linear(codes, scales, zeros, None, dtype)
+
+
 def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
     """Int4Linear.concat (a fused qkv loaded one part at a time) holds the same tiles, and so
     computes the same outputs, as the layer built from the concatenated codes."""
@@ -78,6 +113,15 @@ def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
     with pytest.raises(ValueError, match="16 rows"):
         Int4Linear.concat([Int4Linear(*quantize_int4(torch.randn(8, 128), 32), None, torch.float32)] * 2, None,
                           torch.float32)
+    # 5-bit layers: a part of 4-bit codes joins as 5-bit codes; a layer of mixed widths is refused
+    five = [quantize_int4(torch.randn(32, 128), 32, bits=5), parts[1]]
+    whole = Int4Linear(*(torch.cat([p[i] for p in five]) for i in range(3)), None, torch.float32, bits=5)
+    joined = Int4Linear.concat([Int4Linear(*p, None, torch.float32, bits=5) for p in five], None, torch.float32)
+    for name in ("qpacked", "qhigh", "d", "m"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    with pytest.raises(ValueError, match="one width"):
+        Int4Linear.concat([Int4Linear(*five[0], None, torch.float32, bits=5), Int4Linear(*parts[1], None, torch.float32)],
+                          None, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -99,7 +143,8 @@ def test_fused_silu_and_mul_equals_the_separate_ops(shape, dtype):
     n, k = shape
     torch.manual_seed(n)
     w = torch.randn(n, k) / k ** 0.5
-    for layer in (Int4Linear.from_float(w, None, dtype), Int8Linear.from_float(w, None, dtype)):
+    for layer in (Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
+                  Int8Linear.from_float(w, None, dtype)):
         x = torch.randn(9, k, dtype=dtype) * 3
         fused, separate = layer.forward_silu_mul(x), silu_and_mul(layer(x))
         assert fused.shape == (9, n // 2)
@@ -160,3 +205,29 @@ def test_smollm2_int4_tiles_hold_the_gguf_q4_1_weights():
         codes = weights.int4(name)
         if codes is not None:
             assert torch.equal(Int4Linear(*codes, None, torch.bfloat16).dequantize(), weights.get(name)), name
+
+
+def test_the_build_is_the_one_asked_for():
+    """TANDEM_CPU_ISA=avx2 builds the AVX2 kernel (what an AVX2-only CPU runs) on any CPU."""
+    avx2_only = os.environ.get("TANDEM_CPU_ISA") == "avx2" or "avx512vnni" not in _cpu_flags()
+    assert cpu_quant_gemm().vector_bits == (256 if avx2_only else 512)
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return set(flags) | ({"avx512vnni"} if "avx512_vnni" in flags else set())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TANDEM_CPU_ISA") == "avx2" or "avx512vnni" not in _cpu_flags(),
+                    reason="the native build here is the AVX2 one already")
+def test_the_avx2_build_passes_these_tests_too():
+    """On an AVX-512 CPU the AVX2 build runs this file's kernel tests as well (built once into the
+    shared cache): CI on either kind of machine checks the build an AVX2-only CPU serves with."""
+    tests = "reference or five_bit or packed or batch or silu or asked_for"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
+                          "-k", tests], env={**os.environ, "TANDEM_CPU_ISA": "avx2"}, capture_output=True, text=True,
+                         timeout=900, cwd=Path(__file__).parent)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]

@@ -132,6 +132,16 @@ def cpu_invariant_gemm():
     return _load("tandem_cpu_invariant_gemm", "cpu_invariant_gemm.cpp", ["-ffp-contract=off", "-fopenmp"])
 
 
+def target_flags() -> list[str]:
+    """The instruction set the kernels are built for: this CPU's (-march=native), or with
+    TANDEM_CPU_ISA=avx2 its AVX2 subset, no AVX-512: what an AVX2-only machine runs, reproduced
+    (and tested) on an AVX-512 one."""
+    isa = os.environ.get("TANDEM_CPU_ISA", "native")
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"TANDEM_CPU_ISA={isa!r}: 'native' or 'avx2'")
+    return ["-march=native"] + (["-mno-avx512f"] if isa == "avx2" else [])
+
+
 def _load(name: str, source: str, cflags: list[str]):
     """Import one extension from the shared cache, building it first when it is not there;
     None where that fails."""
@@ -141,7 +151,7 @@ def _load(name: str, source: str, cflags: list[str]):
         import torch  # noqa: F401 - the extension links against the libraries torch loads
 
         from tandem.config import cache_root
-        cflags = ["-O3", "-march=native", *cflags]
+        cflags = ["-O3", *target_flags(), *cflags]
         build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels",
                                " ".join(cflags) + "|" + toolchain())
         built = build / f"{name}.so"

@@ -13,6 +13,9 @@
 //  int4: [N/16][K/32][4][64] bytes; byte (j, 4n+i) holds column n's code for input 4j+i in
 //        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: fp16 [N/16][K/32][16],
 //        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
+//        5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K, q in [0, 31]) add their fifth bits as a plane beside
+//        the nibbles: [N/16][K/32][4][2][8] bytes, for chunk j the 64 bits of its low-nibble lanes
+//        then of its high-nibble lanes, bit 4n+i for byte (j, 4n+i); the tile adds 16 where a bit is set.
 //  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd),
 //        q in [-127, 127]; one fp32 scale per column. AVX-512 takes the +128 back out as
 //        128 * sum(x) per row; AVX2 flips the top bit back to q and multiplies |x| by q with x's sign.
@@ -28,6 +31,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -66,12 +70,13 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
 
 inline __m512i quad(const int8_t* x) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
 
-// R rows x 16 columns of y = x W^T for int4 weights (tile: one 16-column slice of the packed weight).
-template <int R, typename T>
-void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
+// R rows x 16 columns of y = x W^T for int4 weights (tile: one 16-column slice of the packed
+// weight); High: 5-bit codes, the fifth bits read from wh.
+template <int R, bool High, typename T>
+void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w, const uint8_t* wh,
              const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
-  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const __m512i mask = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -80,11 +85,18 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
+    if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
       __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      if constexpr (High) {
+        uint64_t bits[2];
+        std::memcpy(bits, wh + (b * 4 + j) * 16, 16);
+        lo = _mm512_mask_add_epi8(lo, bits[0], lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, bits[1], hi, sixteen);
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
         dot[r] = _mm512_dpbusd_epi32(dot[r], lo, quad(xr));
@@ -205,13 +217,24 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
 
 inline __m256i quad(const int8_t* x) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
 
-// R rows x 16 columns of y = x W^T for int4 weights. A 64-byte chunk is columns 0-7 then 8-15,
-// both unpacked once for all R rows. Per block, row and half the 8 maddubs results
-// (|pair| <= 2 * 15 * 127) add up in int16 (<= 30480, no overflow) before one madd widens them.
-template <int R, typename T>
-void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
+// 32 bits -> 32 bytes, 16 where bit i is set and 0 elsewhere (byte i takes bit i).
+inline __m256i sixteens(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);
+  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread), select);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
+}
+
+// R rows x 16 columns of y = x W^T for int4 weights; High: 5-bit codes, the fifth bits read from
+// wh. A 64-byte chunk is columns 0-7 then 8-15, both unpacked once for all R rows. Per block, row
+// and half the maddubs results (|pair| <= 2 * 15 * 127, or 2 * 31 * 127 for 5-bit codes) add up
+// in int16 over 4 chunks (2 for 5-bit codes: <= 31496, no overflow) before a madd widens them.
+template <int R, bool High, typename T>
+void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w, const uint8_t* wh,
              const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
+  constexpr int kWiden = High ? 2 : 4;
   const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -219,27 +242,36 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
-    __m256i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
+    __m256i sum[R][2], dot[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const uint8_t* wj = w + (b * 4 + j) * 64;
       __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
       __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32));
       __m256i lo0 = _mm256_and_si256(raw0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask);
       __m256i lo1 = _mm256_and_si256(raw1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask);
+      if constexpr (High) {
+        uint32_t bits[4];  // low-nibble lanes of columns 0-7, 8-15, then the high-nibble lanes
+        std::memcpy(bits, wh + (b * 4 + j) * 16, 16);
+        lo0 = _mm256_or_si256(lo0, sixteens(bits[0])), lo1 = _mm256_or_si256(lo1, sixteens(bits[1]));
+        hi0 = _mm256_or_si256(hi0, sixteens(bits[2])), hi1 = _mm256_or_si256(hi1, sixteens(bits[3]));
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
         __m256i xa = quad(xr), xb = quad(xr + 16);
         sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb)));
         sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb)));
+        if ((j + 1) % kWiden == 0)
+          for (int h = 0; h < 2; ++h)
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(sum[r][h], ones)), sum[r][h] = _mm256_setzero_si256();
       }
     }
     for (int h = 0; h < 2; ++h) {
       __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTile + 8 * h)));
       for (int r = 0; r < R; ++r) {
-        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones));
-        acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r * nb + b]), acc[r][h]);
       }
     }
@@ -310,9 +342,11 @@ inline void silu_mul16(const float* gate, const float* up, T* y) {
 #ifdef TANDEM_QUANT_GEMM
 constexpr bool kBuilt = true;
 
-// One packed weight: int4 (fp16 d and m per tile and block) or int8 (fp32 column scales).
+// One packed weight: int4 (fp16 d and m per tile and block; h: the fifth bits of 5-bit codes, or
+// null) or int8 (fp32 column scales).
 struct Weights {
   const uint8_t* w;
+  const uint8_t* h;
   const uint16_t* d;
   const uint16_t* m;
   const float* scales;
@@ -324,8 +358,10 @@ struct Weights {
 template <int R, typename T>
 void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
-  if (p.int4)
-    q4_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 256, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
+  if (p.int4 && p.h)
+    q4_tile<R, true>(xq, xd, xds, p.k, p.w + t * nb * 256, p.h + t * nb * 64, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
+  else if (p.int4)
+    q4_tile<R, false>(xq, xd, xds, p.k, p.w + t * nb * 256, nullptr, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
   else
     q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, ldy);
 }
@@ -404,7 +440,7 @@ bool supported() {
 #endif
 }
 
-// codes [N, K] uint8 in [0, 15] -> the int4 tile layout above.
+// codes [N, K] uint8 -> the int4 tile layout above (their low 4 bits).
 at::Tensor pack_int4(at::Tensor codes) {
   TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, "pack_int4: [N % 16, K % 32]");
   const int64_t n = codes.size(0), k = codes.size(1);
@@ -418,8 +454,31 @@ at::Tensor pack_int4(at::Tensor codes) {
         for (int64_t col = 0; col < kTile; ++col)
           for (int64_t i = 0; i < 4; ++i) {
             const uint8_t* row = cp + (t * kTile + col) * k + b * kBlock + 4 * j + i;
-            *op++ = static_cast<uint8_t>((row[0] & 15) | (row[16] << 4));
+            *op++ = static_cast<uint8_t>((row[0] & 15) | ((row[16] & 15) << 4));
           }
+  return out;
+}
+
+// codes [N, K] uint8 in [0, 31] -> the fifth-bit plane above.
+at::Tensor pack_high_bits(at::Tensor codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, "pack_high_bits: [N % 16, K % 32]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  auto c = codes.to(at::kByte).contiguous();
+  auto out = at::empty({n * k / 8}, c.options());
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  uint64_t* op = reinterpret_cast<uint64_t*>(out.data_ptr<uint8_t>());
+  for (int64_t t = 0; t < n / kTile; ++t)
+    for (int64_t b = 0; b < k / kBlock; ++b)
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t half = 0; half < 2; ++half) {
+          uint64_t bits = 0;
+          for (int64_t col = 0; col < kTile; ++col)
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t q = cp[(t * kTile + col) * k + b * kBlock + 16 * half + 4 * j + i];
+              bits |= static_cast<uint64_t>((q >> 4) & 1) << (4 * col + i);
+            }
+          std::memcpy(op++, &bits, 8);
+        }
   return out;
 }
 
@@ -443,14 +502,18 @@ at::Tensor pack_int8_(at::Tensor qweight) {
 }
 
 #ifdef TANDEM_QUANT_GEMM
-// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16.
-at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t n, bool silu_mul) {
+// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16; high:
+// the fifth bits from pack_high_bits for 5-bit codes.
+at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t n, bool silu_mul,
+                     std::optional<at::Tensor> high) {
   TORCH_CHECK(supported(), "int4_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
+  TORCH_CHECK(!high || (high->numel() == n * k / 8 && high->scalar_type() == at::kByte), "int4_gemm: fifth-bit plane shape");
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
   auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
-  return run(x, {packed.data_ptr<uint8_t>(), half(d), half(m), nullptr, n, k, true}, silu_mul);
+  const uint8_t* h = high ? high->data_ptr<uint8_t>() : nullptr;
+  return run(x, {packed.data_ptr<uint8_t>(), h, half(d), half(m), nullptr, n, k, true}, silu_mul);
 }
 
 // y [M, N] = x W^T with int8 weights: packed by pack_int8_, one fp32 scale per column.
@@ -458,10 +521,10 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool si
   TORCH_CHECK(supported(), "int8_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1), n = scales.numel();
   TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, scales.data_ptr<float>(), n, k, false}, silu_mul);
+  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), n, k, false}, silu_mul);
 }
 #else
-at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool) {
+at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool, std::optional<at::Tensor>) {
   TORCH_CHECK(false, "int4_gemm: built without AVX2 / AVX512-VNNI");
 }
 at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
@@ -472,11 +535,18 @@ at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+#ifdef TANDEM_QUANT_GEMM
+  mod.attr("vector_bits") = TANDEM_QUANT_GEMM;  // which build: 512 (AVX-512) or 256 (AVX2)
+#else
+  mod.attr("vector_bits") = 0;
+#endif
   mod.def("supported", &supported, "whether this CPU runs the build here (AVX512-VNNI / BW / BF16, or AVX2 / FMA / F16C)");
-  mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles");
+  mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles (their low 4 bits)");
+  mod.def("pack_high_bits", &pack_high_bits, "5-bit codes [N, K] -> the tiles' fifth-bit plane");
   mod.def("pack_int8_", &pack_int8_, "int8 weights [N, K] -> packed tiles, in place");
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
-          py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false);
+          py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
+          py::arg("high") = py::none());
   mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
 }

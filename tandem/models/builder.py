@@ -2,9 +2,13 @@
 
 Storage per variant, chosen by the bytes a decode step reads against the quality it costs:
 - every Linear of the decoder layers: bf16 (pre-packed for oneDNN on CPU), int8 per output
-  channel, or int4 in groups of 32: from a GGUF, the file's own Q4_0 / Q4_1 / Q4_K codes as
-  they are (a fused layer's other parts, and every other type, quantised from that one
-  tensor's dequantised floats: approximate, as any requantisation);
+  channel, or int4 in groups of 32: from a GGUF, the file's own Q4_0 / Q4_1 / Q4_K codes and
+  its Q5_0 / Q5_1 / Q5_K 5-bit codes as they are (a fused layer holds one width: 5 bits where a
+  part has them), every other type quantised from that one tensor's dequantised floats
+  (approximate, as any requantisation). In a file stored mostly in 4- and 5-bit blocks (a
+  Q4_K_M), a layer with a part in 6 or 8 bits (its Q6_K / Q8_0 v_proj and down_proj, the
+  tensors llama.cpp's mixes give more bits) is held in int8 instead: requantised to 5 bits,
+  Gemma 3 270M's lost 3.7% perplexity, in int8 none. Other files' int4 is 4 bits throughout;
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves);
 - the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.
@@ -39,10 +43,9 @@ log = logging.getLogger(__name__)
 QUANTIZED = ("int8", "int4")
 # Our fused modules and the Hugging Face tensors they hold, in row order.
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# GGUF types by the precision that serves them without losing what they store: 4-bit blocks int4
-# (their own codes), 5-8 bit int8 (int4 would requantise 5-bit blocks: Gemma 3 270M's Q4_K_M,
-# mostly Q5_0, lost 12% perplexity that way, int8 0.1%).
-_STORED_AS = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int8", Q.Q5_1: "int8", Q.Q5_K: "int8",
+# GGUF types by the precision that serves them without losing what they store: 4- and 5-bit
+# blocks int4 (their own codes), 6- and 8-bit int8.
+_STORED_AS = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int4", Q.Q5_1: "int4", Q.Q5_K: "int4",
               Q.Q6_K: "int8", Q.Q8_0: "int8", Q.F16: "fp16", Q.BF16: "bf16"}
 _FOLDER_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -72,8 +75,12 @@ def stored_precision(model_dir: Path, gguf_path: Path | None, hf_config: dict) -
     engine's float dtype serves them)."""
     if gguf_path is None:
         return _FOLDER_DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype"))
+    return _gguf_stored(GGUFWeights(gguf_path))
+
+
+def _gguf_stored(weights: GGUFWeights) -> str | None:
     sizes: dict[str | None, int] = {}
-    for name, t in GGUFWeights(gguf_path).tensors.items():
+    for name, t in weights.tensors.items():
         if name.startswith("model.layers.") and len(t.shape) == 2:
             kind = _STORED_AS.get(t.kind)
             sizes[kind] = sizes.get(kind, 0) + t.shape[0] * t.shape[1]
@@ -97,16 +104,18 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
     consumed: set[str] = set()
     if weights in QUANTIZED:
         native = 0
+        # int4 of a file mostly in 4-5 bit blocks keeps its wider tensors wide (see the docstring)
+        keep_wide = weights == "int4" and gguf_path is not None and _gguf_stored(source) == "int4"
         for name, module in list(model.named_modules()):
             if isinstance(module, Linear) and module is not model.lm_head:
                 parent, _, attr = name.rpartition(".")
-                quantised, parts, from_file = _quantise(name, module, weights, dtype, source)
+                quantised, parts, from_file = _quantise(name, module, weights, dtype, source, keep_wide)
                 native += from_file
                 consumed.update(parts)
                 setattr(model.get_submodule(parent), attr, quantised)
                 _trim_heap()
         if native:
-            log.info("int4 from %s: %d of the linear layers' tensors hold the file's own int4 codes",
+            log.info("int4 from %s: %d of the linear layers' tensors hold the file's own 4- or 5-bit codes",
                      getattr(source, "path", model_dir), native)
         consumed |= _quantise_vocab(model, source, dtype)
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
@@ -185,10 +194,11 @@ def _int8_table(source: GGUFWeights | FolderWeights, name: str, dtype: torch.dty
     return Int8Linear(qweight, scales, None, dtype)
 
 
-def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype,
-              source: GGUFWeights | FolderWeights) -> tuple[nn.Module, list[str], int]:
+def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, source: GGUFWeights | FolderWeights,
+              keep_wide: bool) -> tuple[nn.Module, list[str], int]:
     """The quantised replacement of one Linear, the file tensors it took, and how many of them
-    it took as the file's own int4 codes."""
+    it took as the file's own codes. keep_wide: an int4 layer with a part stored in more than 5
+    bits is int8."""
     prefix, _, leaf = name.rpartition(".")
     parts = [f"model.{prefix}.{p}" for p in _FUSED_PARTS.get(leaf, (leaf,))]
     device = module.weight.device
@@ -196,20 +206,22 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype,
     if module.bias is not None:
         bias = torch.cat([source.get(f"{p}.bias") for p in parts]).to(device)
     names = [f"{p}.weight" for p in parts] + ([f"{p}.bias" for p in parts] if bias is not None else [])
-    if weights == "int8":
+    stored = [source.code_bits(f"{p}.weight") for p in parts]
+    if weights == "int8" or (keep_wide and max(stored) > 5):
         weight = torch.cat([source.get(f"{p}.weight") for p in parts]).to(device)
         return Int8Linear.from_float(weight, bias, dtype), names, 0
     rows = [source.shape(f"{p}.weight")[0] for p in parts]
     by_part = int4_concatenates(device, dtype, rows, module.in_features)
+    bits = 5 if 5 in stored else 4  # the file's 5-bit codes as they are; 4-bit codes are 5-bit codes too
     pieces, native = [], 0
     for p in parts:
         codes = source.int4(f"{p}.weight")
         native += codes is not None
-        codes = codes or quantize_int4(source.get(f"{p}.weight").to(device), DEFAULT_INT4_GROUP)
+        codes = codes or quantize_int4(source.get(f"{p}.weight").to(device), DEFAULT_INT4_GROUP, bits)
         # packed as it comes where the kernel serves the layer: one part's one-byte codes at a time
-        pieces.append(Int4Linear(*(t.to(device) for t in codes), None, dtype) if by_part else codes)
+        pieces.append(Int4Linear(*(t.to(device) for t in codes), None, dtype, bits) if by_part else codes)
         del codes
     if by_part:
         return Int4Linear.concat(pieces, bias, dtype), names, native
     c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
-    return Int4Linear(c, s, z, bias, dtype), names, native
+    return Int4Linear(c, s, z, bias, dtype, bits), names, native

@@ -1,5 +1,5 @@
-"""Decoders of llama.cpp's block formats: raw GGUF rows -> fp32 weights, and the int4 codes of
-the 4-bit formats as `Int4Linear` holds them.
+"""Decoders of llama.cpp's block formats: raw GGUF rows -> fp32 weights, and the codes of the 4-
+and 5-bit formats as `Int4Linear` holds them.
 
 Each decoder computes what the `gguf` package's reference (`gguf.quants.dequantize`) computes,
 in the same fp32 operations and order, so the floats are bit for bit the reference's: a
@@ -7,13 +7,16 @@ block's scale times a small integer is exact in fp32 (at most 19 + 6 significant
 once in Q6_K, as the reference rounds it); the formats with a minimum subtract it in one
 rounding. They work on any slice of rows, so a large tensor is decoded a chunk at a time.
 
-int4 codes (Q4_0, Q4_1, Q4_K), in the int4 layer's convention w = (q - 8) scale + zero:
-  Q4_0 w = d (q - 8)          -> scale = d,      zero = 0
-  Q4_1 w = d q + m            -> scale = d,      zero = m + 8 d
-  Q4_K w = d sc q - dmin m    -> scale = d sc,   zero = 8 d sc - dmin m  (32-weight sub-blocks)
-`scale` is exact in fp32 (fp16 d times a 6-bit sc); `zero` is rounded once in fp32, and
-(q - 8) scale + zero rounds again where the reference rounds once, so the int4 layer's weights
-are within a few ulp of the reference's, not bit-exact (tests/test_gguf_quants.py measures it).
+Codes (q in [0, 15] for Q4_0, Q4_1, Q4_K; in [0, 31] for Q5_0, Q5_1, Q5_K, the fifth bit
+joined to the nibble), in the int4 layer's convention w = (q - 8) scale + zero:
+  Q4_0 w = d (q - 8)             -> scale = d,      zero = 0
+  Q4_1, Q5_1 w = d q + m         -> scale = d,      zero = m + 8 d
+  Q5_0 w = d (q - 16)            -> scale = d,      zero = -8 d
+  Q4_K, Q5_K w = d sc q - dmin m -> scale = d sc,   zero = 8 d sc - dmin m  (32-weight sub-blocks)
+`scale` is exact in fp32 (fp16 d times a 6-bit sc); `zero` is rounded once in fp32 (exact for
+Q4_0 and Q5_0), and (q - 8) scale + zero rounds again where the reference rounds once, so the
+int4 layer's weights are within a few ulp of the reference's, not bit-exact
+(tests/test_gguf_quants.py measures it).
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ QK_K = 256
 GROUP_SIZE = 32
 # (weights per block, bytes per block)
 BLOCKS: dict[Q, tuple[int, int]] = {
-    Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q8_0: (32, 34),
+    Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q5_1: (32, 24), Q.Q8_0: (32, 34),
     Q.Q4_K: (QK_K, 144), Q.Q5_K: (QK_K, 176), Q.Q6_K: (QK_K, 210),
 }
 FLOATS = (Q.F32, Q.F16, Q.BF16)
-INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+FIVE_BIT_KINDS = (Q.Q5_0, Q.Q5_1, Q.Q5_K)
+INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, *FIVE_BIT_KINDS)  # read by the int4 layer as they are
 
 Int4Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
 
@@ -58,22 +62,26 @@ def dequantize_rows(data: np.ndarray, kind: Q) -> np.ndarray:
 
 
 def int4_rows(data: np.ndarray, kind: Q) -> Int4Arrays:
-    """[N, bytes per row] raw Q4_0 / Q4_1 / Q4_K rows -> codes [N, K] uint8 in [0, 15], and
-    scales, zeros [N, K // 32] fp32 (see the module docstring)."""
+    """[N, bytes per row] raw rows of an `INT4_KINDS` type -> codes [N, K] uint8 (in [0, 15], or
+    [0, 31] for the 5-bit types), and scales, zeros [N, K // 32] fp32 (see the module docstring)."""
     rows = data.shape[0]
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[kind][1])
-    if kind == Q.Q4_K:
+    if kind in (Q.Q4_K, Q.Q5_K):
         d, dmin, sc, m = _k_scales(blocks)
         scales = d * sc
         zeros = 8 * scales - dmin * m
-        codes = _nibbles_k(blocks[:, 16:])
+        codes = _nibbles_k(blocks[:, 16:]) if kind == Q.Q4_K else _nibbles_k(blocks[:, 48:]) | _high_k(blocks)
     else:
         d = _half(blocks, 0)
-        if kind == Q.Q4_1:
-            scales, zeros, qs = d, _half(blocks, 2) + 8 * d, blocks[:, 4:]
-        else:
-            scales, zeros, qs = d, np.zeros_like(d), blocks[:, 2:]
-        codes = _nibbles(qs)
+        scales = d
+        if kind == Q.Q4_0:
+            zeros, codes = np.zeros_like(d), _nibbles(blocks[:, 2:])
+        elif kind == Q.Q4_1:
+            zeros, codes = _half(blocks, 2) + 8 * d, _nibbles(blocks[:, 4:])
+        elif kind == Q.Q5_0:
+            zeros, codes = -8 * d, _nibbles(blocks[:, 6:]) | _high(blocks[:, 2:6])
+        else:  # Q5_1
+            zeros, codes = _half(blocks, 2) + 8 * d, _nibbles(blocks[:, 8:]) | _high(blocks[:, 4:8])
     return codes.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1)
 
 
@@ -114,10 +122,25 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
     return _half(blocks, 0) * _nibbles(blocks[:, 4:]).astype(np.float32) + _half(blocks, 2)
 
 
+def _high(qh: np.ndarray) -> np.ndarray:
+    """A 5-bit block's 4 bytes of fifth bits (bit j: weight j's) -> [B, 32] of 0 or 16."""
+    bits = qh.copy().view(np.uint32)
+    return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+
+
+def _high_k(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K's 32 bytes of fifth bits after the scales -> [B, 8, 32] of 0 or 16: bit i of byte j
+    is the high bit of weight j of sub-block i."""
+    qh = blocks[:, 16:48].reshape(-1, 1, 32)
+    return ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
+
+
 def _q5_0(blocks: np.ndarray) -> np.ndarray:
-    qh = blocks[:, 2:6].copy().view(np.uint32)  # bit j: the fifth bit of weight j
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-    return _half(blocks, 0) * ((_nibbles(blocks[:, 6:]) | high).astype(np.float32) - 16)
+    return _half(blocks, 0) * ((_nibbles(blocks[:, 6:]) | _high(blocks[:, 2:6])).astype(np.float32) - 16)
+
+
+def _q5_1(blocks: np.ndarray) -> np.ndarray:
+    return _half(blocks, 0) * (_nibbles(blocks[:, 8:]) | _high(blocks[:, 4:8])).astype(np.float32) + _half(blocks, 2)
 
 
 def _q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -130,12 +153,9 @@ def _q4_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def _q5_k(blocks: np.ndarray) -> np.ndarray:
-    """Q4_K's layout with 32 bytes of fifth bits after the scales: bit i of byte j is the high
-    bit of weight j of sub-block i."""
+    """Q4_K's layout with 32 bytes of fifth bits between the scales and the nibbles."""
     d, dmin, sc, m = _k_scales(blocks)
-    qh = blocks[:, 16:48].reshape(-1, 1, 32)
-    high = ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
-    return (d * sc) * (_nibbles_k(blocks[:, 48:]) | high).astype(np.float32) - dmin * m
+    return (d * sc) * (_nibbles_k(blocks[:, 48:]) | _high_k(blocks)).astype(np.float32) - dmin * m
 
 
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -152,4 +172,4 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return d[..., None] * q
 
 
-_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}

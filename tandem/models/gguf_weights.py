@@ -47,6 +47,9 @@ _ARCH_LAYER_TENSORS = {
 # the (1 + w) of Gemma3RMSNorm): every `*norm.weight` tensor, undone here.
 _NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
+_Q = GGMLQuantizationType
+_CODE_BITS = {_Q.Q4_0: 4, _Q.Q4_1: 4, _Q.Q4_K: 4, _Q.Q5_0: 5, _Q.Q5_1: 5, _Q.Q5_K: 5, _Q.Q6_K: 6, _Q.Q8_0: 8,
+              _Q.F16: 16, _Q.BF16: 16}
 # A tensor is decoded this many weights at a time (whole rows): the decoders' temporaries are
 # several times their chunk, so a chunk of a 1B model's whole down_proj raised the load's peak.
 _WEIGHTS_PER_CHUNK = 1 << 20
@@ -140,9 +143,14 @@ class GGUFWeights:
             raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from e
         return w
 
+    def code_bits(self, name: str) -> int:
+        """Bits a weight of this tensor is stored in (its codes'; a float's width)."""
+        return _CODE_BITS.get(self.tensors[name].kind, 32)
+
     def int4(self, name: str) -> Int4Codes | None:
-        """The file's own int4 codes, scales and zeros (`gguf_quants.int4_rows`) where the tensor
-        is Q4_0, Q4_1 or Q4_K; else None."""
+        """The file's own codes, scales and zeros (`gguf_quants.int4_rows`) where the tensor is
+        of a 4- or 5-bit type the int4 layer reads as it is (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K);
+        else None."""
         t = self.tensors[name]
         if t.kind not in INT4_KINDS:
             return None

@@ -159,6 +159,11 @@ class FolderWeights:
         """A safetensors file holds no int4 codes: int4 is quantised from its floats."""
         return None
 
+    def code_bits(self, name: str) -> int:
+        """Bits a weight is stored in: the float's width."""
+        with _open_safetensors(self._files[name]) as f:
+            return {"F16": 16, "BF16": 16}.get(f.get_slice(name).get_dtype(), 32)
+
 
 def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | FolderWeights:
     """Where a model's weights are read from: its GGUF, else its folder's safetensors."""

@@ -17,7 +17,9 @@ the layer is built (the ops' constraints differ between torch versions), never a
 
 int4 codes q in [0, 15] mean w = (q - 8) * scale + zero, the convention of both int4 kernels;
 a GGUF Q4_1 block (w = d * q + m) is scale = d, zero = m + 8 d, and Q4_0 (w = d (q - 8)) is
-scale = d, zero = 0, so either loads without requantising.
+scale = d, zero = 0, so either loads without requantising. The int4 layer also holds 5-bit
+codes (q in [0, 31], same convention): GGUF's Q5 blocks as they are, and 6- and 8-bit blocks
+requantised to 5 bits rather than 4. Only the integer kernel and the reference path read them.
 """
 from __future__ import annotations
 
@@ -112,12 +114,18 @@ class Int8Embedding(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]."""
+    """y = x W^T + b with W[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g], q of
+    `bits` bits (4, or 5 for a GGUF's 5-bit blocks)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        """codes: [N, K] integers in [0, 15]; scales, zeros: [N, K // group]."""
+                 bias: torch.Tensor | None, dtype: torch.dtype, bits: int = 4) -> None:
+        """codes: [N, K] integers in [0, 2^bits - 1]; scales, zeros: [N, K // group]."""
         super().__init__()
+        if bits not in (4, 5):
+            raise ValueError(f"int4: codes of {bits} bits (4 or 5 are held)")
+        if codes.numel() and int(codes.max()) >> bits:
+            raise ValueError(f"int4: a code above {(1 << bits) - 1} in a layer of {bits}-bit codes")
+        self.bits = bits
         self.out_features, self.in_features = codes.shape
         self.group_size = self.in_features // scales.shape[1]
         if self.group_size * scales.shape[1] != self.in_features:
@@ -128,6 +136,7 @@ class Int4Linear(nn.Module):
         if self.int8_act:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
             tiles = lambda t: t.half().reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
             self.register_buffer("qpacked", ext.pack_int4(codes))
+            self.register_buffer("qhigh", ext.pack_high_bits(codes) if bits == 5 else None)
             self.register_buffer("d", tiles(scales))
             self.register_buffer("m", tiles(zeros.float() - 8 * scales.float()))
             self.packed = self.codes = None
@@ -136,19 +145,21 @@ class Int4Linear(nn.Module):
         # [K // g, N, 2] in the kernel's dtype: the layout (and dtype) both kernels read.
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
         self.register_buffer("scales_zeros", scales_zeros.to(self.kernel_dtype))
-        self.packed = _pack_int4(codes, dtype)
+        self.packed = _pack_int4(codes, dtype) if bits == 4 else None  # torch's kernels take 4 bits
         if self.packed is not None and not _kernel_accepts(self._kernel, self.in_features, self.kernel_dtype,
                                                            codes.device, "int4"):
             self.packed = None
         if self.packed is None:  # the reference path dequantises in the activation dtype
             self.scales_zeros = scales_zeros.to(dtype)
-        # The reference path keeps the codes two to a byte (even k in the low nibble).
-        self.codes = None if self.packed is not None else (codes[:, ::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        # The reference path keeps 4-bit codes two to a byte (even k in the low nibble), 5-bit ones a byte each.
+        self.codes = None
+        if self.packed is None:
+            self.codes = (codes[:, ::2] | (codes[:, 1::2] << 4) if bits == 4 else codes).to(torch.uint8)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   group_size: int = DEFAULT_INT4_GROUP) -> "Int4Linear":
-        return cls(*quantize_int4(weight, group_size), bias, dtype)
+                   group_size: int = DEFAULT_INT4_GROUP, bits: int = 4) -> "Int4Linear":
+        return cls(*quantize_int4(weight, group_size, bits), bias, dtype, bits)
 
     @classmethod
     def concat(cls, parts: list["Int4Linear"], bias: torch.Tensor | None, dtype: torch.dtype) -> "Int4Linear":
@@ -157,11 +168,12 @@ class Int4Linear(nn.Module):
         one-byte codes rather than the whole layer's beside their concatenation. Takes over the
         first part."""
         layer = parts[0]
-        if not all(p.int8_act and p.out_features % 16 == 0 for p in parts):
-            raise ValueError("int4: only parts packed for the integer kernel, 16 rows at a time, concatenate")
+        if not all(p.int8_act and p.out_features % 16 == 0 and p.bits == layer.bits for p in parts):
+            raise ValueError("int4: only parts packed for the integer kernel, 16 rows at a time, "
+                             "with codes of one width, concatenate")
         if len(parts) > 1:
             layer.out_features = sum(p.out_features for p in parts)
-            for name in ("qpacked", "d", "m"):
+            for name in ("qpacked", "d", "m") + (("qhigh",) if layer.bits == 5 else ()):
                 setattr(layer, name, torch.cat([getattr(p, name) for p in parts]))
         layer.bias = None if bias is None else bias.to(dtype)
         return layer
@@ -176,14 +188,20 @@ class Int4Linear(nn.Module):
         """On the integer-activation and reference paths (torch's packed layouts are its own)."""
         if self.int8_act:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
             p = self.qpacked.reshape(-1, self.in_features // 32, 4, 16, 4)
-            codes = torch.stack([p & 15, p >> 4], 2).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
+            codes = torch.stack([p & 15, p >> 4], 2)  # [N/16, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)]
+            if self.bits == 5:  # [N/16, K/32, 4 (j), 2 (nibble), 8] bytes of bits, bit 4n + i
+                bits = self.qhigh.reshape(-1, self.in_features // 32, 4, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)
+                codes = codes | ((bits & 1) << 4).transpose(2, 3).reshape(codes.shape)
+            codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
             untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
             return (codes.float() * untile(self.d) + untile(self.m)).to(dtype)
-        codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1)
+        codes = self.codes
+        if self.bits == 4:
+            codes = torch.stack([codes & 15, codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features, silu_mul)
+        return cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features, silu_mul, self.qhigh)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_silu_and_mul(self, x)
@@ -228,10 +246,10 @@ def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[tor
     return qweight, scales
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int,
+def quantize_int4(weight: torch.Tensor, group_size: int, bits: int = 4,
                   rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric per group of `group_size` inputs (as GGUF Q4_1): codes [N, K], scales and zeros
-    [N, K // g]. A chunk of rows at a time: each row's groups are its own, and the fp32
+    """Asymmetric per group of `group_size` inputs (as GGUF Q4_1; Q5_1 with bits=5): codes [N, K],
+    scales and zeros [N, K // g]. A chunk of rows at a time: each row's groups are its own, and the fp32
     temporaries of a whole layer (a 1B model's 8192 x 2048 down_proj: 64 MiB each) set the peak of
     loading a file whose 6-bit layers are requantised."""
     n, k = weight.shape
@@ -246,8 +264,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int,
         rows = slice(start, start + rows_per_chunk)
         w = weight[rows].float().reshape(-1, k // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
-        s = ((hi - lo) / 15).clamp(min=1e-12)
-        codes[rows] = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).reshape(-1, k)
+        top = (1 << bits) - 1
+        s = ((hi - lo) / top).clamp(min=1e-12)
+        codes[rows] = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, top).reshape(-1, k)
         scales[rows], zeros[rows] = s, lo + 8 * s
     return codes, scales, zeros
 
