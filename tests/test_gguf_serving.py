@@ -154,3 +154,12 @@ def test_a_precision_the_file_cannot_give_is_refused_in_words(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"precision int4 cannot be built here: .*odd.gguf: tensor "
                                          r"'blk.0.ffn_down.weight': GGUF type Q8_1 cannot be decoded"):
         LLM(str(path), dtype="float32", quantization="int4", kv_cache_memory=1 << 22)
+
+
+def test_rows_of_a_permuted_q_are_the_tensors_rows(q4_k_m) -> None:
+    """A layer is requantised by row slices: a q/k slice is un-permuted in whole heads, any bounds."""
+    weights = GGUFWeights(Path(q4_k_m))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        whole = weights.get(name)
+        for start, stop in ((0, 512), (10, 100), (64, 128), (100, 1000)):
+            assert torch.equal(weights.rows(name, start, stop), whole[start:stop]), (name, start, stop)

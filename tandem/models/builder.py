@@ -174,24 +174,29 @@ def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights
     device = model.embed_tokens.weight.device
     embed = "model.embed_tokens.weight"
     head = embed if model.lm_head is None else "lm_head.weight"
-    model.lm_head = _int8_table(source, head, dtype, device)
-    table = model.lm_head if head == embed else _int8_table(source, embed, dtype, device)
+    model.lm_head = _int8_linear(source, [head], None, dtype, device)
+    table = model.lm_head if head == embed else _int8_linear(source, [embed], None, dtype, device)
     model.embed_tokens = Int8Embedding(table, dtype)
     return {embed, head}
 
 
-def _int8_table(source: GGUFWeights | FolderWeights, name: str, dtype: torch.dtype,
-                device: torch.device, rows_per_chunk: int = 512) -> Int8Linear:
-    """Int8Linear.from_float of a [V, K] tensor without holding it in floats: by row slices,
-    each one's temporaries handed back before the next."""
-    rows, cols = source.shape(name)
-    qweight = torch.empty(rows, cols, dtype=torch.int8, device=device)
-    scales = torch.empty(rows, dtype=torch.float32, device=device)
-    for start in range(0, rows, rows_per_chunk):
-        stop = min(start + rows_per_chunk, rows)
-        qweight[start:stop], scales[start:stop] = quantize_int8(source.rows(name, start, stop).to(device))
-        _trim_heap()
-    return Int8Linear(qweight, scales, None, dtype)
+def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 512) -> Int8Linear:
+    """Int8Linear.from_float of the row-concatenation of `names` (a vocabulary, or a fused
+    layer's parts) without holding it in floats: by row slices, each one's temporaries handed
+    back before the next."""
+    sizes = [source.shape(name) for name in names]
+    qweight = torch.empty(sum(s[0] for s in sizes), sizes[0][1], dtype=torch.int8, device=device)
+    scales = torch.empty(qweight.shape[0], dtype=torch.float32, device=device)
+    at = 0
+    for name, (rows, _) in zip(names, sizes):
+        for start in range(0, rows, rows_per_chunk):
+            stop = min(start + rows_per_chunk, rows)
+            qweight[at + start:at + stop], scales[at + start:at + stop] = quantize_int8(
+                source.rows(name, start, stop).to(device))
+            _trim_heap()
+        at += rows
+    return Int8Linear(qweight, scales, bias, dtype)
 
 
 def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, source: GGUFWeights | FolderWeights,
@@ -208,8 +213,7 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, sourc
     names = [f"{p}.weight" for p in parts] + ([f"{p}.bias" for p in parts] if bias is not None else [])
     stored = [source.code_bits(f"{p}.weight") for p in parts]
     if weights == "int8" or (keep_wide and max(stored) > 5):
-        weight = torch.cat([source.get(f"{p}.weight") for p in parts]).to(device)
-        return Int8Linear.from_float(weight, bias, dtype), names, 0
+        return _int8_linear(source, [f"{p}.weight" for p in parts], bias, dtype, device), names, 0
     rows = [source.shape(f"{p}.weight")[0] for p in parts]
     by_part = int4_concatenates(device, dtype, rows, module.in_features)
     bits = 5 if 5 in stored else 4  # the file's 5-bit codes as they are; 4-bit codes are 5-bit codes too

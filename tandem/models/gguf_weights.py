@@ -119,12 +119,18 @@ class GGUFWeights:
         return self.tensors[name].shape
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows start:stop of a 2-D tensor (never a permuted q/k), fp32: a large table is
-        requantised a slice at a time."""
+        """Rows start:stop of a 2-D tensor, fp32: a large one is requantised a slice at a time. A
+        permuted q/k is decoded in whole heads (llama.cpp permuted rows within each head)."""
         t = self.tensors[name]
-        if t.heads is not None or len(t.shape) != 2:
-            raise ValueError(f"{name}: only an unpermuted 2-D tensor is read by rows")
-        return torch.from_numpy(self._decode(t, start, min(stop, t.shape[0])))
+        if len(t.shape) != 2:
+            raise ValueError(f"{name}: only a 2-D tensor is read by rows")
+        stop = min(stop, t.shape[0])
+        if t.heads is None:
+            return torch.from_numpy(self._decode(t, start, stop))
+        head_rows = t.shape[0] // t.heads
+        first, last = start // head_rows * head_rows, -(-stop // head_rows) * head_rows
+        w = unpermute_qk(self._decode(t, first, last), (last - first) // head_rows)
+        return torch.from_numpy(np.ascontiguousarray(w[start - first:stop - first]))
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows start:stop of the tensor's bytes as stored: [rows, bytes per row]."""
