@@ -3,12 +3,15 @@ built to match Tandem's decode steps, and a missing binary refused in words."""
 from __future__ import annotations
 
 import argparse
+import operator
+import os
 from pathlib import Path
 
 import pytest
 
 from tandem.bench import llamacpp
 from tandem.bench.llamacpp import batched_bench_command, llama_cpp_tool, parse_batched_bench, run_llama
+from tandem.bench.offline import in_subprocess
 
 # Captured SAMPLE_PLACEHOLDER
 SAMPLE = """\
@@ -68,3 +71,36 @@ def test_missing_binary_is_refused_in_words(tmp_path, monkeypatch):
                  seed=0, llama_batched_bench=None, json_path=None)
     with pytest.raises(FileNotFoundError, match="not on PATH"):
         llamacpp.main(args)
+
+
+def _die(args, requests):
+    os._exit(3)
+
+
+def test_a_side_that_fails_or_dies_is_an_error_not_a_hang():
+    """Each Tandem side runs in a spawned process: its exception, or its death before it answers
+    (the kernel's OOM killer, say), comes back as an error."""
+    with pytest.raises(RuntimeError, match="in the benchmark's process: ZeroDivisionError"):
+        in_subprocess(operator.truediv, 1, 0)
+    with pytest.raises(RuntimeError, match=r"died \(exit code 3\) before it answered"):
+        in_subprocess(_die, None, None)
+    assert in_subprocess(operator.add, 2, 3) == 5
+
+
+def test_auto_is_the_precision_the_file_stores(monkeypatch):
+    """`--quantization auto` measures the precision `tandem serve` would pick, and names it."""
+    from tandem.bench import quantization
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(model, **kw):
+        seen.update(kw)
+        raise Stop
+    monkeypatch.setattr("tandem.LLM", fake_llm)
+    args = argparse.Namespace(model="smollm2-135m", dtype="auto", device="cpu", batch_sizes="1", prompt_len=8,
+                              output_len=4, kv_cache_memory=None, num_threads=1, seed=0)
+    with pytest.raises(Stop):
+        quantization.run_precision(args, "auto", False)
+    assert seen["quantization"] == "int4"

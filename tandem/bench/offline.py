@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue as queue_module
 import random
 import resource
 import time
@@ -164,17 +165,31 @@ def _replace(args: argparse.Namespace, **changes) -> argparse.Namespace:
 
 
 def _child(fn, args, requests, queue) -> None:
-    queue.put(fn(args, requests))
+    try:
+        result = fn(args, requests)
+    except BaseException as e:
+        queue.put((False, f"{type(e).__name__}: {e}"))
+        raise
+    queue.put((True, result))
 
 
 def in_subprocess(fn, args, requests) -> dict:
-    """fn(args, requests) in a fresh process (its peak memory is its own)."""
+    """fn(args, requests) in a fresh process (its peak memory is its own). Its error, or its
+    death before it answers (killed for memory, say), is raised here rather than waited on."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, requests, queue))
     proc.start()
-    result = queue.get()
+    while True:
+        try:
+            ok, result = queue.get(timeout=1.0)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive() and queue.empty():
+                raise RuntimeError(f"the benchmark's process died (exit code {proc.exitcode}) before it answered")
     proc.join()
+    if not ok:
+        raise RuntimeError(f"in the benchmark's process: {result}")
     return result
 
 

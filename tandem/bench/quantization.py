@@ -24,11 +24,15 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     from tandem.executor.device import resolve_device, resolve_dtype
     from tandem.models.builder import resolve_precision
     from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config, resolve_model
+    from tandem.models.loader import gguf_source, load_config, resolve_model
+    from tandem.models.variants import auto_precision
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # KV for the largest batch (in the dtype the variant computes in, with a block of slack per
     # request), not a share of the machine: peak RSS then shows the weights, not an untouched pool.
     device = resolve_device(args.device)
+    if precision == "auto":  # named: the KV dtype and the report follow it
+        precision = auto_precision(resolve_model(args.model), gguf_source(args.model), args.dtype,
+                                   resolve_dtype(args.dtype, device))
     kv_dtype = resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2]
     kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
     kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(

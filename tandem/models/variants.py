@@ -35,15 +35,22 @@ class ModelVariants:
     unavailable: dict[str, str] = field(default_factory=dict)  # precision -> why it was not built
 
 
+def auto_precision(model_dir: Path, gguf_path: Path | None, config_dtype: str, dtype: torch.dtype) -> str:
+    """What `quantization: auto` serves: the precision the weights are stored in; for float
+    weights a dtype asked for (`config_dtype` not auto) wins, and fp32 weights take `dtype`."""
+    stored = stored_precision(model_dir, gguf_path, load_config(model_dir))
+    if stored is None or (stored not in QUANTIZED and config_dtype != "auto"):
+        return FLOAT_NAMES[dtype]
+    return stored
+
+
 def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device,
                    dtype: torch.dtype, attention: AttentionFactory) -> ModelVariants:
     """`dtype`: the engine's `dtype` resolved for the device (the executor's choice)."""
     gguf_path = gguf_source(config.model)
     default = config.quantization
     if default in (None, "auto"):
-        default = stored_precision(model_dir, gguf_path, load_config(model_dir))
-        if default is None or (default not in QUANTIZED and config.dtype != "auto"):  # a dtype asked for wins
-            default = FLOAT_NAMES[dtype]
+        default = auto_precision(model_dir, gguf_path, config.dtype, dtype)
     if config.dtype == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
     variants = ModelVariants(default, dtype)
