@@ -104,3 +104,27 @@ def test_auto_is_the_precision_the_file_stores(monkeypatch):
     with pytest.raises(Stop):
         quantization.run_precision(args, "auto", False)
     assert seen["quantization"] == "int4"
+
+
+def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_path):
+    """Each round rotates the order of the sides, each keeps its best figure, and a side asked for
+    as `auto` is labelled with the precision it resolved to."""
+    order = []
+    runs = iter([10.0, 30.0, 20.0, 5.0])
+
+    def fake_tandem(fn, args, requests):
+        order.append(fn.precision)
+        return {"decode_tok_s": {1: next(runs)}, "peak_rss_mb": 100.0, "precision": "int4"}
+
+    def fake_llama(command, batches):
+        order.append("llama")
+        return {1: 20.0}
+    monkeypatch.setattr("tandem.bench.offline.in_subprocess", fake_tandem)
+    monkeypatch.setattr(llamacpp, "run_llama", fake_llama)
+    monkeypatch.setattr(llamacpp, "llama_cpp_tool", lambda name, path: Path("/bin/true"))
+    monkeypatch.setattr("tandem.models.loader.gguf_source", lambda model: tmp_path / "m.gguf")
+    report = llamacpp.compare(_args(quantization="auto,int4", repeats=2, batch_sizes="1", model="m",
+                                    llama_batched_bench=None, dtype="auto", kv_cache_memory=None, seed=0))
+    assert order == ["auto", "int4", "llama", "int4", "llama", "auto"]
+    assert report["decode_tok_s"]["auto (int4)"] == {1: 10.0} and report["decode_tok_s"]["int4"] == {1: 30.0}
+    assert report["ratio"]["int4"] == {1: 1.5}

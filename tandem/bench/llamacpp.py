@@ -102,17 +102,20 @@ def compare(args: argparse.Namespace) -> dict:
     sides = [*args.quantization.split(","), LLAMA]
     best = {side: dict.fromkeys(batches, 0.0) for side in sides}
     peak_rss_mb: dict[str, float] = {}
+    served: dict[str, str] = {}  # side -> the precision it ran ("auto" resolves to the file's)
     for round_ in range(args.repeats):
         for side in sides[round_ % len(sides):] + sides[:round_ % len(sides)]:
             if side == LLAMA:
                 got = run_llama(command, batches)
             else:
                 run = in_subprocess(RunPrecision(side), _tandem_args(args), None)
-                got, peak_rss_mb[side] = run["decode_tok_s"], run["peak_rss_mb"]
+                got, peak_rss_mb[side], served[side] = run["decode_tok_s"], run["peak_rss_mb"], run["precision"]
             best[side] = {b: max(best[side][b], got[b]) for b in batches}
-    return {"model": str(gguf), "llama_command": " ".join(command), "decode_tok_s": best,
-            "ratio": {side: {b: best[side][b] / best[LLAMA][b] for b in batches} for side in sides[:-1]},
-            "tandem_peak_rss_mb": peak_rss_mb}
+    label = {side: side if served.get(side, side) == side else f"{side} ({served[side]})" for side in sides}
+    return {"model": str(gguf), "llama_command": " ".join(command),
+            "decode_tok_s": {label[side]: best[side] for side in sides},
+            "ratio": {label[side]: {b: best[side][b] / best[LLAMA][b] for b in batches} for side in sides[:-1]},
+            "tandem_peak_rss_mb": {label[side]: rss for side, rss in peak_rss_mb.items()}}
 
 
 def print_table(report: dict) -> None:
