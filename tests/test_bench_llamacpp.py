@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import operator
 import os
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tandem.bench import llamacpp
@@ -85,6 +88,30 @@ def test_a_side_that_fails_or_dies_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match=r"died \(exit code 3\) before it answered"):
         in_subprocess(_die, None, None)
     assert in_subprocess(operator.add, 2, 3) == 5
+
+
+def _sleep(seconds, requests):
+    time.sleep(seconds)
+
+
+def test_a_side_given_up_on_stops_its_process():
+    """Ctrl-C (or any error) while waiting on a side leaves no benchmark process running on."""
+    def spawned():
+        return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            in_subprocess(_sleep, 60, None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 30  # not the child's 60 s
+    assert spawned() == []
 
 
 def test_auto_is_the_precision_the_file_stores(monkeypatch):

@@ -175,18 +175,24 @@ def _child(fn, args, requests, queue) -> None:
 
 def in_subprocess(fn, args, requests) -> dict:
     """fn(args, requests) in a fresh process (its peak memory is its own). Its error, or its
-    death before it answers (killed for memory, say), is raised here rather than waited on."""
+    death before it answers (killed for memory, say), is raised here rather than waited on; if
+    this process stops waiting (an error, Ctrl-C), the child is stopped too."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, requests, queue))
     proc.start()
-    while True:
-        try:
-            ok, result = queue.get(timeout=1.0)
-            break
-        except queue_module.Empty:
-            if not proc.is_alive() and queue.empty():
-                raise RuntimeError(f"the benchmark's process died (exit code {proc.exitcode}) before it answered")
+    try:
+        while True:
+            try:
+                ok, result = queue.get(timeout=1.0)
+                break
+            except queue_module.Empty:
+                if not proc.is_alive() and queue.empty():
+                    raise RuntimeError(f"the benchmark's process died (exit code {proc.exitcode}) before it answered")
+    except BaseException:
+        proc.terminate()
+        proc.join()
+        raise
     proc.join()
     if not ok:
         raise RuntimeError(f"in the benchmark's process: {result}")

@@ -440,11 +440,16 @@ bool supported() {
 #endif
 }
 
+// codes [N, K] as contiguous bytes, whole tiles and blocks.
+at::Tensor tile_codes(const at::Tensor& codes, const char* what) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, what, ": [N % 16, K % 32]");
+  return codes.to(at::kByte).contiguous();
+}
+
 // codes [N, K] uint8 -> the int4 tile layout above (their low 4 bits).
 at::Tensor pack_int4(at::Tensor codes) {
-  TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, "pack_int4: [N % 16, K % 32]");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  auto c = codes.to(at::kByte).contiguous();
+  auto c = tile_codes(codes, "pack_int4");
+  const int64_t n = c.size(0), k = c.size(1);
   auto out = at::empty({n * k / 2}, c.options());
   const uint8_t* cp = c.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
@@ -461,9 +466,8 @@ at::Tensor pack_int4(at::Tensor codes) {
 
 // codes [N, K] uint8 in [0, 31] -> the fifth-bit plane above.
 at::Tensor pack_high_bits(at::Tensor codes) {
-  TORCH_CHECK(codes.dim() == 2 && codes.size(0) % kTile == 0 && codes.size(1) % kBlock == 0, "pack_high_bits: [N % 16, K % 32]");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  auto c = codes.to(at::kByte).contiguous();
+  auto c = tile_codes(codes, "pack_high_bits");
+  const int64_t n = c.size(0), k = c.size(1);
   auto out = at::empty({n * k / 8}, c.options());
   const uint8_t* cp = c.data_ptr<uint8_t>();
   uint64_t* op = reinterpret_cast<uint64_t*>(out.data_ptr<uint8_t>());

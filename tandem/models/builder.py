@@ -8,7 +8,8 @@ Storage per variant, chosen by the bytes a decode step reads against the quality
   (approximate, as any requantisation). In a file stored mostly in 4- and 5-bit blocks (a
   Q4_K_M), a layer with a part in 6 or 8 bits (its Q6_K / Q8_0 v_proj and down_proj, the
   tensors llama.cpp's mixes give more bits) is held in int8 instead: requantised to 5 bits,
-  Gemma 3 270M's lost 3.7% perplexity, in int8 none. Other files' int4 is 4 bits throughout;
+  Gemma 3 270M's lost 3.7% perplexity, in int8 none. In other files (int4 of a Q8_0 or float
+  file) every tensor without 4- or 5-bit codes is requantised to 4 bits;
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves);
 - the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.

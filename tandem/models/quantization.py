@@ -18,8 +18,8 @@ the layer is built (the ops' constraints differ between torch versions), never a
 int4 codes q in [0, 15] mean w = (q - 8) * scale + zero, the convention of both int4 kernels;
 a GGUF Q4_1 block (w = d * q + m) is scale = d, zero = m + 8 d, and Q4_0 (w = d (q - 8)) is
 scale = d, zero = 0, so either loads without requantising. The int4 layer also holds 5-bit
-codes (q in [0, 31], same convention): GGUF's Q5 blocks as they are, and 6- and 8-bit blocks
-requantised to 5 bits rather than 4. Only the integer kernel and the reference path read them.
+codes (q in [0, 31], same convention): GGUF's Q5 blocks as they are (with a fused layer's other
+parts, whose codes then fit 5 bits too). Only the integer kernel and the reference path read them.
 """
 from __future__ import annotations
 
@@ -260,11 +260,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int, bits: int = 4,
     codes = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(n, k // group_size, dtype=torch.float32, device=weight.device)
     zeros = torch.empty_like(scales)
+    top = (1 << bits) - 1
     for start in range(0, n, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         w = weight[rows].float().reshape(-1, k // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
-        top = (1 << bits) - 1
         s = ((hi - lo) / top).clamp(min=1e-12)
         codes[rows] = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, top).reshape(-1, k)
         scales[rows], zeros[rows] = s, lo + 8 * s
