@@ -11,13 +11,17 @@
 // Packed weight: [ceil(N/16)][K][16] in the weight's dtype (fp32 or bf16; bf16 widens to fp32
 // exactly), columns past N zero. Activations bf16 are widened to fp32 once per call; the output
 // is rounded to x's dtype after the bias add.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~20 s a build
 #include <immintrin.h>
 
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -152,25 +156,25 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* w, int64_t n, const
 }  // namespace
 
 // weight [N, K] fp32 or bf16 -> [ceil(N/16), K, 16], same dtype, zero-padded columns.
-torch::Tensor pack(torch::Tensor weight) {
+at::Tensor pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "pack: weight must be [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
+  auto padded = at::zeros({panels * kPanel, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
 // x [M, K] fp32 or bf16; packed from `pack`; bias [N] or None. Returns [M, N] in x's dtype.
-torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+at::Tensor gemm(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel, "gemm: x [M, K], packed [P, K, 16]");
   TORCH_CHECK(packed.is_contiguous() && x.size(1) == packed.size(1) && n <= packed.size(0) * kPanel);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemm: x must be fp32 or bf16");
   TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "gemm: weight fp32 or bf16");
   const auto x32 = x.to(at::kFloat).contiguous();
-  c10::optional<torch::Tensor> b32;
+  std::optional<at::Tensor> b32;
   if (bias.has_value() && bias->defined()) b32 = bias->to(at::kFloat).contiguous();
   const float* bp = b32.has_value() ? b32->data_ptr<float>() : nullptr;
-  auto y = torch::empty({x.size(0), n}, x.options());
+  auto y = at::empty({x.size(0), n}, x.options());
   const int64_t m = x.size(0), k = x.size(1);
   auto run = [&](auto* w) {
     if (x.scalar_type() == at::kFloat) run_gemm(x32.data_ptr<float>(), m, k, w, n, bp, y.data_ptr<float>());
