@@ -9,13 +9,19 @@
 // Output columns are split over torch's own thread pool (at::parallel_for in torch's OpenMP
 // runtime: no second team). A row's result does not depend on the other rows.
 //
-// Packed weights (one layout for both builds), 16 output columns per tile, 32 inputs per block:
+// Packed weights, 16 output columns per tile, 32 inputs per block (one layout for both builds but
+// the fifth-bit plane):
 //  int4: [N/16][K/32][4][64] bytes; byte (j, 4n+i) holds column n's code for input 4j+i in
 //        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: fp16 [N/16][K/32][16],
 //        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
 //        5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K, q in [0, 31]) add their fifth bits as a plane beside
-//        the nibbles: [N/16][K/32][4][2][8] bytes, for chunk j the 64 bits of its low-nibble lanes
-//        then of its high-nibble lanes, bit 4n+i for byte (j, 4n+i); the tile adds 16 where a bit is set.
+//        the nibbles, 64 bytes per tile and block, laid out for the build that reads it (the tile
+//        adds 16 where a bit is set):
+//         AVX-512: [4][2][8] bytes, for chunk j the 64 bits of its low-nibble lanes then of its
+//           high-nibble lanes, bit 4n+i for byte (j, 4n+i): a mask register each.
+//         AVX2: [2][32] bytes, the 16 registers' worth of a block (chunk j, nibble lane l,
+//           columns 0-7 or 8-15 as h) as bit 4(j%2) + 2l + h of group j/2, byte 4n'+i for column
+//           8h+n': an and and a shift place a register's bits at 16 (a bit spread costs five ops).
 //  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd),
 //        q in [-127, 127]; one fp32 scale per column. AVX-512 takes the +128 back out as
 //        128 * sum(x) per row; AVX2 flips the top bit back to q and multiplies |x| by q with x's sign.
@@ -27,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
 #include <immintrin.h>
 
@@ -217,13 +224,10 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
 
 inline __m256i quad(const int8_t* x) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
 
-// 32 bits -> 32 bytes, 16 where bit i is set and 0 elsewhere (byte i takes bit i).
-inline __m256i sixteens(uint32_t bits) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);
-  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread), select);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
+// 16 in each byte of one register's fifth bits whose bit P (< 4) is set, else 0.
+template <int P>
+inline __m256i sixteens(__m256i group) {
+  return _mm256_and_si256(_mm256_slli_epi16(group, 4 - P), _mm256_set1_epi8(16));
 }
 
 // R rows x 16 columns of y = x W^T for int4 weights; High: 5-bit codes, the fifth bits read from
@@ -252,10 +256,12 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
       __m256i lo0 = _mm256_and_si256(raw0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask);
       __m256i lo1 = _mm256_and_si256(raw1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask);
       if constexpr (High) {
-        uint32_t bits[4];  // low-nibble lanes of columns 0-7, 8-15, then the high-nibble lanes
-        std::memcpy(bits, wh + (b * 4 + j) * 16, 16);
-        lo0 = _mm256_or_si256(lo0, sixteens(bits[0])), lo1 = _mm256_or_si256(lo1, sixteens(bits[1]));
-        hi0 = _mm256_or_si256(hi0, sixteens(bits[2])), hi1 = _mm256_or_si256(hi1, sixteens(bits[3]));
+        // bits 0-3 (even chunks) or 4-7 (odd ones) of the group: low-nibble lanes of columns 0-7,
+        // 8-15, then the high-nibble lanes
+        __m256i group = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + (b * 2 + j / 2) * 32));
+        if (j % 2) group = _mm256_srli_epi16(group, 4);
+        lo0 = _mm256_or_si256(lo0, sixteens<0>(group)), lo1 = _mm256_or_si256(lo1, sixteens<1>(group));
+        hi0 = _mm256_or_si256(hi0, sixteens<2>(group)), hi1 = _mm256_or_si256(hi1, sixteens<3>(group));
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * k + b * kBlock + 4 * j;
@@ -464,25 +470,28 @@ at::Tensor pack_int4(at::Tensor codes) {
   return out;
 }
 
-// codes [N, K] uint8 in [0, 31] -> the fifth-bit plane above.
+// codes [N, K] uint8 in [0, 31] -> the fifth-bit plane above, in this build's layout.
 at::Tensor pack_high_bits(at::Tensor codes) {
   auto c = tile_codes(codes, "pack_high_bits");
   const int64_t n = c.size(0), k = c.size(1);
-  auto out = at::empty({n * k / 8}, c.options());
+  auto out = at::zeros({n * k / 8}, c.options());
   const uint8_t* cp = c.data_ptr<uint8_t>();
-  uint64_t* op = reinterpret_cast<uint64_t*>(out.data_ptr<uint8_t>());
+  uint8_t* op = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n / kTile; ++t)
-    for (int64_t b = 0; b < k / kBlock; ++b)
+    for (int64_t b = 0; b < k / kBlock; ++b, op += 64)
       for (int64_t j = 0; j < 4; ++j)
-        for (int64_t half = 0; half < 2; ++half) {
-          uint64_t bits = 0;
+        for (int64_t lane = 0; lane < 2; ++lane)
           for (int64_t col = 0; col < kTile; ++col)
             for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t q = cp[(t * kTile + col) * k + b * kBlock + 16 * half + 4 * j + i];
-              bits |= static_cast<uint64_t>((q >> 4) & 1) << (4 * col + i);
+              const uint8_t bit = (cp[(t * kTile + col) * k + b * kBlock + 16 * lane + 4 * j + i] >> 4) & 1;
+#if TANDEM_QUANT_GEMM == 512
+              const int64_t index = (j * 2 + lane) * 64 + 4 * col + i;  // bit of the block's 512
+              op[index / 8] |= static_cast<uint8_t>(bit << (index % 8));
+#else
+              const int64_t h = col / 8, byte = 4 * (col % 8) + i;
+              op[(j / 2) * 32 + byte] |= static_cast<uint8_t>(bit << (4 * (j % 2) + 2 * lane + h));
+#endif
             }
-          std::memcpy(op++, &bits, 8);
-        }
   return out;
 }
 

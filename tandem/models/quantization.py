@@ -189,9 +189,8 @@ class Int4Linear(nn.Module):
         if self.int8_act:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
             p = self.qpacked.reshape(-1, self.in_features // 32, 4, 16, 4)
             codes = torch.stack([p & 15, p >> 4], 2)  # [N/16, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)]
-            if self.bits == 5:  # [N/16, K/32, 4 (j), 2 (nibble), 8] bytes of bits, bit 4n + i
-                bits = self.qhigh.reshape(-1, self.in_features // 32, 4, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)
-                codes = codes | ((bits & 1) << 4).transpose(2, 3).reshape(codes.shape)
+            if self.bits == 5:
+                codes = codes | (self._fifth_bits() << 4)
             codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
             untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
             return (codes.float() * untile(self.d) + untile(self.m)).to(dtype)
@@ -199,6 +198,17 @@ class Int4Linear(nn.Module):
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
+
+    def _fifth_bits(self) -> torch.Tensor:
+        """The 5-bit codes' fifth bits as [N/16, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)], from the
+        plane in the layout of the kernel build that packed it."""
+        bits = (self.qhigh.reshape(-1, self.in_features // 32, 2, 32, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        if cpu_quant_gemm().vector_bits == 512:  # [j][nibble][64 bits, bit 4n + i]
+            return bits.reshape(-1, self.in_features // 32, 4, 2, 16, 4).transpose(2, 3)
+        # AVX2: [group j // 2][byte 4n' + i] of bit 4 (j % 2) + 2 nibble + h, column n = 8h + n'
+        bits = bits.reshape(-1, self.in_features // 32, 2, 8, 4, 8).permute(0, 1, 2, 5, 3, 4)  # [g, bit, n', i]
+        bits = bits.reshape(-1, self.in_features // 32, 4, 2, 2, 8, 4)  # [j, nibble, h, n', i]
+        return bits.transpose(2, 3).reshape(-1, self.in_features // 32, 2, 4, 16, 4)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         return cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features, silu_mul, self.qhigh)
