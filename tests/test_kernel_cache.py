@@ -9,7 +9,6 @@ import pytest
 import torch.utils.cpp_extension
 
 import tandem.kernels as kernels
-from tandem.config import cache_root
 
 
 def test_the_build_folder_is_keyed_by_source_flags_and_toolchain_not_by_path(tmp_path, monkeypatch):
@@ -30,17 +29,27 @@ def test_the_build_folder_is_keyed_by_source_flags_and_toolchain_not_by_path(tmp
 def test_a_built_kernel_is_imported_without_torchs_build(monkeypatch):
     """What `tandem prepare` built, a server start imports: torch's `load` (ninja, whose build file
     names this virtualenv's paths) is not called."""
-    source = kernels.Path(kernels.__file__).with_name("cpu_fused_ops.cpp")
-    cflags = ["-O3", *kernels.target_flags(), "-ffp-contract=off"]
-    build, _ = kernels.build_dir(source, cache_root().parent / "kernels", " ".join(cflags) + "|" + kernels.toolchain())
-    if not (build / "tandem_cpu_fused_ops.so").exists():
+    built = kernels._built("cpu_fused_ops")
+    if not built.exists():
         pytest.skip("cpu_fused_ops is not built here (`tandem prepare` builds it)")
 
     def no_build(*args, **kwargs):
         raise AssertionError("torch's load ran for a kernel already built")
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_build)
-    ext = kernels._load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off"])
-    assert ext is not None and ext.__file__ == str(build / "tandem_cpu_fused_ops.so")
+    ext = kernels._load("cpu_fused_ops")
+    assert ext is not None and ext.__file__ == str(built)
+
+
+def test_prepare_starts_no_build_process_for_kernels_already_built(monkeypatch):
+    """`tandem prepare` on a machine that has every kernel (the install's second step, any later
+    run) loads them in-process: a build process would import torch again for nothing."""
+    if not all(kernels._built(name).exists() for name in kernels.CFLAGS):
+        pytest.skip("not every kernel is built here (`tandem prepare` builds them)")
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a build process started for a kernel already built")
+    monkeypatch.setattr(kernels.subprocess, "Popen", no_process)
+    assert kernels.prepare() == {name: True for name in kernels.CFLAGS}
 
 
 def test_a_missing_kernel_is_built_and_logged(tmp_path, monkeypatch, caplog):
@@ -48,6 +57,7 @@ def test_a_missing_kernel_is_built_and_logged(tmp_path, monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append(kw) or "built")
     with caplog.at_level(logging.INFO, logger="tandem.kernels"):
-        assert kernels._load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off"]) == "built"
-    assert len(calls) == 1 and calls[0]["build_directory"].startswith(str(tmp_path / "kernels"))
+        assert kernels._load("cpu_fused_ops") == "built"
+    assert len(calls) == 1 and calls[0]["build_directory"] == str(kernels._built("cpu_fused_ops").parent)
+    assert calls[0]["build_directory"].startswith(str(tmp_path / "kernels"))
     assert "building native kernel cpu_fused_ops.cpp" in caplog.text and "tandem prepare" in caplog.text

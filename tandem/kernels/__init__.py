@@ -55,7 +55,7 @@ def build_dir(source: Path, root: Path, key: str = "") -> tuple[Path, Path]:
     kernel, flags, compiler and torch shares one build. While another process holds the build
     lock this waits for it, and removes it once it is stale."""
     text = source.read_bytes()
-    build = root / hashlib.sha256(text + b"\0" + key.encode()).hexdigest()[:16]
+    build = _build_folder(text, root, key)
     build.mkdir(parents=True, exist_ok=True)
     src = build / source.name
     if not src.exists() or src.read_bytes() != text:
@@ -76,6 +76,10 @@ def build_dir(source: Path, root: Path, key: str = "") -> tuple[Path, Path]:
             log.info("waiting for another process's kernel build (%s)", lock)
             waiting = True
         time.sleep(0.5)
+
+
+def _build_folder(text: bytes, root: Path, key: str) -> Path:
+    return root / hashlib.sha256(text + b"\0" + key.encode()).hexdigest()[:16]
 
 
 def _lock_is_stale(build: Path, age: float) -> bool:
@@ -99,7 +103,7 @@ def _lock_is_stale(build: Path, age: float) -> bool:
 def cpu_paged_attention():
     """The CPU paged decode-attention extension, or None when it cannot be built here
     (no compiler, or TANDEM_NO_NATIVE=1)."""
-    return _load("tandem_cpu_paged_attention", "cpu_paged_attention.cpp", ["-ffast-math", "-fopenmp"])
+    return _load("cpu_paged_attention")
 
 
 def cpu_paged_decode(head_dim: int):
@@ -113,7 +117,7 @@ def cpu_paged_decode(head_dim: int):
 def cpu_fused_ops():
     """Fused RMSNorm / residual-add+RMSNorm / RoPE for CPU (kernels/cpu_fused_ops.cpp), or None.
     No fast-math: each op must round exactly as the PyTorch code it replaces."""
-    return _load("tandem_cpu_fused_ops", "cpu_fused_ops.cpp", ["-ffp-contract=off"])
+    return _load("cpu_fused_ops")
 
 
 @functools.cache
@@ -121,7 +125,7 @@ def cpu_quant_gemm():
     """int8-activation GEMMs for the int4 / int8 linears (kernels/cpu_quant_gemm.cpp), or None;
     `supported()` says whether this CPU runs it (AVX512-VNNI, or AVX2 with FMA). OpenMP here is torch's own runtime
     (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's thread team."""
-    return _load("tandem_cpu_quant_gemm", "cpu_quant_gemm.cpp", ["-fopenmp"])
+    return _load("cpu_quant_gemm")
 
 
 @functools.cache
@@ -129,7 +133,7 @@ def cpu_invariant_gemm():
     """The batch-invariant GEMM for the deterministic mode (kernels/cpu_invariant_gemm.cpp), or
     None. No fast-math and no FMA contraction beyond the kernel's own: its per-element FMA chain
     is the point."""
-    return _load("tandem_cpu_invariant_gemm", "cpu_invariant_gemm.cpp", ["-ffp-contract=off", "-fopenmp"])
+    return _load("cpu_invariant_gemm")
 
 
 def target_flags() -> list[str]:
@@ -142,31 +146,48 @@ def target_flags() -> list[str]:
     return ["-march=native"] + (["-mno-avx512f"] if isa == "avx2" else [])
 
 
-def _load(name: str, source: str, cflags: list[str]):
+# Each kernel's flags besides -O3 and the target's (why each: its function's docstring).
+CFLAGS = {"cpu_paged_attention": ["-ffast-math", "-fopenmp"], "cpu_fused_ops": ["-ffp-contract=off"],
+          "cpu_quant_gemm": ["-fopenmp"], "cpu_invariant_gemm": ["-ffp-contract=off", "-fopenmp"]}
+
+
+def _build_spec(kernel: str) -> tuple[Path, Path, list[str], str]:
+    """Kernel `kernel`'s source, the cache its builds go to, its full flags, and its build key."""
+    from tandem.config import cache_root
+    cflags = ["-O3", *target_flags(), *CFLAGS[kernel]]
+    return (Path(__file__).with_name(f"{kernel}.cpp"), cache_root().parent / "kernels", cflags,
+            " ".join(cflags) + "|" + toolchain())
+
+
+def _built(kernel: str) -> Path:
+    """Where kernel `kernel`'s extension file is once built."""
+    source, root, _, key = _build_spec(kernel)
+    return _build_folder(source.read_bytes(), root, key) / f"tandem_{kernel}.so"
+
+
+def _load(kernel: str):
     """Import one extension from the shared cache, building it first when it is not there;
     None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":
         return None
     try:
         import torch  # noqa: F401 - the extension links against the libraries torch loads
-
-        from tandem.config import cache_root
-        cflags = ["-O3", *target_flags(), *cflags]
-        build, src = build_dir(Path(__file__).with_name(source), cache_root().parent / "kernels",
-                               " ".join(cflags) + "|" + toolchain())
+        name = f"tandem_{kernel}"
+        source, root, cflags, key = _build_spec(kernel)
+        build, src = build_dir(source, root, key)
         built = build / f"{name}.so"
         if not built.exists():
             log.info("building native kernel %s in %s (once per machine and toolchain; `tandem prepare` "
-                     "builds it ahead)", source, build)
+                     "builds it ahead)", source.name, build)
             t0 = time.monotonic()
             from torch.utils.cpp_extension import load
             ext = load(name=name, sources=[str(src)], extra_cflags=cflags, build_directory=str(build),
                        extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], verbose=False)
-            log.info("built %s in %.1f s", source, time.monotonic() - t0)
+            log.info("built %s in %.1f s", source.name, time.monotonic() - t0)
             return ext
         return _import(name, built)
     except Exception as e:  # a missing toolchain must not stop serving
-        log.warning("native kernel %s unavailable (%s); using the PyTorch path", source, e)
+        log.warning("native kernel %s unavailable (%s); using the PyTorch path", kernel, e)
         return None
 
 
@@ -179,15 +200,14 @@ def _import(name: str, path: Path):
     return module
 
 
-KERNELS = ("cpu_paged_attention", "cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm")
-
-
 def prepare() -> dict[str, bool]:
-    """Build (or find) every native kernel; True for each that loads. Each builds in a process of
-    its own, all at once: a build is one compiler on one core."""
+    """Build (or find) every native kernel; True for each that loads. Each one neither built nor
+    being built (its folder's lock) builds in a process of its own, all at once: a build is one
+    compiler on one core. One another process builds is waited for."""
     if os.environ.get("TANDEM_NO_NATIVE") != "1":
         code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); getattr(k, sys.argv[1])()"
-        builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in KERNELS]
+        missing = [name for name in CFLAGS if not _built(name).exists() and not (_built(name).parent / "lock").exists()]
+        builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in missing]
         for b in builds:
             b.wait()
-    return {name: globals()[name]() is not None for name in KERNELS}
+    return {name: globals()[name]() is not None for name in CFLAGS}
