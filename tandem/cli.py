@@ -55,7 +55,10 @@ COMMANDS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command; given the command line, only the command it names is built with its
+    arguments. Building one imports its module, and some import torch (seconds) that a server's
+    front end process never needs."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -80,17 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
               .add_subparsers(dest="cluster", required=True),
               "bench": sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)}
     for group, name, module, text in COMMANDS:
-        mod = importlib.import_module(module)
         p = groups[group].add_parser(name, help=text)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.main)
+        if argv is None or argv[:2 if group else 1] == ([group, name] if group else [name]):
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -46,6 +48,17 @@ def proc_llm(model_dir):
     llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
     yield llm
     llm.shutdown()
+
+
+def test_the_front_end_imports_no_torch():
+    """A server's API process (command line, app, tokenizer, core client) never imports torch:
+    seconds of start-up and ~250 MB of memory that only the engine core needs."""
+    code = ("import sys; from tandem.cli import build_parser; build_parser(['serve'])\n"
+            "import tandem.server.api_server, tandem.engine.core_client, tandem.cluster.router.app\n"
+            "from tandem.engine.tokenizer import get_tokenizer; assert get_tokenizer('smollm2-135m') is not None\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_handshake_facts_and_greedy_outputs_equal_offline(proc_llm, model_dir):

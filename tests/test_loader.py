@@ -90,6 +90,26 @@ def test_converted_tokenizer_matches_gguf_tokenizer(smollm: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_a_gguf_folders_tokenizer_is_the_one_autotokenizer_loads(alias: str) -> None:
+    """The loader takes the class a GGUF's folder names rather than asking AutoTokenizer (seconds
+    of imports): the same class, settings, vocabulary and tokens."""
+    folder = resolve_model(alias)
+    ours, reference = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs
+    assert ours.get_vocab() == reference.get_vocab() and ours.all_special_ids == reference.all_special_ids
+    assert ours.chat_template == reference.chat_template
+    texts = ["Hello world", "Ünïcödé — 東京 🚀  tabs\tand\nlines"]
+    if ours.chat_template:  # Gemma 3's GGUF ships none
+        texts.append(ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
+        assert texts[-1] == reference.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    for text in texts:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
 def test_converted_model_answers_a_chat_prompt(smollm: Path) -> None:
     tokenizer = load_tokenizer(smollm)
     model = hf_model(str(smollm))

@@ -19,6 +19,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class KVPoolFullError(RuntimeError):
+    """Too few free KV blocks here for a transfer (P/D): send it to another instance, or wait."""
+
+
 @dataclass(slots=True, eq=False)
 class KVReservation:
     """Blocks held for KV computed on another instance (P/D): the request's quota here,

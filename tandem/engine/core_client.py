@@ -23,6 +23,13 @@ DEATH_CHECK_S = 0.1
 STARTUP_TIMEOUT_S = 900.0  # building the engine: loading (and converting) weights, compiling
 
 
+def _run_engine_core(*args: Any) -> None:
+    """The engine-core process's entry, named here so that starting it imports nothing heavy on
+    this (the front end's) side: the core's modules bring in torch."""
+    from tandem.engine.core_proc import run_engine_core
+    run_engine_core(*args)
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, on_event: Callable[[Any], None], on_dead: Callable[[str], None],
                  in_process: bool = False, startup_timeout: float = STARTUP_TIMEOUT_S, niceness: int = 0) -> None:
@@ -56,9 +63,8 @@ class EngineCoreClient:
             self._thread = threading.Thread(target=run, name="tandem-engine-core", daemon=True)
             self._thread.start()
         else:
-            from tandem.engine.core_proc import run_engine_core
             ctx = multiprocessing.get_context("spawn")
-            self.process = ctx.Process(target=run_engine_core, name="tandem-engine-core", daemon=True,
+            self.process = ctx.Process(target=_run_engine_core, name="tandem-engine-core", daemon=True,
                                        args=(config, input_addr, output_addr, os.getpid(),
                                              logging.getLogger().getEffectiveLevel(), niceness))
             self.process.start()

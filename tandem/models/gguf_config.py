@@ -119,6 +119,9 @@ def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type
     # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader finds it.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     reloaded = AutoTokenizer.from_pretrained(out_dir)
+    saved = json.loads((out_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if type(reloaded).__name__ != saved:  # the loader takes the class named for AutoTokenizer's pick
+        raise ValueError(f"{gguf_path}: its tokenizer saved as {saved} reloads as {type(reloaded).__name__}")
     probes = list(_TOKENIZER_PROBES)
     if tokenizer.chat_template:
         chat = [{"role": "user", "content": "What is the capital of France?"}]

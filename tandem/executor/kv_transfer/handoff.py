@@ -12,15 +12,11 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from tandem.core.kv_cache_manager import KVCacheManager, KVReservation
+from tandem.core.kv_cache_manager import KVCacheManager, KVPoolFullError, KVReservation
 from tandem.core.request import Request, RequestStatus
 from tandem.executor.base import Executor
 from tandem.executor.kv_transfer.base import LayerSink
 from tandem.executor.kv_transfer.payload import KVPayload
-
-
-class KVPoolFullError(RuntimeError):
-    """Too few free KV blocks here for the transfer: send it to another instance, or wait."""
 
 
 class KVHandoff:
