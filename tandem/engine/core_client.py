@@ -23,11 +23,12 @@ DEATH_CHECK_S = 0.1
 STARTUP_TIMEOUT_S = 900.0  # building the engine: loading (and converting) weights, compiling
 
 
-def _run_engine_core(*args: Any) -> None:
+def _run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
+                     log_level: int, niceness: int) -> None:
     """The engine-core process's entry, named here so that starting it imports nothing heavy on
     this (the front end's) side: the core's modules bring in torch."""
     from tandem.engine.core_proc import run_engine_core
-    run_engine_core(*args)
+    run_engine_core(config, input_addr, output_addr, parent_pid, log_level, niceness)
 
 
 class EngineCoreClient:

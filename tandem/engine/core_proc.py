@@ -157,7 +157,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: int = logging.INFO, niceness: int = 0) -> None:
-    """The engine-core process's entry point (multiprocessing spawn target)."""
+    """The engine-core process's entry point (what core_client's spawn target runs)."""
     _die_with_parent(parent_pid)
     # Ctrl-C, and a SIGTERM to the whole process group (systemd, a terminal), reach this process
     # too: the API process drains first, then sends Shutdown (or dies, and this process with it).
@@ -165,7 +165,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     import torch
-    # The cores go to the engine; the API process keeps one torch thread (see docs/architecture.md).
+    # The cores go to the engine; the API process runs no torch (see docs/architecture.md).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(config.num_threads or cores or 1)
     if niceness:  # before the model loads: every thread torch starts inherits it

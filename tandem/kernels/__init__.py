@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import ModuleType
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def build_dir(source: Path, root: Path, key: str = "") -> tuple[Path, Path]:
 
 
 def _build_folder(text: bytes, root: Path, key: str) -> Path:
+    """A build's folder: its source and key hashed, so equal builds share it."""
     return root / hashlib.sha256(text + b"\0" + key.encode()).hexdigest()[:16]
 
 
@@ -165,7 +167,7 @@ def _built(kernel: str) -> Path:
     return _build_folder(source.read_bytes(), root, key) / f"tandem_{kernel}.so"
 
 
-def _load(kernel: str):
+def _load(kernel: str) -> ModuleType | None:
     """Import one extension from the shared cache, building it first when it is not there;
     None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":
@@ -200,14 +202,23 @@ def _import(name: str, path: Path):
     return module
 
 
+def _needs_build(kernel: str) -> bool:
+    """Neither built nor being built (its folder's lock). False where that cannot be told (no
+    torch, a bad TANDEM_CPU_ISA): loading the kernel then says why, as any other failure."""
+    try:
+        built = _built(kernel)
+    except Exception:
+        return False
+    return not built.exists() and not (built.parent / "lock").exists()
+
+
 def prepare() -> dict[str, bool]:
     """Build (or find) every native kernel; True for each that loads. Each one neither built nor
     being built (its folder's lock) builds in a process of its own, all at once: a build is one
     compiler on one core. One another process builds is waited for."""
     if os.environ.get("TANDEM_NO_NATIVE") != "1":
         code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); getattr(k, sys.argv[1])()"
-        missing = [name for name in CFLAGS if not _built(name).exists() and not (_built(name).parent / "lock").exists()]
-        builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in missing]
+        builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in CFLAGS if _needs_build(name)]
         for b in builds:
             b.wait()
     return {name: globals()[name]() is not None for name in CFLAGS}

@@ -8,6 +8,7 @@ itself, tensor by tensor (`iter_weights`, `gguf_weights.py`).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from tandem.config import cache_root
-from tandem.models.gguf_config import FOLDER_VERSION, write_model_folder
+from tandem.models.gguf_config import FOLDER_VERSION, TOKENIZER_CLASS_FILE, write_model_folder
 
 if TYPE_CHECKING:  # torch is imported where weights are read: the front end process never needs it
     import torch
@@ -117,9 +118,9 @@ def iter_weights(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) one at a time, so peak memory stays one tensor: from a folder's
     safetensors as stored, or from a .gguf file (or its cache folder) dequantised to fp32 in the
     HF layout."""
-    from tandem.models.gguf_weights import GGUFWeights
     gguf = gguf_source(str(source))
     if gguf is not None:
+        from tandem.models.gguf_weights import GGUFWeights
         yield from GGUFWeights(gguf)
         return
     for file in _weight_files(Path(source)):
@@ -177,21 +178,31 @@ def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | Fold
 
 def load_tokenizer(folder: Path):
     """The folder's transformers tokenizer (a PreTrainedTokenizerFast), or None when it ships none.
-    A folder written from a GGUF is loaded as the class its tokenizer_config.json names, which
-    writing it checked is the class AutoTokenizer picks: AutoTokenizer reads the model's config
-    first, ~2.5 s of imports (torch among them) in every process that tokenises."""
+    A folder written from a GGUF records the class AutoTokenizer picked for it: with the same
+    transformers, that class is loaded directly, without AutoTokenizer's read of the model's
+    config (seconds of imports, torch among them)."""
     folder = Path(folder)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    if (folder / _GGUF_POINTER).is_file() and (folder / "tokenizer_config.json").is_file():
-        import transformers
-        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-        tokenizer_class = getattr(transformers, name, None) if isinstance(name, str) else None
-        if tokenizer_class is not None:
-            return tokenizer_class.from_pretrained(folder)
+    tokenizer_class = _recorded_tokenizer_class(folder)
+    if tokenizer_class is not None:
+        return tokenizer_class.from_pretrained(folder)
     from transformers import AutoTokenizer  # slow import; keep it off the module import path
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def _recorded_tokenizer_class(folder: Path) -> type | None:
+    """The class AutoTokenizer picked when the folder was written, if the transformers installed
+    is the one that picked it; else None."""
+    try:
+        record = json.loads((folder / TOKENIZER_CLASS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("transformers") != importlib.metadata.version("transformers"):
+        return None
+    import transformers
+    return getattr(transformers, str(record.get("tokenizer_class")), None)
 
 
 def _alias_path(alias: str) -> Path:

@@ -26,8 +26,8 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.engine.core_messages import DrainKV, JoinKVGroup, ReceiveKV, ReleaseKV, SendKV
 from tandem.core.kv_cache_manager import KVPoolFullError
+from tandem.engine.core_messages import DrainKV, JoinKVGroup, ReceiveKV, ReleaseKV, SendKV
 from tandem.server.decode_stream import DecodeLegs, send_outcome
 from tandem.server.limits import TokenId
 from tandem.server.protocol import CompletionRequest
