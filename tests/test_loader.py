@@ -98,8 +98,8 @@ def test_converted_tokenizer_matches_gguf_tokenizer(smollm: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
 def test_a_gguf_folders_tokenizer_is_the_one_autotokenizer_loads(alias: str) -> None:
-    """The loader takes the class a GGUF's folder names rather than asking AutoTokenizer (seconds
-    of imports): the same class, settings, vocabulary and tokens."""
+    """The loader takes the class recorded when the folder was written rather than asking
+    AutoTokenizer (seconds of imports): the same class, settings, vocabulary and tokens."""
     folder = resolve_model(alias)
     ours, reference = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
     assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs

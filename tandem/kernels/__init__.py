@@ -215,7 +215,7 @@ def _needs_build(kernel: str) -> bool:
 def prepare() -> dict[str, bool]:
     """Build (or find) every native kernel; True for each that loads. Each one neither built nor
     being built (its folder's lock) builds in a process of its own, all at once: a build is one
-    compiler on one core. One another process builds is waited for."""
+    compiler on one core. A kernel another process is building is waited for."""
     if os.environ.get("TANDEM_NO_NATIVE") != "1":
         code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); getattr(k, sys.argv[1])()"
         builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in CFLAGS if _needs_build(name)]
