@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.sampler import (
-    Sampler, SamplingMetadata, SamplingRow, apply_penalties, make_generator,
+    Sampler, SamplingMetadata, SamplingRow, apply_penalties, argmax, make_generator,
 )
 
 # Every test runs on the CPU, and on CUDA too where there is one.
@@ -205,3 +205,20 @@ def test_sampled_tokens_lie_in_the_allowed_set(device, logits, temperature, top_
             for i in range(n)]
     out = sample(torch.tensor([logits] * n, device=device), rows)
     assert set(out.sampled_token_ids) <= _allowed(logits, temperature, top_k, top_p, min_p)
+
+
+@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["tie", "nan", "-inf", "inf"])), max_size=6),
+       st.booleans(), st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_argmax_is_torchs_first_maximum_with_ties_nans_and_strides(rows, vocab, dtype, edits, transposed, seed):
+    """The sampler's argmax (numpy's on CPU) picks torch's index: the first of tied maxima, the
+    first NaN, in every float dtype logits come in, strided or not."""
+    x = randn(rows, vocab, seed=seed, device="cpu").to(dtype)
+    for at, kind in edits:
+        r, c = at % rows, (at // rows) % vocab
+        x[r, c] = {"tie": x[r].max().item(), "nan": float("nan"), "-inf": float("-inf"), "inf": float("inf")}[kind]
+    if transposed:
+        x = x.t().contiguous().t()
+    for device in DEVICES:
+        assert torch.equal(argmax(x.to(device)).cpu(), x.argmax(dim=-1))

@@ -41,6 +41,15 @@ class SamplerOutput:
     logprobs: list[list[tuple[int, float]]] | None
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the same index (the first maximum; a NaN counts as the maximum). On CPU it
+    goes through numpy's vectorised argmax: torch's CPU argmax is a scalar loop, 0.3 ms a row over
+    Gemma 3's 262k-token vocabulary in fp32 (1.3 ms in bf16), numpy's 0.03 ms."""
+    if x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(x.detach().to(torch.float32).numpy(), axis=-1))
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
@@ -200,7 +209,7 @@ class Sampler:
         md = metadata
         plain_argmax = md.no_penalties and md.min_tokens_blocked is None and md.max_num_logprobs is None
         if md.all_greedy and plain_argmax:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            return SamplerOutput(argmax(logits).tolist(), None)
 
         # A private fp32 copy: the steps below work in place and must not touch the caller's logits.
         logits = logits.to(torch.float32, copy=True)
@@ -221,11 +230,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax (penalties applied, top-k/p ignored); the others sample."""
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         sampled = self._sample_random(logits, md)
         if md.greedy_mask is None:
             return sampled
-        return torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
+        return torch.where(md.greedy_mask, argmax(logits), sampled)
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = apply_top_k_top_p(logits / md.temperature.unsqueeze(1), md.top_k, md.max_top_k, md.top_p)
@@ -243,7 +252,7 @@ class Sampler:
             q[i].exponential_(generator=generator)
         # Exp(1) can round to 0 on some backends; 0 / 0 = NaN would win the argmax.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1)
+        return argmax(probs.div_(q))
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, sampled_ids: list[int],

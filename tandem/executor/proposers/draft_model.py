@@ -26,6 +26,7 @@ import torch
 from tandem.core.outputs import SchedulerOutput
 from tandem.executor.device import to_device
 from tandem.executor.input_batch import CachedRequestState, InputBuilder, block_table
+from tandem.executor.sampler import argmax
 from tandem.models.llama import LlamaForCausalLM
 
 
@@ -88,7 +89,7 @@ class SelfDraftProposer:
         inputs = self.builder.build(ids, qlens[order], starts[order], tables[order])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         last = to_device(inputs.query_start_loc[1:] - 1, self.builder.device)
-        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        tokens = argmax(self.model.compute_logits(hidden[last])).tolist()
         result = [0] * len(order)
         for sorted_row, original in enumerate(order.tolist()):
             result[original] = tokens[sorted_row]
