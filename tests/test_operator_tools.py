@@ -1,12 +1,14 @@
-"""The mended tools: `--num-prompts` in bench offline, the machine a profile records and the
+"""The mended tools: `--num-prompts` in bench offline, its refusal of the other run's options, the machine a profile records and the
 warning on another machine, the server's prefix-cache counters over a bench serve run, and
 the simulator's hit ratio against the ideal on the same prompts."""
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import httpx
+import pytest
 
 from server_fixture import running_server
 from tandem.bench import offline
@@ -29,6 +31,18 @@ def test_bench_offline_takes_num_prompts_and_the_old_name():
     assert _offline_args(["--num-prompts", "7"]).num_prompts == 7
     assert _offline_args(["--num-requests", "5"]).num_prompts == 5
     assert _offline_args([]).num_prompts == 64
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--quantization", "int4", "--compare-async", "--num-prompts", "3"], "--num-prompts, --compare-async: read by the request run only"),
+    (["--quantization", "int4", "--speculative-method", "ngram"], "--speculative-method: read by the request run only"),
+    (["--batch-sizes", "1,2", "--repeats", "2"], "--batch-sizes, --repeats: read by --quantization's precision table only"),
+])
+def test_bench_offline_refuses_the_other_runs_options_in_words(argv, named):
+    """--quantization runs a precision table, not the request run: an option only the other one
+    reads is refused, naming it, before any model loads (it was silently ignored)."""
+    with pytest.raises(SystemExit, match=re.escape(named)):
+        offline.main(_offline_args(argv))
 
 
 def test_profile_warning_names_what_differs():

@@ -239,7 +239,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="--quantization: CPU threads (default: all cores)")
 
 
+# The options only one of the two runs reads (--quantization's precision table, or the request
+# run): one given to the other run is refused in words, not ignored.
+_TABLE_ONLY = ("batch_sizes", "prompt_len", "output_len", "repeats", "num_threads", "compare_deterministic")
+_RUN_ONLY = ("num_prompts", "min_prompt", "max_prompt", "min_output", "max_output", "max_num_seqs",
+             "max_num_batched_tokens", "enforce_eager", "async_scheduling", "compare_async", "compare",
+             "hf_batch_size", "hf_dtype", "speculative_config", "speculative_method", "speculative_model",
+             "num_speculative_tokens")
+
+
+def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    flag: dict[str, str] = {}
+    for action in parser._actions:  # a dest's first spelling (a deprecated one follows it)
+        if action.option_strings:
+            flag.setdefault(action.dest, action.option_strings[0])
+    others = _RUN_ONLY if args.quantization else _TABLE_ONLY
+    # (the old --speculative-* spellings have no default: present only when given)
+    given = [flag[name] for name in others if hasattr(args, name) and getattr(args, name) != defaults.get(name)]
+    if given:
+        raise SystemExit(f"bench offline: {', '.join(given)}: " + (
+            "read by the request run only, not by --quantization's precision table" if args.quantization
+            else "read by --quantization's precision table only (add --quantization, or leave them out)"))
+
+
 def main(args: argparse.Namespace) -> dict:
+    _refuse_the_other_runs_options(args)
     if args.quantization:
         from tandem.bench.quantization import compare
         report = compare(args)
