@@ -207,17 +207,20 @@ def test_sampled_tokens_lie_in_the_allowed_set(device, logits, temperature, top_
     assert set(out.sampled_token_ids) <= _allowed(logits, temperature, top_k, top_p, min_p)
 
 
-@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["tie", "nan", "-inf", "inf"])), max_size=6),
+@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["tie", "next", "nan", "-inf", "inf"])), max_size=6),
        st.booleans(), st.integers(0, 2**16))
 @settings(max_examples=60, deadline=None)
 def test_argmax_is_torchs_first_maximum_with_ties_nans_and_strides(rows, vocab, dtype, edits, transposed, seed):
     """The sampler's argmax (numpy's on CPU) picks torch's index: the first of tied maxima, the
-    first NaN, in every float dtype logits come in, strided or not."""
+    first NaN, a maximum just above another (the next float64: no rounding to a tie), in every
+    float dtype logits come in, strided or not."""
     x = randn(rows, vocab, seed=seed, device="cpu").to(dtype)
     for at, kind in edits:
         r, c = at % rows, (at // rows) % vocab
-        x[r, c] = {"tie": x[r].max().item(), "nan": float("nan"), "-inf": float("-inf"), "inf": float("inf")}[kind]
+        top = x[r].max().double()
+        x[r, c] = {"tie": top, "next": torch.nextafter(top, torch.tensor(math.inf, dtype=torch.float64)),
+                   "nan": math.nan, "-inf": -math.inf, "inf": math.inf}[kind]
     if transposed:
         x = x.t().contiguous().t()
     for device in DEVICES:

@@ -47,7 +47,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     over Gemma 3's 262k-token vocabulary in fp32 (1.3 ms in bf16), numpy's 0.03 ms."""
     if x.device.type != "cpu":
         return x.argmax(dim=-1)
-    return torch.from_numpy(np.argmax(x.detach().to(torch.float32).numpy(), axis=-1))
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # exact for every float dtype
+    return torch.from_numpy(np.argmax(x.detach().to(wide).numpy(), axis=-1))
 
 
 def _has_penalty(p: SamplingParams) -> bool:
