@@ -1,6 +1,7 @@
-"""The mended tools: `--num-prompts` in bench offline, its refusal of the other run's options, the machine a profile records and the
-warning on another machine, the server's prefix-cache counters over a bench serve run, and
-the simulator's hit ratio against the ideal on the same prompts."""
+"""The mended tools: `--num-prompts` in bench offline and its refusal of the other run's options,
+the machine a profile records and the warning on another machine, the server's prefix-cache
+counters over a bench serve run, and the simulator's hit ratio against the ideal on the same
+prompts."""
 from __future__ import annotations
 
 import argparse

@@ -252,13 +252,10 @@ def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     defaults = vars(parser.parse_args([]))
-    flag: dict[str, str] = {}
-    for action in parser._actions:  # a dest's first spelling (a deprecated one follows it)
-        if action.option_strings:
-            flag.setdefault(action.dest, action.option_strings[0])
     others = _RUN_ONLY if args.quantization else _TABLE_ONLY
     # (the old --speculative-* spellings have no default: present only when given)
-    given = [flag[name] for name in others if hasattr(args, name) and getattr(args, name) != defaults.get(name)]
+    given = ["--" + name.replace("_", "-") for name in others
+             if hasattr(args, name) and getattr(args, name) != defaults.get(name)]
     if given:
         raise SystemExit(f"bench offline: {', '.join(given)}: " + (
             "read by the request run only, not by --quantization's precision table" if args.quantization
