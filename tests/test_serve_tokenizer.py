@@ -122,3 +122,19 @@ def test_cluster_config_refuses_what_cannot_apply():
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         parse_cluster_config({"models": [bad]})
     assert read_chat_template(TEMPLATE) == TEMPLATE
+
+
+def test_one_tokenizer_per_process_for_a_source_until_its_files_change(tiny_model_dirs, tmp_path):
+    """Callers in one process (engine core, front end, router, several LLMs) share the tokenizer
+    loaded once; a --chat-template goes on a copy, never on the shared one; a tokenizer file
+    written again is loaded again."""
+    src = word_tokenizer(tmp_path / "tok", 64, chat_template="{{ 'own' }}")
+    model = tiny_model_dirs["llama"]
+    first = get_tokenizer(model, src)
+    assert get_tokenizer(model, src) is first
+    templated = get_tokenizer(model, src, TEMPLATE)
+    assert templated is not first and templated.chat_template == TEMPLATE
+    assert first.chat_template == "{{ 'own' }}" and get_tokenizer(model, src).chat_template == "{{ 'own' }}"
+    word_tokenizer(tmp_path / "tok", 32)  # the same folder, rewritten
+    again = get_tokenizer(model, src)
+    assert again is not first and len(again) == 32
