@@ -52,22 +52,19 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     import time
 
     from tandem.kernels import LOCK_GRACE_S, STALE_LOCK_S, build_dir
-    a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
-    for p in (a, b):
-        p.parent.mkdir()
-        p.write_text("int x;\n")
-    build, src = build_dir(a, tmp_path / "kernels")
-    assert build_dir(b, tmp_path / "kernels") == (build, src) and src.read_text() == "int x;\n"
+    a = b = b"int x;\n"
+    build, src = build_dir("k.cpp", a, tmp_path / "kernels")
+    assert build_dir("k.cpp", b, tmp_path / "kernels") == (build, src) and src.read_text() == "int x;\n"
     lock = build / "lock"
     old = time.time() - STALE_LOCK_S - 1
     lock.touch()
     os.utime(lock, (old, old))
-    build_dir(a, tmp_path / "kernels")
+    build_dir("k.cpp", a, tmp_path / "kernels")
     assert not lock.exists()
     lock.touch()  # fresh: another process is building; its lock goes when it is done
     threading.Timer(0.3, lock.unlink).start()
     t0 = time.monotonic()
-    build_dir(a, tmp_path / "kernels")
+    build_dir("k.cpp", a, tmp_path / "kernels")
     assert 0.25 < time.monotonic() - t0 < STALE_LOCK_S and not lock.exists()  # waited, not timed out
     # Past the grace period, a lock is kept while a process builds in the folder (however slow
     # the machine), and removed once none does.
@@ -76,10 +73,9 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     os.utime(lock, (old, old))
     builder = subprocess.Popen(["sleep", "1"], cwd=build)
     t0 = time.monotonic()
-    build_dir(a, tmp_path / "kernels")
+    build_dir("k.cpp", a, tmp_path / "kernels")
     assert time.monotonic() - t0 > 0.5 and builder.poll() is not None and not lock.exists()
-    b.write_text("int y;\n")
-    assert build_dir(b, tmp_path / "kernels")[0] != build  # other source, other build
+    assert build_dir("k.cpp", b"int y;\n", tmp_path / "kernels")[0] != build  # other source, other build
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

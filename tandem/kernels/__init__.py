@@ -50,17 +50,16 @@ def _cpuinfo() -> str:
         return ""
 
 
-def build_dir(source: Path, root: Path, key: str = "") -> tuple[Path, Path]:
-    """The build folder for `source`, named by a hash of its content and `key` (flags and
-    toolchain), with the source copied in: every checkout and virtualenv with the same
-    kernel, flags, compiler and torch shares one build. While another process holds the build
+def build_dir(name: str, text: bytes, root: Path, key: str = "") -> tuple[Path, Path]:
+    """The build folder for source `text` (file `name`), named by a hash of it and `key` (flags
+    and toolchain), with the source written in: every checkout and virtualenv with the same
+    kernels, flags, compiler and torch shares one build. While another process holds the build
     lock this waits for it, and removes it once it is stale."""
-    text = source.read_bytes()
     build = _build_folder(text, root, key)
     build.mkdir(parents=True, exist_ok=True)
-    src = build / source.name
+    src = build / name
     if not src.exists() or src.read_bytes() != text:
-        tmp = build / f"{source.name}.{os.getpid()}.tmp"
+        tmp = build / f"{name}.{os.getpid()}.tmp"
         tmp.write_bytes(text)
         tmp.replace(src)
     lock, waiting = build / "lock", False
@@ -105,7 +104,7 @@ def _lock_is_stale(build: Path, age: float) -> bool:
 def cpu_paged_attention():
     """The CPU paged decode-attention extension, or None when it cannot be built here
     (no compiler, or TANDEM_NO_NATIVE=1)."""
-    return _load("cpu_paged_attention")
+    return _kernel("cpu_paged_attention")
 
 
 def cpu_paged_decode(head_dim: int):
@@ -119,15 +118,16 @@ def cpu_paged_decode(head_dim: int):
 def cpu_fused_ops():
     """Fused RMSNorm / residual-add+RMSNorm / RoPE for CPU (kernels/cpu_fused_ops.cpp), or None.
     No fast-math: each op must round exactly as the PyTorch code it replaces."""
-    return _load("cpu_fused_ops")
+    return _kernel("cpu_fused_ops")
 
 
 @functools.cache
 def cpu_quant_gemm():
     """int8-activation GEMMs for the int4 / int8 linears (kernels/cpu_quant_gemm.cpp), or None;
     `supported()` says whether this CPU runs it (AVX512-VNNI, or AVX2 with FMA). OpenMP here is torch's own runtime
-    (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's thread team."""
-    return _load("cpu_quant_gemm")
+    (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's thread team. Its FMAs
+    are its intrinsics', so its unit's -ffp-contract=off changes nothing in it."""
+    return _kernel("cpu_quant_gemm")
 
 
 @functools.cache
@@ -135,7 +135,7 @@ def cpu_invariant_gemm():
     """The batch-invariant GEMM for the deterministic mode (kernels/cpu_invariant_gemm.cpp), or
     None. No fast-math and no FMA contraction beyond the kernel's own: its per-element FMA chain
     is the point."""
-    return _load("cpu_invariant_gemm")
+    return _kernel("cpu_invariant_gemm")
 
 
 def target_flags() -> list[str]:
@@ -148,48 +148,72 @@ def target_flags() -> list[str]:
     return ["-march=native"] + (["-mno-avx512f"] if isa == "avx2" else [])
 
 
-# Each kernel's flags besides -O3 and the target's (why each: its function's docstring).
-CFLAGS = {"cpu_paged_attention": ["-ffast-math", "-fopenmp"], "cpu_fused_ops": ["-ffp-contract=off"],
-          "cpu_quant_gemm": ["-fopenmp"], "cpu_invariant_gemm": ["-ffp-contract=off", "-fopenmp"]}
+# Each build unit: its kernels and the flags besides -O3 and the target's (why each: the kernel
+# functions' docstrings). A unit is one translation unit, its kernels' sources joined and one
+# module holding a submodule for each: torch's and pybind11's headers, most of a build's CPU
+# (~10 s), are parsed once per unit, not once per kernel; so kernels whose flags agree share one.
+UNITS = {"cpu_paged_attention": (("cpu_paged_attention",), ["-ffast-math", "-fopenmp"]),
+         "cpu_kernels": (("cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm"), ["-ffp-contract=off", "-fopenmp"])}
+UNIT_OF = {kernel: unit for unit, (kernels, _) in UNITS.items() for kernel in kernels}
 
 
-def _build_spec(kernel: str) -> tuple[Path, Path, list[str], str]:
-    """Kernel `kernel`'s source, the cache its builds go to, its full flags, and its build key."""
+def unit_source(unit: str) -> bytes:
+    """A unit's translation unit: its kernels' sources, then the module binding each (every
+    kernel's code is in its own namespace, tandem_<kernel>, with a bind function)."""
+    kernels, _ = UNITS[unit]
+    binds = "".join(f'  tandem_{k}::bind(m.def_submodule("{k}"));\n' for k in kernels)
+    parts = [Path(__file__).with_name(f"{k}.cpp").read_text() for k in kernels]
+    return ("\n".join(parts) + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n").encode()
+
+
+def _build_spec(unit: str) -> tuple[bytes, Path, list[str], str]:
+    """Unit `unit`'s source, the cache its builds go to, its full flags, and its build key."""
     from tandem.config import cache_root
-    cflags = ["-O3", *target_flags(), *CFLAGS[kernel]]
-    return (Path(__file__).with_name(f"{kernel}.cpp"), cache_root().parent / "kernels", cflags,
-            " ".join(cflags) + "|" + toolchain())
+    cflags = ["-O3", *target_flags(), *UNITS[unit][1]]
+    return unit_source(unit), cache_root().parent / "kernels", cflags, " ".join(cflags) + "|" + toolchain()
 
 
-def _built(kernel: str) -> Path:
-    """Where kernel `kernel`'s extension file is once built."""
-    source, root, _, key = _build_spec(kernel)
-    return _build_folder(source.read_bytes(), root, key) / f"tandem_{kernel}.so"
+def _built(unit: str) -> Path:
+    """Where unit `unit`'s extension file is once built."""
+    text, root, _, key = _build_spec(unit)
+    return _build_folder(text, root, key) / f"tandem_{unit}.so"
 
 
-def _load(kernel: str) -> ModuleType | None:
-    """Import one extension from the shared cache, building it first when it is not there;
-    None where that fails."""
+def _kernel(kernel: str):
+    """One kernel's functions (its submodule of its unit's module), or None."""
+    module = _unit(UNIT_OF[kernel])
+    return getattr(module, kernel) if module is not None else None
+
+
+@functools.cache
+def _unit(unit: str) -> ModuleType | None:
+    """A unit's module, imported (or built) once per process for all its kernels."""
+    return _load(unit)
+
+
+def _load(unit: str) -> ModuleType | None:
+    """Import one unit's extension from the shared cache, building it first when it is not
+    there; None where that fails."""
     if os.environ.get("TANDEM_NO_NATIVE") == "1":
         return None
     try:
         import torch  # noqa: F401 - the extension links against the libraries torch loads
-        name = f"tandem_{kernel}"
-        source, root, cflags, key = _build_spec(kernel)
-        build, src = build_dir(source, root, key)
+        name = f"tandem_{unit}"
+        text, root, cflags, key = _build_spec(unit)
+        build, src = build_dir(f"{unit}.cpp", text, root, key)
         built = build / f"{name}.so"
         if not built.exists():
-            log.info("building native kernel %s in %s (once per machine and toolchain; `tandem prepare` "
-                     "builds it ahead)", source.name, build)
+            log.info("building native kernels %s in %s (once per machine and toolchain; `tandem prepare` "
+                     "builds them ahead)", ", ".join(UNITS[unit][0]), build)
             t0 = time.monotonic()
             from torch.utils.cpp_extension import load
             ext = load(name=name, sources=[str(src)], extra_cflags=cflags, build_directory=str(build),
                        extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], verbose=False)
-            log.info("built %s in %.1f s", source.name, time.monotonic() - t0)
+            log.info("built %s in %.1f s", ", ".join(UNITS[unit][0]), time.monotonic() - t0)
             return ext
         return _import(name, built)
     except Exception as e:  # a missing toolchain must not stop serving
-        log.warning("native kernel %s unavailable (%s); using the PyTorch path", kernel, e)
+        log.warning("native kernels %s unavailable (%s); using the PyTorch path", ", ".join(UNITS[unit][0]), e)
         return None
 
 
@@ -202,23 +226,23 @@ def _import(name: str, path: Path):
     return module
 
 
-def _needs_build(kernel: str) -> bool:
+def _needs_build(unit: str) -> bool:
     """Neither built nor being built (its folder's lock). False where that cannot be told (no
-    torch, a bad TANDEM_CPU_ISA): loading the kernel then says why, as any other failure."""
+    torch, a bad TANDEM_CPU_ISA): loading the unit then says why, as any other failure."""
     try:
-        built = _built(kernel)
+        built = _built(unit)
     except Exception:
         return False
     return not built.exists() and not (built.parent / "lock").exists()
 
 
 def prepare() -> dict[str, bool]:
-    """Build (or find) every native kernel; True for each that loads. Each one neither built nor
+    """Build (or find) every native kernel; True for each that loads. Each unit neither built nor
     being built (its folder's lock) builds in a process of its own, all at once: a build is one
-    compiler on one core. A kernel another process is building is waited for."""
+    compiler on one core. A unit another process is building is waited for."""
     if os.environ.get("TANDEM_NO_NATIVE") != "1":
-        code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); getattr(k, sys.argv[1])()"
-        builds = [subprocess.Popen([sys.executable, "-c", code, name]) for name in CFLAGS if _needs_build(name)]
+        code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); k._load(sys.argv[1])"
+        builds = [subprocess.Popen([sys.executable, "-c", code, unit]) for unit in UNITS if _needs_build(unit)]
         for b in builds:
             b.wait()
-    return {name: globals()[name]() is not None for name in CFLAGS}
+    return {kernel: _kernel(kernel) is not None for kernel in UNIT_OF}

@@ -9,6 +9,8 @@
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
 #include <cmath>
 
+namespace tandem_cpu_fused_ops {
+
 namespace {
 
 template <typename T>
@@ -123,9 +125,12 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, int64_t hea
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This kernel's functions, in its submodule of the unit's module (kernels/__init__.py: UNITS).
+void bind(pybind11::module_ m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm");
   m.def("qk_rms_norm_", &qk_rms_norm_, "RMSNorm in place on each q and k head of a fused qkv");
   m.def("rope_", &rope_, "rotate-half RoPE in place on q and k");
 }
+
+}  // namespace tandem_cpu_fused_ops

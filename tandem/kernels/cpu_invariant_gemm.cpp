@@ -24,6 +24,8 @@
 #include <optional>
 #include <vector>
 
+namespace tandem_cpu_invariant_gemm {
+
 namespace {
 
 constexpr int64_t kPanel = 16, kMaxRows = 6;
@@ -185,7 +187,10 @@ at::Tensor gemm(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+// This kernel's functions, in its submodule of the unit's module (kernels/__init__.py: UNITS).
+void bind(pybind11::module_ mod) {
   mod.def("pack", &pack, "pack a [N, K] weight into 16-column panels");
   mod.def("gemm", &gemm, "batch-invariant y = x W^T (+ b)", py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"));
 }
+
+}  // namespace tandem_cpu_invariant_gemm

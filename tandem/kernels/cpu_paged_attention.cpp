@@ -14,6 +14,8 @@
 #include <cmath>
 #include <vector>
 
+namespace tandem_cpu_paged_attention {
+
 // q: row b at q + b * q_row, [Hq, D] inside it; out: [B, Hq, D].
 template <typename T, int D>
 static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* block_tables,
@@ -128,7 +130,8 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This kernel's functions, in its submodule of the unit's module (kernels/__init__.py: UNITS).
+void bind(pybind11::module_ m) {
   using pybind11::arg;
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", arg("q"), arg("k_cache"),
         arg("v_cache"), arg("block_tables"), arg("seq_lens"), arg("block_size"), arg("scale"), arg("window") = 0);
@@ -136,3 +139,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("qkv"), arg("kv_cache"), arg("slot_mapping"), arg("block_tables"), arg("seq_lens"), arg("num_heads"),
         arg("block_size"), arg("scale"), arg("window") = 0);
 }
+
+}  // namespace tandem_cpu_paged_attention

@@ -42,6 +42,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace tandem_cpu_quant_gemm {
+
 namespace {
 
 constexpr int64_t kBlock = 32, kTile = 16, kRows = 4, kPrefetch = 8;  // kRows: rows per weight read
@@ -547,7 +549,8 @@ at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+// This kernel's functions, in its submodule of the unit's module (kernels/__init__.py: UNITS).
+void bind(pybind11::module_ mod) {
 #ifdef TANDEM_QUANT_GEMM
   mod.attr("vector_bits") = TANDEM_QUANT_GEMM;  // which build: 512 (AVX-512) or 256 (AVX2)
 #else
@@ -563,3 +566,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
 }
+
+}  // namespace tandem_cpu_quant_gemm
