@@ -3,6 +3,9 @@ random models: what each changes (the chat prompt, the tokens, the names accepte
 keys that set them, and each refused in words where it cannot apply."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import httpx
 import pytest
 
@@ -126,8 +129,8 @@ def test_cluster_config_refuses_what_cannot_apply():
 
 def test_one_tokenizer_per_process_for_a_source_until_its_files_change(tiny_model_dirs, tmp_path):
     """Callers in one process (engine core, front end, router, several LLMs) share the tokenizer
-    loaded once; a --chat-template goes on a copy, never on the shared one; a tokenizer file
-    written again is loaded again."""
+    loaded once while one of them holds it, and it is freed once none does; a --chat-template goes
+    on a copy, never on the shared one; a tokenizer file written again is loaded again."""
     src = word_tokenizer(tmp_path / "tok", 64, chat_template="{{ 'own' }}")
     model = tiny_model_dirs["llama"]
     first = get_tokenizer(model, src)
@@ -138,3 +141,7 @@ def test_one_tokenizer_per_process_for_a_source_until_its_files_change(tiny_mode
     word_tokenizer(tmp_path / "tok", 32)  # the same folder, rewritten
     again = get_tokenizer(model, src)
     assert again is not first and len(again) == 32
+    gone = weakref.ref(again)
+    del again
+    gc.collect()
+    assert gone() is None  # the cache alone does not keep a tokenizer alive

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,23 +82,27 @@ def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str |
     return tok
 
 
-_loaded: dict[tuple, Any] = {}
+_loaded: weakref.WeakValueDictionary[tuple, Any] = weakref.WeakValueDictionary()
 _loaded_lock = threading.Lock()
 
 
 def _shared(source: Path, load: Callable[[], Any]) -> Any:
     """One tokenizer per process for each source as it is on disk (its files' sizes and
-    times): an engine core, a front end and a router in one process, or several `LLM`s, share
-    it instead of each parsing the tokenizer.json again (Gemma 3's 33 MB: ~4 s). Callers only
-    read it; a chat template of their own goes on a copy."""
+    times), while anything holds it: an engine core, a front end and a router in one process,
+    or several `LLM`s, share it instead of each parsing the tokenizer.json again (Gemma 3's
+    33 MB: ~4 s); once none does, it is freed. Callers only read it; a chat template of their
+    own goes on a copy."""
     try:
         files = sorted(source.iterdir()) if source.is_dir() else [source]
         key = (str(source.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
     except OSError:  # not a local path (an alias): resolve_model has said what it is
         key = (str(source),)
     with _loaded_lock:
-        if key in _loaded:
-            return _loaded[key]
+        tok = _loaded.get(key)
+    if tok is not None:
+        return tok
     tok = load()
+    if tok is None:  # the model ships none: nothing to share
+        return None
     with _loaded_lock:
         return _loaded.setdefault(key, tok)
