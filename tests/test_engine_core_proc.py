@@ -22,6 +22,7 @@ from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.engine.core_messages import (CheckKVPeer, CompileGrammar, GetSchedulerStats, KVSent, SendKV, UtilityCall,
                                          decode_utility)
+from tandem.engine.tokenizer import get_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -50,12 +51,18 @@ def proc_llm(model_dir):
     llm.shutdown()
 
 
-def test_the_front_end_imports_no_torch():
+def test_the_front_end_imports_no_torch(tiny_model_dirs, tmp_path):
     """A server's API process (command line, app, tokenizer, core client) never imports torch:
-    seconds of start-up and ~250 MB of memory that only the engine core needs."""
+    seconds of start-up and ~250 MB of memory that only the engine core needs. Neither for a
+    GGUF nor for a Hugging Face folder (whose safetensors headers it checks), nor for that
+    folder's tokenizer once AutoTokenizer has picked its class (recorded in the cache)."""
+    folder = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
+    assert get_tokenizer(folder) is not None  # AutoTokenizer, here
     code = ("import sys; from tandem.cli import build_parser; build_parser(['serve'])\n"
             "import tandem.server.api_server, tandem.engine.core_client, tandem.cluster.router.app\n"
             "from tandem.engine.tokenizer import get_tokenizer; assert get_tokenizer('smollm2-135m') is not None\n"
+            f"assert get_tokenizer({tiny_model_dirs['llama']!r}) is None\n"
+            f"assert get_tokenizer({folder!r}) is not None\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

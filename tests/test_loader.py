@@ -131,6 +131,32 @@ def test_the_recorded_tokenizer_class_serves_only_under_the_transformers_that_re
     assert load_tokenizer(folder) == "auto"  # another transformers may pick another class
 
 
+def test_a_hugging_face_folders_tokenizer_class_is_recorded_in_the_cache(
+        tiny_model_dirs: dict, tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AutoTokenizer loads an HF folder once; later loads take the class it picked from a record
+    in the cache, which a changed tokenizer file (or another transformers) sets aside."""
+    import transformers
+    from structured_fixture import with_tokenizer
+    folder = Path(with_tokenizer(tiny_model_dirs["qwen2"], tmp_path / "m"))
+    auto = transformers.AutoTokenizer.from_pretrained
+    calls = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or auto(*a, **k))
+    picked = load_tokenizer(folder)
+    assert len(calls) == 1 and len(list((fresh_cache / "tokenizer-classes").iterdir())) == 1
+    again = load_tokenizer(folder)
+    assert len(calls) == 1 and type(again) is type(picked)
+    text = '{"name": "Bob"} yes no'
+    assert again(text).input_ids == picked(text).input_ids and again.eos_token == picked.eos_token
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 64}))
+    assert load_tokenizer(folder).model_max_length == 64 and len(calls) == 2  # picked again
+    assert load_tokenizer(folder).model_max_length == 64 and len(calls) == 2  # and recorded again
+    [record] = (fresh_cache / "tokenizer-classes").iterdir()
+    record.write_text(json.dumps({**json.loads(record.read_text()), "transformers": "0.0"}))
+    load_tokenizer(folder)
+    assert len(calls) == 3
+
+
 @pytest.mark.slow
 def test_converted_model_answers_a_chat_prompt(smollm: Path) -> None:
     tokenizer = load_tokenizer(smollm)

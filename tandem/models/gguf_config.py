@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem.models.gguf_file import GGUFFile
+from tandem.models.tokenizer_record import write_record
 
 # Bump when the folder's contents change so stale cached folders are not reused.
 FOLDER_VERSION = 3
-TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # the class AutoTokenizer picks for the folder (the loader's shortcut)
+TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # the class AutoTokenizer picks for the folder (tokenizer_record.py)
 
 # GGUF `general.architecture` -> (HF model_type, HF architecture class).
 SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
@@ -120,7 +121,7 @@ def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type
     # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader finds it.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     reloaded = AutoTokenizer.from_pretrained(out_dir)
-    _record_tokenizer_class(out_dir, type(reloaded))
+    write_record(out_dir / TOKENIZER_CLASS_FILE, type(reloaded))  # later loads skip AutoTokenizer
     probes = list(_TOKENIZER_PROBES)
     if tokenizer.chat_template:
         chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -128,17 +129,6 @@ def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type
     for text in probes:
         if tokenizer(text).input_ids != reloaded(text).input_ids:
             raise ValueError(f"{gguf_path}: saved tokenizer does not round-trip {text!r}")
-
-
-def _record_tokenizer_class(out_dir: Path, picked: type) -> None:
-    """Write TOKENIZER_CLASS_FILE: the class AutoTokenizer picked for this folder, with the
-    transformers version that picked it, when transformers exports that class by its name (the
-    loader then takes it directly: AutoTokenizer reads the model's config first, seconds of
-    imports, torch among them, in every process that tokenises)."""
-    import transformers
-    if getattr(transformers, picked.__name__, None) is picked:
-        record = {"tokenizer_class": picked.__name__, "transformers": transformers.__version__}
-        (out_dir / TOKENIZER_CLASS_FILE).write_text(json.dumps(record) + "\n")
 
 
 def architecture(reader: GGUFFile, path: Path) -> str:

@@ -8,7 +8,6 @@ itself, tensor by tensor (`iter_weights`, `gguf_weights.py`).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from tandem.config import cache_root
+from tandem.models import tokenizer_record
 from tandem.models.gguf_config import FOLDER_VERSION, TOKENIZER_CLASS_FILE, write_model_folder
 
 if TYPE_CHECKING:  # torch is imported where weights are read: the front end process never needs it
@@ -70,7 +70,10 @@ def resolve_model(model: str) -> Path:
         _pointed_gguf(folder)
         return folder
     for file in _weight_files(folder):
-        with _open_safetensors(file):  # reads only the header: catches truncation before the engine starts
+        # reads only the header, which catches truncation before the engine starts; numpy, not
+        # torch, as the framework: safetensors imports the framework it is given, and the front
+        # end that calls this never needs torch (seconds of start-up)
+        with _open_safetensors(file, framework="numpy"):
             pass
     return folder
 
@@ -178,31 +181,23 @@ def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | Fold
 
 def load_tokenizer(folder: Path):
     """The folder's transformers tokenizer (a PreTrainedTokenizerFast), or None when it ships none.
-    A folder written from a GGUF records the class AutoTokenizer picked for it: with the same
-    transformers, that class is loaded directly, without AutoTokenizer's read of the model's
-    config (seconds of imports, torch among them)."""
+    Where the class AutoTokenizer picks for the folder is recorded (tokenizer_record.py: in a
+    converted GGUF's folder, or in the cache once AutoTokenizer has loaded a Hugging Face folder),
+    that class is loaded directly, without AutoTokenizer's imports."""
     folder = Path(folder)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    tokenizer_class = _recorded_tokenizer_class(folder)
+    in_cache = tokenizer_record.cache_record_path(folder)
+    tokenizer_class = (tokenizer_record.recorded_class(folder / TOKENIZER_CLASS_FILE)
+                       or tokenizer_record.recorded_class(in_cache, folder))
     if tokenizer_class is not None:
         return tokenizer_class.from_pretrained(folder)
     from transformers import AutoTokenizer  # slow import; keep it off the module import path
 
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def _recorded_tokenizer_class(folder: Path) -> type | None:
-    """The class AutoTokenizer picked when the folder was written, if the transformers installed
-    is the one that picked it; else None."""
-    try:
-        record = json.loads((folder / TOKENIZER_CLASS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("transformers") != importlib.metadata.version("transformers"):
-        return None
-    import transformers
-    return getattr(transformers, str(record.get("tokenizer_class")), None)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not (folder / TOKENIZER_CLASS_FILE).is_file():  # a GGUF's folder holds its own record
+        tokenizer_record.write_record(in_cache, type(tokenizer), folder)
+    return tokenizer
 
 
 def _alias_path(alias: str) -> Path:
@@ -340,10 +335,10 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 @contextmanager
-def _open_safetensors(path: Path) -> Iterator[Any]:
+def _open_safetensors(path: Path, framework: str = "pt") -> Iterator[Any]:
     """safe_open, with its terse header errors re-raised naming the file."""
     try:
-        handle = safe_open(str(path), framework="pt")
+        handle = safe_open(str(path), framework=framework)
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from e
     with handle as f:
