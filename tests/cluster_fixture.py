@@ -13,6 +13,7 @@ from tandem.cluster.launch.launcher import external_instances
 from tandem.cluster.router.app import build_router
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM
+from tandem.models.loader import load_tokenizer
 from tandem.server.api_server import ServerConfig, build_app
 
 
@@ -79,6 +80,7 @@ def with_word_tokenizer(model_dir: str, dst: Path) -> str:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(dst)
+    load_tokenizer(dst)  # AutoTokenizer picks the class once: servers started on dst load it directly
     return str(dst)
 
 

@@ -8,6 +8,8 @@ import shutil
 import string
 from pathlib import Path
 
+from tandem.models.loader import load_tokenizer
+
 EOS = "<eos>"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -31,4 +33,5 @@ def with_tokenizer(model_dir: str, dst: Path, vocab_size: int = 512) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(dst)
+    load_tokenizer(dst)  # AutoTokenizer picks the class once: servers started on dst load it directly
     return str(dst)

@@ -22,7 +22,6 @@ from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.engine.core_messages import (CheckKVPeer, CompileGrammar, GetSchedulerStats, KVSent, SendKV, UtilityCall,
                                          decode_utility)
-from tandem.engine.tokenizer import get_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -56,8 +55,7 @@ def test_the_front_end_imports_no_torch(tiny_model_dirs, tmp_path):
     seconds of start-up and ~250 MB of memory that only the engine core needs. Neither for a
     GGUF nor for a Hugging Face folder (whose safetensors headers it checks), nor for that
     folder's tokenizer once AutoTokenizer has picked its class (recorded in the cache)."""
-    folder = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
-    assert get_tokenizer(folder) is not None  # AutoTokenizer, here
+    folder = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")  # loads it once, with AutoTokenizer
     code = ("import sys; from tandem.cli import build_parser; build_parser(['serve'])\n"
             "import tandem.server.api_server, tandem.engine.core_client, tandem.cluster.router.app\n"
             "from tandem.engine.tokenizer import get_tokenizer; assert get_tokenizer('smollm2-135m') is not None\n"

@@ -138,6 +138,7 @@ def test_a_hugging_face_folders_tokenizer_class_is_recorded_in_the_cache(
     import transformers
     from structured_fixture import with_tokenizer
     folder = Path(with_tokenizer(tiny_model_dirs["qwen2"], tmp_path / "m"))
+    shutil.rmtree(fresh_cache)  # with_tokenizer loaded it once already
     auto = transformers.AutoTokenizer.from_pretrained
     calls = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or auto(*a, **k))
