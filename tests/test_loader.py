@@ -156,6 +156,11 @@ def test_a_hugging_face_folders_tokenizer_class_is_recorded_in_the_cache(
     record.write_text(json.dumps({**json.loads(record.read_text()), "transformers": "0.0"}))
     load_tokenizer(folder)
     assert len(calls) == 3
+    shutil.copytree(folder, tmp_path / "n")
+    shutil.rmtree(folder)  # a folder gone: its record goes when another is written
+    load_tokenizer(tmp_path / "n")
+    assert [json.loads(r.read_text())["folder"] for r in (fresh_cache / "tokenizer-classes").iterdir()] == \
+           [str((tmp_path / "n").resolve())]
 
 
 @pytest.mark.slow

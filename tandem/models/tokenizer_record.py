@@ -53,7 +53,20 @@ def write_record(path: Path, picked: type, folder: Path | None = None) -> None:
             f.write(json.dumps(record) + "\n")
         os.replace(tmp, path)  # whole or not at all, with other processes recording beside it
     except OSError:
-        pass
+        return
+    if folder is not None:
+        _forget_gone_folders(path.parent)
+
+
+def _forget_gone_folders(records: Path) -> None:
+    """Remove the cache's records of folders that no longer exist (a temporary model folder's),
+    so the records stay as many as the folders served."""
+    for path in records.glob("*.json"):
+        try:
+            if not Path(json.loads(path.read_text())["folder"]).is_dir():
+                path.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
 
 
 def recorded_class(path: Path, folder: Path | None = None) -> type | None:
