@@ -251,6 +251,7 @@ def test_migrate_bad_input(pd_words):
     assert httpx.post(url + "/tandem/migrate", json={}).status_code == 422
 
 
+@pytest.mark.slow  # three instances and a router: ~6-10 s
 def test_a_decode_instance_short_of_kv_sheds_a_request(tiny_model_dirs, tmp_path):
     """The router moves a request by itself: it lands on a decode instance with a small KV
     pool (the roomy one is draining then), which runs short as the output grows; once the

@@ -88,6 +88,7 @@ def shared_prefix(i: int) -> list[int]:
     return list(range(1, 97)) + [100 + i % 50, 7, 8]
 
 
+@pytest.mark.slow  # a browser watching a server under load: ~13 s
 @needs_chromium
 def test_server_dashboard_charts_fill_under_load(tiny_model_dirs):
     engine = EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, num_threads=1)

@@ -106,6 +106,7 @@ def _streams(url: str, n: int) -> tuple[list, list[threading.Thread]]:
     return ended, threads
 
 
+@pytest.mark.slow  # a served process, a drain and its timeout: ~10-14 s
 def test_disconnect_then_sigterm_drains_and_exits_zero(model_dir):
     srv = Served(model_dir, "--shutdown-timeout", "3")
     try:
