@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tandem.models.loader import load_config, load_tokenizer, resolve_model
+from tandem.models.tokenizer_record import folder_files
 
 JINJA_CHARS = "{}\n"  # a value holding any of these is a template, else a file path (vLLM's rule)
 
@@ -93,8 +94,7 @@ def _shared(source: Path, load: Callable[[], Any]) -> Any:
     33 MB: ~4 s); once none does, it is freed. Callers only read it; a chat template of their
     own goes on a copy."""
     try:
-        files = sorted(source.iterdir()) if source.is_dir() else [source]
-        key = (str(source.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+        key = (str(source.resolve()), tuple(map(tuple, folder_files(source))))
     except OSError:  # not a local path (an alias): resolve_model has said what it is
         key = (str(source),)
     with _loaded_lock:

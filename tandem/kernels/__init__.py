@@ -173,10 +173,12 @@ def _build_spec(unit: str) -> tuple[bytes, Path, list[str], str]:
     return unit_source(unit), cache_root().parent / "kernels", cflags, " ".join(cflags) + "|" + toolchain()
 
 
-def _built(unit: str) -> Path:
-    """Where unit `unit`'s extension file is once built."""
-    text, root, _, key = _build_spec(unit)
-    return _build_folder(text, root, key) / f"tandem_{unit}.so"
+def _built(unit: str, build: Path | None = None) -> Path:
+    """Where unit `unit`'s extension file is once built (in `build`, its build folder, when known)."""
+    if build is None:
+        text, root, _, key = _build_spec(unit)
+        build = _build_folder(text, root, key)
+    return build / f"tandem_{unit}.so"
 
 
 def _kernel(kernel: str):
@@ -198,10 +200,10 @@ def _load(unit: str) -> ModuleType | None:
         return None
     try:
         import torch  # noqa: F401 - the extension links against the libraries torch loads
-        name = f"tandem_{unit}"
         text, root, cflags, key = _build_spec(unit)
         build, src = build_dir(f"{unit}.cpp", text, root, key)
-        built = build / f"{name}.so"
+        built = _built(unit, build)
+        name = built.stem
         if not built.exists():
             log.info("building native kernels %s in %s (once per machine and toolchain; `tandem prepare` "
                      "builds them ahead)", ", ".join(UNITS[unit][0]), build)

@@ -23,11 +23,13 @@ from tandem.config import cache_root
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def folder_files(folder: Path) -> list[list]:
-    """The folder's files that are not weights, as [name, mtime_ns, size]: what AutoTokenizer
-    may read (config.json, tokenizer files, chat template)."""
-    return sorted([f.name, f.stat().st_mtime_ns, f.stat().st_size] for f in Path(folder).iterdir()
-                  if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
+def folder_files(path: Path) -> list[list]:
+    """A folder's files that are not weights (what a tokenizer load may read: config.json,
+    tokenizer files, chat template), or the one file `path` is, as [name, mtime_ns, size]."""
+    path = Path(path)
+    files = [f for f in path.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)] \
+        if path.is_dir() else [path]
+    return sorted([f.name, f.stat().st_mtime_ns, f.stat().st_size] for f in files)
 
 
 def cache_record_path(folder: Path) -> Path:
