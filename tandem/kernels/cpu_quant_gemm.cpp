@@ -34,7 +34,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers cost ~40 s a build
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers add ~15 s of parsing (21 s against 5 s, g++ -fsyntax-only, AMD EPYC Zen 3)
 #include <immintrin.h>
 
 #include <cstring>
