@@ -42,6 +42,40 @@ def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, windo
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100], ids=["global", "window-100"])
+def test_native_decode_splits_long_contexts_and_is_batch_invariant(dtype, window):
+    """Contexts of many parts (the kernel splits a context into fixed parts the threads share)
+    match SDPA, and a sequence's output is bit for bit the same alone as in a batch, whatever
+    the thread count: the parts follow its own length, never the batch's."""
+    ext = cpu_paged_attention()
+    if ext is None:
+        pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(1)
+    bs, heads, kv_heads, head_dim = 16, 4, 1, 256
+    seq_lens = torch.tensor([700, 3, 129, 64, 65, 1000])
+    max_blocks = (int(seq_lens.max()) + bs - 1) // bs
+    num_blocks = max_blocks * len(seq_lens)
+    k_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, generator=g).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=g)[:num_blocks].view(len(seq_lens), max_blocks)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    threads = torch.get_num_threads()
+    try:
+        batched = ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, scale, window or 0)
+        torch.set_num_threads(1)
+        for b in range(len(seq_lens)):
+            alone = ext.paged_decode_attention(q[b:b + 1], k_cache, v_cache, block_tables[b:b + 1], seq_lens[b:b + 1],
+                                               bs, scale, window or 0)
+            assert torch.equal(alone[0], batched[b]), f"sequence {b} differs alone and in the batch"
+    finally:
+        torch.set_num_threads(threads)
+    ref = _reference(q, k_cache, v_cache, block_tables, seq_lens, bs, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batched.float(), ref, atol=tol, rtol=tol)
+
+
 def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     """Two checkouts of the same kernel source share one build; a lock left by an interrupted
     build (a server killed on its first start) is removed instead of blocking every later

@@ -1,6 +1,6 @@
 // Paged decode attention for CPU: one query token per sequence, K/V read in place from the
-// block-paged cache (no gather copy), fp32 accumulation, one work item per (sequence, KV head)
-// so the query heads of a GQA group share every K/V row they read.
+// block-paged cache (no gather copy), fp32 accumulation; the query heads of a GQA group share
+// every K/V row they read, and a context is split into fixed parts that the threads share.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
 #include <ATen/Dispatch.h>
@@ -12,65 +12,147 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace tandem_cpu_paged_attention {
+
+// A work item is one (sequence, KV head, part of its context): a part is kPart positions from
+// the window's start, so a sequence's result depends on its own length only, never on the batch,
+// and a batch of one still spreads a long context over the threads (flash-decoding's split). An
+// item writes its parts' max score, sum of exps and unnormalised output; a second pass merges them
+// in order.
+constexpr int64_t kPart = 64, kMaxGroup = 16;
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8 load8(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return (v8)(__builtin_convertvector(h, u32x8) << 16);
+}
+template <typename T>  // fp16, fp64
+inline v8 load8(const T* p) {
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return load8(f);
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(v8 v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// Scores of R K rows (`stride` elements apart from kp) against one query head (fp32, scaled):
+// two accumulators a row, so 2R independent FMA chains overlap instead of one waiting on itself.
+template <int R, typename T, int D>
+inline void scores_of(const float* qj, const T* kp, int64_t stride, float* out) {
+  v8 a[R][2] = {};
+  for (int i = 0; i < D; i += 16) {
+    const v8 q0 = load8(qj + i), q1 = load8(qj + i + 8);
+    for (int r = 0; r < R; ++r) {
+      a[r][0] += q0 * load8(kp + r * stride + i);
+      a[r][1] += q1 * load8(kp + r * stride + i + 8);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(a[r][0] + a[r][1]);
+}
+
+// Positions [lo, hi) (at most kPart) of one sequence (block table `table`) for KV head h and its
+// g query heads qf [g, D]: part = m [g] (max score), l [g] (sum of exp(s - m)), acc [g, D]
+// (sum of exp(s - m) v).
+template <typename T, int D>
+void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
+                 int64_t hkv, int64_t h, int64_t g, int64_t lo, int64_t hi, float* part) {
+  const int64_t len = hi - lo, row_stride = hkv * D;
+  float scores[kMaxGroup * kPart];
+  for (int64_t p0 = lo, n; p0 < hi; p0 += n) {  // block by block: a block's rows are row_stride apart
+    const int64_t off = p0 % block_size;
+    n = std::min(block_size - off, hi - p0);
+    const T* kp = k_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D;
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores + j * kPart + (p0 - lo);
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) scores_of<4, T, D>(qf + j * D, kp + t * row_stride, row_stride, sj + t);
+      for (; t < n; ++t) scores_of<1, T, D>(qf + j * D, kp + t * row_stride, row_stride, sj + t);
+    }
+  }
+  float *m = part, *l = part + g, *acc = part + 2 * g;
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = scores + j * kPart;
+    float mx = -INFINITY, sum = 0.f;  // locals: through m[j] the max is a store-to-load chain
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sj[t]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
+    m[j] = mx, l[j] = sum;
+  }
+  // 64 outputs of one head at a time, summed over the part in registers (not through memory)
+  for (int64_t j = 0; j < g; ++j)
+    for (int i0 = 0; i0 < D; i0 += 64) {
+      v8 a[8] = {};
+      for (int64_t p0 = lo, n; p0 < hi; p0 += n) {
+        const int64_t off = p0 % block_size;
+        n = std::min(block_size - off, hi - p0);
+        const T* vp = v_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D + i0;
+        for (int64_t t = 0; t < n; ++t, vp += row_stride) {
+          const float p = scores[j * kPart + p0 - lo + t];
+          for (int u = 0; u < 8; ++u) a[u] += p * load8(vp + 8 * u);
+        }
+      }
+      for (int u = 0; u < 8; ++u) store8(acc + j * D + i0 + 8 * u, a[u]);
+    }
+}
 
 // q: row b at q + b * q_row, [Hq, D] inside it; out: [B, Hq, D].
 template <typename T, int D>
 static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t hq, int64_t hkv,
                    int64_t max_blocks, int64_t block_size, float scale, int64_t window) {
-  const int64_t g = hq / hkv, row_stride = hkv * D;
-  at::parallel_for(0, num_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * D), acc(g * D), scores;
-    float row[D];
+  const int64_t g = hq / hkv, part_size = g * (D + 2);
+  TORCH_CHECK(g <= kMaxGroup, "paged decode: at most ", kMaxGroup, " query heads per KV head");
+  auto first_pos = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : int64_t{0}; };
+  std::vector<int64_t> first_item(num_seqs + 1, 0);  // sequence b's items: [first_item[b], first_item[b + 1])
+  for (int64_t b = 0; b < num_seqs; ++b)
+    first_item[b + 1] = first_item[b] + hkv * std::max<int64_t>(1, (seq_lens[b] - first_pos(b) + kPart - 1) / kPart);
+  std::vector<float> parts(first_item[num_seqs] * part_size);
+  at::parallel_for(0, first_item[num_seqs], 1, [&](int64_t begin, int64_t end) {
+    float qf[kMaxGroup * D];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / hkv, h = item % hkv, end_pos = seq_lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0, len = end_pos - lo;
-      const int64_t* table = block_tables + b * max_blocks;
-      scores.resize(g * len);
+      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t per_head = (first_item[b + 1] - first_item[b]) / hkv, h = (item - first_item[b]) / per_head;
+      const int64_t lo = first_pos(b) + (item - first_item[b]) % per_head * kPart;
       for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[b * q_row + h * g * D + i]) * scale;
-      // Scores, block by block (the first one from the window's start): rows of one block are a
-      // fixed stride apart.
-      for (int64_t p0 = lo, n; p0 < end_pos; p0 += n) {
-        const int64_t off = p0 % block_size;
-        n = std::min(block_size - off, end_pos - p0);
-        const T* kp = k_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D;
-        for (int64_t t = 0; t < n; ++t, kp += row_stride) {
-          for (int i = 0; i < D; ++i) row[i] = static_cast<float>(kp[i]);
-          for (int64_t j = 0; j < g; ++j) {
-            const float* qj = qf.data() + j * D;
-            float s = 0.f;
-            for (int i = 0; i < D; ++i) s += qj[i] * row[i];
-            scores[j * len + p0 - lo + t] = s;
-          }
-        }
-      }
+      attend_part<T, D>(qf, k_cache, v_cache, block_tables + b * max_blocks, block_size, hkv, h, g, lo,
+                        std::min(lo + kPart, seq_lens[b]), parts.data() + item * part_size);
+    }
+  });
+  // merge each (sequence, KV head)'s parts in order
+  at::parallel_for(0, num_seqs * hkv, 16, [&](int64_t begin, int64_t end) {
+    float acc[D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hkv, h = item % hkv, per_head = (first_item[b + 1] - first_item[b]) / hkv;
+      const float* first = parts.data() + (first_item[b] + h * per_head) * part_size;
       for (int64_t j = 0; j < g; ++j) {
-        float* sj = scores.data() + j * len;
-        const float mx = *std::max_element(sj, sj + len);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = lo, n; p0 < end_pos; p0 += n) {
-        const int64_t off = p0 % block_size;
-        n = std::min(block_size - off, end_pos - p0);
-        const T* vp = v_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D;
-        for (int64_t t = 0; t < n; ++t, vp += row_stride) {
-          for (int i = 0; i < D; ++i) row[i] = static_cast<float>(vp[i]);
-          for (int64_t j = 0; j < g; ++j) {
-            const float p = scores[j * len + p0 - lo + t];
-            float* aj = acc.data() + j * D;
-            for (int i = 0; i < D; ++i) aj[i] += p * row[i];
-          }
+        float m = -INFINITY, l = 0.f;
+        for (int64_t p = 0; p < per_head; ++p) m = std::max(m, first[p * part_size + j]);
+        std::fill(acc, acc + D, 0.f);
+        for (int64_t p = 0; p < per_head; ++p) {
+          const float* part = first + p * part_size;
+          const float w = std::exp(part[j] - m);
+          l += w * part[g + j];
+          for (int i = 0; i < D; ++i) acc[i] += w * part[2 * g + j * D + i];
         }
+        T* o = out + (b * hq + h * g + j) * D;
+        for (int i = 0; i < D; ++i) o[i] = static_cast<T>(acc[i] / l);
       }
-      for (int64_t i = 0; i < g * D; ++i) out[(b * hq + h * g) * D + i] = static_cast<T>(acc[i]);
     }
   });
 }
