@@ -86,7 +86,8 @@ class Int8Linear(nn.Module):
         return (q.float() * self.scales.float()[ids, None]).to(dtype)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().int8_gemm(x2d, self.qweight, self.scales, silu_mul)
+        b = self._buffers  # read directly: see int8_act_forward
+        return cpu_quant_gemm().int8_gemm(x2d, b["qweight"], b["scales"], silu_mul)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_silu_and_mul(self, x)
@@ -211,7 +212,8 @@ class Int4Linear(nn.Module):
         return bits.transpose(2, 3).reshape(-1, self.in_features // 32, 2, 4, 16, 4)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().int4_gemm(x2d, self.qpacked, self.d, self.m, self.out_features, silu_mul, self.qhigh)
+        b = self._buffers  # read directly: see int8_act_forward
+        return cpu_quant_gemm().int4_gemm(x2d, b["qpacked"], b["d"], b["m"], self.out_features, silu_mul, b["qhigh"])
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_silu_and_mul(self, x)
@@ -227,18 +229,22 @@ class Int4Linear(nn.Module):
 
 def int8_act_forward(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """A quantised layer on the integer-activation kernel; a 2-D contiguous x (the model's
-    flattened batch) goes in as it is: at batch 1 each extra view is a visible cost."""
+    flattened batch) goes in as it is: at batch 1 each extra view is a visible cost. The
+    layers' buffers are read from `_buffers`: as attributes each one costs ~1 us (nn.Module
+    finds them in __getattr__, after Python has built an AttributeError), ~5 us a call, more
+    than the call into the kernel itself."""
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.in_features).contiguous()
     y = layer._int8_act(x2d, False)
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.out_features)
-    return y if layer.bias is None else y + layer.bias
+    bias = layer._buffers["bias"]
+    return y if bias is None else y + bias
 
 
 def int8_act_silu_and_mul(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
     the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
-    if layer.int8_act and layer.bias is None and x.dim() == 2 and layer.out_features % 32 == 0:
+    if layer.int8_act and layer._buffers["bias"] is None and x.dim() == 2 and layer.out_features % 32 == 0:
         return layer._int8_act(x.contiguous(), True)
     return silu_and_mul(layer(x))
 
