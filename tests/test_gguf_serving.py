@@ -129,6 +129,33 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # Q6_K
 
 
+@pytest.mark.parametrize("kind,bits", [(Q.Q4_K, 4), (Q.Q5_0, 5)])
+def test_a_vocabulary_stored_in_4_or_5_bits_keeps_its_codes(tmp_path, kind, bits) -> None:
+    """int4 of a file whose (tied) vocabulary is in 4- or 5-bit blocks serves the LM head and the
+    embedding from those codes on the integer kernel, not from an int8 copy (more bytes, requantised):
+    the head dequantises to the file's table, and embedding rows are the head's rows exactly."""
+    if quantization.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is None:
+        pytest.skip("no integer kernel here: the vocabulary is int8 on the other paths")
+    path = write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
+    folder = resolve_model(str(path))
+    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
+                        torch.float32, TorchAttention, path)
+    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.bits == bits
+    table = model.lm_head.dequantize()
+    # the kernel holds d and m in fp16: a Q4_K block's d * scale and dmin * min round to it (Q5_0's d is fp16 already)
+    stored = GGUFWeights(path).get("model.embed_tokens.weight")
+    tol = 0 if kind == Q.Q5_0 else 2 ** -11 * float(stored.abs().max())
+    torch.testing.assert_close(table, stored, rtol=0, atol=tol)
+    ids = torch.tensor([[0, 17, VOCAB - 1], [5, 5, 160]])
+    torch.testing.assert_close(model.embed_tokens(ids), table[ids], rtol=0, atol=0)
+    int8 = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int8", torch.device("cpu"),
+                       torch.float32, TorchAttention, path)
+    assert isinstance(int8.lm_head, Int8Linear)  # the int8 variant asked for int8 throughout
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, this head
+    batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
+
+
 def test_int4_of_a_file_stored_wider_is_4_bits_throughout(tmp_path) -> None:
     """`--quantization int4` of a Q8_0 file (mostly) asks for the smaller model: every layer
     requantised to 4 bits, the odd Q5_0 layer held as its 5-bit codes."""

@@ -168,6 +168,6 @@ def test_int8_embedding_rows_are_the_tables_dequantised_rows(int8_act):
         layer.qweight = q.to(torch.uint8).reshape(3, 16, 16, 4).permute(0, 2, 1, 3).contiguous().reshape(48, -1)
         layer.scales, layer.int8_act = layer.scales.float(), True
     ids = torch.tensor([[0, 17, 47], [5, 5, 31]])
-    rows = quantization.Int8Embedding(layer, torch.float32)(ids)
+    rows = quantization.QuantEmbedding(layer, torch.float32)(ids)
     assert rows.shape == (2, 3, 64)
     torch.testing.assert_close(rows, layer.dequantize()[ids], rtol=0, atol=0)

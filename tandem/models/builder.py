@@ -11,7 +11,8 @@ Storage per variant, chosen by the bytes a decode step reads against the quality
   Gemma 3 270M's lost 3.7% perplexity, in int8 none. In other files (int4 of a Q8_0 or float
   file) every tensor without 4- or 5-bit codes is requantised to 4 bits;
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
-  int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves);
+  int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves),
+  except that int4 keeps a GGUF vocabulary's own 4- or 5-bit codes (fewer bytes, nothing lost);
 - the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.
 
 A quantised Linear is built straight from its file tensors, so no float copy of the decoder
@@ -36,7 +37,8 @@ from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import FolderWeights, weight_source
 from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear, int4_concatenates, quantize_int4, quantize_int8,
+    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, QuantEmbedding, int4_concatenates, int8_act_kernel, quantize_int4,
+    quantize_int8,
 )
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
         if native:
             log.info("int4 from %s: %d of the linear layers' tensors hold the file's own 4- or 5-bit codes",
                      getattr(source, "path", model_dir), native)
-        consumed |= _quantise_vocab(model, source, dtype)
+        consumed |= _quantise_vocab(model, source, weights, dtype)
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
     if weights == "float":
         if deterministic:
@@ -169,16 +171,32 @@ def _malloc_trim():
         return None
 
 
-def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights, dtype: torch.dtype) -> set[str]:
-    """The LM head as an int8 table, and the embedding read from it (tied) or from its own int8
-    table, each requantised a slice of rows at a time; returns the file tensors taken."""
+def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights, weights: str,
+                    dtype: torch.dtype) -> set[str]:
+    """The LM head as a quantised table, and the embedding read from it (tied) or from its own
+    table; returns the file tensors taken. int4 of a table the file stores in 4- or 5-bit
+    blocks keeps those codes where the integer kernel serves it; otherwise int8, requantised a
+    slice of rows at a time."""
     device = model.embed_tokens.weight.device
     embed = "model.embed_tokens.weight"
     head = embed if model.lm_head is None else "lm_head.weight"
-    model.lm_head = _int8_linear(source, [head], None, dtype, device)
-    table = model.lm_head if head == embed else _int8_linear(source, [embed], None, dtype, device)
-    model.embed_tokens = Int8Embedding(table, dtype)
+    model.lm_head = _vocab_table(source, head, weights, dtype, device)
+    table = model.lm_head if head == embed else _vocab_table(source, embed, weights, dtype, device)
+    model.embed_tokens = QuantEmbedding(table, dtype)
     return {embed, head}
+
+
+def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
+                 device: torch.device) -> Int4Linear | Int8Linear:
+    """One vocabulary table: the file's own 4- / 5-bit codes in an int4 variant on the integer
+    kernel (read as stored: fewer bytes a step than int8, and nothing requantised), else int8."""
+    rows, k = source.shape(name)
+    bits = source.code_bits(name)
+    if weights == "int4" and bits <= 5 and int8_act_kernel(device, dtype, rows, k) is not None:
+        codes = source.int4(name)
+        if codes is not None:
+            return Int4Linear(*(t.to(device) for t in codes), None, dtype, 5 if bits == 5 else 4)
+    return _int8_linear(source, [name], None, dtype, device)
 
 
 def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,

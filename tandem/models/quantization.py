@@ -101,11 +101,12 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int8Embedding(nn.Module):
-    """An embedding read from an int8 table (per-row scales): a quantised variant's tied LM head
-    serves as its embedding too, so the vocabulary is held once, in int8, not again in floats."""
+class QuantEmbedding(nn.Module):
+    """An embedding read from a quantised table (Int8Linear, or Int4Linear of a file's own 4- or
+    5-bit codes): a quantised variant's tied LM head serves as its embedding too, so the
+    vocabulary is held once, quantised, not again in floats."""
 
-    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+    def __init__(self, table: "Int8Linear | Int4Linear", dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
 
@@ -187,12 +188,9 @@ class Int4Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """On the integer-activation and reference paths (torch's packed layouts are its own)."""
-        if self.int8_act:  # [N/16, K/32, 4, 16, 4] bytes: low nibbles inputs 0-15, high 16-31
-            p = self.qpacked.reshape(-1, self.in_features // 32, 4, 16, 4)
-            codes = torch.stack([p & 15, p >> 4], 2)  # [N/16, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)]
-            if self.bits == 5:
-                codes = codes | (self._fifth_bits() << 4)
-            codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
+        if self.int8_act:
+            tiles = torch.arange(self.out_features // 16)
+            codes = self._tile_codes(tiles).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
             untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
             return (codes.float() * untile(self.d) + untile(self.m)).to(dtype)
         codes = self.codes
@@ -200,10 +198,32 @@ class Int4Linear(nn.Module):
             codes = torch.stack([codes & 15, codes >> 4], -1).reshape(self.out_features, -1)
         return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
 
-    def _fifth_bits(self) -> torch.Tensor:
-        """The 5-bit codes' fifth bits as [N/16, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)], from the
-        plane in the layout of the kernel build that packed it."""
-        bits = (self.qhigh.reshape(-1, self.in_features // 32, 2, 32, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W, dequantised as `dequantize` does: an embedding lookup in this table
+        (a GGUF vocabulary stored in 4- or 5-bit blocks; the builder keeps such a table only on
+        the integer kernel's tiles)."""
+        if not self.int8_act:
+            raise ValueError("int4: rows are read from the integer kernel's tiles only")
+        t, lane = ids // 16, ids % 16  # row r is lane r % 16 of tile r // 16
+        p = self.qpacked.view(-1, self.in_features // 32, 4, 16, 4)[t, :, :, lane]  # [ids, K/32, 4 (j), 4 (i)]
+        codes = torch.stack([p & 15, p >> 4], 2)
+        if self.bits == 5:
+            codes = codes | (self._fifth_bits(t)[torch.arange(len(ids)), :, :, :, lane] << 4)
+        scale = lambda v: v[t, :, lane].float().repeat_interleave(32, 1)  # noqa: E731
+        return (codes.reshape(len(ids), -1).float() * scale(self.d) + scale(self.m)).to(dtype)
+
+    def _tile_codes(self, tiles: torch.Tensor) -> torch.Tensor:
+        """The codes of packed tiles `tiles` as [tiles, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)]:
+        input 16 nibble + 4 j + i of column n (the layout in cpu_quant_gemm.cpp)."""
+        p = self.qpacked.view(-1, self.in_features // 32, 4, 16, 4)[tiles]
+        codes = torch.stack([p & 15, p >> 4], 2)
+        return codes | (self._fifth_bits(tiles) << 4) if self.bits == 5 else codes
+
+    def _fifth_bits(self, tiles: torch.Tensor) -> torch.Tensor:
+        """The 5-bit codes' fifth bits of packed tiles `tiles` as [tiles, K/32, 2 (nibble), 4 (j),
+        16 (n), 4 (i)], from the plane in the layout of the kernel build that packed it."""
+        plane = self.qhigh.view(-1, self.in_features // 32, 2, 32, 1)[tiles]
+        bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1
         if cpu_quant_gemm().vector_bits == 512:  # [j][nibble][64 bits, bit 4n + i]
             return bits.reshape(-1, self.in_features // 32, 4, 2, 16, 4).transpose(2, 3)
         # AVX2: [group j // 2][byte 4n' + i] of bit 4 (j % 2) + 2 nibble + h, column n = 8h + n'
