@@ -190,12 +190,9 @@ def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, d
                  device: torch.device) -> Int4Linear | Int8Linear:
     """One vocabulary table: the file's own 4- / 5-bit codes in an int4 variant on the integer
     kernel (read as stored: fewer bytes a step than int8, and nothing requantised), else int8."""
-    rows, k = source.shape(name)
-    bits = source.code_bits(name)
-    if weights == "int4" and bits <= 5 and int8_act_kernel(device, dtype, rows, k) is not None:
-        codes = source.int4(name)
-        if codes is not None:
-            return Int4Linear(*(t.to(device) for t in codes), None, dtype, 5 if bits == 5 else 4)
+    codes = source.int4(name) if weights == "int4" and int8_act_kernel(device, dtype, *source.shape(name)) else None
+    if codes is not None:  # int4() gives only 4- and 5-bit types, so code_bits is 4 or 5
+        return Int4Linear(*(t.to(device) for t in codes), None, dtype, source.code_bits(name))
     return _int8_linear(source, [name], None, dtype, device)
 
 
