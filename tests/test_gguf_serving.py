@@ -19,7 +19,8 @@ from tandem.models.builder import build_model
 from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config, resolve_model
-from tandem.models.quantization import Int4Linear, Int8Linear
+from tandem.models.q6k_linear import Q6KLinear
+from tandem.models.quantization import Int4Linear, Int8Linear, RowParts
 from tandem.executor.attention import TorchAttention
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
@@ -109,8 +110,9 @@ def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, exp
 def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     """On the reference path (the codes kept as they are): a layer whose parts are all Q4_K
     dequantises to the file's weights within a few ulp (tests/test_gguf_quants.py says why
-    not bit for bit), and so does a layer of Q5_0 and Q4_K parts, held as 5-bit codes; in this
-    file stored mostly in 4-5 bits, a layer with a Q6_K part is int8."""
+    not bit for bit), and so does a layer of Q5_0 and Q4_K parts, held as 5-bit codes; without
+    the integer kernel (which alone reads Q6_K) a Q6_K tensor is int8, and a fused layer of Q4_K
+    and Q6_K parts runs as its int4 and int8 parts."""
     monkeypatch.setattr(quantization, "_pack_int4", lambda *args: None)
     monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
@@ -125,32 +127,70 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     file_gate_up = torch.cat([weights.get(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up")])
     assert isinstance(gate_up, Int4Linear) and gate_up.bits == 5
     torch.testing.assert_close(gate_up.dequantize(), file_gate_up, rtol=1e-6, atol=1e-7)
-    assert isinstance(model.layers[1].self_attn.qkv_proj, Int8Linear)  # v_proj Q6_K
+    qkv = model.layers[1].self_attn.qkv_proj  # q, k Q4_K; v Q6_K
+    assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [Int4Linear, Int8Linear]
+    file_qk = torch.cat([weights.get(f"model.layers.1.self_attn.{p}_proj.weight") for p in ("q", "k")])
+    torch.testing.assert_close(qkv.parts[0].dequantize(), file_qk, rtol=1e-6, atol=1e-7)
     assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # Q6_K
+    x = torch.randn(3, HIDDEN)
+    assert torch.equal(qkv(x), torch.cat([qkv.parts[0](x), qkv.parts[1](x)], -1))
 
 
-@pytest.mark.parametrize("kind,bits", [(Q.Q4_K, 4), (Q.Q5_0, 5)])
-def test_a_vocabulary_stored_in_4_or_5_bits_keeps_its_codes(tmp_path, kind, bits) -> None:
-    """int4 of a file whose (tied) vocabulary is in 4- or 5-bit blocks serves the LM head and the
-    embedding from those codes on the integer kernel, not from an int8 copy (more bytes, requantised):
-    the head dequantises to the file's table, and embedding rows are the head's rows exactly."""
-    if quantization.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is None:
-        pytest.skip("no integer kernel here: the vocabulary is int8 on the other paths")
+def _integer_kernel() -> bool:
+    return quantization.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
+
+
+@pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: Q6_K is int8 on the other paths")
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_q6_k_tensors_are_served_as_stored(q4_k_m, weights) -> None:
+    """On the integer kernel a Q6_K tensor is served from its own blocks in int4 of a Q4_K_M
+    file and in int8 alike: down_proj whole, v_proj as the Q6_K part of qkv beside the int4 (or
+    int8) q and k; each dequantises to the file's weights bit for bit. Greedy tokens batched
+    equal each prompt alone."""
+    folder = resolve_model(q4_k_m)
+    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), weights, torch.device("cpu"),
+                        torch.float32, TorchAttention, Path(q4_k_m))
+    stored = GGUFWeights(Path(q4_k_m))
+    for i in range(LAYERS):
+        down = model.layers[i].mlp.down_proj
+        assert isinstance(down, Q6KLinear)
+        assert torch.equal(down.dequantize(), stored.get(f"model.layers.{i}.mlp.down_proj.weight"))
+        qkv = model.layers[i].self_attn.qkv_proj
+        qk = Int4Linear if weights == "int4" else Int8Linear
+        assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [qk, Q6KLinear]
+        assert torch.equal(qkv.parts[1].dequantize(), stored.get(f"model.layers.{i}.self_attn.v_proj.weight"))
+    llm = LLM(q4_k_m, dtype="float32", quantization=weights, kv_cache_memory=1 << 22)
+    batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
+
+
+@pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: the vocabulary is int8 on the other paths")
+@pytest.mark.parametrize("kind,bits", [(Q.Q4_K, 4), (Q.Q5_0, 5), (Q.Q6_K, 6)])
+def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits) -> None:
+    """A file whose (tied) vocabulary is in 4- or 5-bit blocks (int4) or Q6_K (int4 and int8)
+    serves the LM head and the embedding from those blocks on the integer kernel, not from an
+    int8 copy (more bytes, requantised): the head dequantises to the file's table, and embedding
+    rows are the head's rows exactly."""
     path = write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
     folder = resolve_model(str(path))
     model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
                         torch.float32, TorchAttention, path)
-    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.bits == bits
+    if bits == 6:
+        assert isinstance(model.lm_head, Q6KLinear)
+    else:
+        assert isinstance(model.lm_head, Int4Linear) and model.lm_head.bits == bits
     table = model.lm_head.dequantize()
-    # the kernel holds d and m in fp16: a Q4_K block's d * scale and dmin * min round to it (Q5_0's d is fp16 already)
+    # the int4 tiles hold d and m in fp16: a Q4_K block's d * scale and dmin * min round to it
+    # (Q5_0's d is fp16 already; Q6_K keeps its own d and sc)
     stored = GGUFWeights(path).get("model.embed_tokens.weight")
-    tol = 0 if kind == Q.Q5_0 else 2 ** -11 * float(stored.abs().max())
+    tol = 2 ** -11 * float(stored.abs().max()) if kind == Q.Q4_K else 0
     torch.testing.assert_close(table, stored, rtol=0, atol=tol)
     ids = torch.tensor([[0, 17, VOCAB - 1], [5, 5, 160]])
     torch.testing.assert_close(model.embed_tokens(ids), table[ids], rtol=0, atol=0)
     int8 = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int8", torch.device("cpu"),
                        torch.float32, TorchAttention, path)
-    assert isinstance(int8.lm_head, Int8Linear)  # the int8 variant asked for int8 throughout
+    # the int8 variant: int8 but for Q6_K, which it serves as stored
+    assert isinstance(int8.lm_head, Q6KLinear if bits == 6 else Int8Linear)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, this head
     batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
     assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]

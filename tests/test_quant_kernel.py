@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_quant_gemm
 from tandem.models.layers import silu_and_mul
+from tandem.models.q6k_linear import Q6KLinear
 from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8, int8_act_kernel
 
 from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
@@ -96,6 +97,100 @@ def test_five_bit_codes_equal_the_weight_only_reference(shape, dtype):
         torch.testing.assert_close(top(x).float(), torch.full((4, n), sign * 15.5 * k), rtol=rtol, atol=0)
     with pytest.raises(ValueError, match="a code above 15 in a layer of 4-bit codes"):
         Int4Linear(codes, scales, zeros, None, dtype)
+
+
+def _q6k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random Q6_K codes, scales (every int8, both signs) and small fp16 d, as a file holds them."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+            torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8),
+            (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half())
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: per 32 inputs q = round(x * 127 / max|x|) (half to even), in
+    fp32, then back to values q * max|x| / 127, fp64."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.full_like(top, 127) / top, torch.zeros_like(top))  # not 127 / top: reciprocal * 127
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q.double() * (top / 127).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(64, 256), (576, 1536), (2048, 512)])
+def test_q6_k_blocks_as_stored(shape, dtype):
+    """A Q6_K layer holds the file's blocks: dequantize() is d sc (q - 32) bit for bit (the gguf
+    package's order), rows() read one lane of the tiles. Its integer GEMM equals, to fp32
+    rounding, the exact product of the weights with the activations as the kernel rounds them
+    to int8 (so every code, scale and sub-block sum lands where it should), and the weight-only
+    reference within the activations' rounding; a row does not depend on its batch."""
+    n, k = shape
+    codes, sc, d = _q6k(n, k, n + k)
+    layer = Q6KLinear.from_codes(codes, sc, d, torch.randn(n), dtype)
+    w = (d.float().repeat_interleave(16, 1) * sc.float()).repeat_interleave(16, 1) * (codes.float() - 32)
+    assert torch.equal(layer.dequantize(), w)
+    ids = torch.tensor([0, 17, n - 1, 5, 5])
+    assert torch.equal(layer.rows(ids, torch.float32), w[ids])
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, k, dtype=dtype) * 3
+        y = layer(x).double()
+        exact = _int8_activations(x) @ w.double().t() + layer.bias.double()
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
+        torch.testing.assert_close(y, exact, rtol=tol, atol=tol * exact.abs().max().item())
+        assert _rel_err(layer(x), F.linear(x.float(), w, layer.bias.float())) < TOL
+        assert all(torch.equal(layer(x)[i], layer(x[i:i + 1])[0]) for i in range(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
+    """int4, 5-bit, int8 and Q6_K tiles against the exact product of their weights with the
+    activations as the kernel rounds them, at K = 8192, with activations of mixed sign and all
+    positive (where an offset added to every product and taken off late in fp32 would cancel
+    ~1e-4 of the output), every row count of a tile (1-4) and one more."""
+    n, k = 32, 8192
+    torch.manual_seed(9)
+    w = torch.randn(n, k) / 64
+    codes, sc, d = _q6k(n, k, 2)
+    layers = [Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
+              Int8Linear.from_float(w, None, dtype), Q6KLinear.from_codes(codes, sc, d, None, dtype)]
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
+    for layer in layers:
+        weights = layer.dequantize().double()
+        for rows in (1, 2, 3, 4, 5):
+            for x in (torch.randn(rows, k), torch.randn(rows, k).abs() + 2):
+                x = x.to(dtype)
+                exact = _int8_activations(x) @ weights.t()
+                torch.testing.assert_close(layer(x).double(), exact, rtol=tol, atol=tol * exact.abs().max().item(),
+                                           msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}")
+
+
+def test_q6_k_extremes_and_parts():
+    """Codes of 0 and 63 with scales of -128 and 127 against inputs of +-127 in every lane (the
+    AVX2 build's int16 pair sums and int32 scaling at their largest); a layer loaded a slice of
+    rows at a time, or from parts, holds the tiles the whole one does; the fused SiLU-and-mul."""
+    n, k = 32, 512
+    for code, scale in ((63, 127), (0, -128), (63, -128)):
+        layer = Q6KLinear.from_codes(torch.full((n, k), code, dtype=torch.uint8), torch.full((n, k // 16), scale, dtype=torch.int8),
+                                     torch.ones(n, k // 256, dtype=torch.float16), None, torch.float32)
+        for sign in (1, -1):
+            x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
+            torch.testing.assert_close(layer(x), torch.full((4, n), sign * 0.5 * k * scale * (code - 32)), rtol=1e-6, atol=0)
+    codes, sc, d = _q6k(96, 512, 1)
+    whole = Q6KLinear.from_codes(codes, sc, d, None, torch.float32)
+    sliced = Q6KLinear(96, 512, None, torch.float32, torch.device("cpu"))
+    for start in (64, 0, 32):
+        sliced.load(start, codes[start:start + 32], sc[start:start + 32], d[start:start + 32])
+    for name in ("qpacked", "qtop", "sc", "d"):
+        assert torch.equal(getattr(sliced, name), getattr(whole, name)), name
+    with pytest.raises(ValueError, match="whole tiles of 16"):
+        sliced.load(8, codes[:16], sc[:16], d[:16])
+    with pytest.raises(ValueError, match="a code above 63"):
+        sliced.load(0, codes[:16] + 64, sc[:16], d[:16])
+    x = torch.randn(9, 512)
+    fused = whole.forward_silu_mul(x)
+    torch.testing.assert_close(fused, silu_and_mul(whole(x)), rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(fused[i], whole.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
 
 
 def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
@@ -226,7 +321,7 @@ def _avx512_build() -> bool:
 def test_the_avx2_build_passes_these_tests_too():
     """On an AVX-512 CPU the AVX2 build runs this file's kernel tests as well (built once into the
     shared cache): CI on either kind of machine checks the build an AVX2-only CPU serves with."""
-    tests = "reference or five_bit or packed or batch or silu or asked_for"
+    tests = "reference or five_bit or packed or batch or silu or asked_for or q6_k or exact"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
                           "-k", tests], env={**os.environ, "TANDEM_CPU_ISA": "avx2"}, capture_output=True, text=True,
                          timeout=900, cwd=Path(__file__).parent)

@@ -1,5 +1,5 @@
-// Integer-activation GEMMs for the quantised linears on CPU (W4A8 and W8A8, as llama.cpp's
-// Q4_1 x Q8_1 and Q8_0 x Q8_0): each activation row is quantised to int8 in blocks of 32 with
+// Integer-activation GEMMs for the quantised linears on CPU (W4A8, W6A8 and W8A8, as llama.cpp's
+// Q4_1 x Q8_1, Q6_K x Q8_K and Q8_0 x Q8_0): each activation row is quantised to int8 in blocks of 32 with
 // one fp32 scale, and the dot products run on integer instructions instead of dequantising every
 // weight to floats, which made torch's int4 / int8 kernels compute-bound. Two builds of one
 // design, chosen by the compiler's target (-march=native):
@@ -22,9 +22,20 @@
 //         AVX2: [2][32] bytes, the 16 registers' worth of a block (chunk j, nibble lane l,
 //           columns 0-7 or 8-15 as h) as bit 4(j%2) + 2l + h of group j/2, byte 4n'+i for column
 //           8h+n': an and and a shift place a register's bits at 16 (a bit spread costs five ops).
+//  q6k (GGUF Q6_K as it is, w = d sc (q - 32), q in [0, 63]): the low 4 bits of q in int4's
+//        nibble layout, but for the inputs' order: nibble lane l of chunk j holds input 8j + 4l + i,
+//        so both lanes of chunks 0-1 are the block's first Q6_K sub-block (16 inputs, one scale)
+//        and of chunks 2-3 its second. The top 2 bits a plane beside them, [N/16][K/32][2][64]
+//        bytes, one layout for both builds: byte (p, 4n+i) holds, in bits 2(2c + l) and
+//        2(2c + l) + 1, the top bits of the code in nibble lane l of chunk 2p + c at byte 4n+i,
+//        so a shift and an and place a register's bits at 16 and 32. Scales sc int8
+//        [N/16][K/32][2][16] (sub-block s: inputs 16s-16s+15 of the block), d fp16
+//        [N/16][K/256][16]. u8 codes against s8 inputs need no sign trick; the -32 comes back as
+//        32 sc times each sub-block's sum of inputs.
 //  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd),
-//        q in [-127, 127]; one fp32 scale per column. AVX-512 takes the +128 back out as
-//        128 * sum(x) per row; AVX2 flips the top bit back to q and multiplies |x| by q with x's sign.
+//        q in [-127, 127]; one fp32 scale per column. AVX-512 takes the +128 back out of each
+//        block's int32 dot as 128 * sum(x); AVX2 flips the top bit back to q and multiplies |x|
+//        by q with x's sign.
 //
 // silu_mul: for a fused gate_up projection ([gate | up], N = 2I) the kernel computes tile t of
 // the gate and the matching tile of the up half together and writes silu(gate) * up, [M, I],
@@ -61,9 +72,10 @@ inline void store16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// One row: q = round(x / d) in [-127, 127] per block, d = max|x| / 127; ds = d * sum(q).
+// One row: q = round(x / d) in [-127, 127] per block, d = max|x| / 127; ds = d * sum(q); s16 the
+// sums of q over inputs 0-15 and 16-31 as two int16 (low, high half).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds, int32_t* s16) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -72,8 +84,10 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
     __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t slo = _mm512_reduce_add_epi32(qlo), shi = _mm512_reduce_add_epi32(qhi);
     d[b] = scale;
-    ds[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+    ds[b] = scale * static_cast<float>(slo + shi);
+    s16[b] = static_cast<int32_t>((static_cast<uint32_t>(slo) & 0xffff) | (static_cast<uint32_t>(shi) << 16));
   }
 }
 
@@ -122,14 +136,14 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
   for (int r = 0; r < R; ++r) store16(y + r * ldy, acc[r]);
 }
 
-// R rows x 16 columns for int8 weights stored as q + 128.
+// R rows x 16 columns for int8 weights stored as q + 128: each block's 128 * sum(x) comes off
+// its int32 dot (in fp32 at the end, that large a term cancelled ~1e-4 of the output at K = 8192).
 template <int R, typename T>
-void q8_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w,
+void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w,
              const float* ws, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   __m512 acc[R];
-  float offset[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = 0.f;
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 512 + j * 64), _MM_HINT_T0);
     __m512i dot[R];
@@ -139,13 +153,60 @@ void q8_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
       for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], wv, quad(xq + r * k + b * kBlock + 4 * j));
     }
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(xd[r * nb + b]), acc[r]);
-      offset[r] += xds[r * nb + b];
+      const int32_t sums = xs[r * nb + b], sum = static_cast<int16_t>(sums & 0xffff) + (sums >> 16);
+      __m512i net = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * sum));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(net), _mm512_set1_ps(xd[r * nb + b]), acc[r]);
     }
   }
   __m512 s = _mm512_loadu_ps(ws);
-  for (int r = 0; r < R; ++r)
-    store16(y + r * ldy, _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.f * offset[r]))));
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_mul_ps(s, acc[r]));
+}
+
+// R rows x 16 columns for Q6_K weights (the q6k layout above). Per block and row the two
+// sub-blocks (chunks 0-1, 2-3) add up apart; each takes its 32 * sum(x) off and its scale sc,
+// in int32 (|dot| <= 32 * 127 * (63 * 128 + 32 * 128)), then d and x's d.
+template <int R, typename T>
+void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w, const uint8_t* wh,
+             const int8_t* wsc, const uint16_t* wd, T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  const __m512i mask = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
+    for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wsc + (b + kPrefetch) * 32), _MM_HINT_T0);
+    __m512i lo_dot[R], hi_dot[R];
+    for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 2; ++p) {
+      __m512i plane = _mm512_loadu_si512(wh + (b * 2 + p) * 64);
+      for (int c = 0; c < 2; ++c) {
+        const int j = 2 * p + c;
+        __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
+        __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        __m512i lo_top = c ? plane : _mm512_slli_epi16(plane, 4);
+        __m512i hi_top = c ? _mm512_srli_epi16(plane, 2) : _mm512_slli_epi16(plane, 2);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(lo_top, top));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(hi_top, top));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * k + b * kBlock + 8 * j;
+          __m512i& dot = p ? hi_dot[r] : lo_dot[r];  // sub-block p
+          dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, lo, quad(xr)), hi, quad(xr + 4));
+        }
+      }
+    }
+    __m512i lo_sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 32)));
+    __m512i hi_sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 32 + 16)));
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b / 8 * kTile)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t s = xs[r * nb + b];
+      __m512i lo_off = _mm512_set1_epi32(32 * static_cast<int16_t>(s & 0xffff)), hi_off = _mm512_set1_epi32(32 * (s >> 16));
+      __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(lo_dot[r], lo_off), lo_sc),
+                                     _mm512_mullo_epi32(_mm512_sub_epi32(hi_dot[r], hi_off), hi_sc));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, acc[r]);
 }
 
 // exp(v) for v in fp32, 16 lanes: 2^n * e^f with n = round(v / ln 2), |f| <= ln 2 / 2, e^f by
@@ -204,9 +265,10 @@ inline int32_t hsum8(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// One row: q = round(x / d) in [-127, 127] per block, d = max|x| / 127; ds = d * sum(q).
+// One row: q = round(x / d) in [-127, 127] per block, d = max|x| / 127; ds = d * sum(q); s16 the
+// sums of q over inputs 0-15 and 16-31 as two int16 (low, high half).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds, int32_t* s16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     __m256 v[4];
@@ -219,8 +281,10 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p);
+    const int32_t slo = hsum8(_mm256_add_epi32(qi[0], qi[1])), shi = hsum8(_mm256_add_epi32(qi[2], qi[3]));
     d[b] = scale;
-    ds[b] = scale * static_cast<float>(hsum8(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]))));
+    ds[b] = scale * static_cast<float>(slo + shi);
+    s16[b] = static_cast<int32_t>((static_cast<uint32_t>(slo) & 0xffff) | (static_cast<uint32_t>(shi) << 16));
   }
 }
 
@@ -290,7 +354,7 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
 // R rows x 16 columns for int8 weights stored as q + 128: q = byte ^ 0x80, and maddubs takes
 // |x| (unsigned) times q with x's sign (|pair| <= 2 * 127 * 127, no saturation).
 template <int R, typename T>
-void q8_tile(const int8_t* xq, const float* xd, const float*, int64_t k, const uint8_t* w,
+void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const uint8_t* w,
              const float* ws, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
@@ -316,6 +380,71 @@ void q8_tile(const int8_t* xq, const float* xd, const float*, int64_t k, const u
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) store8(y + r * ldy + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(ws + 8 * h), acc[r][h]));
+}
+
+// R rows x 16 columns for Q6_K weights (the q6k layout above). A chunk's two lanes are one
+// sub-block: their maddubs of 6-bit codes against x add in int16 (|pair| <= 2 * 63 * 127, two
+// of them 32004) and widen through madd by the sub-block's scale (sc in both int16 of a
+// column's dword): one int32 dot a row and column half per block; the -32 comes off as madd of
+// x's two sub-block sums by (32 sc_0, 32 sc_1), then d and x's d.
+template <int R, typename T>
+void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w, const uint8_t* wh,
+             const int8_t* wsc, const uint16_t* wd, T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const __m128i twice[2] = {_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                            _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
+    for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wsc + (b + kPrefetch) * 32), _MM_HINT_T0);
+    const __m128i lo_sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 32));
+    const __m128i hi_sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 32 + 16));
+    __m256i scale[2][2], offset[2];  // [sub-block][column half h: columns 8h-8h+7]
+    for (int h = 0; h < 2; ++h) {
+      scale[0][h] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lo_sc, twice[h]));
+      scale[1][h] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(hi_sc, twice[h]));
+      offset[h] = _mm256_slli_epi16(_mm256_cvtepi8_epi16(h ? _mm_unpackhi_epi8(lo_sc, hi_sc) : _mm_unpacklo_epi8(lo_sc, hi_sc)), 5);
+    }
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* wp = wh + (b * 2 + p) * 64;
+      __m256i plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      __m256i plane1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
+      for (int c = 0; c < 2; ++c) {
+        const int j = 2 * p + c;
+        const uint8_t* wj = w + (b * 4 + j) * 64;
+        __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
+        __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32));
+        // the top bits at 16 and 32: chunk c's lane l sits at bit 2(2c + l) of the plane
+        auto lo_top = [&](__m256i v) { return _mm256_and_si256(c ? v : _mm256_slli_epi16(v, 4), top); };
+        auto hi_top = [&](__m256i v) { return _mm256_and_si256(c ? _mm256_srli_epi16(v, 2) : _mm256_slli_epi16(v, 2), top); };
+        __m256i lo0 = _mm256_or_si256(_mm256_and_si256(raw0, mask), lo_top(plane0));
+        __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask), hi_top(plane0));
+        __m256i lo1 = _mm256_or_si256(_mm256_and_si256(raw1, mask), lo_top(plane1));
+        __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask), hi_top(plane1));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * k + b * kBlock + 8 * j;
+          __m256i xa = quad(xr), xb = quad(xr + 4);
+          __m256i sum0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb));
+          __m256i sum1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb));
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(sum0, scale[p][0]));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(sum1, scale[p][1]));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * kTile + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        __m256i net = _mm256_sub_epi32(dot[r][h], _mm256_madd_epi16(_mm256_set1_epi32(xs[r * nb + b]), offset[h]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(net), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store8(y + r * ldy, acc[r][0]), store8(y + r * ldy + 8, acc[r][1]);
 }
 
 // exp(v), 8 lanes, as exp16 in the AVX-512 build (2^n built in the exponent bits: n in [-127, 127]).
@@ -350,36 +479,48 @@ inline void silu_mul16(const float* gate, const float* up, T* y) {
 #ifdef TANDEM_QUANT_GEMM
 constexpr bool kBuilt = true;
 
+enum class Format { int4, int8, q6k };
+
 // One packed weight: int4 (fp16 d and m per tile and block; h: the fifth bits of 5-bit codes, or
-// null) or int8 (fp32 column scales).
+// null), int8 (fp32 column scales) or q6k (h: the top-bit plane, sc, d per 256).
 struct Weights {
   const uint8_t* w;
   const uint8_t* h;
   const uint16_t* d;
   const uint16_t* m;
   const float* scales;
+  const int8_t* sc;
   int64_t n, k;
-  bool int4;
+  Format format;
 };
 
 // R rows of 16-column tile t, written to y with row stride ldy.
+// The activations of R rows: int8 codes, each block's d, d * sum(q) and 16-input sums (quantize_row).
+struct Rows {
+  const int8_t* q;
+  const float *d, *ds;
+  const int32_t* s16;
+};
+
 template <int R, typename T>
-void tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y, int64_t ldy) {
+void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
-  if (p.int4 && p.h)
-    q4_tile<R, true>(xq, xd, xds, p.k, p.w + t * nb * 256, p.h + t * nb * 64, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
-  else if (p.int4)
-    q4_tile<R, false>(xq, xd, xds, p.k, p.w + t * nb * 256, nullptr, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
+  if (p.format == Format::q6k)
+    q6_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32, p.d + t * (nb / 8) * kTile, y, ldy);
+  else if (p.format == Format::int8)
+    q8_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, ldy);
+  else if (p.h)
+    q4_tile<R, true>(x.q, x.d, x.ds, p.k, p.w + t * nb * 256, p.h + t * nb * 64, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
   else
-    q8_tile<R>(xq, xd, xds, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, ldy);
+    q4_tile<R, false>(x.q, x.d, x.ds, p.k, p.w + t * nb * 256, nullptr, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
 }
 
 // silu(gate) * up for R rows of 16 columns.
 template <int R, typename T>
-void silu_mul_tile(const Weights& p, const int8_t* xq, const float* xd, const float* xds, int64_t t, T* y, int64_t ldy) {
+void silu_mul_tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
   float gate[kRows * kTile], up[kRows * kTile];
-  tile<R>(p, xq, xd, xds, t, gate, kTile);
-  tile<R>(p, xq, xd, xds, t + p.n / 2 / kTile, up, kTile);
+  tile<R>(p, x, t, gate, kTile);
+  tile<R>(p, x, t + p.n / 2 / kTile, up, kTile);
   for (int r = 0; r < R; ++r) silu_mul16(gate + r * kTile, up + r * kTile, y + r * ldy);
 }
 
@@ -387,6 +528,7 @@ void silu_mul_tile(const Weights& p, const int8_t* xq, const float* xd, const fl
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
+  std::vector<int32_t> s16;
 };
 
 // Quantise x's rows, then every 16-column tile in parallel, up to 4 rows per weight read.
@@ -396,26 +538,26 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
   TORCH_CHECK(!silu_mul || p.n % (2 * kTile) == 0, "quant gemm: silu_mul needs N % 32 == 0");
   const int64_t m = x.size(0), k = p.k, nb = k / kBlock, n_out = silu_mul ? p.n / 2 : p.n;
   thread_local Scratch scratch;
-  scratch.q.resize(m * k), scratch.d.resize(m * nb), scratch.ds.resize(m * nb);
+  scratch.q.resize(m * k), scratch.d.resize(m * nb), scratch.ds.resize(m * nb), scratch.s16.resize(m * nb);
   auto y = at::empty({m, n_out}, x.options());
   auto body = [&](auto* xp, auto* yp) {
     int8_t* qp = scratch.q.data();
     float *dp = scratch.d.data(), *dsp = scratch.ds.data();
+    int32_t* sp = scratch.s16.data();
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb);
+      for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb);
     });
     at::parallel_for(0, n_out / kTile, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = 0; r < m; r += kRows) {
-          const int8_t* xq = qp + r * k;
-          const float *xd = dp + r * nb, *xds = dsp + r * nb;
+          const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};
           auto* yt = yp + r * n_out + t * kTile;
           auto rows = [&](auto r_const) {
             constexpr int R = decltype(r_const)::value;
             if (silu_mul)
-              silu_mul_tile<R>(p, xq, xd, xds, t, yt, n_out);
+              silu_mul_tile<R>(p, xr, t, yt, n_out);
             else
-              tile<R>(p, xq, xd, xds, t, yt, n_out);
+              tile<R>(p, xr, t, yt, n_out);
           };
           switch (std::min(kRows, m - r)) {
             case 4: rows(std::integral_constant<int, 4>{}); break;
@@ -497,6 +639,25 @@ at::Tensor pack_high_bits(at::Tensor codes) {
   return out;
 }
 
+// codes [N, K] uint8 in [0, 63] -> the q6k top-bit plane above (bits 4-5 of each code).
+at::Tensor pack_top_bits(at::Tensor codes) {
+  auto c = tile_codes(codes, "pack_top_bits");
+  const int64_t n = c.size(0), k = c.size(1);
+  auto out = at::zeros({n * k / 4}, c.options());
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < n / kTile; ++t)
+    for (int64_t b = 0; b < k / kBlock; ++b, op += 128)
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t lane = 0; lane < 2; ++lane)
+          for (int64_t col = 0; col < kTile; ++col)
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t top = (cp[(t * kTile + col) * k + b * kBlock + 16 * lane + 4 * j + i] >> 4) & 3;
+              op[(j / 2) * 64 + 4 * col + i] |= static_cast<uint8_t>(top << (2 * (2 * (j % 2) + lane)));
+            }
+  return out;
+}
+
 // qweight [N, K] int8 -> the int8 tile layout above, in place: a tile is a permutation of its
 // own 16 rows' bytes, so a vocabulary's table (Gemma 3: 160 MiB) is never held twice.
 // Returns the same storage as [N * K] uint8.
@@ -528,7 +689,22 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
   auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   const uint8_t* h = high ? high->data_ptr<uint8_t>() : nullptr;
-  return run(x, {packed.data_ptr<uint8_t>(), h, half(d), half(m), nullptr, n, k, true}, silu_mul);
+  return run(x, {packed.data_ptr<uint8_t>(), h, half(d), half(m), nullptr, nullptr, n, k, Format::int4}, silu_mul);
+}
+
+// y [M, N] = x W^T with Q6_K weights: the codes' low nibbles from pack_int4 and top bits from
+// pack_top_bits, sc [N/16, K/32, 2, 16] int8, d [N/16, K/256, 16] fp16.
+at::Tensor q6k_gemm(at::Tensor x, at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t n, bool silu_mul) {
+  TORCH_CHECK(supported(), "q6k_gemm: this CPU lacks the instructions the kernel was built for");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(k % 256 == 0, "q6k_gemm: K % 256 (Q6_K blocks)");
+  TORCH_CHECK(packed.numel() == n * k / 2 && top.numel() == n * k / 4 && sc.numel() == n * k / 16 && d.numel() == n * k / 256,
+              "q6k_gemm: weight shapes");
+  TORCH_CHECK(top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf,
+              "q6k_gemm: uint8 top bits, int8 sc, fp16 d");
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  return run(x, {packed.data_ptr<uint8_t>(), top.data_ptr<uint8_t>(), dp, nullptr, nullptr, sc.data_ptr<int8_t>(), n, k, Format::q6k},
+             silu_mul);
 }
 
 // y [M, N] = x W^T with int8 weights: packed by pack_int8_, one fp32 scale per column.
@@ -536,7 +712,8 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool si
   TORCH_CHECK(supported(), "int8_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1), n = scales.numel();
   TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), n, k, false}, silu_mul);
+  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), nullptr, n, k, Format::int8},
+             silu_mul);
 }
 #else
 at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool, std::optional<at::Tensor>) {
@@ -544,6 +721,9 @@ at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bo
 }
 at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
   TORCH_CHECK(false, "int8_gemm: built without AVX2 / AVX512-VNNI");
+}
+at::Tensor q6k_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool) {
+  TORCH_CHECK(false, "q6k_gemm: built without AVX2 / AVX512-VNNI");
 }
 #endif
 
@@ -559,12 +739,15 @@ void bind(pybind11::module_ mod) {
   mod.def("supported", &supported, "whether this CPU runs the build here (AVX512-VNNI / BW / BF16, or AVX2 / FMA / F16C)");
   mod.def("pack_int4", &pack_int4, "int4 codes [N, K] -> packed tiles (their low 4 bits)");
   mod.def("pack_high_bits", &pack_high_bits, "5-bit codes [N, K] -> the tiles' fifth-bit plane");
+  mod.def("pack_top_bits", &pack_top_bits, "6-bit codes [N, K] -> the q6k tiles' top-bit plane");
   mod.def("pack_int8_", &pack_int8_, "int8 weights [N, K] -> packed tiles, in place");
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
           py::arg("high") = py::none());
   mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
+  mod.def("q6k_gemm", &q6k_gemm, "x [M, K] @ Q6_K W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
+          py::arg("x"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("n"), py::arg("silu_mul") = false);
 }
 
 }  // namespace tandem_cpu_quant_gemm

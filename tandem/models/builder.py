@@ -3,16 +3,19 @@
 Storage per variant, chosen by the bytes a decode step reads against the quality it costs:
 - every Linear of the decoder layers: bf16 (pre-packed for oneDNN on CPU), int8 per output
   channel, or int4 in groups of 32: from a GGUF, the file's own Q4_0 / Q4_1 / Q4_K codes and
-  its Q5_0 / Q5_1 / Q5_K 5-bit codes as they are (a fused layer holds one width: 5 bits where a
-  part has them), every other type quantised from that one tensor's dequantised floats
-  (approximate, as any requantisation). In a file stored mostly in 4- and 5-bit blocks (a
-  Q4_K_M), a layer with a part in 6 or 8 bits (its Q6_K / Q8_0 v_proj and down_proj, the
-  tensors llama.cpp's mixes give more bits) is held in int8 instead: requantised to 5 bits,
-  Gemma 3 270M's lost 3.7% perplexity, in int8 none. In other files (int4 of a Q8_0 or float
-  file) every tensor without 4- or 5-bit codes is requantised to 4 bits;
+  its Q5_0 / Q5_1 / Q5_K 5-bit codes as they are (a fused layer's int4 part holds one width: 5
+  bits where a part has them), every other type quantised from that one tensor's dequantised
+  floats (approximate, as any requantisation). Where the CPU's integer kernel runs, a Q6_K
+  tensor is served as its own blocks (Q6KLinear) in the int8 variant and in int4 of a file
+  stored mostly in 4- and 5-bit blocks (a Q4_K_M); there its other tensors wider than 5 bits
+  (Q8_0 v_proj, ...) are int8 (requantised to 5 bits, Gemma 3 270M's Q6_K / Q8_0 layers lost
+  3.7% perplexity, in int8 none), and a fused layer whose parts differ (Q4_K q and k, Q6_K v)
+  runs as its parts (RowParts). In other files (int4 of a Q8_0 or float file) every tensor
+  without 4- or 5-bit codes is requantised to 4 bits;
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves),
-  except that int4 keeps a GGUF vocabulary's own 4- or 5-bit codes (fewer bytes, nothing lost);
+  except that a GGUF vocabulary stored in Q6_K keeps its blocks, and int4 keeps one stored in
+  4- or 5-bit blocks as its codes (fewer bytes, nothing lost);
 - the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.
 
 A quantised Linear is built straight from its file tensors, so no float copy of the decoder
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 from pathlib import Path
 
@@ -36,9 +40,10 @@ from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import FolderWeights, weight_source
+from tandem.models.q6k_linear import Q6KLinear, q6k_kernel
 from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, QuantEmbedding, int4_concatenates, int8_act_kernel, quantize_int4,
-    quantize_int8,
+    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, QuantEmbedding, RowParts, int4_concatenates, int8_act_kernel,
+    quantize_int4, quantize_int8,
 )
 
 log = logging.getLogger(__name__)
@@ -118,8 +123,8 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
                 setattr(model.get_submodule(parent), attr, quantised)
                 _trim_heap()
         if native:
-            log.info("int4 from %s: %d of the linear layers' tensors hold the file's own 4- or 5-bit codes",
-                     getattr(source, "path", model_dir), native)
+            log.info("%s from %s: %d of the linear layers' tensors hold the file's own 4-, 5- or 6-bit codes",
+                     weights, getattr(source, "path", model_dir), native)
         consumed |= _quantise_vocab(model, source, weights, dtype)
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
     if weights == "float":
@@ -187,13 +192,39 @@ def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights
 
 
 def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
-                 device: torch.device) -> Int4Linear | Int8Linear:
-    """One vocabulary table: the file's own 4- / 5-bit codes in an int4 variant on the integer
-    kernel (read as stored: fewer bytes a step than int8, and nothing requantised), else int8."""
+                 device: torch.device) -> Int4Linear | Int8Linear | Q6KLinear:
+    """One vocabulary table: the file's own Q6_K blocks, or its 4- / 5-bit codes in an int4
+    variant, on the integer kernel (read as stored: fewer bytes a step than int8, and nothing
+    requantised), else int8."""
+    if _q6k_serves(source, [name], dtype, device):
+        return _q6k_linear(source, [name], None, dtype, device)
     codes = source.int4(name) if weights == "int4" and int8_act_kernel(device, dtype, *source.shape(name)) else None
     if codes is not None:  # int4() gives only 4- and 5-bit types, so code_bits is 4 or 5
         return Int4Linear(*(t.to(device) for t in codes), None, dtype, source.code_bits(name))
     return _int8_linear(source, [name], None, dtype, device)
+
+
+def _q6k_serves(source: GGUFWeights | FolderWeights, names: list[str], dtype: torch.dtype,
+                device: torch.device) -> bool:
+    """Whether tensors `names` are Q6_K blocks the integer kernel serves as they are."""
+    sizes = [source.shape(name) for name in names]
+    return (all(source.code_bits(name) == 6 and rows % 16 == 0 for name, (rows, _) in zip(names, sizes))
+            and q6k_kernel(device, dtype, sum(s[0] for s in sizes), sizes[0][1]) is not None)
+
+
+def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
+                dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 2048) -> Q6KLinear:
+    """The row-concatenation of `names` (a vocabulary, or a fused layer's parts) from the file's
+    own Q6_K blocks (`_q6k_serves`), packed a slice of rows at a time."""
+    sizes = [source.shape(name) for name in names]
+    layer = Q6KLinear(sum(s[0] for s in sizes), sizes[0][1], bias, dtype, device)
+    at = 0
+    for name, (rows, _) in zip(names, sizes):
+        for start in range(0, rows, rows_per_chunk):
+            layer.load(at + start, *(t.to(device) for t in source.q6k(name, start, start + rows_per_chunk)))
+            _trim_heap()
+        at += rows
+    return layer
 
 
 def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
@@ -218,30 +249,66 @@ def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
 def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, source: GGUFWeights | FolderWeights,
               keep_wide: bool) -> tuple[nn.Module, list[str], int]:
     """The quantised replacement of one Linear, the file tensors it took, and how many of them
-    it took as the file's own codes. keep_wide: an int4 layer with a part stored in more than 5
-    bits is int8."""
+    it took as the file's own codes. In the int8 variant, and in int4 of a file stored mostly in
+    4-5 bits (keep_wide), each part is served as it is stored where a kernel reads that: Q6_K as
+    Q6_K, 4- and 5-bit codes as int4 (int4 only), the rest int8; a fused layer whose parts differ
+    runs as consecutive parts of one format (RowParts). Otherwise int4 throughout, every part
+    without 4- or 5-bit codes requantised."""
     prefix, _, leaf = name.rpartition(".")
-    parts = [f"model.{prefix}.{p}" for p in _FUSED_PARTS.get(leaf, (leaf,))]
+    parts = [f"model.{prefix}.{p}.weight" for p in _FUSED_PARTS.get(leaf, (leaf,))]
     device = module.weight.device
     bias = None
     if module.bias is not None:
-        bias = torch.cat([source.get(f"{p}.bias") for p in parts]).to(device)
-    names = [f"{p}.weight" for p in parts] + ([f"{p}.bias" for p in parts] if bias is not None else [])
-    stored = [source.code_bits(f"{p}.weight") for p in parts]
-    if weights == "int8" or (keep_wide and max(stored) > 5):
-        return _int8_linear(source, [f"{p}.weight" for p in parts], bias, dtype, device), names, 0
-    rows = [source.shape(f"{p}.weight")[0] for p in parts]
-    by_part = int4_concatenates(device, dtype, rows, module.in_features)
-    bits = 5 if 5 in stored else 4  # the file's 5-bit codes as they are; 4-bit codes are 5-bit codes too
+        bias = torch.cat([source.get(p.removesuffix(".weight") + ".bias") for p in parts]).to(device)
+    names = parts + ([p.removesuffix(".weight") + ".bias" for p in parts] if bias is not None else [])
+    if not (weights == "int8" or keep_wide):
+        layer, native = _int4_linear(source, parts, bias, dtype, device)
+        return layer, names, native
+    formats = [_served_as(source, p, weights, dtype, device) for p in parts]
+    layers, native, at = [], 0, 0
+    for fmt, group in itertools.groupby(zip(formats, parts), key=lambda pair: pair[0]):
+        group = [p for _, p in group]
+        rows = sum(source.shape(p)[0] for p in group)
+        part_bias = None if bias is None else bias[at:at + rows]
+        at += rows
+        if fmt == "q6k":
+            layers.append(_q6k_linear(source, group, part_bias, dtype, device))
+            native += len(group)
+        elif fmt == "int4":
+            layer, from_file = _int4_linear(source, group, part_bias, dtype, device)
+            layers.append(layer)
+            native += from_file
+        else:
+            layers.append(_int8_linear(source, group, part_bias, dtype, device))
+    return (layers[0] if len(layers) == 1 else RowParts(layers)), names, native
+
+
+def _served_as(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
+               device: torch.device) -> str:
+    """The format one stored tensor is served in where a variant keeps what the file stores."""
+    bits = source.code_bits(name)
+    if bits == 6 and _q6k_serves(source, [name], dtype, device):
+        return "q6k"
+    return "int4" if weights == "int4" and bits <= 5 else "int8"
+
+
+def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device) -> tuple[Int4Linear, int]:
+    """An Int4Linear of the row-concatenation of `names`, and how many of them it holds as the
+    file's own codes: 4- and 5-bit codes as they are (5 bits where a part has them: 4-bit codes
+    are 5-bit codes too), every other part quantised from its floats."""
+    bits = 5 if 5 in (source.code_bits(name) for name in names) else 4
+    rows = [source.shape(name)[0] for name in names]
+    by_part = int4_concatenates(device, dtype, rows, source.shape(names[0])[1])
     pieces, native = [], 0
-    for p in parts:
-        codes = source.int4(f"{p}.weight")
+    for name in names:
+        codes = source.int4(name)
         native += codes is not None
-        codes = codes or quantize_int4(source.get(f"{p}.weight").to(device), DEFAULT_INT4_GROUP, bits)
+        codes = codes or quantize_int4(source.get(name).to(device), DEFAULT_INT4_GROUP, bits)
         # packed as it comes where the kernel serves the layer: one part's one-byte codes at a time
         pieces.append(Int4Linear(*(t.to(device) for t in codes), None, dtype, bits) if by_part else codes)
         del codes
     if by_part:
-        return Int4Linear.concat(pieces, bias, dtype), names, native
+        return Int4Linear.concat(pieces, bias, dtype), native
     c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
-    return Int4Linear(c, s, z, bias, dtype, bits), names, native
+    return Int4Linear(c, s, z, bias, dtype, bits), native

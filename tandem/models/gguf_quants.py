@@ -158,15 +158,29 @@ def _q5_k(blocks: np.ndarray) -> np.ndarray:
     return (d * sc) * (_nibbles_k(blocks[:, 48:]) | _high_k(blocks)).astype(np.float32) - dmin * m
 
 
-def _q6_k(blocks: np.ndarray) -> np.ndarray:
-    """128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d.
-    Each half of the block (128 weights) takes 64 low-nibble bytes (weights 0-63 low, 64-127
-    high) and 32 high-bit bytes (bits 2i..2i+1 for weights 32i..32i+31)."""
+def q6k_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[N, bytes per row] raw Q6_K rows -> codes [N, K] uint8 in [0, 63], scales sc [N, K // 16]
+    int8 and d [N, K // 256] fp16: w = d sc (q - 32), as `Q6KLinear` holds them."""
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[Q.Q6_K][1])
+    codes, sc = _q6k_codes(blocks), blocks[:, 192:208].view(np.int8)
+    return codes.reshape(rows, -1), sc.reshape(rows, -1), blocks[:, 208:210].copy().view(np.float16).reshape(rows, -1)
+
+
+def _q6k_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K's 128 bytes of low nibbles and 64 of 2-bit highs -> [B, 256] codes in [0, 63]. Each
+    half of the block (128 weights) takes 64 low-nibble bytes (weights 0-63 low, 64-127 high)
+    and 32 high-bit bytes (bits 2i..2i+1 for weights 32i..32i+31)."""
     ql = blocks[:, :128].reshape(-1, 2, 1, 64)
     low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
     qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-    q = ((low | (high << 4)).astype(np.int8) - 32).reshape(-1, 16, 16).astype(np.float32)
+    return (low | (high << 4)).reshape(-1, 256)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Codes as `_q6k_codes`, then 16 int8 scales (one per 16 weights) and fp16 d."""
+    q = (_q6k_codes(blocks).astype(np.int8) - 32).reshape(-1, 16, 16).astype(np.float32)
     scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
     d = _half(blocks, 208) * scales
     return d[..., None] * q

@@ -20,9 +20,10 @@ from gguf import GGMLQuantizationType
 
 from tandem.models.gguf_config import SUPPORTED_ARCHS
 from tandem.models.gguf_file import GGUFFile, TensorInfo
-from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows
+from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows, q6k_rows
 
 Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
+Q6KCodes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, sc [N, K // 16] int8, d [N, K // 256] fp16
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
@@ -121,16 +122,21 @@ class GGUFWeights:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of a 2-D tensor, fp32: a large one is requantised a slice at a time. A
         permuted q/k is decoded in whole heads (llama.cpp permuted rows within each head)."""
+        return self._by_rows(name, start, stop, lambda t, first, last: (self._decode(t, first, last),))[0]
+
+    def _by_rows(self, name: str, start: int, stop: int, read) -> tuple[torch.Tensor, ...]:
+        """Per-row arrays `read(tensor, first, last)` of rows start:stop of a 2-D tensor, as
+        tensors; a permuted q/k is read in whole heads and un-permuted."""
         t = self.tensors[name]
         if len(t.shape) != 2:
             raise ValueError(f"{name}: only a 2-D tensor is read by rows")
         stop = min(stop, t.shape[0])
         if t.heads is None:
-            return torch.from_numpy(self._decode(t, start, stop))
+            return tuple(torch.from_numpy(a) for a in read(t, start, stop))
         head_rows = t.shape[0] // t.heads
         first, last = start // head_rows * head_rows, -(-stop // head_rows) * head_rows
-        w = unpermute_qk(self._decode(t, first, last), (last - first) // head_rows)
-        return torch.from_numpy(np.ascontiguousarray(w[start - first:stop - first]))
+        arrays = (unpermute_qk(a, (last - first) // head_rows) for a in read(t, first, last))
+        return tuple(torch.from_numpy(np.ascontiguousarray(a[start - first:stop - first])) for a in arrays)
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows start:stop of the tensor's bytes as stored: [rows, bytes per row]."""
@@ -160,10 +166,17 @@ class GGUFWeights:
         t = self.tensors[name]
         if t.kind not in INT4_KINDS:
             return None
-        arrays = int4_rows(self.file.read_rows(t.info, 0, t.info.rows), t.kind)
-        if t.heads is not None:
-            arrays = tuple(unpermute_qk(a, t.heads) for a in arrays)
-        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+        read = lambda t, first, last: int4_rows(self.file.read_rows(t.info, first, last), t.kind)  # noqa: E731
+        return self._by_rows(name, 0, t.info.rows, read)
+
+    def q6k(self, name: str, start: int = 0, stop: int | None = None) -> Q6KCodes | None:
+        """Rows start:stop of the file's own Q6_K codes, scales and d (`gguf_quants.q6k_rows`)
+        where the tensor is Q6_K; else None."""
+        t = self.tensors[name]
+        if t.kind != _Q.Q6_K:
+            return None
+        read = lambda t, first, last: q6k_rows(self.file.read_rows(t.info, first, last))  # noqa: E731
+        return self._by_rows(name, start, t.info.rows if stop is None else stop, read)
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:

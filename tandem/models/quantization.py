@@ -102,11 +102,11 @@ class Int8Linear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding read from a quantised table (Int8Linear, or Int4Linear of a file's own 4- or
-    5-bit codes): a quantised variant's tied LM head serves as its embedding too, so the
+    """An embedding read from a quantised table (Int8Linear, Q6KLinear, or Int4Linear of a file's
+    own 4- or 5-bit codes): a quantised variant's tied LM head serves as its embedding too, so the
     vocabulary is held once, quantised, not again in floats."""
 
-    def __init__(self, table: "Int8Linear | Int4Linear", dtype: torch.dtype) -> None:
+    def __init__(self, table: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
 
@@ -247,9 +247,27 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def int8_act_forward(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """A quantised layer on the integer-activation kernel; a 2-D contiguous x (the model's
-    flattened batch) goes in as it is: at batch 1 each extra view is a visible cost. The
+class RowParts(nn.Module):
+    """A fused layer (qkv, gate_up) whose row parts are served in different formats (a Q4_K_M
+    file's Q4_K q and k beside its Q6_K v): each part on its own kernel, the outputs joined."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], -1)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(self(x))
+
+
+def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A quantised layer (Int8Linear, Int4Linear, Q6KLinear) on the integer-activation kernel; a
+    2-D contiguous x (the model's flattened batch) goes in as it is: at batch 1 each extra view
+    is a visible cost. The
     layers' buffers are read from `_buffers`: as attributes each one costs ~1 us (nn.Module
     finds them in __getattr__, after Python has built an AttributeError), ~5 us a call, more
     than the call into the kernel itself."""
@@ -261,7 +279,7 @@ def int8_act_forward(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.T
     return y if bias is None else y + bias
 
 
-def int8_act_silu_and_mul(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+def int8_act_silu_and_mul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
     the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
     if layer.int8_act and layer._buffers["bias"] is None and x.dim() == 2 and layer.out_features % 32 == 0:

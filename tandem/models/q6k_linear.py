@@ -1,0 +1,103 @@
+"""A GGUF Q6_K tensor served as it is stored, on the integer-activation kernel
+(`kernels/cpu_quant_gemm.cpp`, its q6k tiles): w = d sc (q - 32) with 6-bit codes q, an int8
+scale sc per 16 inputs and an fp16 d per 256, 0.82 bytes a weight as in the file, where an
+int8 copy takes 1 byte and is requantised. The kernel multiplies unsigned 6-bit codes by int8
+activations directly, where int8 weights need AVX2's sign trick, so on AVX2 a Q6_K layer also
+costs fewer instructions than its int8 copy.
+
+Built only where that kernel serves the layer (`q6k_kernel`); elsewhere (CUDA, a CPU without
+AVX2) the builder requantises Q6_K to int8 as before.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.kernels import cpu_quant_gemm
+from tandem.models import quantization
+from tandem.models.quantization import int8_act_forward, int8_act_silu_and_mul
+
+QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
+
+
+def q6k_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
+    """The kernel module where it serves an [n, k] Q6_K layer, else None."""
+    return quantization.int8_act_kernel(device, dtype, n, k) if k % QK_K == 0 else None
+
+
+class Q6KLinear(nn.Module):
+    """y = x W^T + b, W[n, k] = d[n, k // 256] * sc[n, k // 16] * (q[n, k] - 32)."""
+
+    def __init__(self, n: int, k: int, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """An [n, k] layer whose rows `load` fills, a slice at a time: a fused layer's parts and a
+        vocabulary's rows are packed straight into its tiles, never held twice."""
+        super().__init__()
+        self.out_features, self.in_features = n, k
+        ext = q6k_kernel(device, dtype, n, k)
+        if ext is None:
+            raise ValueError(f"Q6_K: no integer kernel for [{n}, {k}] {dtype} on {device} "
+                             "(AVX2 or AVX512-VNNI CPU, N % 16, K % 256)")
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.register_buffer("qpacked", torch.empty(n * k // 2, dtype=torch.uint8, device=device))  # low nibbles
+        self.register_buffer("qtop", torch.empty(n * k // 4, dtype=torch.uint8, device=device))
+        # sc as [N/16, K/32, 2 (sub-block), 16 (column)], d as [N/16, K/256, 16]
+        self.register_buffer("sc", torch.empty(n // 16, k // 32, 2, 16, dtype=torch.int8, device=device))
+        self.register_buffer("d", torch.empty(n // 16, k // QK_K, 16, dtype=torch.float16, device=device))
+        self.int8_act = True
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> "Q6KLinear":
+        layer = cls(*codes.shape, bias, dtype, codes.device)
+        layer.load(0, codes, sc, d)
+        return layer
+
+    def load(self, start: int, codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
+        """Rows start:start + len(codes) from the file's blocks: codes [rows, K] in [0, 63], sc
+        [rows, K // 16] int8, d [rows, K // 256] fp16; start and rows multiples of 16."""
+        rows, k = codes.shape
+        if start % 16 or rows % 16 or start + rows > self.out_features or k != self.in_features:
+            raise ValueError(f"Q6_K: rows {start}:{start + rows} of [{self.out_features}, {self.in_features}] "
+                             "in whole tiles of 16")
+        if codes.numel() and int(codes.max()) > 63:
+            raise ValueError("Q6_K: a code above 63")
+        ext = cpu_quant_gemm()
+        # the tiles' order of a block's inputs: packed input 16 l + 4 j + i is input 8 j + 4 l + i
+        # (a chunk's two nibble lanes one sub-block)
+        codes = codes.reshape(rows, k // 32, 4, 2, 4).transpose(2, 3).reshape(rows, k)
+        self.qpacked[start * k // 2:(start + rows) * k // 2] = ext.pack_int4(codes)
+        self.qtop[start * k // 4:(start + rows) * k // 4] = ext.pack_top_bits(codes)
+        tiles = slice(start // 16, (start + rows) // 16)
+        self.sc[tiles] = sc.to(torch.int8).reshape(-1, 16, k // 32, 2).permute(0, 2, 3, 1)
+        self.d[tiles] = d.half().reshape(-1, 16, k // QK_K).transpose(1, 2)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as the gguf package dequantises the file's blocks: d sc in fp32, times q - 32."""
+        return self.rows(torch.arange(self.out_features), dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W: an embedding lookup in this table (a tied Q6_K vocabulary)."""
+        t, lane = ids // 16, ids % 16  # row r is column r % 16 of tile r // 16
+        blocks = self.in_features // 32
+        p = self.qpacked.view(-1, blocks, 4, 16, 4)[t, :, :, lane]  # [ids, K/32, 4 (j), 4 (i)]
+        low = torch.stack([p & 15, p >> 4], 2)  # [ids, K/32, 2 (nibble lane l), 4 (j), 4 (i)]
+        plane = self.qtop.view(-1, blocks, 2, 16, 4)[t, :, :, lane]  # [ids, K/32, 2 (pair), 4 (i)]
+        # chunk j = 2 pair + c, nibble lane l: bits 2 (2c + l) of its pair's byte
+        shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)  # [c, l]
+        top = (plane[:, :, :, None, None, :] >> shifts[:, :, None]) & 3  # [ids, K/32, pair, c, l, i]
+        top = top.permute(0, 1, 4, 2, 3, 5).reshape(low.shape)
+        codes = (low | (top << 4)).transpose(2, 3).reshape(len(ids), -1)  # input 8 j + 4 l + i
+        sc = self.sc[t, :, :, lane].reshape(len(ids), -1)  # [ids, K/16]
+        scale = self.d[t, :, lane].float().repeat_interleave(QK_K // 16, 1) * sc.float()
+        return (scale.repeat_interleave(16, 1) * (codes.float() - 32)).to(dtype)
+
+    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        b = self._buffers  # read directly: see int8_act_forward
+        return cpu_quant_gemm().q6k_gemm(x2d, b["qpacked"], b["qtop"], b["sc"], b["d"], self.out_features, silu_mul)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_act_silu_and_mul(self, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_act_forward(self, x)
