@@ -140,26 +140,32 @@ def _integer_kernel() -> bool:
     return quantization.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
 
 
-@pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: Q6_K is int8 on the other paths")
+@pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: Q6_K / Q8_0 are int8 per channel there")
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_q6_k_tensors_are_served_as_stored(q4_k_m, weights) -> None:
-    """On the integer kernel a Q6_K tensor is served from its own blocks in int4 of a Q4_K_M
-    file and in int8 alike: down_proj whole, v_proj as the Q6_K part of qkv beside the int4 (or
-    int8) q and k; each dequantises to the file's weights bit for bit. Greedy tokens batched
-    equal each prompt alone."""
-    folder = resolve_model(q4_k_m)
+@pytest.mark.parametrize("v_kind", [Q.Q6_K, Q.Q8_0])
+def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -> None:
+    """On the integer kernel Q6_K and Q8_0 tensors are served from their own blocks in int4 of a
+    Q4_K_M file and in int8 alike: down_proj (Q6_K) whole, v_proj as the Q6_K or Q8_0 part of
+    qkv beside the int4 (or int8) q and k, the Q8_0 vocabulary as the LM head and embedding;
+    each dequantises to the file's weights bit for bit. Greedy tokens batched equal each prompt
+    alone."""
+    path = str(write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "attn_v": v_kind}))
+    folder = resolve_model(path)
     model = build_model(folder, ModelConfig.from_hf(load_config(folder)), weights, torch.device("cpu"),
-                        torch.float32, TorchAttention, Path(q4_k_m))
-    stored = GGUFWeights(Path(q4_k_m))
+                        torch.float32, TorchAttention, Path(path))
+    stored = GGUFWeights(Path(path))
+    v_layer = Q6KLinear if v_kind == Q.Q6_K else Int8Linear
     for i in range(LAYERS):
         down = model.layers[i].mlp.down_proj
         assert isinstance(down, Q6KLinear)
         assert torch.equal(down.dequantize(), stored.get(f"model.layers.{i}.mlp.down_proj.weight"))
         qkv = model.layers[i].self_attn.qkv_proj
         qk = Int4Linear if weights == "int4" else Int8Linear
-        assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [qk, Q6KLinear]
+        assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [qk, v_layer]
         assert torch.equal(qkv.parts[1].dequantize(), stored.get(f"model.layers.{i}.self_attn.v_proj.weight"))
-    llm = LLM(q4_k_m, dtype="float32", quantization=weights, kv_cache_memory=1 << 22)
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.blocked
+    assert torch.equal(model.lm_head.dequantize(), stored.get("model.embed_tokens.weight"))
+    llm = LLM(path, dtype="float32", quantization=weights, kv_cache_memory=1 << 22)
     batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
     assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
 

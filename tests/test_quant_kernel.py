@@ -107,6 +107,13 @@ def _q6k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
             (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half())
 
 
+def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 codes (-128 among them: a file may hold it) and fp16 d per 32, as a file holds them."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
+            (torch.rand(n, k // 32, generator=g) * 1e-3 + 1e-4).half())
+
+
 def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel rounds it: per 32 inputs q = round(x * 127 / max|x|) (half to even), in
     fp32, then back to values q * max|x| / 127, fp64."""
@@ -144,7 +151,7 @@ def test_q6_k_blocks_as_stored(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
-    """int4, 5-bit, int8 and Q6_K tiles against the exact product of their weights with the
+    """int4, 5-bit, int8 (per channel and Q8_0's per block) and Q6_K tiles against the exact product of their weights with the
     activations as the kernel rounds them, at K = 8192, with activations of mixed sign and all
     positive (where an offset added to every product and taken off late in fp32 would cancel
     ~1e-4 of the output), every row count of a tile (1-4) and one more."""
@@ -153,7 +160,8 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
     w = torch.randn(n, k) / 64
     codes, sc, d = _q6k(n, k, 2)
     layers = [Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
-              Int8Linear.from_float(w, None, dtype), Q6KLinear.from_codes(codes, sc, d, None, dtype)]
+              Int8Linear.from_float(w, None, dtype), Q6KLinear.from_codes(codes, sc, d, None, dtype),
+              Int8Linear(*_q8_0(n, k, 3), None, dtype)]
     tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
     for layer in layers:
         weights = layer.dequantize().double()
@@ -163,6 +171,30 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
                 exact = _int8_activations(x) @ weights.t()
                 torch.testing.assert_close(layer(x).double(), exact, rtol=tol, atol=tol * exact.abs().max().item(),
                                            msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}")
+
+
+def test_q8_0_blocks_as_stored():
+    """int8 with an fp16 d per 32 (a GGUF Q8_0 tensor) holds the file's codes and d: dequantize()
+    is d q bit for bit, rows() one lane of the tiles; codes of -128 (|q| = 128, which AVX2's sign
+    trick on x could not negate) against inputs of +-127 in every lane; the fused SiLU-and-mul;
+    refused off the integer kernel."""
+    n, k = 48, 256
+    q, d = _q8_0(n, k, 4)
+    layer = Int8Linear(q.clone(), d, None, torch.float32)
+    w = q.float() * d.float().repeat_interleave(32, 1)
+    assert layer.blocked and torch.equal(layer.dequantize(), w)
+    ids = torch.tensor([0, 17, n - 1, 5, 5])
+    assert torch.equal(layer.rows(ids, torch.float32), w[ids])
+    low = Int8Linear(torch.full((n, k), -128, dtype=torch.int8), torch.ones(n, k // 32, dtype=torch.float16), None,
+                     torch.float32)
+    for sign in (1, -1):
+        x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
+        torch.testing.assert_close(low(x), torch.full((4, n), -sign * 64.0 * k), rtol=1e-6, atol=0)
+    x = torch.randn(9, k)
+    fused = layer.forward_silu_mul(x)
+    torch.testing.assert_close(fused, silu_and_mul(layer(x)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="integer kernel only"):
+        Int8Linear(q[:40].clone(), d[:40], None, torch.float32)  # 40 rows: no tiles of 16
 
 
 def test_q6_k_extremes_and_parts():
@@ -321,7 +353,7 @@ def _avx512_build() -> bool:
 def test_the_avx2_build_passes_these_tests_too():
     """On an AVX-512 CPU the AVX2 build runs this file's kernel tests as well (built once into the
     shared cache): CI on either kind of machine checks the build an AVX2-only CPU serves with."""
-    tests = "reference or five_bit or packed or batch or silu or asked_for or q6_k or exact"
+    tests = "reference or five_bit or packed or batch or silu or asked_for or q6_k or q8_0 or exact"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
                           "-k", tests], env={**os.environ, "TANDEM_CPU_ISA": "avx2"}, capture_output=True, text=True,
                          timeout=900, cwd=Path(__file__).parent)

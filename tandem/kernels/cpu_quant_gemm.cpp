@@ -33,9 +33,10 @@
 //        [N/16][K/256][16]. u8 codes against s8 inputs need no sign trick; the -32 comes back as
 //        32 sc times each sub-block's sum of inputs.
 //  int8: [N/16][K/32][8][64] bytes, byte (j, 4n+i) = q(n, 4j+i) + 128 (unsigned for vpdpbusd),
-//        q in [-127, 127]; one fp32 scale per column. AVX-512 takes the +128 back out of each
-//        block's int32 dot as 128 * sum(x); AVX2 flips the top bit back to q and multiplies |x|
-//        by q with x's sign.
+//        q in [-127, 127]; one fp32 scale per column, or (GGUF Q8_0 as it is, q in [-128, 127])
+//        an fp16 d per column and block, [N/16][K/32][16]. AVX-512 takes the +128 back out of each
+//        block's int32 dot as 128 * sum(x); AVX2 flips the top bit back to q and multiplies |q|
+//        by x with q's sign.
 //
 // silu_mul: for a fused gate_up projection ([gate | up], N = 2I) the kernel computes tile t of
 // the gate and the matching tile of the up half together and writes silu(gate) * up, [M, I],
@@ -138,9 +139,10 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
 
 // R rows x 16 columns for int8 weights stored as q + 128: each block's 128 * sum(x) comes off
 // its int32 dot (in fp32 at the end, that large a term cancelled ~1e-4 of the output at K = 8192).
-template <int R, typename T>
+// Blocked: an fp16 scale per column and block (wd, GGUF Q8_0), else per column (ws).
+template <int R, bool Blocked, typename T>
 void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w,
-             const float* ws, T* y, int64_t ldy) {
+             const float* ws, const uint16_t* wd, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -155,10 +157,13 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
     for (int r = 0; r < R; ++r) {
       const int32_t sums = xs[r * nb + b], sum = static_cast<int16_t>(sums & 0xffff) + (sums >> 16);
       __m512i net = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * sum));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(net), _mm512_set1_ps(xd[r * nb + b]), acc[r]);
+      __m512 scale = _mm512_set1_ps(xd[r * nb + b]);
+      if constexpr (Blocked)
+        scale = _mm512_mul_ps(scale, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile))));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(net), scale, acc[r]);
     }
   }
-  __m512 s = _mm512_loadu_ps(ws);
+  __m512 s = Blocked ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(ws);
   for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_mul_ps(s, acc[r]));
 }
 
@@ -352,10 +357,11 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
 }
 
 // R rows x 16 columns for int8 weights stored as q + 128: q = byte ^ 0x80, and maddubs takes
-// |x| (unsigned) times q with x's sign (|pair| <= 2 * 127 * 127, no saturation).
-template <int R, typename T>
+// |q| (unsigned, 128 for -128) times x with q's sign (|pair| <= 2 * 128 * 127, no saturation).
+// Blocked: an fp16 scale per column and block (wd, GGUF Q8_0), else per column (ws).
+template <int R, bool Blocked, typename T>
 void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const uint8_t* w,
-             const float* ws, T* y, int64_t ldy) {
+             const float* ws, const uint16_t* wd, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
@@ -368,18 +374,23 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const
       const uint8_t* wj = w + (b * 8 + j) * 64;
       __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj)), top);
       __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32)), top);
+      __m256i aq0 = _mm256_abs_epi8(q0), aq1 = _mm256_abs_epi8(q1);  // |-128| = 128 as unsigned
       for (int r = 0; r < R; ++r) {
-        __m256i x = quad(xq + r * k + b * kBlock + 4 * j), ax = _mm256_sign_epi8(x, x);
-        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q0, x)), ones));
-        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q1, x)), ones));
+        __m256i x = quad(xq + r * k + b * kBlock + 4 * j);
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, _mm256_sign_epi8(x, q0)), ones));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, _mm256_sign_epi8(x, q1)), ones));
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_set1_ps(xd[r * nb + b]), acc[r][h]);
+    for (int h = 0; h < 2; ++h) {
+      __m256 d = Blocked ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)))
+                         : _mm256_set1_ps(1.f);
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
+    }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) store8(y + r * ldy + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(ws + 8 * h), acc[r][h]));
+    for (int h = 0; h < 2; ++h)
+      store8(y + r * ldy + 8 * h, Blocked ? acc[r][h] : _mm256_mul_ps(_mm256_loadu_ps(ws + 8 * h), acc[r][h]));
 }
 
 // R rows x 16 columns for Q6_K weights (the q6k layout above). A chunk's two lanes are one
@@ -482,7 +493,8 @@ constexpr bool kBuilt = true;
 enum class Format { int4, int8, q6k };
 
 // One packed weight: int4 (fp16 d and m per tile and block; h: the fifth bits of 5-bit codes, or
-// null), int8 (fp32 column scales) or q6k (h: the top-bit plane, sc, d per 256).
+// null), int8 (fp32 column scales, or fp16 d per tile and block) or q6k (h: the top-bit plane,
+// sc, d per 256).
 struct Weights {
   const uint8_t* w;
   const uint8_t* h;
@@ -507,8 +519,10 @@ void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
   if (p.format == Format::q6k)
     q6_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32, p.d + t * (nb / 8) * kTile, y, ldy);
+  else if (p.format == Format::int8 && p.d)
+    q8_tile<R, true>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, nullptr, p.d + t * nb * kTile, y, ldy);
   else if (p.format == Format::int8)
-    q8_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, y, ldy);
+    q8_tile<R, false>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, nullptr, y, ldy);
   else if (p.h)
     q4_tile<R, true>(x.q, x.d, x.ds, p.k, p.w + t * nb * 256, p.h + t * nb * 64, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
   else
@@ -707,11 +721,17 @@ at::Tensor q6k_gemm(at::Tensor x, at::Tensor packed, at::Tensor top, at::Tensor 
              silu_mul);
 }
 
-// y [M, N] = x W^T with int8 weights: packed by pack_int8_, one fp32 scale per column.
+// y [M, N] = x W^T with int8 weights: packed by pack_int8_, scales one fp32 per column [N] or
+// an fp16 d per column and block [N/16, K/32, 16] (GGUF Q8_0).
 at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool silu_mul) {
   TORCH_CHECK(supported(), "int8_gemm: this CPU lacks the instructions the kernel was built for");
-  const int64_t k = x.size(-1), n = scales.numel();
-  TORCH_CHECK(packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
+  const int64_t k = x.size(-1), n = packed.numel() / k;
+  if (scales.scalar_type() == at::kHalf) {
+    TORCH_CHECK(packed.numel() == n * k && scales.numel() == n * k / kBlock, "int8_gemm: weight shapes");
+    const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    return run(x, {packed.data_ptr<uint8_t>(), nullptr, d, nullptr, nullptr, nullptr, n, k, Format::int8}, silu_mul);
+  }
+  TORCH_CHECK(scales.numel() == n && packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
   return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), nullptr, n, k, Format::int8},
              silu_mul);
 }
@@ -744,7 +764,7 @@ void bind(pybind11::module_ mod) {
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
           py::arg("high") = py::none());
-  mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
+  mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T, per-column fp32 or per-block fp16 scales (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
   mod.def("q6k_gemm", &q6k_gemm, "x [M, K] @ Q6_K W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("n"), py::arg("silu_mul") = false);

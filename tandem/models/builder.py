@@ -41,9 +41,9 @@ from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import FolderWeights, weight_source
 from tandem.models.q6k_linear import Q6KLinear, q6k_kernel
+from tandem.models import quantization
 from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, QuantEmbedding, RowParts, int4_concatenates, int8_act_kernel,
-    quantize_int4, quantize_int8,
+    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, QuantEmbedding, RowParts, int4_concatenates, quantize_int4, quantize_int8,
 )
 
 log = logging.getLogger(__name__)
@@ -193,29 +193,19 @@ def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights
 
 def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
                  device: torch.device) -> Int4Linear | Int8Linear | Q6KLinear:
-    """One vocabulary table: the file's own Q6_K blocks, or its 4- / 5-bit codes in an int4
-    variant, on the integer kernel (read as stored: fewer bytes a step than int8, and nothing
-    requantised), else int8."""
-    if _q6k_serves(source, [name], dtype, device):
-        return _q6k_linear(source, [name], None, dtype, device)
-    codes = source.int4(name) if weights == "int4" and int8_act_kernel(device, dtype, *source.shape(name)) else None
-    if codes is not None:  # int4() gives only 4- and 5-bit types, so code_bits is 4 or 5
-        return Int4Linear(*(t.to(device) for t in codes), None, dtype, source.code_bits(name))
-    return _int8_linear(source, [name], None, dtype, device)
-
-
-def _q6k_serves(source: GGUFWeights | FolderWeights, names: list[str], dtype: torch.dtype,
-                device: torch.device) -> bool:
-    """Whether tensors `names` are Q6_K blocks the integer kernel serves as they are."""
-    sizes = [source.shape(name) for name in names]
-    return (all(source.code_bits(name) == 6 and rows % 16 == 0 for name, (rows, _) in zip(names, sizes))
-            and q6k_kernel(device, dtype, sum(s[0] for s in sizes), sizes[0][1]) is not None)
+    """One vocabulary table: the file's own Q6_K or Q8_0 blocks, or its 4- / 5-bit codes in an
+    int4 variant, on the integer kernel (read as stored: nothing requantised, and 4-6 bits
+    fewer bytes a step than int8), else int8 per channel."""
+    fmt = _served_as(source, name, weights, dtype, device)
+    if fmt == "int4" and not quantization.int8_act_kernel(device, dtype, *source.shape(name)):
+        fmt = "int8"  # an embedding reads its rows from the integer kernel's tiles only
+    return _stored_layer(fmt, source, [name], None, dtype, device)[0]
 
 
 def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 2048) -> Q6KLinear:
     """The row-concatenation of `names` (a vocabulary, or a fused layer's parts) from the file's
-    own Q6_K blocks (`_q6k_serves`), packed a slice of rows at a time."""
+    own Q6_K blocks, packed a slice of rows at a time."""
     sizes = [source.shape(name) for name in names]
     layer = Q6KLinear(sum(s[0] for s in sizes), sizes[0][1], bias, dtype, device)
     at = 0
@@ -225,6 +215,22 @@ def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: tor
             _trim_heap()
         at += rows
     return layer
+
+
+def _q8_0_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 4096) -> Int8Linear:
+    """Int8Linear of the row-concatenation of `names` from the file's own Q8_0 blocks (codes and
+    fp16 d per 32), read a slice of rows at a time into the one table."""
+    sizes = [source.shape(name) for name in names]
+    qweight = torch.empty(sum(s[0] for s in sizes), sizes[0][1], dtype=torch.int8, device=device)
+    d = torch.empty(qweight.shape[0], qweight.shape[1] // 32, dtype=torch.float16, device=device)
+    at = 0
+    for name, (rows, _) in zip(names, sizes):
+        for start in range(0, rows, rows_per_chunk):
+            stop = min(start + rows_per_chunk, rows)
+            qweight[at + start:at + stop], d[at + start:at + stop] = source.q8_0(name, start, stop)
+        at += rows
+    return Int8Linear(qweight, d, bias, dtype)
 
 
 def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
@@ -269,27 +275,37 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, sourc
     for fmt, group in itertools.groupby(zip(formats, parts), key=lambda pair: pair[0]):
         group = [p for _, p in group]
         rows = sum(source.shape(p)[0] for p in group)
-        part_bias = None if bias is None else bias[at:at + rows]
+        layer, from_file = _stored_layer(fmt, source, group, None if bias is None else bias[at:at + rows], dtype, device)
+        layers.append(layer)
+        native += from_file
         at += rows
-        if fmt == "q6k":
-            layers.append(_q6k_linear(source, group, part_bias, dtype, device))
-            native += len(group)
-        elif fmt == "int4":
-            layer, from_file = _int4_linear(source, group, part_bias, dtype, device)
-            layers.append(layer)
-            native += from_file
-        else:
-            layers.append(_int8_linear(source, group, part_bias, dtype, device))
     return (layers[0] if len(layers) == 1 else RowParts(layers)), names, native
 
 
 def _served_as(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
                device: torch.device) -> str:
-    """The format one stored tensor is served in where a variant keeps what the file stores."""
-    bits = source.code_bits(name)
-    if bits == 6 and _q6k_serves(source, [name], dtype, device):
+    """The format one stored tensor is served in where a variant keeps what the file stores:
+    Q6_K and Q8_0 blocks as they are where the integer kernel serves them, 4- and 5-bit codes
+    int4 (in int4), anything else int8 per channel."""
+    bits, (n, k) = source.code_bits(name), source.shape(name)
+    if bits == 6 and q6k_kernel(device, dtype, n, k) is not None:
         return "q6k"
+    if bits == 8 and quantization.int8_act_kernel(device, dtype, n, k) is not None:
+        return "q8_0"
     return "int4" if weights == "int4" and bits <= 5 else "int8"
+
+
+def _stored_layer(fmt: str, source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
+                  dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, int]:
+    """The layer of tensors `names` (row parts) in format `fmt` (`_served_as`), and how many of
+    them it holds as the file stores them."""
+    if fmt == "q6k":
+        return _q6k_linear(source, names, bias, dtype, device), len(names)
+    if fmt == "q8_0":
+        return _q8_0_linear(source, names, bias, dtype, device), len(names)
+    if fmt == "int4":
+        return _int4_linear(source, names, bias, dtype, device)
+    return _int8_linear(source, names, bias, dtype, device), 0
 
 
 def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,

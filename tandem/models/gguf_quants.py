@@ -158,6 +158,13 @@ def _q5_k(blocks: np.ndarray) -> np.ndarray:
     return (d * sc) * (_nibbles_k(blocks[:, 48:]) | _high_k(blocks)).astype(np.float32) - dmin * m
 
 
+def q8_0_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, bytes per row] raw Q8_0 rows -> codes [N, K] int8 and d [N, K // 32] fp16: w = d q."""
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[Q.Q8_0][1])
+    return blocks[:, 2:].view(np.int8).reshape(rows, -1), blocks[:, :2].copy().view(np.float16).reshape(rows, -1)
+
+
 def q6k_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[N, bytes per row] raw Q6_K rows -> codes [N, K] uint8 in [0, 63], scales sc [N, K // 16]
     int8 and d [N, K // 256] fp16: w = d sc (q - 32), as `Q6KLinear` holds them."""

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from tandem.models.gguf_config import SUPPORTED_ARCHS
 from tandem.models.gguf_file import GGUFFile, TensorInfo
-from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows, q6k_rows
+from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows, q6k_rows, q8_0_rows
 
 Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
 Q6KCodes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, sc [N, K // 16] int8, d [N, K // 256] fp16
@@ -177,6 +177,14 @@ class GGUFWeights:
             return None
         read = lambda t, first, last: q6k_rows(self.file.read_rows(t.info, first, last))  # noqa: E731
         return self._by_rows(name, start, t.info.rows if stop is None else stop, read)
+
+    def q8_0(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows start:stop of a Q8_0 tensor's own codes and d (`gguf_quants.q8_0_rows`)."""
+        t = self.tensors[name]
+        if t.kind != _Q.Q8_0:
+            raise ValueError(f"{name}: {t.kind.name}, not Q8_0")
+        read = lambda t, first, last: q8_0_rows(self.file.read_rows(t.info, first, last))  # noqa: E731
+        return self._by_rows(name, start, stop, read)
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:

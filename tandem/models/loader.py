@@ -167,7 +167,7 @@ class FolderWeights:
         """A safetensors file holds no int4 codes: int4 is quantised from its floats."""
         return None
 
-    def q6k(self, name: str) -> None:
+    def q6k(self, name: str, start: int = 0, stop: int | None = None) -> None:
         """Nor Q6_K blocks."""
         return None
 

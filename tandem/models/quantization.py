@@ -39,8 +39,10 @@ DEFAULT_INT4_GROUP = 32
 
 
 class Int8Linear(nn.Module):
-    """y = x (q * s)^T + b, q int8 [N, K], s [N]. On the integer kernel's path `qweight` is
-    packed in place (an int8 tensor passed in becomes the kernel's layout)."""
+    """y = x (q * s)^T + b, q int8 [N, K], s [N]: one scale per output channel; or s [N, K // 32]
+    fp16, one per block of 32 inputs (a GGUF Q8_0 tensor as stored), on the integer kernel only.
+    On the integer kernel's path `qweight` is packed in place (an int8 tensor passed in becomes
+    the kernel's layout)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -48,10 +50,13 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         ext = int8_act_kernel(qweight.device, dtype, *qweight.shape)
-        self.int8_act = ext is not None
-        if self.int8_act:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales
+        self.int8_act, self.blocked = ext is not None, scales.dim() == 2
+        if self.blocked and not self.int8_act:
+            raise ValueError(f"int8: scales per block of 32 (GGUF Q8_0) are read by the integer kernel only, "
+                             f"not for [{self.out_features}, {self.in_features}] {dtype} on {qweight.device}")
+        if self.int8_act:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales or fp16 d tiles
             self.register_buffer("qweight", ext.pack_int8_(qweight.to(torch.int8).contiguous()))
-            self.register_buffer("scales", scales.float().contiguous())
+            self.register_buffer("scales", _tiles(scales) if self.blocked else scales.float().contiguous())
             self.use_kernel = False
             return
         self.kernel_dtype = _kernel_dtype(qweight.device, dtype)
@@ -70,20 +75,20 @@ class Int8Linear(nn.Module):
         return torch._weight_int8pack_mm(x2d.to(self.kernel_dtype), self.qweight, self.scales).to(x2d.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = self.qweight
-        if self.int8_act:  # [N/16, K/4, 16, 4] bytes of q + 128
-            q = q.reshape(-1, self.in_features // 4, 16, 4).permute(0, 2, 1, 3).reshape(self.out_features, -1)
-            q = q.to(torch.int16) - 128
-        return (q.float() * self.scales.float()[:, None]).to(dtype)
+        if self.int8_act:
+            return self.rows(torch.arange(self.out_features), dtype)
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` of W, dequantised as `dequantize` does: an embedding lookup in this table."""
-        if self.int8_act:  # row n is tile n // 16's lane n % 16: [K/4, 4] bytes of q + 128
-            tiles = self.qweight.view(self.out_features // 16, self.in_features // 4, 16, 4)
-            q = tiles[ids // 16, :, ids % 16, :].reshape(-1, self.in_features).to(torch.int16) - 128
-        else:
-            q = self.qweight[ids]
-        return (q.float() * self.scales.float()[ids, None]).to(dtype)
+        """Rows `ids` of W, dequantised as `dequantize` does (a Q8_0 block's d q as the gguf
+        package computes it): an embedding lookup in this table."""
+        if not self.int8_act:
+            return (self.qweight[ids].float() * self.scales.float()[ids, None]).to(dtype)
+        t, lane = ids // 16, ids % 16  # row n is tile n // 16's lane n % 16: [K/4, 4] bytes of q + 128
+        tiles = self.qweight.view(self.out_features // 16, self.in_features // 4, 16, 4)
+        q = tiles[t, :, lane, :].reshape(-1, self.in_features).to(torch.int16) - 128
+        scale = self.scales[t, :, lane].float().repeat_interleave(32, 1) if self.blocked else self.scales[ids, None]
+        return (q.float() * scale).to(dtype)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         b = self._buffers  # read directly: see int8_act_forward
@@ -136,11 +141,10 @@ class Int4Linear(nn.Module):
         ext = int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
         self.int8_act = ext is not None
         if self.int8_act:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
-            tiles = lambda t: t.half().reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
             self.register_buffer("qpacked", ext.pack_int4(codes))
             self.register_buffer("qhigh", ext.pack_high_bits(codes) if bits == 5 else None)
-            self.register_buffer("d", tiles(scales))
-            self.register_buffer("m", tiles(zeros.float() - 8 * scales.float()))
+            self.register_buffer("d", _tiles(scales))
+            self.register_buffer("m", _tiles(zeros.float() - 8 * scales.float()))
             self.packed = self.codes = None
             return
         self.kernel_dtype = _kernel_dtype(codes.device, dtype)
@@ -262,6 +266,11 @@ class RowParts(nn.Module):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(self(x))
+
+
+def _tiles(v: torch.Tensor) -> torch.Tensor:
+    """Per-block values [N, K // 32] as the integer kernel's fp16 [N/16, K/32, 16] tiles."""
+    return v.half().reshape(-1, 16, v.shape[1]).transpose(1, 2).contiguous()
 
 
 def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
