@@ -5,17 +5,17 @@ Storage per variant, chosen by the bytes a decode step reads against the quality
   channel, or int4 in groups of 32: from a GGUF, the file's own Q4_0 / Q4_1 / Q4_K codes and
   its Q5_0 / Q5_1 / Q5_K 5-bit codes as they are (a fused layer's int4 part holds one width: 5
   bits where a part has them), every other type quantised from that one tensor's dequantised
-  floats (approximate, as any requantisation). Where the CPU's integer kernel runs, a Q6_K
-  tensor is served as its own blocks (Q6KLinear) in the int8 variant and in int4 of a file
-  stored mostly in 4- and 5-bit blocks (a Q4_K_M); there its other tensors wider than 5 bits
-  (Q8_0 v_proj, ...) are int8 (requantised to 5 bits, Gemma 3 270M's Q6_K / Q8_0 layers lost
-  3.7% perplexity, in int8 none), and a fused layer whose parts differ (Q4_K q and k, Q6_K v)
+  floats (approximate, as any requantisation). Where the CPU's integer kernel runs, Q6_K and
+  Q8_0 tensors are served as their own blocks (Q6KLinear; Int8Linear with a d per 32) in the
+  int8 variant and in int4 of a file stored mostly in 4- and 5-bit blocks (a Q4_K_M, whose
+  Q6_K / Q8_0 v_proj and down_proj, requantised to 5 bits, cost Gemma 3 270M 3.7% perplexity);
+  elsewhere they are int8 per channel. A fused layer whose parts differ (Q4_K q and k, Q6_K v)
   runs as its parts (RowParts). In other files (int4 of a Q8_0 or float file) every tensor
   without 4- or 5-bit codes is requantised to 4 bits;
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves),
-  except that a GGUF vocabulary stored in Q6_K keeps its blocks, and int4 keeps one stored in
-  4- or 5-bit blocks as its codes (fewer bytes, nothing lost);
+  except that a GGUF vocabulary stored in Q6_K or Q8_0 keeps its blocks, and int4 keeps one
+  stored in 4- or 5-bit blocks as its codes (nothing requantised);
 - the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.
 
 A quantised Linear is built straight from its file tensors, so no float copy of the decoder
@@ -24,8 +24,6 @@ cost no memory).
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
 import logging
 from pathlib import Path
@@ -40,11 +38,10 @@ from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import FolderWeights, weight_source
-from tandem.models.q6k_linear import Q6KLinear, q6k_kernel
 from tandem.models import quantization
-from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, QuantEmbedding, RowParts, int4_concatenates, quantize_int4, quantize_int8,
-)
+from tandem.models.q6k_linear import Q6KLinear
+from tandem.models.quantization import Int4Linear, Int8Linear, QuantEmbedding, RowParts
+from tandem.models.stored_layers import LayerFormat, served_as, stored_layer, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +118,9 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
                 native += from_file
                 consumed.update(parts)
                 setattr(model.get_submodule(parent), attr, quantised)
-                _trim_heap()
+                trim_heap()
         if native:
-            log.info("%s from %s: %d of the linear layers' tensors hold the file's own 4-, 5- or 6-bit codes",
+            log.info("%s from %s: %d of the linear layers' tensors are served as the file stores them",
                      weights, getattr(source, "path", model_dir), native)
         consumed |= _quantise_vocab(model, source, weights, dtype)
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
@@ -133,7 +130,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
         elif device.type == "cpu":
             model.pack_for_cpu()
         return model
-    _trim_heap()
+    trim_heap()
     return model
 
 
@@ -158,30 +155,10 @@ def _retype(model: nn.Module, dtype: torch.dtype) -> None:
             rotary.round_through(dtype)
 
 
-def _trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A layer's temporaries
-    (decoded blocks, int32 codes for packing) are freed into the heap, between the layers'
-    packed weights, where glibc keeps them: trimmed after each layer, loading holds the weights
-    and one layer's temporaries, not every layer's."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
 def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights, weights: str,
                     dtype: torch.dtype) -> set[str]:
     """The LM head as a quantised table, and the embedding read from it (tied) or from its own
-    table; returns the file tensors taken. int4 of a table the file stores in 4- or 5-bit
-    blocks keeps those codes where the integer kernel serves it; otherwise int8, requantised a
-    slice of rows at a time."""
+    table (`_vocab_table`); returns the file tensors taken."""
     device = model.embed_tokens.weight.device
     embed = "model.embed_tokens.weight"
     head = embed if model.lm_head is None else "lm_head.weight"
@@ -194,72 +171,22 @@ def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights
 def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
                  device: torch.device) -> Int4Linear | Int8Linear | Q6KLinear:
     """One vocabulary table: the file's own Q6_K or Q8_0 blocks, or its 4- / 5-bit codes in an
-    int4 variant, on the integer kernel (read as stored: nothing requantised, and 4-6 bits
-    fewer bytes a step than int8), else int8 per channel."""
-    fmt = _served_as(source, name, weights, dtype, device)
-    if fmt == "int4" and not quantization.int8_act_kernel(device, dtype, *source.shape(name)):
-        fmt = "int8"  # an embedding reads its rows from the integer kernel's tiles only
-    return _stored_layer(fmt, source, [name], None, dtype, device)[0]
-
-
-def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 2048) -> Q6KLinear:
-    """The row-concatenation of `names` (a vocabulary, or a fused layer's parts) from the file's
-    own Q6_K blocks, packed a slice of rows at a time."""
-    sizes = [source.shape(name) for name in names]
-    layer = Q6KLinear(sum(s[0] for s in sizes), sizes[0][1], bias, dtype, device)
-    at = 0
-    for name, (rows, _) in zip(names, sizes):
-        for start in range(0, rows, rows_per_chunk):
-            layer.load(at + start, *(t.to(device) for t in source.q6k(name, start, start + rows_per_chunk)))
-            _trim_heap()
-        at += rows
-    return layer
-
-
-def _q8_0_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 4096) -> Int8Linear:
-    """Int8Linear of the row-concatenation of `names` from the file's own Q8_0 blocks (codes and
-    fp16 d per 32), read a slice of rows at a time into the one table."""
-    sizes = [source.shape(name) for name in names]
-    qweight = torch.empty(sum(s[0] for s in sizes), sizes[0][1], dtype=torch.int8, device=device)
-    d = torch.empty(qweight.shape[0], qweight.shape[1] // 32, dtype=torch.float16, device=device)
-    at = 0
-    for name, (rows, _) in zip(names, sizes):
-        for start in range(0, rows, rows_per_chunk):
-            stop = min(start + rows_per_chunk, rows)
-            qweight[at + start:at + stop], d[at + start:at + stop] = source.q8_0(name, start, stop)
-        at += rows
-    return Int8Linear(qweight, d, bias, dtype)
-
-
-def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 512) -> Int8Linear:
-    """Int8Linear.from_float of the row-concatenation of `names` (a vocabulary, or a fused
-    layer's parts) without holding it in floats: by row slices, each one's temporaries handed
-    back before the next."""
-    sizes = [source.shape(name) for name in names]
-    qweight = torch.empty(sum(s[0] for s in sizes), sizes[0][1], dtype=torch.int8, device=device)
-    scales = torch.empty(qweight.shape[0], dtype=torch.float32, device=device)
-    at = 0
-    for name, (rows, _) in zip(names, sizes):
-        for start in range(0, rows, rows_per_chunk):
-            stop = min(start + rows_per_chunk, rows)
-            qweight[at + start:at + stop], scales[at + start:at + stop] = quantize_int8(
-                source.rows(name, start, stop).to(device))
-            _trim_heap()
-        at += rows
-    return Int8Linear(qweight, scales, bias, dtype)
+    int4 variant, on the integer kernel (nothing requantised; 4-6 bit codes are also fewer bytes
+    a step than int8), else int8 per channel."""
+    fmt = served_as(source, name, weights, dtype, device)
+    if fmt == LayerFormat.INT4 and not quantization.int8_act_kernel(device, dtype, *source.shape(name)):
+        fmt = LayerFormat.INT8  # an embedding reads its rows from the integer kernel's tiles only
+    return stored_layer(fmt, source, [name], None, dtype, device)[0]
 
 
 def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, source: GGUFWeights | FolderWeights,
               keep_wide: bool) -> tuple[nn.Module, list[str], int]:
     """The quantised replacement of one Linear, the file tensors it took, and how many of them
     it took as the file's own codes. In the int8 variant, and in int4 of a file stored mostly in
-    4-5 bits (keep_wide), each part is served as it is stored where a kernel reads that: Q6_K as
-    Q6_K, 4- and 5-bit codes as int4 (int4 only), the rest int8; a fused layer whose parts differ
-    runs as consecutive parts of one format (RowParts). Otherwise int4 throughout, every part
-    without 4- or 5-bit codes requantised."""
+    4-5 bits (keep_wide), each part is served as it is stored where a kernel reads that
+    (`served_as`: Q6_K and Q8_0 blocks, 4- and 5-bit codes in int4, the rest int8); a fused layer
+    whose parts differ runs as consecutive parts of one format (RowParts). Otherwise int4
+    throughout, every part without 4- or 5-bit codes requantised."""
     prefix, _, leaf = name.rpartition(".")
     parts = [f"model.{prefix}.{p}.weight" for p in _FUSED_PARTS.get(leaf, (leaf,))]
     device = module.weight.device
@@ -268,63 +195,16 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, sourc
         bias = torch.cat([source.get(p.removesuffix(".weight") + ".bias") for p in parts]).to(device)
     names = parts + ([p.removesuffix(".weight") + ".bias" for p in parts] if bias is not None else [])
     if not (weights == "int8" or keep_wide):
-        layer, native = _int4_linear(source, parts, bias, dtype, device)
+        layer, native = stored_layer(LayerFormat.INT4, source, parts, bias, dtype, device)
         return layer, names, native
-    formats = [_served_as(source, p, weights, dtype, device) for p in parts]
+    formats = [served_as(source, p, weights, dtype, device) for p in parts]
     layers, native, at = [], 0, 0
     for fmt, group in itertools.groupby(zip(formats, parts), key=lambda pair: pair[0]):
         group = [p for _, p in group]
         rows = sum(source.shape(p)[0] for p in group)
-        layer, from_file = _stored_layer(fmt, source, group, None if bias is None else bias[at:at + rows], dtype, device)
+        layer, from_file = stored_layer(fmt, source, group, None if bias is None else bias[at:at + rows], dtype, device)
         layers.append(layer)
         native += from_file
         at += rows
     return (layers[0] if len(layers) == 1 else RowParts(layers)), names, native
 
-
-def _served_as(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
-               device: torch.device) -> str:
-    """The format one stored tensor is served in where a variant keeps what the file stores:
-    Q6_K and Q8_0 blocks as they are where the integer kernel serves them, 4- and 5-bit codes
-    int4 (in int4), anything else int8 per channel."""
-    bits, (n, k) = source.code_bits(name), source.shape(name)
-    if bits == 6 and q6k_kernel(device, dtype, n, k) is not None:
-        return "q6k"
-    if bits == 8 and quantization.int8_act_kernel(device, dtype, n, k) is not None:
-        return "q8_0"
-    return "int4" if weights == "int4" and bits <= 5 else "int8"
-
-
-def _stored_layer(fmt: str, source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                  dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, int]:
-    """The layer of tensors `names` (row parts) in format `fmt` (`_served_as`), and how many of
-    them it holds as the file stores them."""
-    if fmt == "q6k":
-        return _q6k_linear(source, names, bias, dtype, device), len(names)
-    if fmt == "q8_0":
-        return _q8_0_linear(source, names, bias, dtype, device), len(names)
-    if fmt == "int4":
-        return _int4_linear(source, names, bias, dtype, device)
-    return _int8_linear(source, names, bias, dtype, device), 0
-
-
-def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device) -> tuple[Int4Linear, int]:
-    """An Int4Linear of the row-concatenation of `names`, and how many of them it holds as the
-    file's own codes: 4- and 5-bit codes as they are (5 bits where a part has them: 4-bit codes
-    are 5-bit codes too), every other part quantised from its floats."""
-    bits = 5 if 5 in (source.code_bits(name) for name in names) else 4
-    rows = [source.shape(name)[0] for name in names]
-    by_part = int4_concatenates(device, dtype, rows, source.shape(names[0])[1])
-    pieces, native = [], 0
-    for name in names:
-        codes = source.int4(name)
-        native += codes is not None
-        codes = codes or quantize_int4(source.get(name).to(device), DEFAULT_INT4_GROUP, bits)
-        # packed as it comes where the kernel serves the layer: one part's one-byte codes at a time
-        pieces.append(Int4Linear(*(t.to(device) for t in codes), None, dtype, bits) if by_part else codes)
-        del codes
-    if by_part:
-        return Int4Linear.concat(pieces, bias, dtype), native
-    c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
-    return Int4Linear(c, s, z, bias, dtype, bits), native
