@@ -133,9 +133,9 @@ def test_auto_is_the_precision_the_file_stores(monkeypatch):
     assert seen["quantization"] == "int4"
 
 
-def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_path):
-    """Each round rotates the order of the sides, each keeps its best figure, and a side asked for
-    as `auto` is labelled with the precision it resolved to."""
+def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_path, capsys):
+    """Each round rotates the order of the sides, each keeps its best figure, a side asked for as
+    `auto` is labelled with the precision it resolved to, and the table gives each side's peak RSS."""
     order = []
     runs = iter([10.0, 30.0, 20.0, 5.0])
 
@@ -155,3 +155,5 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
     assert order == ["auto", "int4", "llama", "int4", "llama", "auto"]
     assert report["decode_tok_s"]["auto (int4)"] == {1: 10.0} and report["decode_tok_s"]["int4"] == {1: 30.0}
     assert report["ratio"]["int4"] == {1: 1.5}
+    llamacpp.print_table(report)
+    assert "tandem peak RSS: auto (int4) 100 MiB, int4 100 MiB" in capsys.readouterr().out

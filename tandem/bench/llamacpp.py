@@ -126,6 +126,7 @@ def print_table(report: dict) -> None:
     for b in report["decode_tok_s"][LLAMA]:
         print(f"{b:>5} " + " ".join(f"{report['decode_tok_s'][s][b]:>15.1f}" for s in sides)
               + " " + " ".join(f"{r[b]:>14.2f}x" for r in report["ratio"].values()))
+    print("tandem peak RSS: " + ", ".join(f"{s} {mb:,.0f} MiB" for s, mb in report["tandem_peak_rss_mb"].items()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
