@@ -628,48 +628,44 @@ at::Tensor pack_int4(at::Tensor codes) {
   return out;
 }
 
-// codes [N, K] uint8 in [0, 31] -> the fifth-bit plane above, in this build's layout.
-at::Tensor pack_high_bits(at::Tensor codes) {
-  auto c = tile_codes(codes, "pack_high_bits");
+// codes [N, K] -> a plane of the bits above their nibbles, `bytes` per tile and block: place(op,
+// j, lane, col, i, high) puts the code's high bits where the layout keeps them, in op's block.
+template <typename Place>
+at::Tensor pack_plane(at::Tensor codes, const char* what, int64_t bytes, Place place) {
+  auto c = tile_codes(codes, what);
   const int64_t n = c.size(0), k = c.size(1);
-  auto out = at::zeros({n * k / 8}, c.options());
+  auto out = at::zeros({n / kTile * (k / kBlock) * bytes}, c.options());
   const uint8_t* cp = c.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n / kTile; ++t)
-    for (int64_t b = 0; b < k / kBlock; ++b, op += 64)
+    for (int64_t b = 0; b < k / kBlock; ++b, op += bytes)
       for (int64_t j = 0; j < 4; ++j)
         for (int64_t lane = 0; lane < 2; ++lane)
           for (int64_t col = 0; col < kTile; ++col)
-            for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t bit = (cp[(t * kTile + col) * k + b * kBlock + 16 * lane + 4 * j + i] >> 4) & 1;
-#if TANDEM_QUANT_GEMM == 512
-              const int64_t index = (j * 2 + lane) * 64 + 4 * col + i;  // bit of the block's 512
-              op[index / 8] |= static_cast<uint8_t>(bit << (index % 8));
-#else
-              const int64_t h = col / 8, byte = 4 * (col % 8) + i;
-              op[(j / 2) * 32 + byte] |= static_cast<uint8_t>(bit << (4 * (j % 2) + 2 * lane + h));
-#endif
-            }
+            for (int64_t i = 0; i < 4; ++i)
+              place(op, j, lane, col, i, cp[(t * kTile + col) * k + b * kBlock + 16 * lane + 4 * j + i] >> 4);
   return out;
+}
+
+// codes [N, K] uint8 in [0, 31] -> the fifth-bit plane above, in this build's layout.
+at::Tensor pack_high_bits(at::Tensor codes) {
+  return pack_plane(codes, "pack_high_bits", 64, [](uint8_t* op, int64_t j, int64_t lane, int64_t col, int64_t i, int high) {
+    const int bit = high & 1;
+#if TANDEM_QUANT_GEMM == 512
+    const int64_t index = (j * 2 + lane) * 64 + 4 * col + i;  // bit of the block's 512
+    op[index / 8] |= static_cast<uint8_t>(bit << (index % 8));
+#else
+    const int64_t h = col / 8, byte = 4 * (col % 8) + i;
+    op[(j / 2) * 32 + byte] |= static_cast<uint8_t>(bit << (4 * (j % 2) + 2 * lane + h));
+#endif
+  });
 }
 
 // codes [N, K] uint8 in [0, 63] -> the q6k top-bit plane above (bits 4-5 of each code).
 at::Tensor pack_top_bits(at::Tensor codes) {
-  auto c = tile_codes(codes, "pack_top_bits");
-  const int64_t n = c.size(0), k = c.size(1);
-  auto out = at::zeros({n * k / 4}, c.options());
-  const uint8_t* cp = c.data_ptr<uint8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  for (int64_t t = 0; t < n / kTile; ++t)
-    for (int64_t b = 0; b < k / kBlock; ++b, op += 128)
-      for (int64_t j = 0; j < 4; ++j)
-        for (int64_t lane = 0; lane < 2; ++lane)
-          for (int64_t col = 0; col < kTile; ++col)
-            for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t top = (cp[(t * kTile + col) * k + b * kBlock + 16 * lane + 4 * j + i] >> 4) & 3;
-              op[(j / 2) * 64 + 4 * col + i] |= static_cast<uint8_t>(top << (2 * (2 * (j % 2) + lane)));
-            }
-  return out;
+  return pack_plane(codes, "pack_top_bits", 128, [](uint8_t* op, int64_t j, int64_t lane, int64_t col, int64_t i, int high) {
+    op[(j / 2) * 64 + 4 * col + i] |= static_cast<uint8_t>((high & 3) << (2 * (2 * (j % 2) + lane)));
+  });
 }
 
 // qweight [N, K] int8 -> the int8 tile layout above, in place: a tile is a permutation of its
