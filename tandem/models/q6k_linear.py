@@ -2,11 +2,12 @@
 (`kernels/cpu_quant_gemm.cpp`, its q6k tiles): w = d sc (q - 32) with 6-bit codes q, an int8
 scale sc per 16 inputs and an fp16 d per 256, 0.82 bytes a weight as in the file, where an
 int8 copy takes 1 byte and is requantised. The kernel multiplies unsigned 6-bit codes by int8
-activations directly, where int8 weights need AVX2's sign trick, so on AVX2 a Q6_K layer also
-costs fewer instructions than its int8 copy.
+activations directly (no sign trick on AVX2); unpacking the codes costs what that saves, so a
+Q6_K layer runs about as fast as its int8 copy where the step is compute-bound (batch 16) and
+faster where it waits on memory (a large layer at batch 1: 18% fewer bytes).
 
 Built only where that kernel serves the layer (`q6k_kernel`); elsewhere (CUDA, a CPU without
-AVX2) the builder requantises Q6_K to int8 as before.
+AVX2) the builder requantises Q6_K to int8 per channel.
 """
 from __future__ import annotations
 
