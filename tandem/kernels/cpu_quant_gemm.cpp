@@ -148,6 +148,7 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 512 + j * 64), _MM_HINT_T0);
+    if constexpr (Blocked) _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -368,6 +369,7 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 512 + j * 64), _MM_HINT_T0);
+    if constexpr (Blocked) _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
