@@ -151,10 +151,11 @@ def test_q6_k_blocks_as_stored(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
-    """int4, 5-bit, int8 (per channel and Q8_0's per block) and Q6_K tiles against the exact product of their weights with the
-    activations as the kernel rounds them, at K = 8192, with activations of mixed sign and all
-    positive (where an offset added to every product and taken off late in fp32 would cancel
-    ~1e-4 of the output), every row count of a tile (1-4) and one more."""
+    """int4, 5-bit, int8 (per channel and Q8_0's per block) and Q6_K tiles against the exact
+    product of their weights with the activations as the kernel rounds them, at K = 8192, with
+    activations of mixed sign and all positive (where an offset added to every product and taken
+    off late in fp32 would cancel ~1e-4 of the output), every row count of a tile (1-4) and one
+    more."""
     n, k = 32, 8192
     torch.manual_seed(9)
     w = torch.randn(n, k) / 64

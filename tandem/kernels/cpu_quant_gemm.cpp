@@ -164,8 +164,7 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(net), scale, acc[r]);
     }
   }
-  __m512 s = Blocked ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(ws);
-  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_mul_ps(s, acc[r]));
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, Blocked ? acc[r] : _mm512_mul_ps(_mm512_loadu_ps(ws), acc[r]));
 }
 
 // R rows x 16 columns for Q6_K weights (the q6k layout above). Per block and row the two

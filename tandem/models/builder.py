@@ -207,4 +207,3 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, sourc
         native += from_file
         at += rows
     return (layers[0] if len(layers) == 1 else RowParts(layers)), names, native
-

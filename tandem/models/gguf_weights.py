@@ -169,14 +169,13 @@ class GGUFWeights:
         read = lambda t, first, last: int4_rows(self.file.read_rows(t.info, first, last), t.kind)  # noqa: E731
         return self._by_rows(name, 0, t.info.rows, read)
 
-    def q6k(self, name: str, start: int = 0, stop: int | None = None) -> Q6KCodes | None:
-        """Rows start:stop of the file's own Q6_K codes, scales and d (`gguf_quants.q6k_rows`)
-        where the tensor is Q6_K; else None."""
+    def q6k(self, name: str, start: int, stop: int) -> Q6KCodes:
+        """Rows start:stop of a Q6_K tensor's own codes, scales and d (`gguf_quants.q6k_rows`)."""
         t = self.tensors[name]
         if t.kind != _Q.Q6_K:
-            return None
+            raise ValueError(f"{name}: {t.kind.name}, not Q6_K")
         read = lambda t, first, last: q6k_rows(self.file.read_rows(t.info, first, last))  # noqa: E731
-        return self._by_rows(name, start, t.info.rows if stop is None else stop, read)
+        return self._by_rows(name, start, stop, read)
 
     def q8_0(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows start:stop of a Q8_0 tensor's own codes and d (`gguf_quants.q8_0_rows`)."""

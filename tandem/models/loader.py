@@ -167,10 +167,6 @@ class FolderWeights:
         """A safetensors file holds no int4 codes: int4 is quantised from its floats."""
         return None
 
-    def q6k(self, name: str, start: int = 0, stop: int | None = None) -> None:
-        """Nor Q6_K blocks."""
-        return None
-
     def code_bits(self, name: str) -> int:
         """Bits a weight is stored in: the float's width."""
         with _open_safetensors(self._files[name]) as f:

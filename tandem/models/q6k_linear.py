@@ -16,7 +16,7 @@ from torch import nn
 
 from tandem.kernels import cpu_quant_gemm
 from tandem.models import quantization
-from tandem.models.quantization import int8_act_forward, int8_act_silu_and_mul
+from tandem.models.quantization import block_tiles, int8_act_forward, int8_act_silu_and_mul
 
 QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
 
@@ -71,7 +71,7 @@ class Q6KLinear(nn.Module):
         self.qtop[start * k // 4:(start + rows) * k // 4] = ext.pack_top_bits(codes)
         tiles = slice(start // 16, (start + rows) // 16)
         self.sc[tiles] = sc.to(torch.int8).reshape(-1, 16, k // 32, 2).permute(0, 2, 3, 1)
-        self.d[tiles] = d.half().reshape(-1, 16, k // QK_K).transpose(1, 2)
+        self.d[tiles] = block_tiles(d)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W as the gguf package dequantises the file's blocks: d sc in fp32, times q - 32."""

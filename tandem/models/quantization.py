@@ -56,7 +56,7 @@ class Int8Linear(nn.Module):
                              f"not for [{self.out_features}, {self.in_features}] {dtype} on {qweight.device}")
         if self.int8_act:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales or fp16 d tiles
             self.register_buffer("qweight", ext.pack_int8_(qweight.to(torch.int8).contiguous()))
-            self.register_buffer("scales", _tiles(scales) if self.blocked else scales.float().contiguous())
+            self.register_buffer("scales", block_tiles(scales) if self.blocked else scales.float().contiguous())
             self.use_kernel = False
             return
         self.kernel_dtype = _kernel_dtype(qweight.device, dtype)
@@ -143,8 +143,8 @@ class Int4Linear(nn.Module):
         if self.int8_act:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
             self.register_buffer("qpacked", ext.pack_int4(codes))
             self.register_buffer("qhigh", ext.pack_high_bits(codes) if bits == 5 else None)
-            self.register_buffer("d", _tiles(scales))
-            self.register_buffer("m", _tiles(zeros.float() - 8 * scales.float()))
+            self.register_buffer("d", block_tiles(scales))
+            self.register_buffer("m", block_tiles(zeros.float() - 8 * scales.float()))
             self.packed = self.codes = None
             return
         self.kernel_dtype = _kernel_dtype(codes.device, dtype)
@@ -268,18 +268,17 @@ class RowParts(nn.Module):
         return silu_and_mul(self(x))
 
 
-def _tiles(v: torch.Tensor) -> torch.Tensor:
-    """Per-block values [N, K // 32] as the integer kernel's fp16 [N/16, K/32, 16] tiles."""
+def block_tiles(v: torch.Tensor) -> torch.Tensor:
+    """Per-block values [N, blocks] as the integer kernel's fp16 [N/16, blocks, 16] tiles."""
     return v.half().reshape(-1, 16, v.shape[1]).transpose(1, 2).contiguous()
 
 
 def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A quantised layer (Int8Linear, Int4Linear, Q6KLinear) on the integer-activation kernel; a
     2-D contiguous x (the model's flattened batch) goes in as it is: at batch 1 each extra view
-    is a visible cost. The
-    layers' buffers are read from `_buffers`: as attributes each one costs ~1 us (nn.Module
-    finds them in __getattr__, after Python has built an AttributeError), ~5 us a call, more
-    than the call into the kernel itself."""
+    is a visible cost. The layers' buffers are read from `_buffers`: as attributes each one costs
+    ~1 us (nn.Module finds them in __getattr__, after Python has built an AttributeError), ~5 us
+    a call, more than the call into the kernel itself."""
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.in_features).contiguous()
     y = layer._int8_act(x2d, False)
     if x.dim() != 2:
