@@ -49,7 +49,7 @@ def test_kernel_equals_weight_only_reference(shape, dtype):
     n, k = shape
     int4, int8, _, _ = _layers(n, k, n + k, dtype)
     assert int4.int8_act and int8.int8_act
-    for rows in (1, 5, 37):  # 4-row tiles, a remainder of 1 and of 1 after 36
+    for rows in (1, 5, 9, 37):  # AVX2's 4-row and AVX-512's 8-row reads: 9 as 5 + 4, 37 as 8 x 4 + 5
         x = torch.randn(rows, k, dtype=dtype) * 3
         for layer in (int4, int8):
             ref = F.linear(x.float(), layer.dequantize(), layer.bias.float())
@@ -154,7 +154,7 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
     """int4, 5-bit, int8 (per channel and Q8_0's per block) and Q6_K tiles against the exact
     product of their weights with the activations as the kernel rounds them, at K = 8192, with
     activations of mixed sign and all positive (where an offset added to every product and taken
-    off late in fp32 would cancel ~1e-4 of the output), every row count of a tile (1-4) and one
+    off late in fp32 would cancel ~1e-4 of the output), every row count of a tile (1-8) and one
     more."""
     n, k = 32, 8192
     torch.manual_seed(9)
@@ -166,7 +166,7 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
     for layer in layers:
         weights = layer.dequantize().double()
-        for rows in (1, 2, 3, 4, 5):
+        for rows in range(1, 10):
             for x in (torch.randn(rows, k), torch.randn(rows, k).abs() + 2):
                 x = x.to(dtype)
                 exact = _int8_activations(x) @ weights.t()
