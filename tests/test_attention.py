@@ -23,7 +23,8 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, bs, window=None):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (4, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (4, 1, 256),
+                                                     (12, 2, 64), (10, 2, 128)])  # groups of 6 and 5: 4 + 2, 4 + 1
 @pytest.mark.parametrize("window", [None, 20], ids=["global", "window-20"])
 def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, window):
     ext = cpu_paged_attention()

@@ -10,9 +10,13 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers add ~15 s of parsing (21 s against 5 s, g++ -fsyntax-only, AMD EPYC Zen 3)
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace tandem_cpu_paged_attention {
@@ -51,19 +55,56 @@ inline float hsum(v8 v) {
   return s;
 }
 
-// Scores of R K rows (`stride` elements apart from kp) against one query head (fp32, scaled):
-// two accumulators a row, so 2R independent FMA chains overlap instead of one waiting on itself.
-template <int R, typename T, int D>
-inline void scores_of(const float* qj, const T* kp, int64_t stride, float* out) {
-  v8 a[R][2] = {};
-  for (int i = 0; i < D; i += 16) {
-    const v8 q0 = load8(qj + i), q1 = load8(qj + i + 8);
-    for (int r = 0; r < R; ++r) {
-      a[r][0] += q0 * load8(kp + r * stride + i);
-      a[r][1] += q1 * load8(kp + r * stride + i + 8);
+// Lane i: the sum of v[i]'s lanes (eight horizontal sums in nine shuffles and adds, not 8 x 7).
+inline v8 sums8(const v8 (&v)[8]) {
+#ifdef __AVX__
+  auto pair = [](v8 a, v8 b) { return (v8)_mm256_hadd_ps((__m256)a, (__m256)b); };
+  const v8 u0 = pair(pair(v[0], v[1]), pair(v[2], v[3])), u1 = pair(pair(v[4], v[5]), pair(v[6], v[7]));
+  return (v8)_mm256_permute2f128_ps((__m256)u0, (__m256)u1, 0x20) + (v8)_mm256_permute2f128_ps((__m256)u0, (__m256)u1, 0x31);
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = hsum(v[i]);
+  return out;
+#endif
+}
+
+// Scores of R (1-2) K rows (`stride` elements apart from kp) against G (1-4) query heads qj [G, D]
+// (fp32, scaled) into s[j * kPart + r]: each K element is read and widened once for the G heads.
+template <int G, int R, typename T, int D>
+inline void scores_of(const float* qj, const T* kp, int64_t stride, float* s) {
+  v8 a[8] = {};  // a[2j + r]
+  for (int i = 0; i < D; i += 8) {
+    v8 k[R];
+    for (int r = 0; r < R; ++r) k[r] = load8(kp + r * stride + i);
+    for (int j = 0; j < G; ++j) {
+      const v8 q = load8(qj + j * D + i);
+      for (int r = 0; r < R; ++r) a[2 * j + r] += q * k[r];
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(a[r][0] + a[r][1]);
+  const v8 sums = sums8(a);
+  for (int j = 0; j < G; ++j)
+    for (int r = 0; r < R; ++r) s[j * kPart + r] = sums[2 * j + r];
+}
+
+// The V side: kW outputs of G query heads at a time summed in registers over the part, each V
+// element read and widened once for the G heads, not once per head.
+#ifdef __AVX512F__
+constexpr int kW = 32;  // 32 registers
+#else
+constexpr int kW = 16;  // 16 registers: 2G accumulators, 2 V vectors, G weights
+#endif
+
+// f(j0, std::integral_constant<int, G>) for query heads j0 .. j0 + G - 1 of g, G <= 4 at a time.
+template <typename F>
+inline void head_groups(int64_t g, F&& f) {
+  for (int64_t j0 = 0; j0 < g; j0 += 4) {
+    switch (std::min<int64_t>(4, g - j0)) {
+      case 4: f(j0, std::integral_constant<int, 4>{}); break;
+      case 3: f(j0, std::integral_constant<int, 3>{}); break;
+      case 2: f(j0, std::integral_constant<int, 2>{}); break;
+      default: f(j0, std::integral_constant<int, 1>{}); break;
+    }
+  }
 }
 
 // Positions [lo, hi) (at most kPart) of one sequence (block table `table`) for KV head h and its
@@ -78,12 +119,13 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
     const int64_t off = p0 % block_size;
     n = std::min(block_size - off, hi - p0);
     const T* kp = k_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D;
-    for (int64_t j = 0; j < g; ++j) {
-      float* sj = scores + j * kPart + (p0 - lo);
+    head_groups(g, [&](int64_t j0, auto g_const) {
+      constexpr int G = decltype(g_const)::value;
+      float* s = scores + j0 * kPart + (p0 - lo);
       int64_t t = 0;
-      for (; t + 4 <= n; t += 4) scores_of<4, T, D>(qf + j * D, kp + t * row_stride, row_stride, sj + t);
-      for (; t < n; ++t) scores_of<1, T, D>(qf + j * D, kp + t * row_stride, row_stride, sj + t);
-    }
+      for (; t + 2 <= n; t += 2) scores_of<G, 2, T, D>(qf + j0 * D, kp + t * row_stride, row_stride, s + t);
+      if (t < n) scores_of<G, 1, T, D>(qf + j0 * D, kp + t * row_stride, row_stride, s + t);
+    });
   }
   float *m = part, *l = part + g, *acc = part + 2 * g;
   for (int64_t j = 0; j < g; ++j) {
@@ -94,21 +136,28 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
     for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
     m[j] = mx, l[j] = sum;
   }
-  // 64 outputs of one head at a time, summed over the part in registers (not through memory)
-  for (int64_t j = 0; j < g; ++j)
-    for (int i0 = 0; i0 < D; i0 += 64) {
-      v8 a[8] = {};
+  head_groups(g, [&](int64_t j0, auto g_const) {
+    constexpr int G = decltype(g_const)::value;
+    const float* p = scores + j0 * kPart;
+    for (int i0 = 0; i0 < D; i0 += kW) {
+      v8 a[G][kW / 8] = {};
       for (int64_t p0 = lo, n; p0 < hi; p0 += n) {
         const int64_t off = p0 % block_size;
         n = std::min(block_size - off, hi - p0);
         const T* vp = v_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D + i0;
         for (int64_t t = 0; t < n; ++t, vp += row_stride) {
-          const float p = scores[j * kPart + p0 - lo + t];
-          for (int u = 0; u < 8; ++u) a[u] += p * load8(vp + 8 * u);
+          v8 v[kW / 8];
+          for (int u = 0; u < kW / 8; ++u) v[u] = load8(vp + 8 * u);
+          for (int j = 0; j < G; ++j) {
+            const float w = p[j * kPart + p0 - lo + t];
+            for (int u = 0; u < kW / 8; ++u) a[j][u] += w * v[u];
+          }
         }
       }
-      for (int u = 0; u < 8; ++u) store8(acc + j * D + i0 + 8 * u, a[u]);
+      for (int j = 0; j < G; ++j)
+        for (int u = 0; u < kW / 8; ++u) store8(acc + (j0 + j) * D + i0 + 8 * u, a[j][u]);
     }
+  });
 }
 
 // q: row b at q + b * q_row, [Hq, D] inside it; out: [B, Hq, D].
@@ -122,7 +171,7 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
   std::vector<int64_t> first_item(num_seqs + 1, 0);  // sequence b's items: [first_item[b], first_item[b + 1])
   for (int64_t b = 0; b < num_seqs; ++b)
     first_item[b + 1] = first_item[b] + hkv * std::max<int64_t>(1, (seq_lens[b] - first_pos(b) + kPart - 1) / kPart);
-  std::vector<float> parts(first_item[num_seqs] * part_size);
+  std::unique_ptr<float[]> parts(new float[first_item[num_seqs] * part_size]);  // every item writes its own: no zeroing
   at::parallel_for(0, first_item[num_seqs], 1, [&](int64_t begin, int64_t end) {
     float qf[kMaxGroup * D];
     for (int64_t item = begin; item < end; ++item) {
@@ -131,7 +180,7 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
       const int64_t lo = first_pos(b) + (item - first_item[b]) % per_head * kPart;
       for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[b * q_row + h * g * D + i]) * scale;
       attend_part<T, D>(qf, k_cache, v_cache, block_tables + b * max_blocks, block_size, hkv, h, g, lo,
-                        std::min(lo + kPart, seq_lens[b]), parts.data() + item * part_size);
+                        std::min(lo + kPart, seq_lens[b]), parts.get() + item * part_size);
     }
   });
   // merge each (sequence, KV head)'s parts in order
@@ -139,7 +188,7 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
     float acc[D];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hkv, h = item % hkv, per_head = (first_item[b + 1] - first_item[b]) / hkv;
-      const float* first = parts.data() + (first_item[b] + h * per_head) * part_size;
+      const float* first = parts.get() + (first_item[b] + h * per_head) * part_size;
       for (int64_t j = 0; j < g; ++j) {
         float m = -INFINITY, l = 0.f;
         for (int64_t p = 0; p < per_head; ++p) m = std::max(m, first[p * part_size + j]);
