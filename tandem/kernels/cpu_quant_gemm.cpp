@@ -62,9 +62,9 @@ constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define TANDEM_QUANT_GEMM 512
-// Rows per weight read: each row holds an accumulator and a dot register, so 8 fit in AVX-512's 32
-// registers beside the codes (4 did not cover the per-row block epilogue's cost: 1B shapes, 16 rows,
-// AMD EPYC Zen 4, 3-9% slower); AVX2's 16 ymm registers take 4.
+// Rows per weight read: an int4 row holds an accumulator and a dot register, so 8 fit in AVX-512's
+// 32 registers beside the codes (with 4 the int4 GEMMs of 1B shapes at 16 rows ran 6% slower, AMD
+// EPYC Zen 4); AVX2's 16 ymm registers take 4.
 constexpr int64_t kRows = 8;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -523,6 +523,13 @@ struct Rows {
 template <int R, typename T>
 void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
+  if constexpr (R > 4) {  // the q6k and int8 tiles keep two or more int32 registers a row: past 4 rows
+    if (p.format != Format::int4) {  // they spill (Q6_K at 16 rows: 27% slower), so 4 at a time
+      tile<4>(p, x, t, y, ldy);
+      tile<R - 4>(p, Rows{x.q + 4 * p.k, x.d + 4 * nb, x.ds + 4 * nb, x.s16 + 4 * nb}, t, y + 4 * ldy, ldy);
+      return;
+    }
+  }
   if (p.format == Format::q6k)
     q6_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32, p.d + t * (nb / 8) * kTile, y, ldy);
   else if (p.format == Format::int8 && p.d)
