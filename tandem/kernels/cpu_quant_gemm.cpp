@@ -62,9 +62,9 @@ constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define TANDEM_QUANT_GEMM 512
-// Rows per weight read: an int4 row holds an accumulator and a dot register, so 8 fit in AVX-512's
-// 32 registers beside the codes (with 4 the int4 GEMMs of 1B shapes at 16 rows ran 6% slower, AMD
-// EPYC Zen 4); AVX2's 16 ymm registers take 4.
+// Rows per weight read (at most; `max_rows`): an int4 row holds an accumulator and a dot register,
+// so 8 fit in AVX-512's 32 registers beside the codes (with 4 the int4 GEMMs of 1B shapes at 16
+// rows ran 6% slower, AMD EPYC Zen 4); AVX2's 16 ymm registers take 4.
 constexpr int64_t kRows = 8;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -388,10 +388,13 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const
       }
     }
     for (int h = 0; h < 2; ++h) {
-      __m256 d = Blocked ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)))
-                         : _mm256_set1_ps(1.f);
-      for (int r = 0; r < R; ++r)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
+      __m256 d = _mm256_setzero_ps();
+      if constexpr (Blocked) d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        __m256 scale = _mm256_set1_ps(xd[r * nb + b]);
+        if constexpr (Blocked) scale = _mm256_mul_ps(d, scale);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -523,13 +526,6 @@ struct Rows {
 template <int R, typename T>
 void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
-  if constexpr (R > 4) {  // the q6k and int8 tiles keep two or more int32 registers a row: past 4 rows
-    if (p.format != Format::int4) {  // they spill (Q6_K at 16 rows: 27% slower), so 4 at a time
-      tile<4>(p, x, t, y, ldy);
-      tile<R - 4>(p, Rows{x.q + 4 * p.k, x.d + 4 * nb, x.ds + 4 * nb, x.s16 + 4 * nb}, t, y + 4 * ldy, ldy);
-      return;
-    }
-  }
   if (p.format == Format::q6k)
     q6_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32, p.d + t * (nb / 8) * kTile, y, ldy);
   else if (p.format == Format::int8 && p.d)
@@ -566,14 +562,18 @@ struct Scratch {
   std::vector<int32_t> s16;
 };
 
-// Quantise x's rows, then every 16-column tile in parallel, up to kRows rows per weight read (the
-// rows split evenly over the reads: 9 rows as 5 and 4, not 8 and 1).
+// Rows a tile of this format reads each weight for: the q6k and int8 tiles keep two or more int32
+// registers a row, and past 4 rows they spill (Q6_K at 16 rows: 27% slower on AVX-512).
+int64_t max_rows(Format format) { return format == Format::int4 ? kRows : std::min<int64_t>(kRows, 4); }
+
+// Quantise x's rows, then every 16-column tile in parallel, up to max_rows rows per weight read
+// (the rows split evenly over the reads: 9 rows as 5 and 4, not 8 and 1).
 at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == p.k, "quant gemm: contiguous [M, K] input");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant gemm: float32 or bfloat16 input");
   TORCH_CHECK(!silu_mul || p.n % (2 * kTile) == 0, "quant gemm: silu_mul needs N % 32 == 0");
   const int64_t m = x.size(0), k = p.k, nb = k / kBlock, n_out = silu_mul ? p.n / 2 : p.n;
-  const int64_t reads = (m + kRows - 1) / kRows, per_read = reads ? (m + reads - 1) / reads : 1;
+  const int64_t cap = max_rows(p.format), reads = (m + cap - 1) / cap, per_read = reads ? (m + reads - 1) / reads : 1;
   thread_local Scratch scratch;
   scratch.q.resize(m * k), scratch.d.resize(m * nb), scratch.ds.resize(m * nb), scratch.s16.resize(m * nb);
   auto y = at::empty({m, n_out}, x.options());

@@ -75,6 +75,7 @@ def _q8_0_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
         for start in range(0, rows, rows_per_chunk):
             stop = min(start + rows_per_chunk, rows)
             qweight[at + start:at + stop], d[at + start:at + stop] = source.q8_0(name, start, stop)
+            trim_heap()
         at += rows
     return Int8Linear(qweight, d, bias, dtype)
 
