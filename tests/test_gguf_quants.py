@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference
 
-from tandem.models.gguf_quants import BLOCKS, FIVE_BIT_KINDS, INT4_KINDS, dequantize_rows, int4_rows
+from tandem.models.gguf_quants import BLOCKS, FIVE_BIT_KINDS, INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows
 from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.quantization import Int4Linear, int4_dequantize
+from tandem.models.quantization import Int4Linear, KQuantScales, int4_dequantize
 
 # Byte offsets of each block's fp16 fields (d, and dmin / m where the format has one).
 _HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -60,14 +60,29 @@ def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
     is within a few ulp of the reference's d sc q - dmin m (one rounding), not bit-exact. In fp32
     `Int4Linear` stores scale and zero as given on its reference path (the torch-kernel path keeps
     them in the kernel's dtype, bf16 on CPU, which rounds them; the integer-activation path keeps
-    fp16 d and m = zero - 8 scale, which rounds d sc)."""
+    fp16 d and m = zero - 8 scale, which can round). A K type's layer on the integer-activation
+    path holds the file's own factors: bit for bit the reference's."""
     bits = 5 if kind in FIVE_BIT_KINDS else 4
     data = random_rows(kind, 32, 512, seed=1)
-    codes, scales, zeros = int4_rows(data, kind)
+    if kind in K_QUANT_KINDS:
+        codes, *factors = k_quant_rows(data, kind)
+        k_quant = KQuantScales(*(torch.from_numpy(a) for a in factors))
+        assert [a.dtype for a in factors] == [np.float16, np.float16, np.uint8, np.uint8]
+        assert max(int(a.max()) for a in factors[2:]) == 63  # 6-bit sc and m
+        scales, zeros = (t.numpy() for t in k_quant.scales_zeros())
+    else:
+        codes, scales, zeros = int4_rows(data, kind)
     assert codes.dtype == np.uint8 and codes.shape == (32, 512)
     assert codes.max() == (1 << bits) - 1 and codes.min() == 0  # random blocks use every code
     assert scales.shape == zeros.shape == (32, 16)
     expected = torch.from_numpy(reference(data, kind))
+    if kind in K_QUANT_KINDS:
+        layer = Int4Linear(torch.from_numpy(codes), k_quant, None, None, torch.float32, bits)
+        if layer.int8_act:
+            assert layer.sc_m is not None
+            assert torch.equal(layer.dequantize().view(torch.int32), expected.view(torch.int32))
+            rows = torch.tensor([0, 17, 31, 17])
+            assert torch.equal(layer.rows(rows, torch.float32), expected[rows])
     got = int4_dequantize(*(torch.from_numpy(a) for a in (codes, scales, zeros)))
     # the largest term of the sum bounds the rounding error: a few ulp of it
     bound = (torch.from_numpy(scales).abs() * 24 + torch.from_numpy(zeros).abs()).repeat_interleave(32, 1)

@@ -17,7 +17,9 @@ from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_quant_gemm
 from tandem.models.layers import silu_and_mul
 from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8, int8_act_kernel
+from tandem.models.quantization import (
+    Int4Linear, Int8Linear, KQuantScales, int4_dequantize, int8_act_kernel, quantize_int4, quantize_int8,
+)
 
 from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
 
@@ -107,6 +109,22 @@ def _q6k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
             (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half())
 
 
+def _k_quant(n: int, k: int, seed: int, bits: int = 4) -> tuple[torch.Tensor, KQuantScales]:
+    """Random Q4_K / Q5_K codes and factors (every 6-bit sc and m; small fp16 d and dmin), as a
+    file holds them."""
+    g = torch.Generator().manual_seed(seed)
+    small = lambda cols: (torch.rand(n, cols, generator=g) * 1e-3 + 1e-4).half()  # noqa: E731
+    six = lambda: torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)  # noqa: E731
+    return torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8), KQuantScales(small(k // 256), small(k // 256), six(), six())
+
+
+def _k_quant_weights(codes: torch.Tensor, k_quant: KQuantScales) -> torch.Tensor:
+    """d sc q - dmin m in gguf's fp32 order."""
+    expand = lambda v: v.float().repeat_interleave(8, 1)  # noqa: E731
+    per_input = lambda v: v.repeat_interleave(32, 1)  # noqa: E731
+    return per_input(expand(k_quant.d) * k_quant.sc.float()) * codes.float() - per_input(expand(k_quant.dmin) * k_quant.m.float())
+
+
 def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random Q8_0 codes (-128 among them: a file may hold it) and fp16 d per 32, as a file holds them."""
     g = torch.Generator().manual_seed(seed)
@@ -151,7 +169,7 @@ def test_q6_k_blocks_as_stored(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
-    """int4, 5-bit, int8 (per channel and Q8_0's per block) and Q6_K tiles against the exact
+    """int4, 5-bit, int8 (per channel and Q8_0's per block), Q6_K and K-quant tiles against the exact
     product of their weights with the activations as the kernel rounds them, at K = 8192, with
     activations of mixed sign and all positive (where an offset added to every product and taken
     off late in fp32 would cancel ~1e-4 of the output), every row count of a tile (1-8) and one
@@ -162,7 +180,9 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
     codes, sc, d = _q6k(n, k, 2)
     layers = [Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
               Int8Linear.from_float(w, None, dtype), Q6KLinear.from_codes(codes, sc, d, None, dtype),
-              Int8Linear(*_q8_0(n, k, 3), None, dtype)]
+              Int8Linear(*_q8_0(n, k, 3), None, dtype), Int4Linear(*_k_quant(n, k, 4), None, None, dtype),
+              Int4Linear(*_k_quant(n, k, 5, bits=5), None, None, dtype, bits=5)]
+    assert all(layer.sc_m is not None for layer in layers[-2:])
     tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
     for layer in layers:
         weights = layer.dequantize().double()
@@ -250,6 +270,49 @@ def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
     with pytest.raises(ValueError, match="one width"):
         Int4Linear.concat([Int4Linear(*five[0], None, torch.float32, bits=5), Int4Linear(*parts[1], None, torch.float32)],
                           None, torch.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_k_quant_factors_as_stored(bits):
+    """A K-quant layer (GGUF Q4_K / Q5_K) holds the file's factors: dequantize() and rows() are
+    d sc q - dmin m bit for bit; sc and m of 63 with the largest codes against inputs of +-127
+    in every lane; parts join (as K-quant factors, or as fp16 d and m beside a part that holds
+    those) into the layer the whole would be; the fused SiLU-and-mul."""
+    n, k = 96, 512
+    codes, k_quant = _k_quant(n, k, 6, bits)
+    layer = Int4Linear(codes, k_quant, None, torch.randn(n), torch.float32, bits)
+    w = _k_quant_weights(codes, k_quant)
+    assert layer.sc_m.dtype == torch.uint8 and layer.m is None
+    assert torch.equal(layer.dequantize().view(torch.int32), w.view(torch.int32))
+    ids = torch.tensor([0, 17, n - 1, 5, 5])
+    assert torch.equal(layer.rows(ids, torch.float32), w[ids])
+    x = torch.randn(9, k)
+    exact = _int8_activations(x) @ w.double().t() + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    top = (1 << bits) - 1
+    ones = torch.ones(32, k // 256, dtype=torch.float16)
+    full = torch.full((32, k // 32), 63, dtype=torch.uint8)
+    extreme = Int4Linear(torch.full((32, k), top, dtype=torch.uint8), KQuantScales(ones, ones, full, full), None, None,
+                         torch.float32, bits)
+    for sign in (1, -1):
+        x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
+        torch.testing.assert_close(extreme(x), torch.full((4, 32), sign * 0.5 * k * 63 * (top - 1)), rtol=1e-6, atol=0)
+    parts = [(codes[:64], KQuantScales(*(v[:64] for v in k_quant))), (codes[64:], KQuantScales(*(v[64:] for v in k_quant)))]
+    joined = Int4Linear.concat([Int4Linear(*p, None, None, torch.float32, bits) for p in parts], layer.bias, torch.float32)
+    for name in ("qpacked", "qhigh", "d", "sc_m"):
+        assert (getattr(joined, name) is None) == (bits == 4 and name == "qhigh"), name
+        assert getattr(joined, name) is None or torch.equal(getattr(joined, name), getattr(layer, name)), name
+    assert torch.equal(joined(x), layer(x))
+    plain = quantize_int4(torch.randn(32, k), 32, bits)
+    mixed = Int4Linear.concat([Int4Linear(*parts[0], None, None, torch.float32, bits), Int4Linear(*plain, None, torch.float32, bits)],
+                              None, torch.float32)
+    assert mixed.sc_m is None and mixed.d.shape == (6, k // 32, 16)
+    expand = lambda v: v.float().repeat_interleave(8, 1)  # noqa: E731
+    d16, m16 = ((expand(f) * v.float())[:64].half().float().repeat_interleave(32, 1)
+                for f, v in ((k_quant.d, k_quant.sc), (-k_quant.dmin.float(), k_quant.m)))
+    assert torch.equal(mixed.dequantize()[:64], codes[:64].float() * d16 + m16)  # d sc and -dmin m rounded to fp16
+    fused = layer.forward_silu_mul(x)
+    torch.testing.assert_close(fused, silu_and_mul(layer(x)), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

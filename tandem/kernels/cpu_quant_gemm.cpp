@@ -13,7 +13,10 @@
 // the fifth-bit plane):
 //  int4: [N/16][K/32][4][64] bytes; byte (j, 4n+i) holds column n's code for input 4j+i in
 //        its low nibble and for input 16+4j+i in its high nibble. Scales d and mins m: fp16 [N/16][K/32][16],
-//        w = d q + m (GGUF Q4_1, whose d and m are fp16 too).
+//        w = d q + m (GGUF Q4_1, whose d and m are fp16 too). A K-quant (GGUF Q4_K / Q5_K, w = d sc q -
+//        dmin m) keeps its own factors instead: u8 sc and m [N/16][K/32][2][16] (sc then m per block)
+//        and fp16 d and -dmin [N/16][K/256][2][16], 4.625 bits a weight against fp16 d and m's 5; the
+//        tile forms d sc and -dmin m in fp32, exactly as gguf's dequantisation does.
 //        5-bit codes (GGUF Q5_0 / Q5_1 / Q5_K, q in [0, 31]) add their fifth bits as a plane beside
 //        the nibbles, 64 bytes per tile and block, laid out for the build that reads it (the tile
 //        adds 16 where a bit is set):
@@ -60,6 +63,26 @@ namespace {
 
 constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8;
 
+// An int4 tile's scales: fp16 d and m per block, or a K-quant's factors (sc_m set; d then holds
+// d and -dmin per 256, m is null).
+struct Q4Scales {
+  const uint16_t* d;
+  const uint16_t* m;
+  const uint8_t* sc_m;
+};
+
+// Prefetch block b's scales.
+template <bool K>
+inline void q4_prefetch(const Q4Scales& s, int64_t b) {
+  if constexpr (K) {
+    _mm_prefetch(reinterpret_cast<const char*>(s.sc_m + b * 2 * kTile), _MM_HINT_T0);
+    if (b % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(s.d + b / 8 * 2 * kTile), _MM_HINT_T0);
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(s.d + b * kTile), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(s.m + b * kTile), _MM_HINT_T0);
+  }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define TANDEM_QUANT_GEMM 512
 // Rows per weight read (at most; `max_rows`): an int4 row holds an accumulator and a dot register,
@@ -98,22 +121,40 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds, int32_t
 
 inline __m512i quad(const int8_t* x) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
 
+inline __m512 half16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8_16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's 16 column scales d and mins m (w = d q + m): a K-quant's as d sc and -dmin m.
+template <bool K>
+inline void q4_block_scales(const Q4Scales& s, int64_t b, __m512& d, __m512& m) {
+  if constexpr (K) {
+    const uint16_t* dd = s.d + b / 8 * 2 * kTile;
+    d = _mm512_mul_ps(half16(dd), u8_16(s.sc_m + b * 2 * kTile));
+    m = _mm512_mul_ps(half16(dd + kTile), u8_16(s.sc_m + b * 2 * kTile + kTile));
+  } else {
+    d = half16(s.d + b * kTile), m = half16(s.m + b * kTile);
+  }
+}
+
 // R rows x 16 columns of y = x W^T for int4 weights (tile: one 16-column slice of the packed
-// weight); High: 5-bit codes, the fifth bits read from wh.
-template <int R, bool High, typename T>
+// weight); High: 5-bit codes, the fifth bits read from wh; K: a K-quant's scales.
+template <int R, bool High, bool K, typename T>
 void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w, const uint8_t* wh,
-             const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
+             const Q4Scales& s, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m512i mask = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    // A tile's weights are one stream, its d and m two more: ask for them kPrefetch blocks ahead
-    // (the next tile's follow on; at batch 1 the hardware prefetcher alone left it at ~20 GB/s).
+    // A tile's weights are one stream, its scales one or two more: ask for them kPrefetch blocks
+    // ahead (the next tile's follow on; at batch 1 the hardware prefetcher alone left it at ~20 GB/s).
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
+    q4_prefetch<K>(s, b + kPrefetch);
     if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
+    __m512 d, m;
+    q4_block_scales<K>(s, b, d, m);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -131,8 +172,6 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, quad(xr + 16));
       }
     }
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kTile)));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r * nb + b]), acc[r]);
@@ -306,13 +345,30 @@ inline __m256i sixteens(__m256i group) {
   return _mm256_and_si256(_mm256_slli_epi16(group, 4 - P), _mm256_set1_epi8(16));
 }
 
+inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 u8_8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's scales d and mins m (w = d q + m) of columns 8h-8h+7: a K-quant's as d sc and -dmin m.
+template <bool K>
+inline void q4_block_scales(const Q4Scales& s, int64_t b, int h, __m256& d, __m256& m) {
+  if constexpr (K) {
+    const uint16_t* dd = s.d + b / 8 * 2 * kTile + 8 * h;
+    d = _mm256_mul_ps(half8(dd), u8_8(s.sc_m + b * 2 * kTile + 8 * h));
+    m = _mm256_mul_ps(half8(dd + kTile), u8_8(s.sc_m + b * 2 * kTile + kTile + 8 * h));
+  } else {
+    d = half8(s.d + b * kTile + 8 * h), m = half8(s.m + b * kTile + 8 * h);
+  }
+}
+
 // R rows x 16 columns of y = x W^T for int4 weights; High: 5-bit codes, the fifth bits read from
-// wh. A 64-byte chunk is columns 0-7 then 8-15, both unpacked once for all R rows. Per block, row
+// wh; K: a K-quant's scales. A 64-byte chunk is columns 0-7 then 8-15, both unpacked once for all R rows. Per block, row
 // and half the maddubs results (|pair| <= 2 * 15 * 127, or 2 * 31 * 127 for 5-bit codes) add up
 // in int16 over 4 chunks (2 for 5-bit codes: <= 31496, no overflow) before a madd widens them.
-template <int R, bool High, typename T>
+template <int R, bool High, bool K, typename T>
 void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w, const uint8_t* wh,
-             const uint16_t* wd, const uint16_t* wm, T* y, int64_t ldy) {
+             const Q4Scales& s, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   constexpr int kWiden = High ? 2 : 4;
   const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -320,8 +376,7 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * kTile), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * kTile), _MM_HINT_T0);
+    q4_prefetch<K>(s, b + kPrefetch);
     if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
     __m256i sum[R][2], dot[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = dot[r][0] = dot[r][1] = _mm256_setzero_si256();
@@ -350,8 +405,8 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
       }
     }
     for (int h = 0; h < 2; ++h) {
-      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTile + 8 * h)));
-      __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTile + 8 * h)));
+      __m256 d, m;
+      q4_block_scales<K>(s, b, h, d, m);
       for (int r = 0; r < R; ++r) {
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r * nb + b]), acc[r][h]);
@@ -501,9 +556,9 @@ constexpr bool kBuilt = true;
 
 enum class Format { int4, int8, q6k };
 
-// One packed weight: int4 (fp16 d and m per tile and block; h: the fifth bits of 5-bit codes, or
-// null), int8 (fp32 column scales, or fp16 d per tile and block) or q6k (h: the top-bit plane,
-// sc, d per 256).
+// One packed weight: int4 (fp16 d and m per tile and block, or with sc_m a K-quant's factors; h:
+// the fifth bits of 5-bit codes, or null), int8 (fp32 column scales, or fp16 d per tile and block)
+// or q6k (h: the top-bit plane, sc, d per 256).
 struct Weights {
   const uint8_t* w;
   const uint8_t* h;
@@ -511,6 +566,7 @@ struct Weights {
   const uint16_t* m;
   const float* scales;
   const int8_t* sc;
+  const uint8_t* sc_m;
   int64_t n, k;
   Format format;
 };
@@ -523,6 +579,20 @@ struct Rows {
   const int32_t* s16;
 };
 
+// An int4 tile: its fifth-bit plane and its scales' form as template arguments.
+template <int R, typename T>
+void q4_dispatch(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
+  const int64_t nb = p.k / kBlock;
+  const uint8_t* w = p.w + t * nb * 256;
+  const uint8_t* h = p.h ? p.h + t * nb * 64 : nullptr;
+  if (p.sc_m) {
+    const Q4Scales s{p.d + t * (nb / 8) * 2 * kTile, nullptr, p.sc_m + t * nb * 2 * kTile};
+    return h ? q4_tile<R, true, true>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy) : q4_tile<R, false, true>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy);
+  }
+  const Q4Scales s{p.d + t * nb * kTile, p.m + t * nb * kTile, nullptr};
+  h ? q4_tile<R, true, false>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy) : q4_tile<R, false, false>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy);
+}
+
 template <int R, typename T>
 void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
@@ -532,10 +602,8 @@ void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
     q8_tile<R, true>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, nullptr, p.d + t * nb * kTile, y, ldy);
   else if (p.format == Format::int8)
     q8_tile<R, false>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, nullptr, y, ldy);
-  else if (p.h)
-    q4_tile<R, true>(x.q, x.d, x.ds, p.k, p.w + t * nb * 256, p.h + t * nb * 64, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
   else
-    q4_tile<R, false>(x.q, x.d, x.ds, p.k, p.w + t * nb * 256, nullptr, p.d + t * nb * kTile, p.m + t * nb * kTile, y, ldy);
+    q4_dispatch<R>(p, x, t, y, ldy);
 }
 
 // silu(gate) * up for R rows of 16 columns.
@@ -706,18 +774,27 @@ at::Tensor pack_int8_(at::Tensor qweight) {
 }
 
 #ifdef TANDEM_QUANT_GEMM
-// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16; high:
-// the fifth bits from pack_high_bits for 5-bit codes.
-at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, at::Tensor m, int64_t n, bool silu_mul,
-                     std::optional<at::Tensor> high) {
+// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16, or
+// (a K-quant: m null) d the fp16 d and -dmin [N/16, K/256, 2, 16] and sc_m the u8 sc and m
+// [N/16, K/32, 2, 16]; high: the fifth bits from pack_high_bits for 5-bit codes.
+at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, std::optional<at::Tensor> m, int64_t n, bool silu_mul,
+                     std::optional<at::Tensor> high, std::optional<at::Tensor> sc_m) {
   TORCH_CHECK(supported(), "int4_gemm: this CPU lacks the instructions the kernel was built for");
   const int64_t k = x.size(-1);
-  TORCH_CHECK(packed.numel() == n * k / 2 && d.numel() == n * k / kBlock && m.numel() == d.numel(), "int4_gemm: weight shapes");
+  TORCH_CHECK(packed.numel() == n * k / 2, "int4_gemm: weight shapes");
   TORCH_CHECK(!high || (high->numel() == n * k / 8 && high->scalar_type() == at::kByte), "int4_gemm: fifth-bit plane shape");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4_gemm: fp16 d and m");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && (!m || m->scalar_type() == at::kHalf), "int4_gemm: fp16 d and m");
+  TORCH_CHECK(m.has_value() != sc_m.has_value(), "int4_gemm: either m (fp16 d and m per block) or sc_m (a K-quant's factors)");
+  if (sc_m) {
+    TORCH_CHECK(k % 256 == 0 && d.numel() == n * k / 128 && sc_m->numel() == n * k / 16 && sc_m->scalar_type() == at::kByte,
+                "int4_gemm: K-quant shapes (K % 256, d and -dmin [N/16, K/256, 2, 16] fp16, sc and m [N/16, K/32, 2, 16] uint8)");
+  } else {
+    TORCH_CHECK(d.numel() == n * k / kBlock && m->numel() == d.numel(), "int4_gemm: weight shapes");
+  }
   auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   const uint8_t* h = high ? high->data_ptr<uint8_t>() : nullptr;
-  return run(x, {packed.data_ptr<uint8_t>(), h, half(d), half(m), nullptr, nullptr, n, k, Format::int4}, silu_mul);
+  return run(x, {packed.data_ptr<uint8_t>(), h, half(d), m ? half(*m) : nullptr, nullptr, nullptr,
+                 sc_m ? sc_m->data_ptr<uint8_t>() : nullptr, n, k, Format::int4}, silu_mul);
 }
 
 // y [M, N] = x W^T with Q6_K weights: the codes' low nibbles from pack_int4 and top bits from
@@ -731,7 +808,7 @@ at::Tensor q6k_gemm(at::Tensor x, at::Tensor packed, at::Tensor top, at::Tensor 
   TORCH_CHECK(top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf,
               "q6k_gemm: uint8 top bits, int8 sc, fp16 d");
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  return run(x, {packed.data_ptr<uint8_t>(), top.data_ptr<uint8_t>(), dp, nullptr, nullptr, sc.data_ptr<int8_t>(), n, k, Format::q6k},
+  return run(x, {packed.data_ptr<uint8_t>(), top.data_ptr<uint8_t>(), dp, nullptr, nullptr, sc.data_ptr<int8_t>(), nullptr, n, k, Format::q6k},
              silu_mul);
 }
 
@@ -743,14 +820,15 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool si
   if (scales.scalar_type() == at::kHalf) {
     TORCH_CHECK(packed.numel() == n * k && scales.numel() == n * k / kBlock, "int8_gemm: weight shapes");
     const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-    return run(x, {packed.data_ptr<uint8_t>(), nullptr, d, nullptr, nullptr, nullptr, n, k, Format::int8}, silu_mul);
+    return run(x, {packed.data_ptr<uint8_t>(), nullptr, d, nullptr, nullptr, nullptr, nullptr, n, k, Format::int8}, silu_mul);
   }
   TORCH_CHECK(scales.numel() == n && packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), nullptr, n, k, Format::int8},
+  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), nullptr, nullptr, n, k, Format::int8},
              silu_mul);
 }
 #else
-at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool, std::optional<at::Tensor>) {
+at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t, bool, std::optional<at::Tensor>,
+                     std::optional<at::Tensor>) {
   TORCH_CHECK(false, "int4_gemm: built without AVX2 / AVX512-VNNI");
 }
 at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
@@ -777,7 +855,7 @@ void bind(pybind11::module_ mod) {
   mod.def("pack_int8_", &pack_int8_, "int8 weights [N, K] -> packed tiles, in place");
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
-          py::arg("high") = py::none());
+          py::arg("high") = py::none(), py::arg("sc_m") = py::none());
   mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T, per-column fp32 or per-block fp16 scales (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
   mod.def("q6k_gemm", &q6k_gemm, "x [M, K] @ Q6_K W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",

@@ -16,7 +16,8 @@ joined to the nibble), in the int4 layer's convention w = (q - 8) scale + zero:
 `scale` is exact in fp32 (fp16 d times a 6-bit sc); `zero` is rounded once in fp32 (exact for
 Q4_0 and Q5_0), and (q - 8) scale + zero rounds again where the reference rounds once, so the
 int4 layer's weights are within a few ulp of the reference's, not bit-exact
-(tests/test_gguf_quants.py measures it).
+(tests/test_gguf_quants.py measures it). The K types come out as their own factors instead
+(`k_quant_rows`): the integer kernel holds those, and forms d sc q - dmin m as the reference does.
 """
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ BLOCKS: dict[Q, tuple[int, int]] = {
 }
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 FIVE_BIT_KINDS = (Q.Q5_0, Q.Q5_1, Q.Q5_K)
-INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, *FIVE_BIT_KINDS)  # read by the int4 layer as they are
+K_QUANT_KINDS = (Q.Q4_K, Q.Q5_K)
+INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, *K_QUANT_KINDS)  # read by the int4 layer as they are
 
 Int4Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
+# codes [N, K] uint8, d, dmin [N, K // 256] fp16, sc, m [N, K // 32] uint8
+KQuantArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def dequantize_rows(data: np.ndarray, kind: Q) -> np.ndarray:
@@ -62,27 +66,34 @@ def dequantize_rows(data: np.ndarray, kind: Q) -> np.ndarray:
 
 
 def int4_rows(data: np.ndarray, kind: Q) -> Int4Arrays:
-    """[N, bytes per row] raw rows of an `INT4_KINDS` type -> codes [N, K] uint8 (in [0, 15], or
-    [0, 31] for the 5-bit types), and scales, zeros [N, K // 32] fp32 (see the module docstring)."""
+    """[N, bytes per row] raw rows of a 32-weight `INT4_KINDS` type (not a K-quant) -> codes [N,
+    K] uint8 (in [0, 15], or [0, 31] for the 5-bit types), and scales, zeros [N, K // 32] fp32
+    (see the module docstring)."""
     rows = data.shape[0]
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[kind][1])
-    if kind in (Q.Q4_K, Q.Q5_K):
-        d, dmin, sc, m = _k_scales(blocks)
-        scales = d * sc
-        zeros = 8 * scales - dmin * m
-        codes = _nibbles_k(blocks[:, 16:]) if kind == Q.Q4_K else _nibbles_k(blocks[:, 48:]) | _high_k(blocks)
+    d = _half(blocks, 0)
+    if kind == Q.Q4_0:
+        zeros, codes = np.zeros_like(d), _nibbles(blocks[:, 2:])
+    elif kind == Q.Q4_1:
+        zeros, codes = _half(blocks, 2) + 8 * d, _nibbles(blocks[:, 4:])
+    elif kind == Q.Q5_0:
+        zeros, codes = -8 * d, _nibbles(blocks[:, 6:]) | _high(blocks[:, 2:6])
+    elif kind == Q.Q5_1:
+        zeros, codes = _half(blocks, 2) + 8 * d, _nibbles(blocks[:, 8:]) | _high(blocks[:, 4:8])
     else:
-        d = _half(blocks, 0)
-        scales = d
-        if kind == Q.Q4_0:
-            zeros, codes = np.zeros_like(d), _nibbles(blocks[:, 2:])
-        elif kind == Q.Q4_1:
-            zeros, codes = _half(blocks, 2) + 8 * d, _nibbles(blocks[:, 4:])
-        elif kind == Q.Q5_0:
-            zeros, codes = -8 * d, _nibbles(blocks[:, 6:]) | _high(blocks[:, 2:6])
-        else:  # Q5_1
-            zeros, codes = _half(blocks, 2) + 8 * d, _nibbles(blocks[:, 8:]) | _high(blocks[:, 4:8])
-    return codes.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1)
+        raise ValueError(f"int4_rows: {kind.name} is not a 32-weight 4- or 5-bit type")
+    return codes.reshape(rows, -1), d.reshape(rows, -1), zeros.reshape(rows, -1)
+
+
+def k_quant_rows(data: np.ndarray, kind: Q) -> KQuantArrays:
+    """[N, bytes per row] raw Q4_K / Q5_K rows -> codes [N, K] uint8 (in [0, 15] / [0, 31]), d
+    and dmin [N, K // 256] fp16, 6-bit sc and m [N, K // 32] uint8: w = d sc q - dmin m."""
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[kind][1])
+    sc, m = _k_sub_scales(blocks)
+    codes = _nibbles_k(blocks[:, 16:]) if kind == Q.Q4_K else _nibbles_k(blocks[:, 48:]) | _high_k(blocks)
+    half = lambda at: blocks[:, at:at + 2].copy().view(np.float16).reshape(rows, -1)  # noqa: E731
+    return codes.reshape(rows, -1), half(0), half(2), sc.reshape(rows, -1), m.reshape(rows, -1)
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -102,16 +113,22 @@ def _nibbles_k(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Q4_K / Q5_K: d, dmin [B, 1] and the eight 6-bit scales and mins [B, 8], as fp32 [B, 8, 1]
-    products' factors. Bytes 4-15 pack them: scales 0-3 and mins 0-3 in the low 6 bits of bytes
-    0-3 and 4-7, scales and mins 4-7 in the nibbles of bytes 8-11 plus those bytes' top 2 bits."""
+def _k_sub_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the eight 6-bit scales and mins [B, 8] uint8. Bytes 4-15 pack them: scales
+    0-3 and mins 0-3 in the low 6 bits of bytes 0-3 and 4-7, scales and mins 4-7 in the nibbles
+    of bytes 8-11 plus those bytes' top 2 bits."""
     s = blocks[:, 4:16]
     lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=1)
     m = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
+    return sc, m
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K: d, dmin [B, 1] and the sub-block scales and mins [B, 8], as fp32 [B, 8, 1]
+    products' factors."""
     as_factor = lambda a: a.astype(np.float32)[..., None]  # noqa: E731
-    return as_factor(_half(blocks, 0)), as_factor(_half(blocks, 2)), as_factor(sc), as_factor(m)
+    return (as_factor(_half(blocks, 0)), as_factor(_half(blocks, 2)), *(as_factor(a) for a in _k_sub_scales(blocks)))
 
 
 def _q4_0(blocks: np.ndarray) -> np.ndarray:

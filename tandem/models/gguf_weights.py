@@ -20,9 +20,11 @@ from gguf import GGMLQuantizationType
 
 from tandem.models.gguf_config import SUPPORTED_ARCHS
 from tandem.models.gguf_file import GGUFFile, TensorInfo
-from tandem.models.gguf_quants import INT4_KINDS, dequantize_rows, int4_rows, q6k_rows, q8_0_rows
+from tandem.models.gguf_quants import INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows, q6k_rows, q8_0_rows
+from tandem.models.quantization import KQuantScales
 
-Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
+# codes [N, K] uint8, then scales, zeros [N, K // 32] fp32, or a K-quant's factors and None (Int4Linear's arguments)
+Int4Codes = tuple[torch.Tensor, torch.Tensor | KQuantScales, torch.Tensor | None]
 Q6KCodes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, sc [N, K // 16] int8, d [N, K // 256] fp16
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -160,14 +162,16 @@ class GGUFWeights:
         return _CODE_BITS.get(self.tensors[name].kind, 32)
 
     def int4(self, name: str) -> Int4Codes | None:
-        """The file's own codes, scales and zeros (`gguf_quants.int4_rows`) where the tensor is
-        of a 4- or 5-bit type the int4 layer reads as it is (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K);
-        else None."""
+        """The file's own codes, scales and zeros (`gguf_quants.int4_rows`; a K-quant's own factors,
+        `k_quant_rows`) where the tensor is of a 4- or 5-bit type the int4 layer reads as it is
+        (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K); else None."""
         t = self.tensors[name]
         if t.kind not in INT4_KINDS:
             return None
-        read = lambda t, first, last: int4_rows(self.file.read_rows(t.info, first, last), t.kind)  # noqa: E731
-        return self._by_rows(name, 0, t.info.rows, read)
+        decode = k_quant_rows if t.kind in K_QUANT_KINDS else int4_rows
+        read = lambda t, first, last: decode(self.file.read_rows(t.info, first, last), t.kind)  # noqa: E731
+        codes, *scales = self._by_rows(name, 0, t.info.rows, read)
+        return (codes, KQuantScales(*scales), None) if t.kind in K_QUANT_KINDS else (codes, *scales)
 
     def q6k(self, name: str, start: int, stop: int) -> Q6KCodes:
         """Rows start:stop of a Q6_K tensor's own codes, scales and d (`gguf_quants.q6k_rows`)."""

@@ -24,6 +24,7 @@ parts, whose codes then fit 5 bits too). Only the integer kernel and the referen
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -120,14 +121,38 @@ class QuantEmbedding(nn.Module):
         return self.table.rows(ids.reshape(-1), self.dtype).reshape(*shape, self.table.in_features)
 
 
+class KQuantScales(NamedTuple):
+    """A GGUF K-quant's (Q4_K, Q5_K) factors as the file stores them, w = d sc q - dmin m: fp16 d
+    and dmin [N, K // 256], 6-bit sc and m [N, K // 32] uint8."""
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    def scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 convention's fp32 scale = d sc (exact) and zero = 8 scale - dmin m (rounded once)."""
+        per_block = lambda v: v.float().repeat_interleave(8, 1)  # noqa: E731
+        scales = per_block(self.d) * self.sc.float()
+        return scales, 8 * scales - per_block(self.dmin) * self.m.float()
+
+    def to(self, device: torch.device) -> "KQuantScales":
+        return KQuantScales(*(t.to(device) for t in self))
+
+
 class Int4Linear(nn.Module):
     """y = x W^T + b with W[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g], q of
     `bits` bits (4, or 5 for a GGUF's 5-bit blocks)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor | KQuantScales, zeros: torch.Tensor | None,
                  bias: torch.Tensor | None, dtype: torch.dtype, bits: int = 4) -> None:
-        """codes: [N, K] integers in [0, 2^bits - 1]; scales, zeros: [N, K // group]."""
+        """codes: [N, K] integers in [0, 2^bits - 1]; scales, zeros: [N, K // group]; or scales a
+        K-quant's factors (zeros None), which the integer kernel holds as they are: u8 sc and m per
+        32 inputs and fp16 d and dmin per 256, 4.625 bits a weight where fp16 d and m per 32 take 5
+        (which also rounds d sc), dequantising bit for bit as gguf does."""
         super().__init__()
+        k_quant = scales if isinstance(scales, KQuantScales) else None
+        if k_quant is not None:
+            scales, zeros = k_quant.scales_zeros()
         if bits not in (4, 5):
             raise ValueError(f"int4: codes of {bits} bits (4 or 5 are held)")
         if codes.numel() and int(codes.max()) >> bits:
@@ -140,11 +165,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         ext = int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
         self.int8_act = ext is not None
-        if self.int8_act:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
+        if self.int8_act:
             self.register_buffer("qpacked", ext.pack_int4(codes))
             self.register_buffer("qhigh", ext.pack_high_bits(codes) if bits == 5 else None)
-            self.register_buffer("d", block_tiles(scales))
-            self.register_buffer("m", block_tiles(zeros.float() - 8 * scales.float()))
+            if k_quant is not None:  # d and -dmin [N/16, K/256, 2, 16] fp16, sc and m [N/16, K/32, 2, 16] uint8
+                self.register_buffer("d", torch.stack([block_tiles(k_quant.d), block_tiles(-k_quant.dmin.float())], 2))
+                self.register_buffer("m", None)
+                self.register_buffer("sc_m", torch.stack([block_tiles(k_quant.sc, torch.uint8),
+                                                          block_tiles(k_quant.m, torch.uint8)], 2))
+            else:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
+                self.register_buffer("d", block_tiles(scales))
+                self.register_buffer("m", block_tiles(zeros.float() - 8 * scales.float()))
+                self.register_buffer("sc_m", None)
             self.packed = self.codes = None
             return
         self.kernel_dtype = _kernel_dtype(codes.device, dtype)
@@ -177,10 +209,14 @@ class Int4Linear(nn.Module):
         if not all(p.int8_act and p.out_features % 16 == 0 and p.bits == layer.bits for p in parts):
             raise ValueError("int4: only parts packed for the integer kernel, 16 rows at a time, "
                              "with codes of one width, concatenate")
+        if len({p.sc_m is None for p in parts}) > 1:
+            for p in parts:
+                p._unfactor()
         if len(parts) > 1:
             layer.out_features = sum(p.out_features for p in parts)
-            for name in ("qpacked", "d", "m") + (("qhigh",) if layer.bits == 5 else ()):
-                setattr(layer, name, torch.cat([getattr(p, name) for p in parts]))
+            for name in ("qpacked", "qhigh", "d", "m", "sc_m"):
+                if getattr(layer, name) is not None:
+                    setattr(layer, name, torch.cat([getattr(p, name) for p in parts]))
         layer.bias = None if bias is None else bias.to(dtype)
         return layer
 
@@ -190,13 +226,30 @@ class Int4Linear(nn.Module):
         y = torch._weight_int4pack_mm_for_cpu(x2d.to(self.kernel_dtype), self.packed, self.group_size, self.scales_zeros)
         return y.to(x2d.dtype)
 
+    def _block_scales(self, tiles: torch.Tensor, lane: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integer kernel's d and m (w = d q + m) of packed tiles `tiles`, fp32 [tiles, K/32,
+        16], or of one column `lane` of each [tiles, K/32]: a K-quant's formed as the kernel forms
+        them, d sc and -dmin m."""
+        pick = (lambda v: v[tiles].float()) if lane is None else (lambda v: v[tiles, ..., lane].float())  # noqa: E731
+        if self.sc_m is None:
+            return pick(self.d), pick(self.m)
+        d_m = pick(self.d).repeat_interleave(8, 1) * pick(self.sc_m)  # (d, -dmin) times (sc, m) on axis 2
+        return d_m[:, :, 0], d_m[:, :, 1]
+
+    def _unfactor(self) -> None:
+        """Hold a K-quant's scales as fp16 d and m per block (to join parts that hold those)."""
+        if self.sc_m is not None:
+            self.d, self.m = (v.half() for v in self._block_scales(torch.arange(self.out_features // 16)))
+            self.sc_m = None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """On the integer-activation and reference paths (torch's packed layouts are its own)."""
         if self.int8_act:
             tiles = torch.arange(self.out_features // 16)
             codes = self._tile_codes(tiles).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
-            untile = lambda t: t.float().transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
-            return (codes.float() * untile(self.d) + untile(self.m)).to(dtype)
+            untile = lambda t: t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
+            d, m = self._block_scales(tiles)
+            return (codes.float() * untile(d) + untile(m)).to(dtype)
         codes = self.codes
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], -1).reshape(self.out_features, -1)
@@ -213,8 +266,8 @@ class Int4Linear(nn.Module):
         codes = torch.stack([p & 15, p >> 4], 2)
         if self.bits == 5:
             codes = codes | (self._fifth_bits(t)[torch.arange(len(ids)), :, :, :, lane] << 4)
-        scale = lambda v: v[t, :, lane].float().repeat_interleave(32, 1)  # noqa: E731
-        return (codes.reshape(len(ids), -1).float() * scale(self.d) + scale(self.m)).to(dtype)
+        d, m = (v.repeat_interleave(32, 1) for v in self._block_scales(t, lane))
+        return (codes.reshape(len(ids), -1).float() * d + m).to(dtype)
 
     def _tile_codes(self, tiles: torch.Tensor) -> torch.Tensor:
         """The codes of packed tiles `tiles` as [tiles, K/32, 2 (nibble), 4 (j), 16 (n), 4 (i)]:
@@ -237,7 +290,8 @@ class Int4Linear(nn.Module):
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         b = self._buffers  # read directly: see int8_act_forward
-        return cpu_quant_gemm().int4_gemm(x2d, b["qpacked"], b["d"], b["m"], self.out_features, silu_mul, b["qhigh"])
+        return cpu_quant_gemm().int4_gemm(x2d, b["qpacked"], b["d"], b["m"], self.out_features, silu_mul, b["qhigh"],
+                                          b["sc_m"])
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_silu_and_mul(self, x)
@@ -268,9 +322,9 @@ class RowParts(nn.Module):
         return silu_and_mul(self(x))
 
 
-def block_tiles(v: torch.Tensor) -> torch.Tensor:
-    """Per-block values [N, blocks] as the integer kernel's fp16 [N/16, blocks, 16] tiles."""
-    return v.half().reshape(-1, 16, v.shape[1]).transpose(1, 2).contiguous()
+def block_tiles(v: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Per-block values [N, blocks] as the integer kernel's [N/16, blocks, 16] tiles."""
+    return v.to(dtype).reshape(-1, 16, v.shape[1]).transpose(1, 2).contiguous()
 
 
 def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.loader import FolderWeights
 from tandem.models.q6k_linear import Q6KLinear, q6k_kernel
 from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, int4_concatenates, quantize_int4, quantize_int8,
+    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, KQuantScales, int4_concatenates, quantize_int4, quantize_int8,
 )
 
 
@@ -139,9 +139,10 @@ def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
         native += codes is not None
         codes = codes or quantize_int4(source.get(name).to(device), DEFAULT_INT4_GROUP, bits)
         # packed as it comes where the kernel serves the layer: one part's one-byte codes at a time
-        pieces.append(Int4Linear(*(t.to(device) for t in codes), None, dtype, bits) if by_part else codes)
+        pieces.append(Int4Linear(*(t if t is None else t.to(device) for t in codes), None, dtype, bits) if by_part else codes)
         del codes
     if by_part:
         return Int4Linear.concat(pieces, bias, dtype), native
+    pieces = [(c, *s.scales_zeros()) if isinstance(s, KQuantScales) else (c, s, z) for c, s, z in pieces]
     c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
     return Int4Linear(c, s, z, bias, dtype, bits), native
