@@ -63,6 +63,12 @@ namespace {
 
 constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8;
 
+// How a Q6_K tile reads its codes where a tile takes several row reads: the first unpacks the
+// 6-bit codes and keeps them (one byte a code, [K/32][4][2][64]) in a per-thread buffer, the later
+// ones read them back instead of unpacking again (at 16 rows, 4 reads: that unpacking was most of
+// the tile's work beside the dot products). A single read only unpacks.
+enum class Codes { unpack, unpack_keep, kept };
+
 // An int4 tile's scales: fp16 d and m per block, or a K-quant's factors (sc_m set; d then holds
 // d and -dmin per 256, m is null).
 struct Q4Scales {
@@ -87,8 +93,9 @@ inline void q4_prefetch(const Q4Scales& s, int64_t b) {
 #define TANDEM_QUANT_GEMM 512
 // Rows per weight read (at most; `max_rows`): an int4 row holds an accumulator and a dot register,
 // so 8 fit in AVX-512's 32 registers beside the codes (with 4 the int4 GEMMs of 1B shapes at 16
-// rows ran 6% slower, AMD EPYC Zen 4); AVX2's 16 ymm registers take 4.
-constexpr int64_t kRows = 8;
+// rows ran 6% slower, AMD EPYC Zen 4); AVX2's 16 ymm registers take 4. The q6k and int8 tiles
+// keep more registers a row and read for kNarrowRows.
+constexpr int64_t kRows = 8, kNarrowRows = 4;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -213,29 +220,38 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
 // R rows x 16 columns for Q6_K weights (the q6k layout above). Per block and row the two
 // sub-blocks (chunks 0-1, 2-3) add up apart; each takes its 32 * sum(x) off and its scale sc,
 // in int32 (|dot| <= 32 * 127 * (63 * 128 + 32 * 128)), then d and x's d.
-template <int R, typename T>
+template <int R, Codes Mode, typename T>
 void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w, const uint8_t* wh,
-             const int8_t* wsc, const uint16_t* wd, T* y, int64_t ldy) {
+             const int8_t* wsc, const uint16_t* wd, uint8_t* kept, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m512i mask = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
-    for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
+    if constexpr (Mode != Codes::kept) {
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
+      for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
+    }
     _mm_prefetch(reinterpret_cast<const char*>(wsc + (b + kPrefetch) * 32), _MM_HINT_T0);
     __m512i lo_dot[R], hi_dot[R];
     for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
     for (int p = 0; p < 2; ++p) {
-      __m512i plane = _mm512_loadu_si512(wh + (b * 2 + p) * 64);
+      __m512i plane = Mode == Codes::kept ? _mm512_setzero_si512() : _mm512_loadu_si512(wh + (b * 2 + p) * 64);
       for (int c = 0; c < 2; ++c) {
         const int j = 2 * p + c;
-        __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
-        __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-        __m512i lo_top = c ? plane : _mm512_slli_epi16(plane, 4);
-        __m512i hi_top = c ? _mm512_srli_epi16(plane, 2) : _mm512_slli_epi16(plane, 2);
-        lo = _mm512_or_si512(lo, _mm512_and_si512(lo_top, top));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(hi_top, top));
+        uint8_t* codes = kept + (b * 4 + j) * 128;
+        __m512i lo, hi;
+        if constexpr (Mode == Codes::kept) {
+          lo = _mm512_loadu_si512(codes), hi = _mm512_loadu_si512(codes + 64);
+        } else {
+          __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
+          lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          __m512i lo_top = c ? plane : _mm512_slli_epi16(plane, 4);
+          __m512i hi_top = c ? _mm512_srli_epi16(plane, 2) : _mm512_slli_epi16(plane, 2);
+          lo = _mm512_or_si512(lo, _mm512_and_si512(lo_top, top));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(hi_top, top));
+          if constexpr (Mode == Codes::unpack_keep) _mm512_storeu_si512(codes, lo), _mm512_storeu_si512(codes + 64, hi);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * k + b * kBlock + 8 * j;
           __m512i& dot = p ? hi_dot[r] : lo_dot[r];  // sub-block p
@@ -285,7 +301,7 @@ inline void silu_mul16(const float* gate, const float* up, T* y) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TANDEM_QUANT_GEMM 256
-constexpr int64_t kRows = 4;
+constexpr int64_t kRows = 4, kNarrowRows = 4;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
@@ -462,9 +478,9 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const
 // of them 32004) and widen through madd by the sub-block's scale (sc in both int16 of a
 // column's dword): one int32 dot a row and column half per block; the -32 comes off as madd of
 // x's two sub-block sums by (32 sc_0, 32 sc_1), then d and x's d.
-template <int R, typename T>
+template <int R, Codes Mode, typename T>
 void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w, const uint8_t* wh,
-             const int8_t* wsc, const uint16_t* wd, T* y, int64_t ldy) {
+             const int8_t* wsc, const uint16_t* wd, uint8_t* kept, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m256i mask = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
   const __m128i twice[2] = {_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
@@ -472,8 +488,10 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
-    for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
+    if constexpr (Mode != Codes::kept) {
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
+      for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
+    }
     _mm_prefetch(reinterpret_cast<const char*>(wsc + (b + kPrefetch) * 32), _MM_HINT_T0);
     const __m128i lo_sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 32));
     const __m128i hi_sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 32 + 16));
@@ -487,20 +505,35 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int p = 0; p < 2; ++p) {
       const uint8_t* wp = wh + (b * 2 + p) * 64;
-      __m256i plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-      __m256i plane1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
+      __m256i plane0 = _mm256_setzero_si256(), plane1 = _mm256_setzero_si256();
+      if constexpr (Mode != Codes::kept) {
+        plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+        plane1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
+      }
       for (int c = 0; c < 2; ++c) {
         const int j = 2 * p + c;
-        const uint8_t* wj = w + (b * 4 + j) * 64;
-        __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
-        __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32));
-        // the top bits at 16 and 32: chunk c's lane l sits at bit 2(2c + l) of the plane
-        auto lo_top = [&](__m256i v) { return _mm256_and_si256(c ? v : _mm256_slli_epi16(v, 4), top); };
-        auto hi_top = [&](__m256i v) { return _mm256_and_si256(c ? _mm256_srli_epi16(v, 2) : _mm256_slli_epi16(v, 2), top); };
-        __m256i lo0 = _mm256_or_si256(_mm256_and_si256(raw0, mask), lo_top(plane0));
-        __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask), hi_top(plane0));
-        __m256i lo1 = _mm256_or_si256(_mm256_and_si256(raw1, mask), lo_top(plane1));
-        __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask), hi_top(plane1));
+        // kept as the AVX-512 build keeps them: the low-nibble lanes' codes (columns 0-7, 8-15), then the high ones'
+        __m256i* codes = reinterpret_cast<__m256i*>(kept + (b * 4 + j) * 128);
+        __m256i lo0, lo1, hi0, hi1;
+        if constexpr (Mode == Codes::kept) {
+          lo0 = _mm256_loadu_si256(codes), lo1 = _mm256_loadu_si256(codes + 1);
+          hi0 = _mm256_loadu_si256(codes + 2), hi1 = _mm256_loadu_si256(codes + 3);
+        } else {
+          const uint8_t* wj = w + (b * 4 + j) * 64;
+          __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
+          __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32));
+          // the top bits at 16 and 32: chunk c's lane l sits at bit 2(2c + l) of the plane
+          auto lo_top = [&](__m256i v) { return _mm256_and_si256(c ? v : _mm256_slli_epi16(v, 4), top); };
+          auto hi_top = [&](__m256i v) { return _mm256_and_si256(c ? _mm256_srli_epi16(v, 2) : _mm256_slli_epi16(v, 2), top); };
+          lo0 = _mm256_or_si256(_mm256_and_si256(raw0, mask), lo_top(plane0));
+          hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask), hi_top(plane0));
+          lo1 = _mm256_or_si256(_mm256_and_si256(raw1, mask), lo_top(plane1));
+          hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask), hi_top(plane1));
+          if constexpr (Mode == Codes::unpack_keep) {
+            _mm256_storeu_si256(codes, lo0), _mm256_storeu_si256(codes + 1, lo1);
+            _mm256_storeu_si256(codes + 2, hi0), _mm256_storeu_si256(codes + 3, hi1);
+          }
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * k + b * kBlock + 8 * j;
           __m256i xa = quad(xr), xb = quad(xr + 4);
@@ -571,7 +604,6 @@ struct Weights {
   Format format;
 };
 
-// R rows of 16-column tile t, written to y with row stride ldy.
 // The activations of R rows: int8 codes, each block's d, d * sum(q) and 16-input sums (quantize_row).
 struct Rows {
   const int8_t* q;
@@ -593,25 +625,42 @@ void q4_dispatch(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) 
   h ? q4_tile<R, true, false>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy) : q4_tile<R, false, false>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy);
 }
 
+// R rows of 16-column tile t, written to y with row stride ldy. kept: a buffer for a Q6_K tile's
+// unpacked codes where the tile takes several row reads (null: one read), keep: this is the first.
 template <int R, typename T>
-void tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
+void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
-  if (p.format == Format::q6k)
-    q6_tile<R>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32, p.d + t * (nb / 8) * kTile, y, ldy);
-  else if (p.format == Format::int8 && p.d)
-    q8_tile<R, true>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, nullptr, p.d + t * nb * kTile, y, ldy);
-  else if (p.format == Format::int8)
-    q8_tile<R, false>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, nullptr, y, ldy);
-  else
+  if (p.format == Format::q6k) {
+    if constexpr (R <= kNarrowRows) {
+      auto q6 = [&](auto mode) {
+        q6_tile<R, decltype(mode)::value>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32,
+                                          p.d + t * (nb / 8) * kTile, kept, y, ldy);
+      };
+      if (!kept)
+        q6(std::integral_constant<Codes, Codes::unpack>{});
+      else if (keep)
+        q6(std::integral_constant<Codes, Codes::unpack_keep>{});
+      else
+        q6(std::integral_constant<Codes, Codes::kept>{});
+    }
+  } else if (p.format == Format::int8) {
+    if constexpr (R <= kNarrowRows) {
+      if (p.d)
+        q8_tile<R, true>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, nullptr, p.d + t * nb * kTile, y, ldy);
+      else
+        q8_tile<R, false>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, nullptr, y, ldy);
+    }
+  } else {
     q4_dispatch<R>(p, x, t, y, ldy);
+  }
 }
 
 // silu(gate) * up for R rows of 16 columns.
 template <int R, typename T>
-void silu_mul_tile(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
+void silu_mul_tile(const Weights& p, const Rows& x, int64_t t, uint8_t* const* kept, bool keep, T* y, int64_t ldy) {
   float gate[kRows * kTile], up[kRows * kTile];
-  tile<R>(p, x, t, gate, kTile);
-  tile<R>(p, x, t + p.n / 2 / kTile, up, kTile);
+  tile<R>(p, x, t, kept[0], keep, gate, kTile);
+  tile<R>(p, x, t + p.n / 2 / kTile, kept[1], keep, up, kTile);
   for (int r = 0; r < R; ++r) silu_mul16(gate + r * kTile, up + r * kTile, y + r * ldy);
 }
 
@@ -631,8 +680,8 @@ struct Scratch {
 };
 
 // Rows a tile of this format reads each weight for: the q6k and int8 tiles keep two or more int32
-// registers a row, and past 4 rows they spill (Q6_K at 16 rows: 27% slower on AVX-512).
-int64_t max_rows(Format format) { return format == Format::int4 ? kRows : std::min<int64_t>(kRows, 4); }
+// registers a row, and past 4 rows they spill (Q6_K at 16 rows: 27% slower on AVX-512; at 6, 35%).
+int64_t max_rows(Format format) { return format == Format::int4 ? kRows : kNarrowRows; }
 
 // Quantise x's rows, then every 16-column tile in parallel, up to max_rows rows per weight read
 // (the rows split evenly over the reads: 9 rows as 5 and 4, not 8 and 1).
@@ -653,6 +702,10 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
       for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb);
     });
     at::parallel_for(0, n_out / kTile, 1, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<uint8_t> codes[2];  // a Q6_K tile's unpacked codes (silu_mul: gate's, up's)
+      uint8_t* kept[2] = {nullptr, nullptr};
+      if (p.format == Format::q6k && reads > 1)
+        for (int i = 0; i < 2; ++i) codes[i].resize(nb * 512), kept[i] = codes[i].data();
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = 0; r < m; r += per_read) {
           const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};
@@ -660,9 +713,9 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
           auto rows = [&](auto r_const) {
             constexpr int R = decltype(r_const)::value;
             if (silu_mul)
-              silu_mul_tile<R>(p, xr, t, yt, n_out);
+              silu_mul_tile<R>(p, xr, t, kept, r == 0, yt, n_out);
             else
-              tile<R>(p, xr, t, yt, n_out);
+              tile<R>(p, xr, t, kept[0], r == 0, yt, n_out);
           };
           with_rows<kRows>(std::min(per_read, m - r), rows);
         }
