@@ -63,11 +63,12 @@ namespace {
 
 constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8;
 
-// How a Q6_K tile reads its codes where a tile takes several row reads: the first unpacks the
-// 6-bit codes and keeps them (one byte a code, [K/32][4][2][64]) in a per-thread buffer, the later
-// ones read them back instead of unpacking again (at 16 rows, 4 reads: that unpacking was most of
-// the tile's work beside the dot products). A single read only unpacks.
-enum class Codes { unpack, unpack_keep, kept };
+// Where a tile takes several row reads (more rows than it reads each weight for), the first read
+// keeps what it derives from the weights in a per-thread buffer and the later reads load it: a
+// Q6_K tile's unpacked codes (a byte a code, [K/32][4][2][64]; at 16 rows, 4 reads, unpacking was
+// most of its work beside the dot products), an int4 tile's scales d and m in fp32 ([K/32][2][16];
+// a K-quant's are widened and multiplied per block). A single read keeps nothing.
+enum class Reuse { none, keep, kept };
 
 // An int4 tile's scales: fp16 d and m per block, or a K-quant's factors (sc_m set; d then holds
 // d and -dmin per 256, m is null).
@@ -146,10 +147,11 @@ inline void q4_block_scales(const Q4Scales& s, int64_t b, __m512& d, __m512& m) 
 }
 
 // R rows x 16 columns of y = x W^T for int4 weights (tile: one 16-column slice of the packed
-// weight); High: 5-bit codes, the fifth bits read from wh; K: a K-quant's scales.
-template <int R, bool High, bool K, typename T>
+// weight); High: 5-bit codes, the fifth bits read from wh; K: a K-quant's scales; kept: the
+// scales in fp32 (Reuse).
+template <int R, bool High, bool K, Reuse Mode, typename T>
 void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w, const uint8_t* wh,
-             const Q4Scales& s, T* y, int64_t ldy) {
+             const Q4Scales& s, float* kept, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   const __m512i mask = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
   __m512 acc[R];
@@ -158,10 +160,16 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     // A tile's weights are one stream, its scales one or two more: ask for them kPrefetch blocks
     // ahead (the next tile's follow on; at batch 1 the hardware prefetcher alone left it at ~20 GB/s).
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
-    q4_prefetch<K>(s, b + kPrefetch);
+    if constexpr (Mode != Reuse::kept) q4_prefetch<K>(s, b + kPrefetch);
     if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
     __m512 d, m;
-    q4_block_scales<K>(s, b, d, m);
+    float* f = kept + b * 2 * kTile;
+    if constexpr (Mode == Reuse::kept) {
+      d = _mm512_loadu_ps(f), m = _mm512_loadu_ps(f + kTile);
+    } else {
+      q4_block_scales<K>(s, b, d, m);
+      if constexpr (Mode == Reuse::keep) _mm512_storeu_ps(f, d), _mm512_storeu_ps(f + kTile, m);
+    }
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -220,7 +228,7 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
 // R rows x 16 columns for Q6_K weights (the q6k layout above). Per block and row the two
 // sub-blocks (chunks 0-1, 2-3) add up apart; each takes its 32 * sum(x) off and its scale sc,
 // in int32 (|dot| <= 32 * 127 * (63 * 128 + 32 * 128)), then d and x's d.
-template <int R, Codes Mode, typename T>
+template <int R, Reuse Mode, typename T>
 void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w, const uint8_t* wh,
              const int8_t* wsc, const uint16_t* wd, uint8_t* kept, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
@@ -228,7 +236,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (Mode != Codes::kept) {
+    if constexpr (Mode != Reuse::kept) {
       for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
       for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
     }
@@ -236,12 +244,12 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
     __m512i lo_dot[R], hi_dot[R];
     for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
     for (int p = 0; p < 2; ++p) {
-      __m512i plane = Mode == Codes::kept ? _mm512_setzero_si512() : _mm512_loadu_si512(wh + (b * 2 + p) * 64);
+      __m512i plane = Mode == Reuse::kept ? _mm512_setzero_si512() : _mm512_loadu_si512(wh + (b * 2 + p) * 64);
       for (int c = 0; c < 2; ++c) {
         const int j = 2 * p + c;
         uint8_t* codes = kept + (b * 4 + j) * 128;
         __m512i lo, hi;
-        if constexpr (Mode == Codes::kept) {
+        if constexpr (Mode == Reuse::kept) {
           lo = _mm512_loadu_si512(codes), hi = _mm512_loadu_si512(codes + 64);
         } else {
           __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
@@ -250,7 +258,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
           __m512i hi_top = c ? _mm512_srli_epi16(plane, 2) : _mm512_slli_epi16(plane, 2);
           lo = _mm512_or_si512(lo, _mm512_and_si512(lo_top, top));
           hi = _mm512_or_si512(hi, _mm512_and_si512(hi_top, top));
-          if constexpr (Mode == Codes::unpack_keep) _mm512_storeu_si512(codes, lo), _mm512_storeu_si512(codes + 64, hi);
+          if constexpr (Mode == Reuse::keep) _mm512_storeu_si512(codes, lo), _mm512_storeu_si512(codes + 64, hi);
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * k + b * kBlock + 8 * j;
@@ -379,12 +387,13 @@ inline void q4_block_scales(const Q4Scales& s, int64_t b, int h, __m256& d, __m2
 }
 
 // R rows x 16 columns of y = x W^T for int4 weights; High: 5-bit codes, the fifth bits read from
-// wh; K: a K-quant's scales. A 64-byte chunk is columns 0-7 then 8-15, both unpacked once for all R rows. Per block, row
-// and half the maddubs results (|pair| <= 2 * 15 * 127, or 2 * 31 * 127 for 5-bit codes) add up
-// in int16 over 4 chunks (2 for 5-bit codes: <= 31496, no overflow) before a madd widens them.
-template <int R, bool High, bool K, typename T>
+// wh; K: a K-quant's scales; kept: the scales in fp32 (Reuse). A 64-byte chunk is columns 0-7
+// then 8-15, both unpacked once for all R rows. Per block, row and half the maddubs results
+// (|pair| <= 2 * 15 * 127, or 2 * 31 * 127 for 5-bit codes) add up in int16 over 4 chunks (2 for
+// 5-bit codes: <= 31496, no overflow) before a madd widens them.
+template <int R, bool High, bool K, Reuse Mode, typename T>
 void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, const uint8_t* w, const uint8_t* wh,
-             const Q4Scales& s, T* y, int64_t ldy) {
+             const Q4Scales& s, float* kept, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
   constexpr int kWiden = High ? 2 : 4;
   const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -392,7 +401,7 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
-    q4_prefetch<K>(s, b + kPrefetch);
+    if constexpr (Mode != Reuse::kept) q4_prefetch<K>(s, b + kPrefetch);
     if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
     __m256i sum[R][2], dot[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = dot[r][0] = dot[r][1] = _mm256_setzero_si256();
@@ -422,7 +431,13 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     }
     for (int h = 0; h < 2; ++h) {
       __m256 d, m;
-      q4_block_scales<K>(s, b, h, d, m);
+      float* f = kept + b * 2 * kTile + 8 * h;
+      if constexpr (Mode == Reuse::kept) {
+        d = _mm256_loadu_ps(f), m = _mm256_loadu_ps(f + kTile);
+      } else {
+        q4_block_scales<K>(s, b, h, d, m);
+        if constexpr (Mode == Reuse::keep) _mm256_storeu_ps(f, d), _mm256_storeu_ps(f + kTile, m);
+      }
       for (int r = 0; r < R; ++r) {
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r * nb + b]), acc[r][h]);
@@ -478,7 +493,7 @@ void q8_tile(const int8_t* xq, const float* xd, const int32_t*, int64_t k, const
 // of them 32004) and widen through madd by the sub-block's scale (sc in both int16 of a
 // column's dword): one int32 dot a row and column half per block; the -32 comes off as madd of
 // x's two sub-block sums by (32 sc_0, 32 sc_1), then d and x's d.
-template <int R, Codes Mode, typename T>
+template <int R, Reuse Mode, typename T>
 void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, const uint8_t* w, const uint8_t* wh,
              const int8_t* wsc, const uint16_t* wd, uint8_t* kept, T* y, int64_t ldy) {
   const int64_t nb = k / kBlock;
@@ -488,7 +503,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (Mode != Codes::kept) {
+    if constexpr (Mode != Reuse::kept) {
       for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (b + kPrefetch) * 256 + j * 64), _MM_HINT_T0);
       for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 128 + j * 64), _MM_HINT_T0);
     }
@@ -506,7 +521,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
     for (int p = 0; p < 2; ++p) {
       const uint8_t* wp = wh + (b * 2 + p) * 64;
       __m256i plane0 = _mm256_setzero_si256(), plane1 = _mm256_setzero_si256();
-      if constexpr (Mode != Codes::kept) {
+      if constexpr (Mode != Reuse::kept) {
         plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
         plane1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
       }
@@ -515,7 +530,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
         // kept as the AVX-512 build keeps them: the low-nibble lanes' codes (columns 0-7, 8-15), then the high ones'
         __m256i* codes = reinterpret_cast<__m256i*>(kept + (b * 4 + j) * 128);
         __m256i lo0, lo1, hi0, hi1;
-        if constexpr (Mode == Codes::kept) {
+        if constexpr (Mode == Reuse::kept) {
           lo0 = _mm256_loadu_si256(codes), lo1 = _mm256_loadu_si256(codes + 1);
           hi0 = _mm256_loadu_si256(codes + 2), hi1 = _mm256_loadu_si256(codes + 3);
         } else {
@@ -529,7 +544,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
           hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), mask), hi_top(plane0));
           lo1 = _mm256_or_si256(_mm256_and_si256(raw1, mask), lo_top(plane1));
           hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask), hi_top(plane1));
-          if constexpr (Mode == Codes::unpack_keep) {
+          if constexpr (Mode == Reuse::keep) {
             _mm256_storeu_si256(codes, lo0), _mm256_storeu_si256(codes + 1, lo1);
             _mm256_storeu_si256(codes + 2, hi0), _mm256_storeu_si256(codes + 3, hi1);
           }
@@ -611,22 +626,29 @@ struct Rows {
   const int32_t* s16;
 };
 
-// An int4 tile: its fifth-bit plane and its scales' form as template arguments.
+// An int4 tile: its fifth-bit plane, its scales' form and what it keeps (Reuse) as template arguments.
 template <int R, typename T>
-void q4_dispatch(const Weights& p, const Rows& x, int64_t t, T* y, int64_t ldy) {
+void q4_dispatch(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
   const uint8_t* w = p.w + t * nb * 256;
   const uint8_t* h = p.h ? p.h + t * nb * 64 : nullptr;
-  if (p.sc_m) {
-    const Q4Scales s{p.d + t * (nb / 8) * 2 * kTile, nullptr, p.sc_m + t * nb * 2 * kTile};
-    return h ? q4_tile<R, true, true>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy) : q4_tile<R, false, true>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy);
-  }
-  const Q4Scales s{p.d + t * nb * kTile, p.m + t * nb * kTile, nullptr};
-  h ? q4_tile<R, true, false>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy) : q4_tile<R, false, false>(x.q, x.d, x.ds, p.k, w, h, s, y, ldy);
+  const Q4Scales s = p.sc_m ? Q4Scales{p.d + t * (nb / 8) * 2 * kTile, nullptr, p.sc_m + t * nb * 2 * kTile}
+                            : Q4Scales{p.d + t * nb * kTile, p.m + t * nb * kTile, nullptr};
+  float* f = reinterpret_cast<float*>(kept);
+  auto with_high = [&](auto high) {
+    constexpr bool H = decltype(high)::value;
+    if (kept && !keep) return q4_tile<R, H, false, Reuse::kept>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy);
+    auto with_mode = [&](auto mode) {
+      constexpr Reuse M = decltype(mode)::value;
+      p.sc_m ? q4_tile<R, H, true, M>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy) : q4_tile<R, H, false, M>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy);
+    };
+    kept ? with_mode(std::integral_constant<Reuse, Reuse::keep>{}) : with_mode(std::integral_constant<Reuse, Reuse::none>{});
+  };
+  h ? with_high(std::true_type{}) : with_high(std::false_type{});
 }
 
-// R rows of 16-column tile t, written to y with row stride ldy. kept: a buffer for a Q6_K tile's
-// unpacked codes where the tile takes several row reads (null: one read), keep: this is the first.
+// R rows of 16-column tile t, written to y with row stride ldy. kept: the buffer for what a tile
+// keeps (Reuse) where it takes several row reads (null: one read); keep: this read is the first.
 template <int R, typename T>
 void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
@@ -637,11 +659,11 @@ void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, 
                                           p.d + t * (nb / 8) * kTile, kept, y, ldy);
       };
       if (!kept)
-        q6(std::integral_constant<Codes, Codes::unpack>{});
+        q6(std::integral_constant<Reuse, Reuse::none>{});
       else if (keep)
-        q6(std::integral_constant<Codes, Codes::unpack_keep>{});
+        q6(std::integral_constant<Reuse, Reuse::keep>{});
       else
-        q6(std::integral_constant<Codes, Codes::kept>{});
+        q6(std::integral_constant<Reuse, Reuse::kept>{});
     }
   } else if (p.format == Format::int8) {
     if constexpr (R <= kNarrowRows) {
@@ -651,7 +673,7 @@ void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, 
         q8_tile<R, false>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, nullptr, y, ldy);
     }
   } else {
-    q4_dispatch<R>(p, x, t, y, ldy);
+    q4_dispatch<R>(p, x, t, kept, keep, y, ldy);
   }
 }
 
@@ -702,10 +724,11 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
       for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb);
     });
     at::parallel_for(0, n_out / kTile, 1, [&](int64_t t0, int64_t t1) {
-      thread_local std::vector<uint8_t> codes[2];  // a Q6_K tile's unpacked codes (silu_mul: gate's, up's)
+      thread_local std::vector<uint8_t> reused[2];  // what a tile keeps (Reuse; silu_mul: gate's, up's)
       uint8_t* kept[2] = {nullptr, nullptr};
-      if (p.format == Format::q6k && reads > 1)
-        for (int i = 0; i < 2; ++i) codes[i].resize(nb * 512), kept[i] = codes[i].data();
+      const int64_t bytes = p.format == Format::q6k ? 512 : p.format == Format::int4 ? 2 * kTile * sizeof(float) : 0;
+      if (bytes && reads > 1)
+        for (int i = 0; i < 2; ++i) reused[i].resize(nb * bytes), kept[i] = reused[i].data();
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = 0; r < m; r += per_read) {
           const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};
