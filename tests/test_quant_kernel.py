@@ -295,8 +295,8 @@ def test_k_quant_factors_as_stored(bits):
     extreme = Int4Linear(torch.full((32, k), top, dtype=torch.uint8), KQuantScales(ones, ones, full, full), None, None,
                          torch.float32, bits)
     for sign in (1, -1):
-        x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
-        torch.testing.assert_close(extreme(x), torch.full((4, 32), sign * 0.5 * k * 63 * (top - 1)), rtol=1e-6, atol=0)
+        full_x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
+        torch.testing.assert_close(extreme(full_x), torch.full((4, 32), sign * 0.5 * k * 63 * (top - 1)), rtol=1e-6, atol=0)
     parts = [(codes[:64], KQuantScales(*(v[:64] for v in k_quant))), (codes[64:], KQuantScales(*(v[64:] for v in k_quant)))]
     joined = Int4Linear.concat([Int4Linear(*p, None, None, torch.float32, bits) for p in parts], layer.bias, torch.float32)
     for name in ("qpacked", "qhigh", "d", "sc_m"):
@@ -311,8 +311,9 @@ def test_k_quant_factors_as_stored(bits):
     d16, m16 = ((expand(f) * v.float())[:64].half().float().repeat_interleave(32, 1)
                 for f, v in ((k_quant.d, k_quant.sc), (-k_quant.dmin.float(), k_quant.m)))
     assert torch.equal(mixed.dequantize()[:64], codes[:64].float() * d16 + m16)  # d sc and -dmin m rounded to fp16
-    fused = layer.forward_silu_mul(x)
+    fused = layer.forward_silu_mul(x)  # 9 rows: two reads, the second on the scales the first kept
     torch.testing.assert_close(fused, silu_and_mul(layer(x)), rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(fused[i], layer.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -423,3 +424,26 @@ def test_the_avx2_build_passes_these_tests_too():
                          timeout=900, cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]
+
+
+def test_k_quant_parts_of_odd_rows_join_as_factors():
+    """A fused layer whose K-quant parts are not whole tiles of 16 (packed after joining) keeps
+    the parts' own factors, as a layer packed part by part does."""
+    from tandem.models.stored_layers import _int4_linear
+    k = 512
+    parts = {"a": _k_quant(24, k, 7), "b": _k_quant(8, k, 8)}
+
+    class Source:  # the two methods of GGUFWeights the int4 builder reads, and the shapes
+        def code_bits(self, name):
+            return 4
+
+        def shape(self, name):
+            return tuple(parts[name][0].shape)
+
+        def int4(self, name):
+            return parts[name][0], parts[name][1], None
+
+    layer, native = _int4_linear(Source(), ["a", "b"], None, torch.float32, torch.device("cpu"))
+    assert native == 2 and layer.sc_m is not None
+    w = torch.cat([_k_quant_weights(*parts[name]) for name in ("a", "b")])
+    assert torch.equal(layer.dequantize(), w)

@@ -163,12 +163,12 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     if constexpr (Mode != Reuse::kept) q4_prefetch<K>(s, b + kPrefetch);
     if constexpr (High) _mm_prefetch(reinterpret_cast<const char*>(wh + (b + kPrefetch) * 64), _MM_HINT_T0);
     __m512 d, m;
-    float* f = kept + b * 2 * kTile;
+    const int64_t at = b * 2 * kTile;  // this block's scales in kept (null with Reuse::none)
     if constexpr (Mode == Reuse::kept) {
-      d = _mm512_loadu_ps(f), m = _mm512_loadu_ps(f + kTile);
+      d = _mm512_loadu_ps(kept + at), m = _mm512_loadu_ps(kept + at + kTile);
     } else {
       q4_block_scales<K>(s, b, d, m);
-      if constexpr (Mode == Reuse::keep) _mm512_storeu_ps(f, d), _mm512_storeu_ps(f + kTile, m);
+      if constexpr (Mode == Reuse::keep) _mm512_storeu_ps(kept + at, d), _mm512_storeu_ps(kept + at + kTile, m);
     }
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
@@ -247,10 +247,10 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
       __m512i plane = Mode == Reuse::kept ? _mm512_setzero_si512() : _mm512_loadu_si512(wh + (b * 2 + p) * 64);
       for (int c = 0; c < 2; ++c) {
         const int j = 2 * p + c;
-        uint8_t* codes = kept + (b * 4 + j) * 128;
+        const int64_t at = (b * 4 + j) * 128;  // this chunk's codes in kept (null with Reuse::none)
         __m512i lo, hi;
         if constexpr (Mode == Reuse::kept) {
-          lo = _mm512_loadu_si512(codes), hi = _mm512_loadu_si512(codes + 64);
+          lo = _mm512_loadu_si512(kept + at), hi = _mm512_loadu_si512(kept + at + 64);
         } else {
           __m512i raw = _mm512_loadu_si512(w + (b * 4 + j) * 64);
           lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
@@ -258,7 +258,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
           __m512i hi_top = c ? _mm512_srli_epi16(plane, 2) : _mm512_slli_epi16(plane, 2);
           lo = _mm512_or_si512(lo, _mm512_and_si512(lo_top, top));
           hi = _mm512_or_si512(hi, _mm512_and_si512(hi_top, top));
-          if constexpr (Mode == Reuse::keep) _mm512_storeu_si512(codes, lo), _mm512_storeu_si512(codes + 64, hi);
+          if constexpr (Mode == Reuse::keep) _mm512_storeu_si512(kept + at, lo), _mm512_storeu_si512(kept + at + 64, hi);
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * k + b * kBlock + 8 * j;
@@ -431,12 +431,12 @@ void q4_tile(const int8_t* xq, const float* xd, const float* xds, int64_t k, con
     }
     for (int h = 0; h < 2; ++h) {
       __m256 d, m;
-      float* f = kept + b * 2 * kTile + 8 * h;
+      const int64_t at = b * 2 * kTile + 8 * h;  // these scales in kept (null with Reuse::none)
       if constexpr (Mode == Reuse::kept) {
-        d = _mm256_loadu_ps(f), m = _mm256_loadu_ps(f + kTile);
+        d = _mm256_loadu_ps(kept + at), m = _mm256_loadu_ps(kept + at + kTile);
       } else {
         q4_block_scales<K>(s, b, h, d, m);
-        if constexpr (Mode == Reuse::keep) _mm256_storeu_ps(f, d), _mm256_storeu_ps(f + kTile, m);
+        if constexpr (Mode == Reuse::keep) _mm256_storeu_ps(kept + at, d), _mm256_storeu_ps(kept + at + kTile, m);
       }
       for (int r = 0; r < R; ++r) {
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + b])), acc[r][h]);
@@ -527,10 +527,11 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
       }
       for (int c = 0; c < 2; ++c) {
         const int j = 2 * p + c;
-        // kept as the AVX-512 build keeps them: the low-nibble lanes' codes (columns 0-7, 8-15), then the high ones'
-        __m256i* codes = reinterpret_cast<__m256i*>(kept + (b * 4 + j) * 128);
+        // kept as the AVX-512 build keeps them: the low-nibble lanes' codes (columns 0-7, 8-15), then the
+        // high ones' (formed only where kept is a buffer: null with Reuse::none)
         __m256i lo0, lo1, hi0, hi1;
         if constexpr (Mode == Reuse::kept) {
+          const __m256i* codes = reinterpret_cast<const __m256i*>(kept + (b * 4 + j) * 128);
           lo0 = _mm256_loadu_si256(codes), lo1 = _mm256_loadu_si256(codes + 1);
           hi0 = _mm256_loadu_si256(codes + 2), hi1 = _mm256_loadu_si256(codes + 3);
         } else {
@@ -545,6 +546,7 @@ void q6_tile(const int8_t* xq, const float* xd, const int32_t* xs, int64_t k, co
           lo1 = _mm256_or_si256(_mm256_and_si256(raw1, mask), lo_top(plane1));
           hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), mask), hi_top(plane1));
           if constexpr (Mode == Reuse::keep) {
+            __m256i* codes = reinterpret_cast<__m256i*>(kept + (b * 4 + j) * 128);
             _mm256_storeu_si256(codes, lo0), _mm256_storeu_si256(codes + 1, lo1);
             _mm256_storeu_si256(codes + 2, hi0), _mm256_storeu_si256(codes + 3, hi1);
           }
@@ -664,6 +666,8 @@ void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, 
         q6(std::integral_constant<Reuse, Reuse::keep>{});
       else
         q6(std::integral_constant<Reuse, Reuse::kept>{});
+    } else {
+      TORCH_CHECK(false, "quant gemm: a q6k tile reads at most ", kNarrowRows, " rows (max_rows)");
     }
   } else if (p.format == Format::int8) {
     if constexpr (R <= kNarrowRows) {
@@ -671,6 +675,8 @@ void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, 
         q8_tile<R, true>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, nullptr, p.d + t * nb * kTile, y, ldy);
       else
         q8_tile<R, false>(x.q, x.d, x.s16, p.k, p.w + t * nb * 512, p.scales + t * kTile, nullptr, y, ldy);
+    } else {
+      TORCH_CHECK(false, "quant gemm: an int8 tile reads at most ", kNarrowRows, " rows (max_rows)");
     }
   } else {
     q4_dispatch<R>(p, x, t, kept, keep, y, ldy);
@@ -728,7 +734,7 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
       uint8_t* kept[2] = {nullptr, nullptr};
       const int64_t bytes = p.format == Format::q6k ? 512 : p.format == Format::int4 ? 2 * kTile * sizeof(float) : 0;
       if (bytes && reads > 1)
-        for (int i = 0; i < 2; ++i) reused[i].resize(nb * bytes), kept[i] = reused[i].data();
+        for (int i = 0; i < (silu_mul ? 2 : 1); ++i) reused[i].resize(nb * bytes), kept[i] = reused[i].data();
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = 0; r < m; r += per_read) {
           const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};

@@ -17,7 +17,8 @@ joined to the nibble), in the int4 layer's convention w = (q - 8) scale + zero:
 Q4_0 and Q5_0), and (q - 8) scale + zero rounds again where the reference rounds once, so the
 int4 layer's weights are within a few ulp of the reference's, not bit-exact
 (tests/test_gguf_quants.py measures it). The K types come out as their own factors instead
-(`k_quant_rows`): the integer kernel holds those, and forms d sc q - dmin m as the reference does.
+(`k_quant_rows`): the integer kernel holds those, and forms d sc q - dmin m as the reference does;
+elsewhere `KQuantScales.scales_zeros` maps them as in the table.
 """
 from __future__ import annotations
 

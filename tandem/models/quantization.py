@@ -148,20 +148,24 @@ class Int4Linear(nn.Module):
         """codes: [N, K] integers in [0, 2^bits - 1]; scales, zeros: [N, K // group]; or scales a
         K-quant's factors (zeros None), which the integer kernel holds as they are: u8 sc and m per
         32 inputs and fp16 d and dmin per 256, 4.625 bits a weight where fp16 d and m per 32 take 5
-        (which also rounds d sc), dequantising bit for bit as gguf does."""
+        (which also rounds d sc), dequantising there bit for bit as gguf does; elsewhere they become
+        scale and zero (within a few ulp)."""
         super().__init__()
         k_quant = scales if isinstance(scales, KQuantScales) else None
         if k_quant is not None:
-            scales, zeros = k_quant.scales_zeros()
+            if codes.shape[1] % 256:
+                raise ValueError(f"int4: K-quant factors need K % 256 == 0, not K={codes.shape[1]}")
+            scales = zeros = None  # formed below only where the integer kernel does not serve the layer
         if bits not in (4, 5):
             raise ValueError(f"int4: codes of {bits} bits (4 or 5 are held)")
         if codes.numel() and int(codes.max()) >> bits:
             raise ValueError(f"int4: a code above {(1 << bits) - 1} in a layer of {bits}-bit codes")
         self.bits = bits
         self.out_features, self.in_features = codes.shape
-        self.group_size = self.in_features // scales.shape[1]
-        if self.group_size * scales.shape[1] != self.in_features:
-            raise ValueError(f"int4: {scales.shape[1]} groups do not divide K={self.in_features}")
+        groups = (k_quant.sc if k_quant is not None else scales).shape[1]
+        self.group_size = self.in_features // groups
+        if self.group_size * groups != self.in_features:
+            raise ValueError(f"int4: {groups} groups do not divide K={self.in_features}")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         ext = int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
         self.int8_act = ext is not None
@@ -179,6 +183,8 @@ class Int4Linear(nn.Module):
                 self.register_buffer("sc_m", None)
             self.packed = self.codes = None
             return
+        if k_quant is not None:
+            scales, zeros = k_quant.scales_zeros()
         self.kernel_dtype = _kernel_dtype(codes.device, dtype)
         # [K // g, N, 2] in the kernel's dtype: the layout (and dtype) both kernels read.
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()

@@ -143,6 +143,10 @@ def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
         del codes
     if by_part:
         return Int4Linear.concat(pieces, bias, dtype), native
+    codes = torch.cat([piece[0] for piece in pieces]).to(device)
+    if all(isinstance(piece[1], KQuantScales) for piece in pieces):  # joined as K-quant factors
+        return Int4Linear(codes, KQuantScales(*(torch.cat(f).to(device) for f in zip(*(p[1] for p in pieces)))),
+                          None, bias, dtype, bits), native
     pieces = [(c, *s.scales_zeros()) if isinstance(s, KQuantScales) else (c, s, z) for c, s, z in pieces]
-    c, s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in range(3))
-    return Int4Linear(c, s, z, bias, dtype, bits), native
+    s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in (1, 2))
+    return Int4Linear(codes, s, z, bias, dtype, bits), native
