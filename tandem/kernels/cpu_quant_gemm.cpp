@@ -628,9 +628,20 @@ struct Rows {
   const int32_t* s16;
 };
 
-// An int4 tile: its fifth-bit plane, its scales' form and what it keeps (Reuse) as template arguments.
+// f(std::integral_constant<Reuse, reuse>): the mode as a template argument.
+template <typename F>
+void with_reuse(Reuse reuse, F&& f) {
+  if (reuse == Reuse::keep)
+    f(std::integral_constant<Reuse, Reuse::keep>{});
+  else if (reuse == Reuse::kept)
+    f(std::integral_constant<Reuse, Reuse::kept>{});
+  else
+    f(std::integral_constant<Reuse, Reuse::none>{});
+}
+
+// An int4 tile: its fifth-bit plane, its scales' form and what it keeps as template arguments.
 template <int R, typename T>
-void q4_dispatch(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, T* y, int64_t ldy) {
+void q4_dispatch(const Weights& p, const Rows& x, int64_t t, Reuse reuse, uint8_t* kept, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
   const uint8_t* w = p.w + t * nb * 256;
   const uint8_t* h = p.h ? p.h + t * nb * 64 : nullptr;
@@ -639,33 +650,29 @@ void q4_dispatch(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool
   float* f = reinterpret_cast<float*>(kept);
   auto with_high = [&](auto high) {
     constexpr bool H = decltype(high)::value;
-    if (kept && !keep) return q4_tile<R, H, false, Reuse::kept>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy);
+    // kept: the scales come from the buffer, whatever form they are stored in. (Not with_reuse:
+    // in that form GCC's K-quant tile ran 22% slower at 16 rows, cause not found.)
+    if (reuse == Reuse::kept) return q4_tile<R, H, false, Reuse::kept>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy);
     auto with_mode = [&](auto mode) {
       constexpr Reuse M = decltype(mode)::value;
       p.sc_m ? q4_tile<R, H, true, M>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy) : q4_tile<R, H, false, M>(x.q, x.d, x.ds, p.k, w, h, s, f, y, ldy);
     };
-    kept ? with_mode(std::integral_constant<Reuse, Reuse::keep>{}) : with_mode(std::integral_constant<Reuse, Reuse::none>{});
+    reuse == Reuse::keep ? with_mode(std::integral_constant<Reuse, Reuse::keep>{}) : with_mode(std::integral_constant<Reuse, Reuse::none>{});
   };
   h ? with_high(std::true_type{}) : with_high(std::false_type{});
 }
 
-// R rows of 16-column tile t, written to y with row stride ldy. kept: the buffer for what a tile
-// keeps (Reuse) where it takes several row reads (null: one read); keep: this read is the first.
+// R rows of 16-column tile t, written to y with row stride ldy; reuse: what this read keeps or
+// loads (Reuse), kept: the buffer for it (null with Reuse::none).
 template <int R, typename T>
-void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, T* y, int64_t ldy) {
+void tile(const Weights& p, const Rows& x, int64_t t, Reuse reuse, uint8_t* kept, T* y, int64_t ldy) {
   const int64_t nb = p.k / kBlock;
   if (p.format == Format::q6k) {
     if constexpr (R <= kNarrowRows) {
-      auto q6 = [&](auto mode) {
+      with_reuse(reuse, [&](auto mode) {
         q6_tile<R, decltype(mode)::value>(x.q, x.d, x.s16, p.k, p.w + t * nb * 256, p.h + t * nb * 128, p.sc + t * nb * 32,
                                           p.d + t * (nb / 8) * kTile, kept, y, ldy);
-      };
-      if (!kept)
-        q6(std::integral_constant<Reuse, Reuse::none>{});
-      else if (keep)
-        q6(std::integral_constant<Reuse, Reuse::keep>{});
-      else
-        q6(std::integral_constant<Reuse, Reuse::kept>{});
+      });
     } else {
       TORCH_CHECK(false, "quant gemm: a q6k tile reads at most ", kNarrowRows, " rows (max_rows)");
     }
@@ -679,16 +686,16 @@ void tile(const Weights& p, const Rows& x, int64_t t, uint8_t* kept, bool keep, 
       TORCH_CHECK(false, "quant gemm: an int8 tile reads at most ", kNarrowRows, " rows (max_rows)");
     }
   } else {
-    q4_dispatch<R>(p, x, t, kept, keep, y, ldy);
+    q4_dispatch<R>(p, x, t, reuse, kept, y, ldy);
   }
 }
 
 // silu(gate) * up for R rows of 16 columns.
 template <int R, typename T>
-void silu_mul_tile(const Weights& p, const Rows& x, int64_t t, uint8_t* const* kept, bool keep, T* y, int64_t ldy) {
+void silu_mul_tile(const Weights& p, const Rows& x, int64_t t, Reuse reuse, uint8_t* const* kept, T* y, int64_t ldy) {
   float gate[kRows * kTile], up[kRows * kTile];
-  tile<R>(p, x, t, kept[0], keep, gate, kTile);
-  tile<R>(p, x, t + p.n / 2 / kTile, kept[1], keep, up, kTile);
+  tile<R>(p, x, t, reuse, kept[0], gate, kTile);
+  tile<R>(p, x, t + p.n / 2 / kTile, reuse, kept[1], up, kTile);
   for (int r = 0; r < R; ++r) silu_mul16(gate + r * kTile, up + r * kTile, y + r * ldy);
 }
 
@@ -711,6 +718,12 @@ struct Scratch {
 // registers a row, and past 4 rows they spill (Q6_K at 16 rows: 27% slower on AVX-512; at 6, 35%).
 int64_t max_rows(Format format) { return format == Format::int4 ? kRows : kNarrowRows; }
 
+// Bytes a tile of this format keeps per block across its row reads (Reuse): Q6_K's unpacked codes,
+// int4's fp32 d and m; int8 tiles derive nothing.
+int64_t kept_bytes(Format format) {
+  return format == Format::q6k ? 512 : format == Format::int4 ? 2 * kTile * sizeof(float) : 0;
+}
+
 // Quantise x's rows, then every 16-column tile in parallel, up to max_rows rows per weight read
 // (the rows split evenly over the reads: 9 rows as 5 and 4, not 8 and 1).
 at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
@@ -732,19 +745,20 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
     at::parallel_for(0, n_out / kTile, 1, [&](int64_t t0, int64_t t1) {
       thread_local std::vector<uint8_t> reused[2];  // what a tile keeps (Reuse; silu_mul: gate's, up's)
       uint8_t* kept[2] = {nullptr, nullptr};
-      const int64_t bytes = p.format == Format::q6k ? 512 : p.format == Format::int4 ? 2 * kTile * sizeof(float) : 0;
-      if (bytes && reads > 1)
-        for (int i = 0; i < (silu_mul ? 2 : 1); ++i) reused[i].resize(nb * bytes), kept[i] = reused[i].data();
+      const bool keeps = reads > 1 && kept_bytes(p.format) > 0;
+      if (keeps)
+        for (int i = 0; i < (silu_mul ? 2 : 1); ++i) reused[i].resize(nb * kept_bytes(p.format)), kept[i] = reused[i].data();
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = 0; r < m; r += per_read) {
           const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};
           auto* yt = yp + r * n_out + t * kTile;
+          const Reuse reuse = !keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
           auto rows = [&](auto r_const) {
             constexpr int R = decltype(r_const)::value;
             if (silu_mul)
-              silu_mul_tile<R>(p, xr, t, kept, r == 0, yt, n_out);
+              silu_mul_tile<R>(p, xr, t, reuse, kept, yt, n_out);
             else
-              tile<R>(p, xr, t, kept[0], r == 0, yt, n_out);
+              tile<R>(p, xr, t, reuse, kept[0], yt, n_out);
           };
           with_rows<kRows>(std::min(per_read, m - r), rows);
         }

@@ -93,8 +93,8 @@ def k_quant_rows(data: np.ndarray, kind: Q) -> KQuantArrays:
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[kind][1])
     sc, m = _k_sub_scales(blocks)
     codes = _nibbles_k(blocks[:, 16:]) if kind == Q.Q4_K else _nibbles_k(blocks[:, 48:]) | _high_k(blocks)
-    half = lambda at: blocks[:, at:at + 2].copy().view(np.float16).reshape(rows, -1)  # noqa: E731
-    return codes.reshape(rows, -1), half(0), half(2), sc.reshape(rows, -1), m.reshape(rows, -1)
+    d, dmin = (_half(blocks, at).astype(np.float16).reshape(rows, -1) for at in (0, 2))  # fp16 -> fp32 -> fp16: exact
+    return codes.reshape(rows, -1), d, dmin, sc.reshape(rows, -1), m.reshape(rows, -1)
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
