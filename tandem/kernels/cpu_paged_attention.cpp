@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -68,6 +67,15 @@ inline v8 sums8(const v8 (&v)[8]) {
 #endif
 }
 
+// A K or V row's cache lines, asked for ahead of their use: a sequence's rows for one head lie
+// hkv * D elements apart and its blocks anywhere in the pool, which the hardware prefetcher does not
+// follow (unprefetched, decode attention at 16 rows of 160 positions waited on memory ~80% of its time).
+constexpr int64_t kAhead = 8;  // K rows ahead of the one being scored
+template <typename T, int D, int Hint = _MM_HINT_T0>
+inline void prefetch_row(const T* p) {
+  for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
+}
+
 // Scores of R (1-2) K rows (`stride` elements apart from kp) against G (1-4) query heads qj [G, D]
 // (fp32, scaled) into s[j * kPart + r]: each K element is read and widened once for the G heads.
 template <int G, int R, typename T, int D>
@@ -114,11 +122,17 @@ template <typename T, int D>
 void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
                  int64_t hkv, int64_t h, int64_t g, int64_t lo, int64_t hi, float* part) {
   const int64_t len = hi - lo, row_stride = hkv * D;
+  auto row = [&](const T* cache, int64_t p) { return cache + ((table[p / block_size] * block_size + p % block_size) * hkv + h) * D; };
+  for (int64_t p = lo; p < std::min(lo + kAhead, hi); ++p) prefetch_row<T, D>(row(k_cache, p));
   float scores[kMaxGroup * kPart];
   for (int64_t p0 = lo, n; p0 < hi; p0 += n) {  // block by block: a block's rows are row_stride apart
     const int64_t off = p0 % block_size;
     n = std::min(block_size - off, hi - p0);
     const T* kp = k_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D;
+    for (int64_t p = p0; p < p0 + n; ++p) {
+      if (p + kAhead < hi) prefetch_row<T, D>(row(k_cache, p + kAhead));
+      prefetch_row<T, D, _MM_HINT_T1>(row(v_cache, p));
+    }
     head_groups(g, [&](int64_t j0, auto g_const) {
       constexpr int G = decltype(g_const)::value;
       float* s = scores + j0 * kPart + (p0 - lo);
@@ -136,22 +150,27 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
     for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
     m[j] = mx, l[j] = sum;
   }
+  // The part's V rows, gathered into one contiguous run: in the cache they lie hkv * D elements
+  // apart, where the few L1 sets they map to cannot hold a part's rows for the D / kW passes below.
+  thread_local std::vector<T> v_rows;
+  v_rows.resize(kPart * D);
+  for (int64_t p0 = lo, n; p0 < hi; p0 += n) {
+    n = std::min(block_size - p0 % block_size, hi - p0);
+    const T* vp = row(v_cache, p0);
+    for (int64_t t = 0; t < n; ++t) std::memcpy(v_rows.data() + (p0 - lo + t) * D, vp + t * row_stride, D * sizeof(T));
+  }
   head_groups(g, [&](int64_t j0, auto g_const) {
     constexpr int G = decltype(g_const)::value;
     const float* p = scores + j0 * kPart;
     for (int i0 = 0; i0 < D; i0 += kW) {
       v8 a[G][kW / 8] = {};
-      for (int64_t p0 = lo, n; p0 < hi; p0 += n) {
-        const int64_t off = p0 % block_size;
-        n = std::min(block_size - off, hi - p0);
-        const T* vp = v_cache + ((table[p0 / block_size] * block_size + off) * hkv + h) * D + i0;
-        for (int64_t t = 0; t < n; ++t, vp += row_stride) {
-          v8 v[kW / 8];
-          for (int u = 0; u < kW / 8; ++u) v[u] = load8(vp + 8 * u);
-          for (int j = 0; j < G; ++j) {
-            const float w = p[j * kPart + p0 - lo + t];
-            for (int u = 0; u < kW / 8; ++u) a[j][u] += w * v[u];
-          }
+      const T* vp = v_rows.data() + i0;
+      for (int64_t t = 0; t < len; ++t, vp += D) {
+        v8 v[kW / 8];
+        for (int u = 0; u < kW / 8; ++u) v[u] = load8(vp + 8 * u);
+        for (int j = 0; j < G; ++j) {
+          const float w = p[j * kPart + t];
+          for (int u = 0; u < kW / 8; ++u) a[j][u] += w * v[u];
         }
       }
       for (int j = 0; j < G; ++j)
@@ -171,16 +190,33 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
   std::vector<int64_t> first_item(num_seqs + 1, 0);  // sequence b's items: [first_item[b], first_item[b + 1])
   for (int64_t b = 0; b < num_seqs; ++b)
     first_item[b + 1] = first_item[b] + hkv * std::max<int64_t>(1, (seq_lens[b] - first_pos(b) + kPart - 1) / kPart);
-  std::unique_ptr<float[]> parts(new float[first_item[num_seqs] * part_size]);  // every item writes its own: no zeroing
+  // Every item writes its own part: no zeroing. Kept across calls: a fresh buffer this size is
+  // fresh pages, which the kernel zeroed at each call (a quarter of the time at 16 rows of 160).
+  thread_local std::vector<float> parts_buffer;
+  parts_buffer.resize(std::max<size_t>(parts_buffer.size(), first_item[num_seqs] * part_size));
+  float* const parts = parts_buffer.data();
+  struct Span { int64_t b, h, lo, hi; };  // an item's sequence, KV head and positions
+  auto span = [&](int64_t item) {
+    const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const int64_t per_head = (first_item[b + 1] - first_item[b]) / hkv;
+    const int64_t lo = first_pos(b) + (item - first_item[b]) % per_head * kPart;
+    return Span{b, (item - first_item[b]) / per_head, lo, std::min(lo + kPart, seq_lens[b])};
+  };
   at::parallel_for(0, first_item[num_seqs], 1, [&](int64_t begin, int64_t end) {
     float qf[kMaxGroup * D];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-      const int64_t per_head = (first_item[b + 1] - first_item[b]) / hkv, h = (item - first_item[b]) / per_head;
-      const int64_t lo = first_pos(b) + (item - first_item[b]) % per_head * kPart;
-      for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[b * q_row + h * g * D + i]) * scale;
-      attend_part<T, D>(qf, k_cache, v_cache, block_tables + b * max_blocks, block_size, hkv, h, g, lo,
-                        std::min(lo + kPart, seq_lens[b]), parts.get() + item * part_size);
+      const Span at = span(item);
+      if (item + 1 < end) {  // the next item's rows, on their way to L2 while this one computes
+        const Span next = span(item + 1);
+        for (int64_t p = next.lo; p < next.hi; ++p) {
+          const int64_t slot = block_tables[next.b * max_blocks + p / block_size] * block_size + p % block_size;
+          prefetch_row<T, D, _MM_HINT_T1>(k_cache + (slot * hkv + next.h) * D);
+          prefetch_row<T, D, _MM_HINT_T1>(v_cache + (slot * hkv + next.h) * D);
+        }
+      }
+      for (int64_t i = 0; i < g * D; ++i) qf[i] = static_cast<float>(q[at.b * q_row + at.h * g * D + i]) * scale;
+      attend_part<T, D>(qf, k_cache, v_cache, block_tables + at.b * max_blocks, block_size, hkv, at.h, g, at.lo, at.hi,
+                        parts + item * part_size);
     }
   });
   // merge each (sequence, KV head)'s parts in order
@@ -188,7 +224,7 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
     float acc[D];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hkv, h = item % hkv, per_head = (first_item[b + 1] - first_item[b]) / hkv;
-      const float* first = parts.get() + (first_item[b] + h * per_head) * part_size;
+      const float* first = parts + (first_item[b] + h * per_head) * part_size;
       for (int64_t j = 0; j < g; ++j) {
         float m = -INFINITY, l = 0.f;
         for (int64_t p = 0; p < per_head; ++p) m = std::max(m, first[p * part_size + j]);
