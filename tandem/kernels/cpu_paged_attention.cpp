@@ -1,5 +1,6 @@
-// Paged decode attention for CPU: one query token per sequence, K/V read in place from the
-// block-paged cache (no gather copy), fp32 accumulation; the query heads of a GQA group share
+// Paged decode attention for CPU: one query token per sequence, K read in place from the
+// block-paged cache and a part's V rows copied into one run (no gather of the whole context), fp32
+// accumulation; the query heads of a GQA group share
 // every K/V row they read, and a context is split into fixed parts that the threads share.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
