@@ -6,8 +6,8 @@
 //  AVX-512 (VNNI, BW, BF16): `vpdpbusd`, 64 u8 x s8 products per instruction, 16 columns a register.
 //  AVX2 (FMA, F16C): `vpmaddubsw` (u8 x s8 pairs to int16) then `vpmaddwd` (to int32), 8 columns
 //  a register; its int32 dot products equal vpdpbusd's exactly.
-// Output column tiles are handed out in chunks over torch's own thread pool (at::parallel_for in torch's OpenMP
-// runtime: no second team). A row's result does not depend on the other rows.
+// Output column tiles are handed out in chunks over torch's own thread pool (at::parallel_for in
+// torch's OpenMP runtime: no second team). A row's result does not depend on the other rows.
 //
 // Packed weights, 16 output columns per tile, 32 inputs per block (one layout for both builds but
 // the fifth-bit plane):
