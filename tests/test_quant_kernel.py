@@ -132,10 +132,10 @@ def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             (torch.rand(n, k // 32, generator=g) * 1e-3 + 1e-4).half())
 
 
-def _int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel rounds it: per 32 inputs q = round(x * 127 / max|x|) (half to even), in
-    fp32, then back to values q * max|x| / 127, fp64."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def _int8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the kernel rounds it: per `block` inputs (32, or 256 against Q4_K) q =
+    round(x * 127 / max|x|) (half to even), in fp32, then back to values q * max|x| / 127, fp64."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
     top = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.full_like(top, 127) / top, torch.zeros_like(top))  # not 127 / top: reciprocal * 127
     q = torch.round(blocks * inv).clamp(-127, 127)
@@ -170,7 +170,8 @@ def test_q6_k_blocks_as_stored(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
     """int4, 5-bit, int8 (per channel and Q8_0's per block), Q6_K and K-quant tiles against the exact
-    product of their weights with the activations as the kernel rounds them, at K = 8192, with
+    product of their weights with the activations as the kernel rounds them (per 32 inputs, per 256
+    against Q4_K), at K = 8192, with
     activations of mixed sign and all positive (where an offset added to every product and taken
     off late in fp32 would cancel ~1e-4 of the output), every row count of a tile (1-8) and one
     more."""
@@ -189,7 +190,8 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
         for rows in range(1, 10):
             for x in (torch.randn(rows, k), torch.randn(rows, k).abs() + 2):
                 x = x.to(dtype)
-                exact = _int8_activations(x) @ weights.t()
+                q4_k = getattr(layer, "sc_m", None) is not None and layer.qhigh is None
+                exact = _int8_activations(x, 256 if q4_k else 32) @ weights.t()
                 torch.testing.assert_close(layer(x).double(), exact, rtol=tol, atol=tol * exact.abs().max().item(),
                                            msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}")
 
@@ -287,7 +289,7 @@ def test_k_quant_factors_as_stored(bits):
     ids = torch.tensor([0, 17, n - 1, 5, 5])
     assert torch.equal(layer.rows(ids, torch.float32), w[ids])
     x = torch.randn(9, k)
-    exact = _int8_activations(x) @ w.double().t() + layer.bias.double()
+    exact = _int8_activations(x, 256 if bits == 4 else 32) @ w.double().t() + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     top = (1 << bits) - 1
     ones = torch.ones(32, k // 256, dtype=torch.float16)
