@@ -2,8 +2,8 @@
 // Q4_1 x Q8_1, Q4_K x Q8_K, Q6_K x Q8_K and Q8_0 x Q8_0): each activation row is quantised to int8
 // with one fp32 scale per block of 32 (per 256 against Q4_K, as llama.cpp's Q8_K, so its
 // sub-block scales apply in integer), and the dot products run on integer instructions instead of
-// dequantising every weight to floats, which made torch's int4 / int8 kernels compute-bound. Two builds of one
-// design, chosen by the compiler's target (-march=native):
+// dequantising every weight to floats, which made torch's int4 / int8 kernels compute-bound. Two
+// builds of one design, chosen by the compiler's target (-march=native):
 //  AVX-512 (VNNI, BW, BF16): `vpdpbusd`, 64 u8 x s8 products per instruction, 16 columns a register.
 //  AVX2 (FMA, F16C): `vpmaddubsw` (u8 x s8 pairs to int16) then `vpmaddwd` (to int32), 8 columns
 //  a register; its int32 dot products equal vpdpbusd's exactly.
@@ -74,7 +74,7 @@ constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8, kChunksPerThread = 8;
 enum class Reuse { none, keep, kept };
 
 // The activations of R rows: int8 codes [R][K] and, per row (each K / 32 long), each block's d,
-// d * sum(q) and sums of q over its inputs 0-15 and 16-31 as two int16 (quantize_row); for a
+// d * sum(q) and sums of q over its inputs 0-15 and 16-31 as two int16 (quantize_row); for
 // Q4_K's tiles (quantize_row_256) one d per 256 inputs, and at s16[i] blocks 2i and 2i + 1's
 // sums of q as two int16.
 struct Rows {
@@ -815,7 +815,9 @@ void q4_dispatch(const Weights& p, const Rows& x, int64_t t, Reuse reuse, uint8_
     if (reuse == Reuse::kept) return q4_tile<R, H, false, Reuse::kept>(x, p.k, w, h, s, f, y, ldy);
     auto with_mode = [&](auto mode) {
       constexpr Reuse M = decltype(mode)::value;
-      p.sc_m ? q4_tile<R, H, true, M>(x, p.k, w, h, s, f, y, ldy) : q4_tile<R, H, false, M>(x, p.k, w, h, s, f, y, ldy);
+      if constexpr (H)  // a K-quant here has 5-bit codes (Q5_K): Q4_K went to q4k_tile
+        if (p.sc_m) return q4_tile<R, H, true, M>(x, p.k, w, h, s, f, y, ldy);
+      q4_tile<R, H, false, M>(x, p.k, w, h, s, f, y, ldy);
     };
     reuse == Reuse::keep ? with_mode(std::integral_constant<Reuse, Reuse::keep>{}) : with_mode(std::integral_constant<Reuse, Reuse::none>{});
   };
