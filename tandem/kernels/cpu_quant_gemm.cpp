@@ -43,10 +43,10 @@
 //        block's int32 dot as 128 * sum(x); AVX2 flips the top bit back to q and multiplies |q|
 //        by x with q's sign.
 //
-// silu_mul: for a fused gate_up projection ([gate | up], N = 2I) the kernel computes tile t of
-// the gate and the matching tile of the up half together and writes silu(gate) * up, [M, I],
-// rounding where the unfused path rounds (gate and up to the output dtype, silu, the product):
-// at batch 1 the separate chunk / silu / mul ops cost more than the GEMM's own epilogue.
+// silu_mul: for a fused gate_up projection ([gate | up], N = 2I) the kernel computes a chunk of
+// gate tiles, then the matching up tiles, and writes silu(gate) * up, [M, I], rounding where the
+// unfused path rounds (gate and up to the output dtype, silu, the product): at batch 1 the
+// separate chunk / silu / mul ops cost more than the GEMM's own epilogue.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -852,15 +852,6 @@ void tile(const Weights& p, const Rows& x, int64_t t, Reuse reuse, uint8_t* kept
   }
 }
 
-// silu(gate) * up for R rows of 16 columns.
-template <int R, typename T>
-void silu_mul_tile(const Weights& p, const Rows& x, int64_t t, Reuse reuse, uint8_t* const* kept, T* y, int64_t ldy) {
-  float gate[kRows * kTile], up[kRows * kTile];
-  tile<R>(p, x, t, reuse, kept[0], gate, kTile);
-  tile<R>(p, x, t + p.n / 2 / kTile, reuse, kept[1], up, kTile);
-  for (int r = 0; r < R; ++r) silu_mul16(gate + r * kTile, up + r * kTile, y + r * ldy);
-}
-
 // f(std::integral_constant<int, n>), for n in [1, R]: the tiles' row count as a template argument.
 template <int R, typename F>
 void with_rows(int64_t n, F&& f) {
@@ -914,26 +905,37 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
     const int64_t tiles = n_out / kTile, chunk = std::max<int64_t>(1, tiles / (kChunksPerThread * at::get_num_threads()));
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      thread_local std::vector<uint8_t> reused[2];  // what a tile keeps (Reuse; silu_mul: gate's, up's)
-      uint8_t* kept[2] = {nullptr, nullptr};
+      thread_local std::vector<uint8_t> kept;  // what a tile keeps across its row reads (Reuse)
       const bool keeps = reads > 1 && kept_bytes(p) > 0;
-      if (keeps)
-        for (int i = 0; i < (silu_mul ? 2 : 1); ++i) reused[i].resize(nb * kept_bytes(p)), kept[i] = reused[i].data();
-      for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;)
-        for (int64_t t = t0; t < std::min(t0 + chunk, tiles); ++t)
+      if (keeps) kept.resize(nb * kept_bytes(p));
+      // Tiles [t0, t1) of weight rows from `first` (a tile index) on, into y (row stride ldy).
+      auto tiles_of = [&](int64_t first, int64_t t0, int64_t t1, auto* y, int64_t ldy) {
+        for (int64_t t = t0; t < t1; ++t)
           for (int64_t r = 0; r < m; r += per_read) {
             const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};
-            auto* yt = yp + r * n_out + t * kTile;
             const Reuse reuse = !keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
-            auto rows = [&](auto r_const) {
-              constexpr int R = decltype(r_const)::value;
-              if (silu_mul)
-                silu_mul_tile<R>(p, xr, t, reuse, kept, yt, n_out);
-              else
-                tile<R>(p, xr, t, reuse, kept[0], yt, n_out);
-            };
-            with_rows<kRows>(std::min(per_read, m - r), rows);
+            with_rows<kRows>(std::min(per_read, m - r), [&](auto rows) {
+              tile<decltype(rows)::value>(p, xr, first + t, reuse, kept.data(), y + r * ldy + (t - t0) * kTile, ldy);
+            });
           }
+      };
+      thread_local std::vector<float> gate, up;  // silu_mul: a chunk's gate and up outputs, [m][chunk]
+      for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;) {
+        const int64_t t1 = std::min(t0 + chunk, tiles), width = (t1 - t0) * kTile;
+        if (!silu_mul) {
+          tiles_of(0, t0, t1, yp + t0 * kTile, n_out);
+          continue;
+        }
+        // The chunk's gate tiles, then its up tiles: one stream through memory at a time. Read as
+        // a gate tile then its up tile (9 MB apart at 1B shapes), gate_up streamed ~15% slower
+        // at batch 1 (AMD EPYC Zen 4).
+        gate.resize(m * width), up.resize(m * width);
+        tiles_of(0, t0, t1, gate.data(), width);
+        tiles_of(tiles, t0, t1, up.data(), width);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < width; c += kTile)
+            silu_mul16(gate.data() + r * width + c, up.data() + r * width + c, yp + r * n_out + t0 * kTile + c);
+      }
     });
   };
   if (x.scalar_type() == at::kFloat)
