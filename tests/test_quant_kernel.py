@@ -157,6 +157,8 @@ def test_q6_k_blocks_as_stored(shape, dtype):
     assert torch.equal(layer.dequantize(), w)
     ids = torch.tensor([0, 17, n - 1, 5, 5])
     assert torch.equal(layer.rows(ids, torch.float32), w[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer.rows(torch.tensor([n]), torch.float32)
     for rows in (1, 5, 37):
         x = torch.randn(rows, k, dtype=dtype) * 3
         y = layer(x).double()

@@ -1043,6 +1043,43 @@ at::Tensor pack_int8_(at::Tensor qweight) {
   return qweight.view({n * k}).view(at::kByte);
 }
 
+// Rows `ids` of a Q6_K weight in the q6k layout (the tiles q6k_gemm reads), dequantised as gguf
+// does: d sc in fp32, times q - 32; fp32 [len(ids), K]. An embedding lookup in a tied Q6_K
+// vocabulary: the same in torch ops took ~170 us a step at batch 1 (~1B shapes).
+at::Tensor q6k_rows(at::Tensor ids, at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t k) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && k % 256 == 0, "q6k_rows: ids [T] int64, K % 256");
+  const int64_t n = packed.numel() * 2 / k, nb = k / kBlock;
+  TORCH_CHECK(n % kTile == 0 && top.numel() == n * k / 4 && sc.numel() == n * k / 16 && d.numel() == n * k / 256 &&
+              top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf,
+              "q6k_rows: weight shapes");
+  auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids_c.numel(); ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, "q6k_rows: id ", id[r], " out of range");
+  auto out = at::empty({ids_c.numel(), k}, at::kFloat);
+  const uint8_t *w = packed.data_ptr<uint8_t>(), *wt = top.data_ptr<uint8_t>();
+  const int8_t* wsc = sc.data_ptr<int8_t>();
+  const at::Half* wd = d.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, ids_c.numel(), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = id[r] / kTile, lane = id[r] % kTile;  // row id is column lane of tile t
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *low = w + (t * nb + b) * 256 + 4 * lane, *high = wt + (t * nb + b) * 128 + 4 * lane;
+        const float dd = static_cast<float>(wd[(t * (k / 256) + b / 8) * kTile + lane]);
+        float* y = op + r * k + b * kBlock;
+        for (int j = 0; j < 4; ++j)  // chunk j's nibble lane l: inputs 8j + 4l + i, sub-block j / 2
+          for (int l = 0; l < 2; ++l)
+            for (int i = 0; i < 4; ++i) {
+              const int q = ((low[j * 64 + i] >> (4 * l)) & 15) | (((high[j / 2 * 64 + i] >> (2 * (2 * (j % 2) + l))) & 3) << 4);
+              const float scale = dd * static_cast<float>(wsc[((t * nb + b) * 2 + j / 2) * kTile + lane]);
+              y[8 * j + 4 * l + i] = scale * static_cast<float>(q - 32);
+            }
+      }
+    }
+  });
+  return out;
+}
+
 #ifdef TANDEM_QUANT_GEMM
 // y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16, or
 // (a K-quant: m null) d the fp16 d and -dmin [N/16, K/256, 2, 16] and sc_m the u8 sc and m
@@ -1123,6 +1160,8 @@ void bind(pybind11::module_ mod) {
   mod.def("pack_high_bits", &pack_high_bits, "5-bit codes [N, K] -> the tiles' fifth-bit plane");
   mod.def("pack_top_bits", &pack_top_bits, "6-bit codes [N, K] -> the q6k tiles' top-bit plane");
   mod.def("pack_int8_", &pack_int8_, "int8 weights [N, K] -> packed tiles, in place");
+  mod.def("q6k_rows", &q6k_rows, "rows ids of a Q6_K weight (q6k tiles) dequantised, fp32 [len(ids), K]",
+          py::arg("ids"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("k"));
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32 (per 256 against Q4_K)",
           py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
           py::arg("high") = py::none(), py::arg("sc_m") = py::none());

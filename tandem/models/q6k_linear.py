@@ -79,19 +79,8 @@ class Q6KLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of W: an embedding lookup in this table (a tied Q6_K vocabulary)."""
-        t, lane = ids // 16, ids % 16  # row r is column r % 16 of tile r // 16
-        blocks = self.in_features // 32
-        p = self.qpacked.view(-1, blocks, 4, 16, 4)[t, :, :, lane]  # [ids, K/32, 4 (j), 4 (i)]
-        low = torch.stack([p & 15, p >> 4], 2)  # [ids, K/32, 2 (nibble lane l), 4 (j), 4 (i)]
-        plane = self.qtop.view(-1, blocks, 2, 16, 4)[t, :, :, lane]  # [ids, K/32, 2 (pair), 4 (i)]
-        # chunk j = 2 pair + c, nibble lane l: bits 2 (2c + l) of its pair's byte
-        shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)  # [c, l]
-        top = (plane[:, :, :, None, None, :] >> shifts[:, :, None]) & 3  # [ids, K/32, pair, c, l, i]
-        top = top.permute(0, 1, 4, 2, 3, 5).reshape(low.shape)
-        codes = (low | (top << 4)).transpose(2, 3).reshape(len(ids), -1)  # input 8 j + 4 l + i
-        sc = self.sc[t, :, :, lane].reshape(len(ids), -1)  # [ids, K/16]
-        scale = self.d[t, :, lane].float().repeat_interleave(QK_K // 16, 1) * sc.float()
-        return (scale.repeat_interleave(16, 1) * (codes.float() - 32)).to(dtype)
+        b = self._buffers
+        return cpu_quant_gemm().q6k_rows(ids, b["qpacked"], b["qtop"], b["sc"], b["d"], self.in_features).to(dtype)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         b = self._buffers  # read directly: see int8_act_forward
