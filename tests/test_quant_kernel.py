@@ -200,7 +200,7 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
 
 def test_q8_0_blocks_as_stored():
     """int8 with an fp16 d per 32 (a GGUF Q8_0 tensor) holds the file's codes and d: dequantize()
-    is d q bit for bit, rows() one lane of the tiles; codes of -128 (|q| = 128, which AVX2's sign
+    is d q bit for bit, rows() one lane of the tiles (with a scale per row too); codes of -128 (|q| = 128, which AVX2's sign
     trick on x could not negate) against inputs of +-127 in every lane; the fused SiLU-and-mul;
     refused off the integer kernel."""
     n, k = 48, 256
@@ -210,6 +210,11 @@ def test_q8_0_blocks_as_stored():
     assert layer.blocked and torch.equal(layer.dequantize(), w)
     ids = torch.tensor([0, 17, n - 1, 5, 5])
     assert torch.equal(layer.rows(ids, torch.float32), w[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer.rows(torch.tensor([-1]), torch.float32)
+    scales = torch.rand(n) + 0.5  # one fp32 scale per row (int8 from float weights)
+    per_row = Int8Linear(q.clone(), scales, None, torch.float32)
+    assert not per_row.blocked and torch.equal(per_row.rows(ids, torch.float32), q[ids].float() * scales[ids, None])
     low = Int8Linear(torch.full((n, k), -128, dtype=torch.int8), torch.ones(n, k // 32, dtype=torch.float16), None,
                      torch.float32)
     for sign in (1, -1):

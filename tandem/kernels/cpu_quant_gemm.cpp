@@ -1080,6 +1080,36 @@ at::Tensor q6k_rows(at::Tensor ids, at::Tensor packed, at::Tensor top, at::Tenso
   return out;
 }
 
+// Rows `ids` of an int8 weight in its tiles (int8_gemm's), dequantised as q times its scale (an
+// fp16 d per block of 32, GGUF Q8_0, or an fp32 scale per row), fp32 [len(ids), K]: an embedding
+// lookup in a tied int8 vocabulary (in torch ops ~50 us a step at batch 1).
+at::Tensor int8_rows(at::Tensor ids, at::Tensor packed, at::Tensor scales, int64_t k) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && k % kBlock == 0, "int8_rows: ids [T] int64, K % 32");
+  const int64_t n = packed.numel() / k, nb = k / kBlock;
+  const bool blocked = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(n % kTile == 0 && scales.numel() == (blocked ? n * nb : n) && (blocked || scales.scalar_type() == at::kFloat),
+              "int8_rows: weight shapes");
+  auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids_c.numel(); ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, "int8_rows: id ", id[r], " out of range");
+  auto out = at::empty({ids_c.numel(), k}, at::kFloat);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, ids_c.numel(), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = id[r] / kTile, lane = id[r] % kTile;  // row id is column lane of tile t
+      for (int64_t b = 0; b < nb; ++b) {
+        const float scale = blocked ? static_cast<float>(scales.data_ptr<at::Half>()[(t * nb + b) * kTile + lane])
+                                    : scales.data_ptr<float>()[id[r]];
+        const uint8_t* q = w + (t * nb + b) * 512 + 4 * lane;  // chunk j's inputs 4j + i at q[64 j + i]
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 4; ++i) op[r * k + b * kBlock + 4 * j + i] = static_cast<float>(q[64 * j + i] - 128) * scale;
+      }
+    }
+  });
+  return out;
+}
+
 #ifdef TANDEM_QUANT_GEMM
 // y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16, or
 // (a K-quant: m null) d the fp16 d and -dmin [N/16, K/256, 2, 16] and sc_m the u8 sc and m
@@ -1162,6 +1192,8 @@ void bind(pybind11::module_ mod) {
   mod.def("pack_int8_", &pack_int8_, "int8 weights [N, K] -> packed tiles, in place");
   mod.def("q6k_rows", &q6k_rows, "rows ids of a Q6_K weight (q6k tiles) dequantised, fp32 [len(ids), K]",
           py::arg("ids"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("k"));
+  mod.def("int8_rows", &int8_rows, "rows ids of an int8 weight (int8 tiles) dequantised, fp32 [len(ids), K]",
+          py::arg("ids"), py::arg("packed"), py::arg("scales"), py::arg("k"));
   mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32 (per 256 against Q4_K)",
           py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
           py::arg("high") = py::none(), py::arg("sc_m") = py::none());

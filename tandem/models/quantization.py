@@ -85,11 +85,8 @@ class Int8Linear(nn.Module):
         package computes it): an embedding lookup in this table."""
         if not self.int8_act:
             return (self.qweight[ids].float() * self.scales.float()[ids, None]).to(dtype)
-        t, lane = ids // 16, ids % 16  # row n is tile n // 16's lane n % 16: [K/4, 4] bytes of q + 128
-        tiles = self.qweight.view(self.out_features // 16, self.in_features // 4, 16, 4)
-        q = tiles[t, :, lane, :].reshape(-1, self.in_features).to(torch.int16) - 128
-        scale = self.scales[t, :, lane].float().repeat_interleave(32, 1) if self.blocked else self.scales[ids, None]
-        return (q.float() * scale).to(dtype)
+        b = self._buffers
+        return cpu_quant_gemm().int8_rows(ids, b["qweight"], b["scales"], self.in_features).to(dtype)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         b = self._buffers  # read directly: see int8_act_forward
