@@ -340,7 +340,7 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
 def test_fused_silu_and_mul_equals_the_separate_ops(shape, dtype):
     """The gate_up GEMM's epilogue rounds where GEMM -> silu -> mul round; only its exp differs
     from torch's (by < 2e-7 of itself), so a bf16 value may move by one step (2^-8) of itself,
-    an fp32 one by a few ulps. Rows stay independent."""
+    an fp32 one by a few ulps. Rows stay independent, at prefill sizes too."""
     n, k = shape
     torch.manual_seed(n)
     w = torch.randn(n, k) / k ** 0.5
@@ -355,6 +355,8 @@ def test_fused_silu_and_mul_equals_the_separate_ops(shape, dtype):
         else:
             torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
         assert all(torch.equal(fused[i], layer.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
+    many = torch.randn(2100, k, dtype=dtype)  # prefill-sized: a few tiles of gate, then of up, at a time
+    assert torch.equal(layer.forward_silu_mul(many)[-9:], layer.forward_silu_mul(many[-9:]))
     with_bias = Int4Linear.from_float(w, torch.randn(n), torch.bfloat16)  # not fused: the bias comes first
     x = torch.randn(3, k, dtype=torch.bfloat16)
     assert torch.equal(with_bias.forward_silu_mul(x), silu_and_mul(with_bias(x)))

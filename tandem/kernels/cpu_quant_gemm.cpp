@@ -65,6 +65,8 @@ namespace tandem_cpu_quant_gemm {
 namespace {
 
 constexpr int64_t kBlock = 32, kTile = 16, kPrefetch = 8, kChunksPerThread = 8;
+// silu_mul: the most fp32 outputs of gate (and of up) a thread holds at a time (128 KB each).
+constexpr int64_t kSiluFloats = 32768;
 
 // Where a tile takes several row reads (more rows than it reads each weight for), the first read
 // keeps what it derives from the weights in a per-thread buffer and the later reads load it: a
@@ -919,22 +921,27 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
             });
           }
       };
-      thread_local std::vector<float> gate, up;  // silu_mul: a chunk's gate and up outputs, [m][chunk]
+      thread_local std::vector<float> gate, up;  // silu_mul: gate's and up's outputs, [m][tiles * 16]
       for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;) {
-        const int64_t t1 = std::min(t0 + chunk, tiles), width = (t1 - t0) * kTile;
+        const int64_t t1 = std::min(t0 + chunk, tiles);
         if (!silu_mul) {
           tiles_of(0, t0, t1, yp + t0 * kTile, n_out);
           continue;
         }
-        // The chunk's gate tiles, then its up tiles: one stream through memory at a time. Read as
-        // a gate tile then its up tile (9 MB apart at 1B shapes), gate_up streamed ~15% slower
-        // at batch 1 (AMD EPYC Zen 4).
-        gate.resize(m * width), up.resize(m * width);
-        tiles_of(0, t0, t1, gate.data(), width);
-        tiles_of(tiles, t0, t1, up.data(), width);
-        for (int64_t r = 0; r < m; ++r)
-          for (int64_t c = 0; c < width; c += kTile)
-            silu_mul16(gate.data() + r * width + c, up.data() + r * width + c, yp + r * n_out + t0 * kTile + c);
+        // Gate tiles, then the same up tiles: one stream through memory at a time. Read as a gate
+        // tile then its up tile (9 MB apart at 1B shapes), gate_up streamed ~15% slower at batch 1
+        // (AMD EPYC Zen 4). As many tiles at a time as keep both halves' outputs within
+        // kSiluFloats each: the whole chunk at a few rows, a tile at a time at prefill sizes.
+        const int64_t step = std::max<int64_t>(1, kSiluFloats / (m * kTile));
+        for (int64_t s0 = t0; s0 < t1; s0 += step) {
+          const int64_t s1 = std::min(s0 + step, t1), width = (s1 - s0) * kTile;
+          gate.resize(m * width), up.resize(m * width);
+          tiles_of(0, s0, s1, gate.data(), width);
+          tiles_of(tiles, s0, s1, up.data(), width);
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < width; c += kTile)
+              silu_mul16(gate.data() + r * width + c, up.data() + r * width + c, yp + r * n_out + s0 * kTile + c);
+        }
       }
     });
   };
