@@ -200,9 +200,9 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
 
 def test_q8_0_blocks_as_stored():
     """int8 with an fp16 d per 32 (a GGUF Q8_0 tensor) holds the file's codes and d: dequantize()
-    is d q bit for bit, rows() one lane of the tiles (with a scale per row too); codes of -128 (|q| = 128, which AVX2's sign
-    trick on x could not negate) against inputs of +-127 in every lane; the fused SiLU-and-mul;
-    refused off the integer kernel."""
+    is d q bit for bit, rows() one lane of the tiles (with a scale per row too); codes of -128
+    (|q| = 128, which AVX2's sign trick on x could not negate) against inputs of +-127 in every
+    lane; the fused SiLU-and-mul; refused off the integer kernel."""
     n, k = 48, 256
     q, d = _q8_0(n, k, 4)
     layer = Int8Linear(q.clone(), d, None, torch.float32)
@@ -355,8 +355,8 @@ def test_fused_silu_and_mul_equals_the_separate_ops(shape, dtype):
         else:
             torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
         assert all(torch.equal(fused[i], layer.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
-    many = torch.randn(2100, k, dtype=dtype)  # prefill-sized: a few tiles of gate, then of up, at a time
-    assert torch.equal(layer.forward_silu_mul(many)[-9:], layer.forward_silu_mul(many[-9:]))
+        many = torch.randn(2100, k, dtype=dtype)  # prefill-sized: a few tiles of gate, then of up, at a time
+        assert torch.equal(layer.forward_silu_mul(many)[-9:], layer.forward_silu_mul(many[-9:]))
     with_bias = Int4Linear.from_float(w, torch.randn(n), torch.bfloat16)  # not fused: the bias comes first
     x = torch.randn(3, k, dtype=torch.bfloat16)
     assert torch.equal(with_bias.forward_silu_mul(x), silu_and_mul(with_bias(x)))

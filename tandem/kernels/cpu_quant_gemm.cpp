@@ -1050,71 +1050,70 @@ at::Tensor pack_int8_(at::Tensor qweight) {
   return qweight.view({n * k}).view(at::kByte);
 }
 
-// Rows `ids` of a Q6_K weight in the q6k layout (the tiles q6k_gemm reads), dequantised as gguf
-// does: d sc in fp32, times q - 32; fp32 [len(ids), K]. An embedding lookup in a tied Q6_K
-// vocabulary: the same in torch ops took ~170 us a step at batch 1 (~1B shapes).
-at::Tensor q6k_rows(at::Tensor ids, at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t k) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && k % 256 == 0, "q6k_rows: ids [T] int64, K % 256");
-  const int64_t n = packed.numel() * 2 / k, nb = k / kBlock;
-  TORCH_CHECK(n % kTile == 0 && top.numel() == n * k / 4 && sc.numel() == n * k / 16 && d.numel() == n * k / 256 &&
-              top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf,
-              "q6k_rows: weight shapes");
+// Rows `ids` of an [n, k] weight in its tiles, dequantised: fp32 [len(ids), K], row(t, lane, y)
+// writing row `lane` of tile t (row id is column id % 16 of tile id / 16) to y. An embedding
+// lookup in a tied quantised vocabulary, where a dozen torch ops per lookup took 50-170 us a step
+// at batch 1.
+template <typename F>
+at::Tensor rows_of(const at::Tensor& ids, int64_t n, int64_t k, const char* what, F&& row) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, what, ": ids [T] int64");
   auto ids_c = ids.contiguous();
   const int64_t* id = ids_c.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids_c.numel(); ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, "q6k_rows: id ", id[r], " out of range");
+  for (int64_t r = 0; r < ids_c.numel(); ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, what, ": id ", id[r], " out of range");
   auto out = at::empty({ids_c.numel(), k}, at::kFloat);
-  const uint8_t *w = packed.data_ptr<uint8_t>(), *wt = top.data_ptr<uint8_t>();
-  const int8_t* wsc = sc.data_ptr<int8_t>();
-  const at::Half* wd = d.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, ids_c.numel(), 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t t = id[r] / kTile, lane = id[r] % kTile;  // row id is column lane of tile t
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *low = w + (t * nb + b) * 256 + 4 * lane, *high = wt + (t * nb + b) * 128 + 4 * lane;
-        const float dd = static_cast<float>(wd[(t * (k / 256) + b / 8) * kTile + lane]);
-        float* y = op + r * k + b * kBlock;
-        for (int j = 0; j < 4; ++j)  // chunk j's nibble lane l: inputs 8j + 4l + i, sub-block j / 2
-          for (int l = 0; l < 2; ++l)
-            for (int i = 0; i < 4; ++i) {
-              const int q = ((low[j * 64 + i] >> (4 * l)) & 15) | (((high[j / 2 * 64 + i] >> (2 * (2 * (j % 2) + l))) & 3) << 4);
-              const float scale = dd * static_cast<float>(wsc[((t * nb + b) * 2 + j / 2) * kTile + lane]);
-              y[8 * j + 4 * l + i] = scale * static_cast<float>(q - 32);
-            }
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) row(id[r] / kTile, id[r] % kTile, op + r * k);
   });
   return out;
 }
 
-// Rows `ids` of an int8 weight in its tiles (int8_gemm's), dequantised as q times its scale (an
-// fp16 d per block of 32, GGUF Q8_0, or an fp32 scale per row), fp32 [len(ids), K]: an embedding
-// lookup in a tied int8 vocabulary (in torch ops ~50 us a step at batch 1).
+// A Q6_K weight's rows (the q6k tiles q6k_gemm reads), dequantised as gguf does: d sc in fp32,
+// times q - 32.
+at::Tensor q6k_rows(at::Tensor ids, at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t k) {
+  TORCH_CHECK(k % 256 == 0, "q6k_rows: K % 256");
+  const int64_t n = packed.numel() * 2 / k, nb = k / kBlock;
+  TORCH_CHECK(n % kTile == 0 && top.numel() == n * k / 4 && sc.numel() == n * k / 16 && d.numel() == n * k / 256 &&
+              top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf,
+              "q6k_rows: weight shapes");
+  const uint8_t *w = packed.data_ptr<uint8_t>(), *wt = top.data_ptr<uint8_t>();
+  const int8_t* wsc = sc.data_ptr<int8_t>();
+  const at::Half* wd = d.data_ptr<at::Half>();
+  return rows_of(ids, n, k, "q6k_rows", [&](int64_t t, int64_t lane, float* y) {
+    for (int64_t b = 0; b < nb; ++b, y += kBlock) {
+      const uint8_t *low = w + (t * nb + b) * 256 + 4 * lane, *high = wt + (t * nb + b) * 128 + 4 * lane;
+      const float dd = static_cast<float>(wd[(t * (k / 256) + b / 8) * kTile + lane]);
+      for (int j = 0; j < 4; ++j) {  // chunk j's nibble lane l: inputs 8j + 4l + i, sub-block j / 2
+        const float scale = dd * static_cast<float>(wsc[((t * nb + b) * 2 + j / 2) * kTile + lane]);
+        for (int l = 0; l < 2; ++l)
+          for (int i = 0; i < 4; ++i) {
+            const int q = ((low[j * 64 + i] >> (4 * l)) & 15) | (((high[j / 2 * 64 + i] >> (2 * (2 * (j % 2) + l))) & 3) << 4);
+            y[8 * j + 4 * l + i] = scale * static_cast<float>(q - 32);
+          }
+      }
+    }
+  });
+}
+
+// An int8 weight's rows (int8_gemm's tiles), q times its scale: an fp16 d per block of 32 (GGUF
+// Q8_0), or an fp32 scale per row.
 at::Tensor int8_rows(at::Tensor ids, at::Tensor packed, at::Tensor scales, int64_t k) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && k % kBlock == 0, "int8_rows: ids [T] int64, K % 32");
+  TORCH_CHECK(k % kBlock == 0, "int8_rows: K % 32");
   const int64_t n = packed.numel() / k, nb = k / kBlock;
   const bool blocked = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(n % kTile == 0 && scales.numel() == (blocked ? n * nb : n) && (blocked || scales.scalar_type() == at::kFloat),
               "int8_rows: weight shapes");
-  auto ids_c = ids.contiguous();
-  const int64_t* id = ids_c.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids_c.numel(); ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, "int8_rows: id ", id[r], " out of range");
-  auto out = at::empty({ids_c.numel(), k}, at::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, ids_c.numel(), 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t t = id[r] / kTile, lane = id[r] % kTile;  // row id is column lane of tile t
-      for (int64_t b = 0; b < nb; ++b) {
-        const float scale = blocked ? static_cast<float>(scales.data_ptr<at::Half>()[(t * nb + b) * kTile + lane])
-                                    : scales.data_ptr<float>()[id[r]];
-        const uint8_t* q = w + (t * nb + b) * 512 + 4 * lane;  // chunk j's inputs 4j + i at q[64 j + i]
-        for (int j = 0; j < 8; ++j)
-          for (int i = 0; i < 4; ++i) op[r * k + b * kBlock + 4 * j + i] = static_cast<float>(q[64 * j + i] - 128) * scale;
-      }
+  const at::Half* wd = blocked ? scales.data_ptr<at::Half>() : nullptr;
+  const float* ws = blocked ? nullptr : scales.data_ptr<float>();
+  return rows_of(ids, n, k, "int8_rows", [&](int64_t t, int64_t lane, float* y) {
+    for (int64_t b = 0; b < nb; ++b, y += kBlock) {
+      const float scale = wd ? static_cast<float>(wd[(t * nb + b) * kTile + lane]) : ws[t * kTile + lane];
+      const uint8_t* q = w + (t * nb + b) * 512 + 4 * lane;  // chunk j's inputs 4j + i at q[64 j + i]
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i) y[4 * j + i] = static_cast<float>(q[64 * j + i] - 128) * scale;
     }
   });
-  return out;
 }
 
 #ifdef TANDEM_QUANT_GEMM
