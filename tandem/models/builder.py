@@ -35,13 +35,14 @@ from torch import nn
 from tandem.models.batch_invariant import make_batch_invariant
 from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.gguf_weights import GGUFWeights
+from tandem.models.host_memory import move_to_huge_pages, trim_heap
 from tandem.models.layers import Linear, RotaryEmbedding
 from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
 from tandem.models.loader import FolderWeights, weight_source
 from tandem.models import quantization
 from tandem.models.q6k_linear import Q6KLinear
 from tandem.models.quantization import Int4Linear, Int8Linear, QuantEmbedding, RowParts
-from tandem.models.stored_layers import LayerFormat, served_as, stored_layer, trim_heap
+from tandem.models.stored_layers import LayerFormat, served_as, stored_layer
 
 log = logging.getLogger(__name__)
 
@@ -107,22 +108,27 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
     model.eval()
     source = weight_source(model_dir, gguf_path)
     consumed: set[str] = set()
+    # On CPU each quantised table is on huge pages (host_memory.py) as soon as it is built: made
+    # there, or moved (the vocabulary first, while little else is held, so loading holds one
+    # table twice at most).
     if weights in QUANTIZED:
+        consumed |= _quantise_vocab(model, source, weights, dtype)
+        move_to_huge_pages(_tensors(model.lm_head, model.embed_tokens))
         native = 0
         # int4 of a file mostly in 4-5 bit blocks keeps its wider tensors wide (see the docstring)
         keep_wide = weights == "int4" and gguf_path is not None and _gguf_stored(source) == "int4"
         for name, module in list(model.named_modules()):
-            if isinstance(module, Linear) and module is not model.lm_head:
+            if isinstance(module, Linear):
                 parent, _, attr = name.rpartition(".")
                 quantised, parts, from_file = _quantise(name, module, weights, dtype, source, keep_wide)
                 native += from_file
                 consumed.update(parts)
                 setattr(model.get_submodule(parent), attr, quantised)
                 trim_heap()
+                move_to_huge_pages(_tensors(quantised))
         if native:
             log.info("%s from %s: %d of the linear layers' tensors are served as the file stores them",
                      weights, getattr(source, "path", model_dir), native)
-        consumed |= _quantise_vocab(model, source, weights, dtype)
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
     if weights == "float":
         if deterministic:
@@ -132,6 +138,11 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
         return model
     trim_heap()
     return model
+
+
+def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of `modules`."""
+    return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
 
 def weight_bytes(model: nn.Module) -> int:

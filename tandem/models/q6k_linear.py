@@ -16,6 +16,7 @@ from torch import nn
 
 from tandem.kernels import cpu_quant_gemm
 from tandem.models import quantization
+from tandem.models.host_memory import huge_empty
 from tandem.models.quantization import block_tiles, int8_act_forward, int8_act_silu_and_mul
 
 QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
@@ -40,8 +41,8 @@ class Q6KLinear(nn.Module):
             raise ValueError(f"Q6_K: no integer kernel for [{n}, {k}] {dtype} on {device} "
                              "(AVX2 or AVX512-VNNI CPU, N % 16, K % 256)")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        self.register_buffer("qpacked", torch.empty(n * k // 2, dtype=torch.uint8, device=device))  # low nibbles
-        self.register_buffer("qtop", torch.empty(n * k // 4, dtype=torch.uint8, device=device))
+        self.register_buffer("qpacked", huge_empty((n * k // 2,), torch.uint8, device))  # low nibbles
+        self.register_buffer("qtop", huge_empty((n * k // 4,), torch.uint8, device))
         # sc as [N/16, K/32, 2 (sub-block), 16 (column)], d as [N/16, K/256, 16]
         self.register_buffer("sc", torch.empty(n // 16, k // 32, 2, 16, dtype=torch.int8, device=device))
         self.register_buffer("d", torch.empty(n // 16, k // QK_K, 16, dtype=torch.float16, device=device))

@@ -5,15 +5,14 @@ back before the next, so loading never holds a layer twice or in floats.
 """
 from __future__ import annotations
 
-import ctypes
 import enum
-import functools
 
 import torch
 from torch import nn
 
 from tandem.models import quantization
 from tandem.models.gguf_weights import GGUFWeights
+from tandem.models.host_memory import huge_empty, trim_heap
 from tandem.models.loader import FolderWeights
 from tandem.models.q6k_linear import Q6KLinear, q6k_kernel
 from tandem.models.quantization import (
@@ -28,24 +27,6 @@ class LayerFormat(enum.Enum):
     Q8_0 = enum.auto()
     INT4 = enum.auto()
     INT8 = enum.auto()
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). A layer's temporaries
-    (decoded blocks, int32 codes for packing) are freed into the heap, between the layers'
-    packed weights, where glibc keeps them: trimmed after each layer, loading holds the weights
-    and one layer's temporaries, not every layer's."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
@@ -68,7 +49,7 @@ def _q8_0_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
     """Int8Linear of the row-concatenation of `names` from the file's own Q8_0 blocks (codes and
     fp16 d per 32), read a slice of rows at a time into the one table."""
     sizes = [source.shape(name) for name in names]
-    qweight = torch.empty(sum(s[0] for s in sizes), sizes[0][1], dtype=torch.int8, device=device)
+    qweight = huge_empty((sum(s[0] for s in sizes), sizes[0][1]), torch.int8, device)
     d = torch.empty(qweight.shape[0], qweight.shape[1] // 32, dtype=torch.float16, device=device)
     at = 0
     for name, (rows, _) in zip(names, sizes):
@@ -86,7 +67,7 @@ def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
     layer's parts) without holding it in floats: by row slices, each one's temporaries handed
     back before the next."""
     sizes = [source.shape(name) for name in names]
-    qweight = torch.empty(sum(s[0] for s in sizes), sizes[0][1], dtype=torch.int8, device=device)
+    qweight = huge_empty((sum(s[0] for s in sizes), sizes[0][1]), torch.int8, device)
     scales = torch.empty(qweight.shape[0], dtype=torch.float32, device=device)
     at = 0
     for name, (rows, _) in zip(names, sizes):
