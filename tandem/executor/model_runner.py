@@ -143,7 +143,10 @@ class ModelRunner:
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if logits_rows:
             # a graph computed every row's logits (a decode-only step: every row samples)
-            logits = model.compute_logits(hidden[logits_index]) if logits is None else logits[logits_index]
+            if logits is None:  # indices are ascending and distinct: as many as rows means every row
+                logits = model.compute_logits(hidden if len(logits_index) == len(hidden) else hidden[logits_index])
+            else:
+                logits = logits[logits_index]
             self._sample(logits, [states[i] for i in logits_rows], out)
         self.input_batch.finish_step(states, counts)
 
