@@ -109,16 +109,13 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
     source = weight_source(model_dir, gguf_path)
     consumed: set[str] = set()
     # On CPU each quantised table is on huge pages (host_memory.py) as soon as it is built: made
-    # there, or moved (the vocabulary first, while little else is held, so loading holds one
-    # table twice at most).
+    # there, or moved (loading then holds one table twice at most).
     if weights in QUANTIZED:
-        consumed |= _quantise_vocab(model, source, weights, dtype)
-        move_to_huge_pages(_tensors(model.lm_head, model.embed_tokens))
         native = 0
         # int4 of a file mostly in 4-5 bit blocks keeps its wider tensors wide (see the docstring)
         keep_wide = weights == "int4" and gguf_path is not None and _gguf_stored(source) == "int4"
         for name, module in list(model.named_modules()):
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module is not model.lm_head:
                 parent, _, attr = name.rpartition(".")
                 quantised, parts, from_file = _quantise(name, module, weights, dtype, source, keep_wide)
                 native += from_file
@@ -129,6 +126,8 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
         if native:
             log.info("%s from %s: %d of the linear layers' tensors are served as the file stores them",
                      weights, getattr(source, "path", model_dir), native)
+        consumed |= _quantise_vocab(model, source, weights, dtype)
+        move_to_huge_pages(_tensors(model.lm_head, model.embed_tokens))
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
     if weights == "float":
         if deterministic:

@@ -7,8 +7,8 @@ and 7% (~3B) faster, the same process swapping its weights between the two kinds
 (AMD EPYC Zen 4). Where `transparent_hugepage` is `madvise` (the default of many distributions)
 only memory advised so gets huge pages; this module advises what it maps.
 
-The price is paid at load: a VM's first huge pages come slowly (here ~2 s per GiB, then fast
-once freed and reused), so only what the decode streams, the tables, moves. Not the KV pool:
+The price is paid at load: a VM's first huge pages come slowly (here the ~3B file loaded in 20 s
+instead of 12-15), so only what the decode streams, the tables, moves. Not the KV pool:
 its pages would arrive as requests first write them. Not every large allocation, as torch's
 `THP_MEM_ALLOC_ENABLE` would: the loader's temporaries too.
 """
