@@ -142,10 +142,9 @@ class ModelRunner:
         if logits is None:
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if logits_rows:
-            # a graph computed every row's logits (a decode-only step: every row samples)
             if logits is None:  # indices are ascending and distinct: as many as rows means every row
                 logits = model.compute_logits(hidden if len(logits_index) == len(hidden) else hidden[logits_index])
-            else:
+            else:  # a graph computed every row's logits (a decode-only step: every row samples)
                 logits = logits[logits_index]
             self._sample(logits, [states[i] for i in logits_rows], out)
         self.input_batch.finish_step(states, counts)

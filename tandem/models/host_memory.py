@@ -72,7 +72,11 @@ def huge_bytes(nbytes: int) -> torch.Tensor:
 
 def on_huge_pages(t: torch.Tensor) -> bool:
     """Whether `t` views memory that huge_bytes mapped."""
-    return t.device.type == "cpu" and t.layout == torch.strided and t.untyped_storage().data_ptr() in _MAPPED
+    return _in_host_memory(t) and t.untyped_storage().data_ptr() in _MAPPED
+
+
+def _in_host_memory(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout == torch.strided  # not oneDNN's opaque packed layout
 
 
 def huge_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -99,10 +103,8 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         return 0
     views: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
     for t in tensors:
-        if t.device.type == "cpu" and t.layout == torch.strided and not on_huge_pages(t):
-            storage = t.untyped_storage()
-            if storage.nbytes() >= HUGE_PAGE:
-                views[storage.data_ptr()][id(t)] = t
+        if _in_host_memory(t) and not on_huge_pages(t) and t.untyped_storage().nbytes() >= HUGE_PAGE:
+            views[t.untyped_storage().data_ptr()][id(t)] = t
     moved = 0
     with torch.no_grad():
         for group in views.values():
