@@ -218,11 +218,16 @@ class TorchAttention:
         """A decode-only step with the native CPU kernel (meta.decode_kernel set): the KV write
         and the attention in one call on the layer's fused projection qkv [T, (Hq + 2 Hkv) D],
         RoPE applied; the same arithmetic as forward. None: not such a step (use forward)."""
-        if meta.decode_kernel is None or meta.triton or meta.num_decodes != qkv.shape[0] or not qkv.is_contiguous():
+        if not self.decodes_qkv(meta, qkv.shape[0]) or not qkv.is_contiguous():
             return None
         return cpu_paged_attention().paged_decode_qkv(qkv, kv_cache, meta.slot_mapping, meta.block_tables,
                                                       meta.seq_lens, self.num_heads, meta.block_size, self.scale,
                                                       self.window_arg)
+
+    @staticmethod
+    def decodes_qkv(meta: AttentionMetadata, rows: int) -> bool:
+        """Whether forward_qkv runs a step of `rows` rows with this metadata (given a contiguous qkv)."""
+        return meta.decode_kernel is not None and not meta.triton and meta.num_decodes == rows
 
     def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:
         # One query token per sequence: fold the query heads of a KV group into the

@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tandem.models.batch_invariant import make_batch_invariant
+from tandem.models.decode_plan import DecodePlan
 from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.gguf_weights import GGUFWeights
 from tandem.models.host_memory import move_to_huge_pages, trim_heap
@@ -136,6 +137,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
             model.pack_for_cpu()
         return model
     trim_heap()
+    model.decode_plan = DecodePlan.build(model)
     return model
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from torch import nn
 from tandem.models.layers import (
     Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, fused_ops_for, pack_cpu_weight,
 )
+
+if TYPE_CHECKING:
+    from tandem.models.decode_plan import DecodePlan
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -139,6 +142,10 @@ class AttentionBackend(Protocol):
         call, where the backend has such a path for this step; else None."""
         ...
 
+    def decodes_qkv(self, meta: Any, rows: int) -> bool:
+        """Whether forward_qkv runs a step of `rows` rows with this metadata (given a contiguous qkv)."""
+        ...
+
 
 # (num_heads, num_kv_heads, head_dim, scale, sliding_window) -> one layer's backend; scale None:
 # head_dim ** -0.5; sliding_window None: the whole context
@@ -224,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: torch.Tensor | None = None
+        # a decode-only step as prebound native calls (models/decode_plan.py), set by the builder
+        self.decode_plan: DecodePlan | None = None
 
     @staticmethod
     def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> nn.Module:
@@ -247,6 +256,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states before the final norm (compute_logits applies it), one row per input token.
         `meta`: the attention metadata of every layer, or a list of one per layer."""
+        plan = self.decode_plan
+        if plan is not None and (hidden := plan.run(input_ids, positions, kv_caches, meta)) is not None:
+            return hidden
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):
