@@ -163,6 +163,9 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
         qk = Int4Linear if weights == "int4" else Int8Linear
         assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [qk, v_layer]
         assert torch.equal(qkv.parts[1].dequantize(), stored.get(f"model.layers.{i}.self_attn.v_proj.weight"))
+        x = torch.randn(9, HIDDEN)  # one call over the parts gives their outputs joined, at one and several reads
+        for rows in (x[:1], x, x.bfloat16()):
+            assert qkv.int8_act and torch.equal(qkv(rows), torch.cat([p(rows) for p in qkv.parts], -1))
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.blocked
     assert torch.equal(model.lm_head.dequantize(), stored.get("model.embed_tokens.weight"))
     llm = LLM(path, dtype="float32", quantization=weights, kv_cache_memory=1 << 22)

@@ -56,6 +56,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -726,6 +727,18 @@ inline void silu_mul16(const float* gate, const float* up, T* y) {
 }
 #endif
 
+enum class Format { int4, int8, q6k };
+
+// A packed weight as the GEMM reads it, made once per layer (its shapes are checked then, not per
+// call). It holds its tensors, not their addresses: host_memory.py re-points a tensor at a copy
+// on huge pages in place, so the addresses are read at each call. Fields as in Weights below;
+// undefined where the format has none.
+struct PackedWeight {
+  Format format;
+  int64_t n, k;
+  at::Tensor w, h, d, m, scales, sc, sc_m;
+};
+
 #ifdef TANDEM_QUANT_GEMM
 constexpr bool kBuilt = true;
 
@@ -764,8 +777,6 @@ void quantize_row_256(const T* x, int64_t k, int8_t* q, float* d, int32_t* s16) 
     for (int i = 0; i < 4; ++i) s16[s * 4 + i] = two_int16(sums[2 * i], sums[2 * i + 1]);
   }
 }
-
-enum class Format { int4, int8, q6k };
 
 // One packed weight: int4 (fp16 d and m per tile and block, or with sc_m a K-quant's factors; h:
 // the fifth bits of 5-bit codes, or null), int8 (fp32 column scales, or fp16 d per tile and block)
@@ -879,27 +890,49 @@ int64_t kept_bytes(const Weights& p) {
   return p.format == Format::q6k ? 512 : p.format == Format::int4 && !per_256(p) ? 2 * kTile * sizeof(float) : 0;
 }
 
-// Quantise x's rows, then every 16-column tile in parallel, up to max_rows rows per weight read
-// (the rows split evenly over the reads: 9 rows as 5 and 4, not 8 and 1).
-at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == p.k, "quant gemm: contiguous [M, K] input");
+// One part of the output's columns: its weight, its first tile in the output, the rows a read
+// takes (the rows split evenly over the reads: 9 rows as 5 and 4, not 8 and 1), whether its
+// first read keeps what the later ones load.
+struct Part {
+  Weights w;
+  int64_t first_tile, per_read;
+  bool keeps;
+};
+
+// y [M, sum of the parts' N] = x [p_1 | p_2 | ...]^T: quantise x's rows (per 32, and per 256 where a
+// part reads them so), then every 16-column tile of every part in one parallel region, up to
+// max_rows rows per weight read. One part with silu_mul: silu(gate) * up of its [gate | up].
+at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, bool silu_mul) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant gemm: contiguous [M, K] input");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant gemm: float32 or bfloat16 input");
-  TORCH_CHECK(!silu_mul || p.n % (2 * kTile) == 0, "quant gemm: silu_mul needs N % 32 == 0");
-  const int64_t m = x.size(0), k = p.k, nb = k / kBlock, n_out = silu_mul ? p.n / 2 : p.n;
-  const int64_t cap = max_rows(p.format), reads = (m + cap - 1) / cap, per_read = reads ? (m + reads - 1) / reads : 1;
-  thread_local Scratch scratch;
-  scratch.q.resize(m * k), scratch.d.resize(m * nb), scratch.ds.resize(m * nb), scratch.s16.resize(m * nb);
+  TORCH_CHECK(!weights.empty() && (!silu_mul || weights.size() == 1), "quant gemm: one weight or more; silu_mul takes one");
+  const int64_t m = x.size(0), k = x.size(1), nb = k / kBlock;
+  std::vector<Part> parts;
+  int64_t n = 0, most_kept = 0;
+  bool forms[2] = {false, false};  // rows quantised per 32, per 256
+  for (const Weights& w : weights) {
+    TORCH_CHECK(w.k == k, "quant gemm: every weight takes K = ", k, " inputs, got ", w.k);
+    TORCH_CHECK(!silu_mul || w.n % (2 * kTile) == 0, "quant gemm: silu_mul needs N % 32 == 0");
+    const int64_t cap = max_rows(w.format), reads = (m + cap - 1) / cap;
+    parts.push_back({w, n / kTile, reads ? (m + reads - 1) / reads : 1, reads > 1 && kept_bytes(w) > 0});
+    n += w.n;
+    most_kept = std::max(most_kept, parts.back().keeps ? kept_bytes(w) : 0);
+    forms[per_256(w)] = true;
+  }
+  const int64_t n_out = silu_mul ? n / 2 : n;
+  thread_local Scratch scratch[2];
+  Scratch* const acts = scratch;  // this thread's: the lambdas below also run on the pool's threads
+  for (int f = 0; f < 2; ++f)
+    if (forms[f]) acts[f].q.resize(m * k), acts[f].d.resize(m * nb), acts[f].ds.resize(m * nb), acts[f].s16.resize(m * nb);
   auto y = at::empty({m, n_out}, x.options());
   auto body = [&](auto* xp, auto* yp) {
-    int8_t* qp = scratch.q.data();
-    float *dp = scratch.d.data(), *dsp = scratch.ds.data();
-    int32_t* sp = scratch.s16.data();
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        if (per_256(p))
-          quantize_row_256(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
-        else
-          quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (forms[1]) quantize_row_256(xp + r * k, k, acts[1].q.data() + r * k, acts[1].d.data() + r * nb, acts[1].s16.data() + r * nb);
+        if (forms[0])
+          quantize_row(xp + r * k, k, acts[0].q.data() + r * k, acts[0].d.data() + r * nb, acts[0].ds.data() + r * nb,
+                       acts[0].s16.data() + r * nb);
+      }
     });
     // Tiles are handed out in chunks as threads ask, not as one fixed share each: on a shared
     // machine a thread is often held up, and with fixed shares the other waited at the end of the
@@ -908,24 +941,28 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       thread_local std::vector<uint8_t> kept;  // what a tile keeps across its row reads (Reuse)
-      const bool keeps = reads > 1 && kept_bytes(p) > 0;
-      if (keeps) kept.resize(nb * kept_bytes(p));
-      // Tiles [t0, t1) of weight rows from `first` (a tile index) on, into y (row stride ldy).
-      auto tiles_of = [&](int64_t first, int64_t t0, int64_t t1, auto* y, int64_t ldy) {
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t r = 0; r < m; r += per_read) {
-            const Rows xr{qp + r * k, dp + r * nb, dsp + r * nb, sp + r * nb};
-            const Reuse reuse = !keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
-            with_rows<kRows>(std::min(per_read, m - r), [&](auto rows) {
-              tile<decltype(rows)::value>(p, xr, first + t, reuse, kept.data(), y + r * ldy + (t - t0) * kTile, ldy);
-            });
-          }
+      kept.resize(nb * most_kept);
+      // Tile t of part `part` (counted from its first; past its N with silu_mul: up's), every row,
+      // into y (row stride ldy).
+      auto tile_of = [&](const Part& part, int64_t t, auto* y, int64_t ldy) {
+        const Scratch& a = acts[per_256(part.w)];
+        for (int64_t r = 0; r < m; r += part.per_read) {
+          const Rows xr{a.q.data() + r * k, a.d.data() + r * nb, a.ds.data() + r * nb, a.s16.data() + r * nb};
+          const Reuse reuse = !part.keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
+          with_rows<kRows>(std::min(part.per_read, m - r), [&](auto rows) {
+            tile<decltype(rows)::value>(part.w, xr, t, reuse, kept.data(), y + r * ldy, ldy);
+          });
+        }
       };
       thread_local std::vector<float> gate, up;  // silu_mul: gate's and up's outputs, [m][tiles * 16]
       for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;) {
         const int64_t t1 = std::min(t0 + chunk, tiles);
         if (!silu_mul) {
-          tiles_of(0, t0, t1, yp + t0 * kTile, n_out);
+          size_t i = 0;
+          for (int64_t t = t0; t < t1; ++t) {
+            while (i + 1 < parts.size() && t >= parts[i + 1].first_tile) ++i;
+            tile_of(parts[i], t - parts[i].first_tile, yp + t * kTile, n_out);
+          }
           continue;
         }
         // Gate tiles, then the same up tiles: one stream through memory at a time. Read as a gate
@@ -936,8 +973,8 @@ at::Tensor run(const at::Tensor& x, const Weights& p, bool silu_mul) {
         for (int64_t s0 = t0; s0 < t1; s0 += step) {
           const int64_t s1 = std::min(s0 + step, t1), width = (s1 - s0) * kTile;
           gate.resize(m * width), up.resize(m * width);
-          tiles_of(0, s0, s1, gate.data(), width);
-          tiles_of(tiles, s0, s1, up.data(), width);
+          for (int64_t t = s0; t < s1; ++t) tile_of(parts[0], t, gate.data() + (t - s0) * kTile, width);
+          for (int64_t t = s0; t < s1; ++t) tile_of(parts[0], tiles + t, up.data() + (t - s0) * kTile, width);
           for (int64_t r = 0; r < m; ++r)
             for (int64_t c = 0; c < width; c += kTile)
               silu_mul16(gate.data() + r * width + c, up.data() + r * width + c, yp + r * n_out + s0 * kTile + c);
@@ -1116,71 +1153,69 @@ at::Tensor int8_rows(at::Tensor ids, at::Tensor packed, at::Tensor scales, int64
   });
 }
 
-#ifdef TANDEM_QUANT_GEMM
-// y [M, N] = x W^T with int4 weights: packed from pack_int4, d and m [N/16, K/32, 16] fp16, or
-// (a K-quant: m null) d the fp16 d and -dmin [N/16, K/256, 2, 16] and sc_m the u8 sc and m
-// [N/16, K/32, 2, 16]; high: the fifth bits from pack_high_bits for 5-bit codes.
-at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor d, std::optional<at::Tensor> m, int64_t n, bool silu_mul,
-                     std::optional<at::Tensor> high, std::optional<at::Tensor> sc_m) {
-  TORCH_CHECK(supported(), "int4_gemm: this CPU lacks the instructions the kernel was built for");
-  const int64_t k = x.size(-1);
-  TORCH_CHECK(packed.numel() == n * k / 2, "int4_gemm: weight shapes");
-  TORCH_CHECK(!high || (high->numel() == n * k / 8 && high->scalar_type() == at::kByte), "int4_gemm: fifth-bit plane shape");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && (!m || m->scalar_type() == at::kHalf), "int4_gemm: fp16 d and m");
-  TORCH_CHECK(m.has_value() != sc_m.has_value(), "int4_gemm: either m (fp16 d and m per block) or sc_m (a K-quant's factors)");
+// An int4 weight: packed from pack_int4, d and m [N/16, K/32, 16] fp16, or (a K-quant: m null) d
+// the fp16 d and -dmin [N/16, K/256, 2, 16] and sc_m the u8 sc and m [N/16, K/32, 2, 16]; high:
+// the fifth bits from pack_high_bits for 5-bit codes.
+std::shared_ptr<PackedWeight> int4_weight(at::Tensor packed, at::Tensor d, std::optional<at::Tensor> m, int64_t n,
+                                          std::optional<at::Tensor> high, std::optional<at::Tensor> sc_m) {
+  TORCH_CHECK(n > 0 && n % kTile == 0 && packed.numel() % n == 0, "int4_weight: N % 16 and packed [N * K / 2]");
+  const int64_t k = packed.numel() * 2 / n;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && k % kBlock == 0, "int4_weight: uint8 tiles, K % 32");
+  TORCH_CHECK(!high || (high->numel() == n * k / 8 && high->scalar_type() == at::kByte), "int4_weight: fifth-bit plane shape");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && (!m || m->scalar_type() == at::kHalf), "int4_weight: fp16 d and m");
+  TORCH_CHECK(m.has_value() != sc_m.has_value(), "int4_weight: either m (fp16 d and m per block) or sc_m (a K-quant's factors)");
   if (sc_m) {
     TORCH_CHECK(k % 256 == 0 && d.numel() == n * k / 128 && sc_m->numel() == n * k / 16 && sc_m->scalar_type() == at::kByte,
-                "int4_gemm: K-quant shapes (K % 256, d and -dmin [N/16, K/256, 2, 16] fp16, sc and m [N/16, K/32, 2, 16] uint8)");
+                "int4_weight: K-quant shapes (K % 256, d and -dmin [N/16, K/256, 2, 16] fp16, sc and m [N/16, K/32, 2, 16] uint8)");
   } else {
-    TORCH_CHECK(d.numel() == n * k / kBlock && m->numel() == d.numel(), "int4_gemm: weight shapes");
+    TORCH_CHECK(d.numel() == n * k / kBlock && m->numel() == d.numel(), "int4_weight: weight shapes");
   }
-  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
-  const uint8_t* h = high ? high->data_ptr<uint8_t>() : nullptr;
-  return run(x, {packed.data_ptr<uint8_t>(), h, half(d), m ? half(*m) : nullptr, nullptr, nullptr,
-                 sc_m ? sc_m->data_ptr<uint8_t>() : nullptr, n, k, Format::int4}, silu_mul);
+  return std::make_shared<PackedWeight>(PackedWeight{Format::int4, n, k, packed, high.value_or(at::Tensor()), d,
+                                                     m.value_or(at::Tensor()), {}, {}, sc_m.value_or(at::Tensor())});
 }
 
-// y [M, N] = x W^T with Q6_K weights: the codes' low nibbles from pack_int4 and top bits from
-// pack_top_bits, sc [N/16, K/32, 2, 16] int8, d [N/16, K/256, 16] fp16.
-at::Tensor q6k_gemm(at::Tensor x, at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t n, bool silu_mul) {
-  TORCH_CHECK(supported(), "q6k_gemm: this CPU lacks the instructions the kernel was built for");
-  const int64_t k = x.size(-1);
-  TORCH_CHECK(k % 256 == 0, "q6k_gemm: K % 256 (Q6_K blocks)");
-  TORCH_CHECK(packed.numel() == n * k / 2 && top.numel() == n * k / 4 && sc.numel() == n * k / 16 && d.numel() == n * k / 256,
-              "q6k_gemm: weight shapes");
-  TORCH_CHECK(top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf,
-              "q6k_gemm: uint8 top bits, int8 sc, fp16 d");
-  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  return run(x, {packed.data_ptr<uint8_t>(), top.data_ptr<uint8_t>(), dp, nullptr, nullptr, sc.data_ptr<int8_t>(), nullptr, n, k, Format::q6k},
-             silu_mul);
+// A Q6_K weight: the codes' low nibbles from pack_int4 and top bits from pack_top_bits, sc
+// [N/16, K/32, 2, 16] int8, d [N/16, K/256, 16] fp16.
+std::shared_ptr<PackedWeight> q6k_weight(at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t n) {
+  TORCH_CHECK(n > 0 && n % kTile == 0 && packed.numel() % n == 0, "q6k_weight: N % 16 and packed [N * K / 2]");
+  const int64_t k = packed.numel() * 2 / n;
+  TORCH_CHECK(k % 256 == 0, "q6k_weight: K % 256 (Q6_K blocks)");
+  TORCH_CHECK(top.numel() == n * k / 4 && sc.numel() == n * k / 16 && d.numel() == n * k / 256, "q6k_weight: weight shapes");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && top.scalar_type() == at::kByte && sc.scalar_type() == at::kChar &&
+              d.scalar_type() == at::kHalf, "q6k_weight: uint8 codes and top bits, int8 sc, fp16 d");
+  return std::make_shared<PackedWeight>(PackedWeight{Format::q6k, n, k, packed, top, d, {}, {}, sc, {}});
 }
 
-// y [M, N] = x W^T with int8 weights: packed by pack_int8_, scales one fp32 per column [N] or
-// an fp16 d per column and block [N/16, K/32, 16] (GGUF Q8_0).
-at::Tensor int8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, bool silu_mul) {
-  TORCH_CHECK(supported(), "int8_gemm: this CPU lacks the instructions the kernel was built for");
-  const int64_t k = x.size(-1), n = packed.numel() / k;
+// An int8 weight of K inputs: packed by pack_int8_, scales one fp32 per column [N] or an fp16 d
+// per column and block [N/16, K/32, 16] (GGUF Q8_0).
+std::shared_ptr<PackedWeight> int8_weight(at::Tensor packed, at::Tensor scales, int64_t k) {
+  TORCH_CHECK(k > 0 && k % kBlock == 0 && packed.numel() % (k * kTile) == 0 && packed.scalar_type() == at::kByte,
+              "int8_weight: K % 32, uint8 tiles [N * K], N % 16");
+  const int64_t n = packed.numel() / k;
   if (scales.scalar_type() == at::kHalf) {
-    TORCH_CHECK(packed.numel() == n * k && scales.numel() == n * k / kBlock, "int8_gemm: weight shapes");
-    const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-    return run(x, {packed.data_ptr<uint8_t>(), nullptr, d, nullptr, nullptr, nullptr, nullptr, n, k, Format::int8}, silu_mul);
+    TORCH_CHECK(scales.numel() == n * k / kBlock, "int8_weight: weight shapes");
+    return std::make_shared<PackedWeight>(PackedWeight{Format::int8, n, k, packed, {}, scales, {}, {}, {}, {}});
   }
-  TORCH_CHECK(scales.numel() == n && packed.numel() == n * k && scales.scalar_type() == at::kFloat, "int8_gemm: weight shapes");
-  return run(x, {packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, scales.data_ptr<float>(), nullptr, nullptr, n, k, Format::int8},
-             silu_mul);
+  TORCH_CHECK(scales.numel() == n && scales.scalar_type() == at::kFloat, "int8_weight: weight shapes");
+  return std::make_shared<PackedWeight>(PackedWeight{Format::int8, n, k, packed, {}, {}, {}, scales, {}, {}});
 }
+
+// y [M, sum of N] = x [W_1 | W_2 | ...]^T (silu_mul, one weight: silu(gate) * up of it).
+at::Tensor gemm(at::Tensor x, const std::vector<std::shared_ptr<PackedWeight>>& weights, bool silu_mul) {
+#ifdef TANDEM_QUANT_GEMM
+  TORCH_CHECK(supported(), "quant gemm: this CPU lacks the instructions the kernel was built for");
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  std::vector<Weights> views;
+  for (const auto& p : weights)
+    views.push_back({static_cast<const uint8_t*>(ptr(p->w)), static_cast<const uint8_t*>(ptr(p->h)),
+                     static_cast<const uint16_t*>(ptr(p->d)), static_cast<const uint16_t*>(ptr(p->m)),
+                     static_cast<const float*>(ptr(p->scales)), static_cast<const int8_t*>(ptr(p->sc)),
+                     static_cast<const uint8_t*>(ptr(p->sc_m)), p->n, p->k, p->format});
+  return run(x, views, silu_mul);
 #else
-at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t, bool, std::optional<at::Tensor>,
-                     std::optional<at::Tensor>) {
-  TORCH_CHECK(false, "int4_gemm: built without AVX2 / AVX512-VNNI");
-}
-at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor, bool) {
-  TORCH_CHECK(false, "int8_gemm: built without AVX2 / AVX512-VNNI");
-}
-at::Tensor q6k_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, bool) {
-  TORCH_CHECK(false, "q6k_gemm: built without AVX2 / AVX512-VNNI");
-}
+  TORCH_CHECK(false, "quant gemm: built without AVX2 / AVX512-VNNI");
 #endif
+}
 
 }  // namespace
 
@@ -1200,13 +1235,17 @@ void bind(pybind11::module_ mod) {
           py::arg("ids"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("k"));
   mod.def("int8_rows", &int8_rows, "rows ids of an int8 weight (int8 tiles) dequantised, fp32 [len(ids), K]",
           py::arg("ids"), py::arg("packed"), py::arg("scales"), py::arg("k"));
-  mod.def("int4_gemm", &int4_gemm, "x [M, K] @ int4 W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32 (per 256 against Q4_K)",
-          py::arg("x"), py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("silu_mul") = false,
-          py::arg("high") = py::none(), py::arg("sc_m") = py::none());
-  mod.def("int8_gemm", &int8_gemm, "x [M, K] @ int8 W^T, per-column fp32 or per-block fp16 scales (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
-          py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("silu_mul") = false);
-  mod.def("q6k_gemm", &q6k_gemm, "x [M, K] @ Q6_K W^T (silu_mul: silu(gate) * up of it), activations quantised to int8 per 32",
-          py::arg("x"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("n"), py::arg("silu_mul") = false);
+  py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(mod, "PackedWeight", "a packed weight as gemm reads it")
+      .def_readonly("out_features", &PackedWeight::n)
+      .def_readonly("in_features", &PackedWeight::k);
+  mod.def("int4_weight", &int4_weight, "an int4 weight for gemm: packed tiles, fp16 d and m or a K-quant's d / -dmin and sc_m, fifth bits",
+          py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("high") = py::none(), py::arg("sc_m") = py::none());
+  mod.def("q6k_weight", &q6k_weight, "a Q6_K weight for gemm", py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"),
+          py::arg("n"));
+  mod.def("int8_weight", &int8_weight, "an int8 weight of K inputs for gemm, per-column fp32 or per-block fp16 scales",
+          py::arg("packed"), py::arg("scales"), py::arg("k"));
+  mod.def("gemm", &gemm, "x [M, K] @ [W_1 | W_2 | ...]^T in one parallel region, activations quantised to int8 per 32 (per 256 "
+          "against Q4_K); silu_mul (one weight): silu(gate) * up of it", py::arg("x"), py::arg("weights"), py::arg("silu_mul") = false);
 }
 
 }  // namespace tandem_cpu_quant_gemm

@@ -45,21 +45,11 @@ class LayerPlan:
 def _gemm(layer: nn.Module, silu_mul: bool = False) -> Gemm | None:
     """The call a quantised layer on the integer kernel makes for a 2-D contiguous x (with the
     gate_up's SiLU-and-mul where its forward_silu_mul makes it); None: not such a layer."""
-    if isinstance(layer, RowParts):
-        parts = [_gemm(p) for p in layer.parts]
-        if None in parts:
-            return None
-        joined = functools.partial(_joined, parts)
-        return functools.partial(_silu_after, joined) if silu_mul else joined
-    if type(layer) not in (Int4Linear, Int8Linear, Q6KLinear) or not layer.int8_act or layer.bias is not None:
+    if type(layer) not in (Int4Linear, Int8Linear, Q6KLinear, RowParts) or not layer.int8_act or layer.bias is not None:
         return None
-    if silu_mul and layer.out_features % 32:  # int8_act_silu_and_mul's other branch
+    if silu_mul and (isinstance(layer, RowParts) or layer.out_features % 32):  # forward_silu_mul's other branch
         return functools.partial(_silu_after, functools.partial(layer._int8_act, silu_mul=False))
     return functools.partial(layer._int8_act, silu_mul=silu_mul)
-
-
-def _joined(parts: list[Gemm], x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([part(x) for part in parts], -1)
 
 
 def _silu_after(gemm: Gemm, x: torch.Tensor) -> torch.Tensor:

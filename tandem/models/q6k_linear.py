@@ -47,6 +47,7 @@ class Q6KLinear(nn.Module):
         self.register_buffer("sc", torch.empty(n // 16, k // 32, 2, 16, dtype=torch.int8, device=device))
         self.register_buffer("d", torch.empty(n // 16, k // QK_K, 16, dtype=torch.float16, device=device))
         self.int8_act = True
+        self.gemm_weights = [ext.q6k_weight(self.qpacked, self.qtop, self.sc, self.d, n)]  # the kernel's view
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None,
@@ -84,8 +85,7 @@ class Q6KLinear(nn.Module):
         return cpu_quant_gemm().q6k_rows(ids, b["qpacked"], b["qtop"], b["sc"], b["d"], self.in_features).to(dtype)
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        b = self._buffers  # read directly: see int8_act_forward
-        return cpu_quant_gemm().q6k_gemm(x2d, b["qpacked"], b["qtop"], b["sc"], b["d"], self.out_features, silu_mul)
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, silu_mul)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_silu_and_mul(self, x)
