@@ -57,6 +57,8 @@ def _silu_after(gemm: Gemm, x: torch.Tensor) -> torch.Tensor:
 
 
 class DecodePlan:
+    """Every layer's calls, in order; `run` is the model's forward for the steps it takes."""
+
     def __init__(self, model: LlamaForCausalLM, layers: list[LayerPlan]) -> None:
         # the model's parts, not the model: it holds the plan
         self.embed_tokens, self.rotary, self.layers = model.embed_tokens, model.rotary, layers
