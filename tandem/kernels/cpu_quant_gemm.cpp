@@ -920,18 +920,28 @@ at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, bool si
     forms[per_256(w)] = true;
   }
   const int64_t n_out = silu_mul ? n / 2 : n;
+  // Each form's slot of scratch: a call of one form uses the first (its size, kept per thread,
+  // is then what a single scratch held), parts of both forms the two.
+  const int slot[2] = {0, forms[0] && forms[1] ? 1 : 0};
   thread_local Scratch scratch[2];
   Scratch* const acts = scratch;  // this thread's: the lambdas below also run on the pool's threads
   for (int f = 0; f < 2; ++f)
-    if (forms[f]) acts[f].q.resize(m * k), acts[f].d.resize(m * nb), acts[f].ds.resize(m * nb), acts[f].s16.resize(m * nb);
+    if (forms[f]) {
+      Scratch& a = acts[slot[f]];
+      a.q.resize(m * k), a.d.resize(m * nb), a.ds.resize(m * nb), a.s16.resize(m * nb);
+    }
   auto y = at::empty({m, n_out}, x.options());
   auto body = [&](auto* xp, auto* yp) {
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        if (forms[1]) quantize_row_256(xp + r * k, k, acts[1].q.data() + r * k, acts[1].d.data() + r * nb, acts[1].s16.data() + r * nb);
-        if (forms[0])
-          quantize_row(xp + r * k, k, acts[0].q.data() + r * k, acts[0].d.data() + r * nb, acts[0].ds.data() + r * nb,
-                       acts[0].s16.data() + r * nb);
+        if (forms[1]) {
+          Scratch& a = acts[slot[1]];
+          quantize_row_256(xp + r * k, k, a.q.data() + r * k, a.d.data() + r * nb, a.s16.data() + r * nb);
+        }
+        if (forms[0]) {
+          Scratch& a = acts[slot[0]];
+          quantize_row(xp + r * k, k, a.q.data() + r * k, a.d.data() + r * nb, a.ds.data() + r * nb, a.s16.data() + r * nb);
+        }
       }
     });
     // Tiles are handed out in chunks as threads ask, not as one fixed share each: on a shared
@@ -945,7 +955,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, bool si
       // Tile t of part `part` (counted from its first; past its N with silu_mul: up's), every row,
       // into y (row stride ldy).
       auto tile_of = [&](const Part& part, int64_t t, auto* y, int64_t ldy) {
-        const Scratch& a = acts[per_256(part.w)];
+        const Scratch& a = acts[slot[per_256(part.w)]];
         for (int64_t r = 0; r < m; r += part.per_read) {
           const Rows xr{a.q.data() + r * k, a.d.data() + r * nb, a.ds.data() + r * nb, a.s16.data() + r * nb};
           const Reuse reuse = !part.keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
