@@ -1115,7 +1115,7 @@ at::Tensor rows_of(const at::Tensor& ids, int64_t n, int64_t k, const char* what
   return out;
 }
 
-// A Q6_K weight's rows (the q6k tiles q6k_gemm reads), dequantised as gguf does: d sc in fp32,
+// A Q6_K weight's rows (the q6k tiles gemm reads), dequantised as gguf does: d sc in fp32,
 // times q - 32.
 at::Tensor q6k_rows(at::Tensor ids, at::Tensor packed, at::Tensor top, at::Tensor sc, at::Tensor d, int64_t k) {
   TORCH_CHECK(k % 256 == 0, "q6k_rows: K % 256");
@@ -1142,7 +1142,7 @@ at::Tensor q6k_rows(at::Tensor ids, at::Tensor packed, at::Tensor top, at::Tenso
   });
 }
 
-// An int8 weight's rows (int8_gemm's tiles), q times its scale: an fp16 d per block of 32 (GGUF
+// An int8 weight's rows (the int8 tiles gemm reads), q times its scale: an fp16 d per block of 32 (GGUF
 // Q8_0), or an fp32 scale per row.
 at::Tensor int8_rows(at::Tensor ids, at::Tensor packed, at::Tensor scales, int64_t k) {
   TORCH_CHECK(k % kBlock == 0, "int8_rows: K % 32");
@@ -1245,9 +1245,7 @@ void bind(pybind11::module_ mod) {
           py::arg("ids"), py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"), py::arg("k"));
   mod.def("int8_rows", &int8_rows, "rows ids of an int8 weight (int8 tiles) dequantised, fp32 [len(ids), K]",
           py::arg("ids"), py::arg("packed"), py::arg("scales"), py::arg("k"));
-  py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(mod, "PackedWeight", "a packed weight as gemm reads it")
-      .def_readonly("out_features", &PackedWeight::n)
-      .def_readonly("in_features", &PackedWeight::k);
+  py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(mod, "PackedWeight", "a packed weight as gemm reads it");
   mod.def("int4_weight", &int4_weight, "an int4 weight for gemm: packed tiles, fp16 d and m or a K-quant's d / -dmin and sc_m, fifth bits",
           py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("high") = py::none(), py::arg("sc_m") = py::none());
   mod.def("q6k_weight", &q6k_weight, "a Q6_K weight for gemm", py::arg("packed"), py::arg("top"), py::arg("sc"), py::arg("d"),

@@ -10,8 +10,9 @@ Storage per variant, chosen by the bytes a decode step reads against the quality
   int8 variant and in int4 of a file stored mostly in 4- and 5-bit blocks (a Q4_K_M, whose
   Q6_K / Q8_0 v_proj and down_proj, requantised to 5 bits, cost Gemma 3 270M 3.7% perplexity);
   elsewhere they are int8 per channel. A fused layer whose parts differ (Q4_K q and k, Q6_K v)
-  runs as its parts (RowParts). In other files (int4 of a Q8_0 or float file) every tensor
-  without 4- or 5-bit codes is requantised to 4 bits;
+  keeps each part in its format and runs them in one integer-kernel call (RowParts). In other
+  files (int4 of a Q8_0 or float file) every tensor without 4- or 5-bit codes is requantised
+  to 4 bits;
 - the LM head (tied or not) is read in full at every step, so int8 and int4 variants hold an
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves),
   except that a GGUF vocabulary stored in Q6_K or Q8_0 keeps its blocks, and int4 keeps one

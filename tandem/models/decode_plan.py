@@ -37,7 +37,7 @@ class LayerPlan:
     o: Gemm
     gate_up_silu: Gemm
     down: Gemm
-    attend: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor | None]
+    attend: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # forward_qkv: not None once decodes_qkv
     rotated_heads: int  # q and k heads, the ones RoPE turns
     head_dim: int
 

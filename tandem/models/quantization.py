@@ -332,9 +332,7 @@ class RowParts(nn.Module):
         self.gemm_weights = [w for p in parts for w in p.gemm_weights] if self.int8_act else None
 
     def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        if silu_mul:
-            raise ValueError("RowParts: the kernel's SiLU-and-mul takes one weight (use forward_silu_mul)")
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, False)
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, silu_mul)  # silu_mul is refused: several weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
