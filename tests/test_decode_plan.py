@@ -41,7 +41,8 @@ def test_the_plans_steps_equal_the_modules(tmp_path, monkeypatch, kinds, default
 
 def test_no_plan_where_a_layer_takes_another_path(tiny_model_dirs) -> None:
     def plan_of(kind: str, **kw) -> DecodePlan | None:
-        return LLM(tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, **kw).engine.core.executor.model.decode_plan
+        llm = LLM(tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, **kw)
+        return llm.engine.core.executor.model.decode_plan
 
     assert plan_of("llama", quantization="int4") is not None
     assert plan_of("llama") is None  # float linears
