@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_quant_gemm
-from tandem.models.layers import silu_and_mul
+from tandem.models.layers import Gate, silu_and_mul
 from tandem.models.q6k_linear import Q6KLinear
 from tandem.models.quantization import (
     Int4Linear, Int8Linear, KQuantScales, int4_dequantize, int8_act_kernel, quantize_int4, quantize_int8,
@@ -221,7 +221,7 @@ def test_q8_0_blocks_as_stored():
         x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
         torch.testing.assert_close(low(x), torch.full((4, n), -sign * 64.0 * k), rtol=1e-6, atol=0)
     x = torch.randn(9, k)
-    fused = layer.forward_silu_mul(x)
+    fused = layer.forward_gated(x, Gate.SILU)
     torch.testing.assert_close(fused, silu_and_mul(layer(x)), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="integer kernel only"):
         Int8Linear(q[:40].clone(), d[:40], None, torch.float32)  # 40 rows: no tiles of 16
@@ -250,9 +250,9 @@ def test_q6_k_extremes_and_parts():
     with pytest.raises(ValueError, match="a code above 63"):
         sliced.load(0, codes[:16] + 64, sc[:16], d[:16])
     x = torch.randn(9, 512)
-    fused = whole.forward_silu_mul(x)
+    fused = whole.forward_gated(x, Gate.SILU)
     torch.testing.assert_close(fused, silu_and_mul(whole(x)), rtol=1e-6, atol=1e-6)
-    assert all(torch.equal(fused[i], whole.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
+    assert all(torch.equal(fused[i], whole.forward_gated(x[i:i + 1], Gate.SILU)[0]) for i in range(9))
 
 
 def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
@@ -320,9 +320,9 @@ def test_k_quant_factors_as_stored(bits):
     d16, m16 = ((expand(f) * v.float())[:64].half().float().repeat_interleave(32, 1)
                 for f, v in ((k_quant.d, k_quant.sc), (-k_quant.dmin.float(), k_quant.m)))
     assert torch.equal(mixed.dequantize()[:64], codes[:64].float() * d16 + m16)  # d sc and -dmin m rounded to fp16
-    fused = layer.forward_silu_mul(x)  # 9 rows: two reads, the second on the scales the first kept
+    fused = layer.forward_gated(x, Gate.SILU)  # 9 rows: two reads, the second on the scales the first kept
     torch.testing.assert_close(fused, silu_and_mul(layer(x)), rtol=1e-6, atol=1e-6)
-    assert all(torch.equal(fused[i], layer.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
+    assert all(torch.equal(fused[i], layer.forward_gated(x[i:i + 1], Gate.SILU)[0]) for i in range(9))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -337,29 +337,36 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(3072, 576), (256, 64)])  # SmolLM2's and the tiny models' gate_up
-def test_fused_silu_and_mul_equals_the_separate_ops(shape, dtype):
-    """The gate_up GEMM's epilogue rounds where GEMM -> silu -> mul round; only its exp differs
-    from torch's (by < 2e-7 of itself), so a bf16 value may move by one step (2^-8) of itself,
-    an fp32 one by a few ulps. Rows stay independent, at prefill sizes too."""
+@pytest.mark.parametrize("gate", list(Gate))
+def test_fused_gate_equals_the_separate_ops(shape, dtype, gate):
+    """The gate_up GEMM's epilogue rounds where GEMM -> act -> mul round; only its exp differs
+    from torch's silu and tanh (by < 2e-7 of itself), so a bf16 value may move by one step (2^-8)
+    of itself, an fp32 one by a few ulps. Rows stay independent, at prefill sizes too."""
     n, k = shape
     torch.manual_seed(n)
     w = torch.randn(n, k) / k ** 0.5
     for layer in (Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
                   Int8Linear.from_float(w, None, dtype)):
         x = torch.randn(9, k, dtype=dtype) * 3
-        fused, separate = layer.forward_silu_mul(x), silu_and_mul(layer(x))
+        fused, separate = layer.forward_gated(x, gate), gate(layer(x))
         assert fused.shape == (9, n // 2)
         if dtype == torch.bfloat16:
             torch.testing.assert_close(fused.float(), separate.float(), rtol=2 ** -7, atol=1e-5)
             assert (fused == separate).float().mean() > 0.99
         else:
             torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
-        assert all(torch.equal(fused[i], layer.forward_silu_mul(x[i:i + 1])[0]) for i in range(9))
+        assert all(torch.equal(fused[i], layer.forward_gated(x[i:i + 1], gate)[0]) for i in range(9))
         many = torch.randn(2100, k, dtype=dtype)  # prefill-sized: a few tiles of gate, then of up, at a time
-        assert torch.equal(layer.forward_silu_mul(many)[-9:], layer.forward_silu_mul(many[-9:]))
+        assert torch.equal(layer.forward_gated(many, gate)[-9:], layer.forward_gated(many[-9:], gate))
     with_bias = Int4Linear.from_float(w, torch.randn(n), torch.bfloat16)  # not fused: the bias comes first
     x = torch.randn(3, k, dtype=torch.bfloat16)
-    assert torch.equal(with_bias.forward_silu_mul(x), silu_and_mul(with_bias(x)))
+    assert torch.equal(with_bias.forward_gated(x, gate), gate(with_bias(x)))
+
+
+def test_the_kernel_refuses_an_unknown_gate():
+    layer = Int8Linear.from_float(torch.randn(32, 64), None, torch.float32)
+    with pytest.raises(RuntimeError, match="gate 0 \\(none\\), 1 \\(SiLU\\) or 2"):
+        cpu_quant_gemm().gemm(torch.randn(2, 64), layer.gemm_weights, 3)
 
 
 def test_where_the_kernel_is_not_used():

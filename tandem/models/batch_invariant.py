@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_invariant_gemm
-from tandem.models.layers import Linear, silu_and_mul
+from tandem.models.layers import Gate, Linear
 from tandem.models.llama import LlamaForCausalLM
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,8 +33,8 @@ class InvariantLinear(nn.Module):
         y = cpu_invariant_gemm().gemm(x2d, self.panels, self.bias, self.out_features)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(self(x))
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        return gate(self(x))
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_fused_ops
-from tandem.models.layers import silu_and_mul
+from tandem.models.layers import Gate
 from tandem.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem.models.q6k_linear import Q6KLinear
 from tandem.models.quantization import Int4Linear, Int8Linear, RowParts
@@ -35,25 +35,25 @@ class LayerPlan:
     post_attention_norm: torch.Tensor
     qkv: Gemm
     o: Gemm
-    gate_up_silu: Gemm
+    gate_up_act: Gemm
     down: Gemm
     attend: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # forward_qkv: not None once decodes_qkv
     rotated_heads: int  # q and k heads, the ones RoPE turns
     head_dim: int
 
 
-def _gemm(layer: nn.Module, silu_mul: bool = False) -> Gemm | None:
+def _gemm(layer: nn.Module, gate: Gate | None = None) -> Gemm | None:
     """The call a quantised layer on the integer kernel makes for a 2-D contiguous x (with the
-    gate_up's SiLU-and-mul where its forward_silu_mul makes it); None: not such a layer."""
+    gate_up's activation-and-mul where its forward_gated makes it); None: not such a layer."""
     if type(layer) not in (Int4Linear, Int8Linear, Q6KLinear, RowParts) or not layer.int8_act or layer.bias is not None:
         return None
-    if silu_mul and (isinstance(layer, RowParts) or layer.out_features % 32):  # forward_silu_mul's other branch
-        return functools.partial(_silu_after, functools.partial(layer._int8_act, silu_mul=False))
-    return functools.partial(layer._int8_act, silu_mul=silu_mul)
+    if gate is not None and (isinstance(layer, RowParts) or layer.out_features % 32):  # forward_gated's other branch
+        return functools.partial(_gate_after, functools.partial(layer._int8_act, gate=0), gate)
+    return functools.partial(layer._int8_act, gate=gate or 0)
 
 
-def _silu_after(gemm: Gemm, x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul(gemm(x))
+def _gate_after(gemm: Gemm, gate: Gate, x: torch.Tensor) -> torch.Tensor:
+    return gate(gemm(x))
 
 
 class DecodePlan:
@@ -76,7 +76,7 @@ class DecodePlan:
             if type(layer) is not DecoderLayer:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
-            gemms = (_gemm(attn.qkv_proj), _gemm(attn.o_proj), _gemm(mlp.gate_up_proj, silu_mul=True),
+            gemms = (_gemm(attn.qkv_proj), _gemm(attn.o_proj), _gemm(mlp.gate_up_proj, mlp.gate),
                      _gemm(mlp.down_proj))
             if None in gemms:
                 return None
@@ -105,5 +105,5 @@ class DecodePlan:
             ext.rope_(qkv, positions, table, plan.rotated_heads, plan.head_dim)
             residual, h = ext.add_rms_norm(plan.o(plan.attend(qkv, kv_cache, meta)), residual,
                                            plan.post_attention_norm, eps)
-            x = plan.down(plan.gate_up_silu(h))
+            x = plan.down(plan.gate_up_act(h))
         return residual + x

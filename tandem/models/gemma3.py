@@ -16,15 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.models.layers import RMSNorm, RotaryEmbedding, StepRope, gelu_tanh_and_mul
+from tandem.models.layers import Gate, RMSNorm, RotaryEmbedding, StepRope
 from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausalLM, ModelConfig, per_layer
 
 
 class Gemma3MLP(MLP):
     """The Llama MLP's fused [gate | up] projection, gated by gelu-tanh instead of silu."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(gelu_tanh_and_mul(self.gate_up_proj.forward(x)))
+    gate = Gate.GELU_TANH
 
 
 class Gemma3DecoderLayer(nn.Module):

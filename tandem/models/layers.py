@@ -1,6 +1,7 @@
 """Building blocks of the Llama family, written for flattened [num_tokens, hidden] batches."""
 from __future__ import annotations
 
+import enum
 import functools
 import math
 
@@ -27,10 +28,10 @@ class Linear(nn.Module):
             return cpu_packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this layer's output [gate | up] (the quantised layers fuse it
-        into their GEMM; here it follows the GEMM)."""
-        return silu_and_mul(self(x))
+    def forward_gated(self, x: torch.Tensor, gate: "Gate") -> torch.Tensor:
+        """act(gate) * up of this layer's output [gate | up] (the quantised layers fuse it into
+        their GEMM; here it follows the GEMM)."""
+        return gate(self(x))
 
     def pack_for_cpu(self) -> None:
         """Re-lay the weight in oneDNN's blocked format (1.1-3x faster bf16 GEMMs on CPU,
@@ -220,3 +221,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last axis -> gelu_tanh(gate) * up (Gemma's gated MLP)."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+class Gate(enum.IntEnum):
+    """A gated MLP's activation: act(gate) * up of its [gate | up] projection. The values are the
+    integer kernel's (kernels/cpu_quant_gemm.cpp), whose epilogue computes it."""
+    SILU = 1
+    GELU_TANH = 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x) if self is Gate.SILU else gelu_tanh_and_mul(x)

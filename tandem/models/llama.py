@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tandem.models.layers import (
-    Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, fused_ops_for, pack_cpu_weight,
+    Gate, Linear, RMSNorm, RotaryEmbedding, StepRope, can_pack_cpu, cpu_packed_linear, fused_ops_for, pack_cpu_weight,
 )
 
 if TYPE_CHECKING:
@@ -191,13 +191,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    gate = Gate.SILU
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.gate_up_proj.forward_silu_mul(x))
+        return self.down_proj.forward(self.gate_up_proj.forward_gated(x, self.gate))
 
 
 class DecoderLayer(nn.Module):

@@ -17,7 +17,8 @@ from torch import nn
 from tandem.kernels import cpu_quant_gemm
 from tandem.models import quantization
 from tandem.models.host_memory import huge_empty
-from tandem.models.quantization import block_tiles, int8_act_forward, int8_act_silu_and_mul
+from tandem.models.layers import Gate
+from tandem.models.quantization import block_tiles, int8_act_forward, int8_act_gated
 
 QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
 
@@ -84,11 +85,11 @@ class Q6KLinear(nn.Module):
         b = self._buffers
         return cpu_quant_gemm().q6k_rows(ids, b["qpacked"], b["qtop"], b["sc"], b["d"], self.in_features).to(dtype)
 
-    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, silu_mul)
+    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_act_silu_and_mul(self, x)
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        return int8_act_gated(self, x, gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_forward(self, x)

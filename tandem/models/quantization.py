@@ -5,7 +5,7 @@ On a CPU with AVX512-VNNI or AVX2, with bf16 or fp32 activations, both run on
 `kernels/cpu_quant_gemm.cpp` instead: the activations are quantised to int8 in blocks of 32
 (W8A8 / W4A8, as llama.cpp's Q8_0 / Q4_1 dot products), 1.9-7x faster than torch's kernels at
 every batch size measured on AVX2 (torch's CPU kernels round activations to bf16 and dequantise every
-weight); a gate_up layer's SiLU-and-mul runs in that kernel's epilogue (`forward_silu_mul`),
+weight); a gate_up layer's activation-and-mul runs in that kernel's epilogue (`forward_gated`),
 which saves a pass over the intermediate activations. The tests that compare a quantised engine
 with transformers token for token take the weight-only reference path.
 
@@ -31,7 +31,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_quant_gemm
-from tandem.models.layers import silu_and_mul
+from tandem.models.layers import Gate
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ class Int8Linear(nn.Module):
         b = self._buffers
         return cpu_quant_gemm().int8_rows(ids, b["qweight"], b["scales"], self.in_features).to(dtype)
 
-    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, silu_mul)
+    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_act_silu_and_mul(self, x)
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        return int8_act_gated(self, x, gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
@@ -300,11 +300,11 @@ class Int4Linear(nn.Module):
         bits = bits.reshape(-1, self.in_features // 32, 4, 2, 2, 8, 4)  # [j, nibble, h, n', i]
         return bits.transpose(2, 3).reshape(-1, self.in_features // 32, 2, 4, 16, 4)
 
-    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, silu_mul)
+    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_act_silu_and_mul(self, x)
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        return int8_act_gated(self, x, gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
@@ -331,16 +331,16 @@ class RowParts(nn.Module):
         self.int8_act = all(getattr(p, "int8_act", False) and p.bias is None for p in parts)
         self.gemm_weights = [w for p in parts for w in p.gemm_weights] if self.int8_act else None
 
-    def _int8_act(self, x2d: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, silu_mul)  # silu_mul is refused: several weights
+    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)  # a gate is refused: several weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
             return int8_act_forward(self, x)
         return torch.cat([part(x) for part in self.parts], -1)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(self(x))
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        return gate(self(x))
 
 
 def block_tiles(v: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -356,19 +356,19 @@ def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     AttributeError). The layers' tables reach the kernel as `gemm_weights`, built once: read as
     buffers they cost ~5 us a call, more than the call into the kernel itself."""
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.in_features).contiguous()
-    y = layer._int8_act(x2d, False)
+    y = layer._int8_act(x2d, 0)
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.out_features)
     bias = layer._buffers["bias"]
     return y if bias is None else y + bias
 
 
-def int8_act_silu_and_mul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
+def int8_act_gated(layer: nn.Module, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+    """act(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
     the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
     if layer.int8_act and layer._buffers["bias"] is None and x.dim() == 2 and layer.out_features % 32 == 0:
-        return layer._int8_act(x.contiguous(), True)
-    return silu_and_mul(layer(x))
+        return layer._int8_act(x.contiguous(), gate)
+    return gate(layer(x))
 
 
 def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
