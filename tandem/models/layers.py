@@ -28,7 +28,7 @@ class Linear(nn.Module):
             return cpu_packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def forward_gated(self, x: torch.Tensor, gate: "Gate") -> torch.Tensor:
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
         """act(gate) * up of this layer's output [gate | up] (the quantised layers fuse it into
         their GEMM; here it follows the GEMM)."""
         return gate(self(x))
