@@ -77,6 +77,31 @@ def test_native_decode_splits_long_contexts_and_is_batch_invariant(dtype, window
     torch.testing.assert_close(batched.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("bs", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20], ids=["global", "window-20"])
+def test_one_kv_head_read_in_place_equals_the_gathered_rows(bs, dtype, window):
+    """With one KV head the kernel reads a part's V rows where they lie, block by block; with
+    more it gathers them first. Head 0 of a two-head cache is the one-head cache, so its query
+    heads' outputs must be the same bits either way, at block sizes that split a part into many
+    runs."""
+    ext = cpu_paged_attention()
+    if ext is None:
+        pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(2)
+    group, head_dim = 4, 256
+    seq_lens = torch.tensor([1, 3, 64, 65, 150])
+    max_blocks = (int(seq_lens.max()) + bs - 1) // bs
+    num_blocks = max_blocks * len(seq_lens)
+    k2, v2 = (torch.randn(num_blocks * bs, 2, head_dim, generator=g).to(dtype) for _ in range(2))
+    block_tables = torch.randperm(num_blocks, generator=g).view(len(seq_lens), max_blocks)
+    q = torch.randn(len(seq_lens), 2 * group, head_dim, generator=g).to(dtype)
+    args = (block_tables, seq_lens, bs, head_dim ** -0.5, window or 0)
+    one = ext.paged_decode_attention(q[:, :group].contiguous(), k2[:, :1].contiguous(), v2[:, :1].contiguous(), *args)
+    two = ext.paged_decode_attention(q, k2, v2, *args)
+    assert torch.equal(one, two[:, :group])
+
+
 def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     """Two checkouts of the same kernel source share one build; a lock left by an interrupted
     build (a server killed on its first start) is removed instead of blocking every later

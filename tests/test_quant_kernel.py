@@ -337,11 +337,12 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(3072, 576), (256, 64)])  # SmolLM2's and the tiny models' gate_up
-@pytest.mark.parametrize("gate", list(Gate))
+@pytest.mark.parametrize("gate", list(Gate), ids=lambda g: g.name.lower())
 def test_fused_gate_equals_the_separate_ops(shape, dtype, gate):
-    """The gate_up GEMM's epilogue rounds where GEMM -> act -> mul round; only its exp differs
-    from torch's silu and tanh (by < 2e-7 of itself), so a bf16 value may move by one step (2^-8)
-    of itself, an fp32 one by a few ulps. Rows stay independent, at prefill sizes too."""
+    """The gate_up GEMM's epilogue rounds where GEMM -> act -> mul round, in torch's formulas; only
+    its exp (and the tanh made from it) differ from torch's, so a bf16 value may move by one step
+    (2^-8) of itself, an fp32 one by a few ulps (more where gelu-tanh's 1 + tanh cancels). Rows stay
+    independent, at prefill sizes too."""
     n, k = shape
     torch.manual_seed(n)
     w = torch.randn(n, k) / k ** 0.5
@@ -349,6 +350,7 @@ def test_fused_gate_equals_the_separate_ops(shape, dtype, gate):
                   Int8Linear.from_float(w, None, dtype)):
         x = torch.randn(9, k, dtype=dtype) * 3
         fused, separate = layer.forward_gated(x, gate), gate(layer(x))
+        assert layer.int8_act and torch.equal(fused, cpu_quant_gemm().gemm(x, layer.gemm_weights, gate))  # the epilogue's
         assert fused.shape == (9, n // 2)
         if dtype == torch.bfloat16:
             torch.testing.assert_close(fused.float(), separate.float(), rtol=2 ** -7, atol=1e-5)
@@ -436,7 +438,7 @@ def _avx512_build() -> bool:
 def test_the_avx2_build_passes_these_tests_too():
     """On an AVX-512 CPU the AVX2 build runs this file's kernel tests as well (built once into the
     shared cache): CI on either kind of machine checks the build an AVX2-only CPU serves with."""
-    tests = "reference or five_bit or packed or batch or silu or asked_for or q6_k or q8_0 or exact"
+    tests = "reference or five_bit or packed or batch or silu or fused_gate or unknown_gate or asked_for or q6_k or q8_0 or exact"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
                           "-k", tests], env={**os.environ, "TANDEM_CPU_ISA": "avx2"}, capture_output=True, text=True,
                          timeout=900, cwd=Path(__file__).parent)

@@ -1,5 +1,6 @@
 // Paged decode attention for CPU: one query token per sequence, K read in place from the
-// block-paged cache and a part's V rows copied into one run (no gather of the whole context), fp32
+// block-paged cache, a part's V rows read in place with one KV head and else copied into one run
+// (no gather of the whole context), fp32
 // accumulation; the query heads of a GQA group share every K/V row they read, and a context is
 // split into fixed parts that the threads share.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
@@ -139,7 +140,7 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   for (int64_t p0 = lo, n; p0 < hi; p0 += n) {  // block by block: a block's rows are row_stride apart
     n = std::min(block_size - p0 % block_size, hi - p0);
     const T* kp = row(k_cache, p0);
-    // K rows kAhead on (into the next block: its first rows), V for the gather below (the item
+    // K rows kAhead on (into the next block: its first rows), V for the pass below (the item
     // before asked for it too; without this, ~15% slower), addressed from their block's first row:
     // row_of's division for each row took ~20% of this function.
     const T* vp = row(v_cache, p0);

@@ -72,6 +72,9 @@ constexpr int64_t kGateFloats = 32768;
 
 // A gate_up projection's activation (Python's models.layers.Gate has the same values).
 enum class Gate : int64_t { none = 0, silu = 1, gelu_tanh = 2 };
+// gelu-tanh's sqrt(2 / pi) and cubic factor as torch has them, and where Sleef's tanhf (torch's)
+// returns +-1.
+constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f, kTanhOne = 8.664339742f;
 
 // Where a tile takes several row reads (more rows than it reads each weight for), the first read
 // keeps what it derives from the weights in a per-thread buffer and the later reads load it: a
@@ -369,18 +372,19 @@ inline __m512 round_as(__m512 v, const at::BFloat16*) {  // to bf16 and back
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
-// Gemma's gelu-tanh as torch computes it, op for op: 0.5 x (1 + tanh(beta (x + kappa x^3))), tanh(u)
-// = sign(u) (1 - 2 / (exp(2|u|) + 1)), +-1 past |u| > 8.664339742 as Sleef's tanhf (torch's) has it.
-// The 1 + tanh cancels for x < 0 in torch too; computed as x sigmoid(2u) instead, 7% of bf16 values
+// Gemma's gelu-tanh in torch's formula and order: 0.5 x (1 + tanh(beta (x + kappa (x x) x))), +-1
+// past |u| > kTanhOne; only the tanh is this file's, sign(u) (1 - 2 / (exp(2|u|) + 1)). The 1 + tanh
+// cancels for x < 0 in torch too, so that is where an fp32 value may differ most (~6e-6 of itself);
+// bf16 values round to torch's. Computed as x sigmoid(2u) instead (more exact), 7% of bf16 values
 // differed from torch's by a step.
-constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f, kTanhOne = 8.664339742f;
 inline __m512 gelu_tanh16(__m512 x) {
   const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta),
                                      _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), _mm512_mul_ps(_mm512_mul_ps(x, x), x))));
   const __m512 a = _mm512_abs_ps(inner), one = _mm512_set1_ps(1.f);
   __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp16(_mm512_add_ps(a, a)), one)));
   t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(kTanhOne), _CMP_GT_OQ), t, one);
-  t = _mm512_or_ps(t, _mm512_and_ps(inner, _mm512_set1_ps(-0.f)));  // t >= 0: u's sign
+  t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),  // t >= 0: u's sign (no AVX512DQ)
+                                          _mm512_and_si512(_mm512_castps_si512(inner), _mm512_castps_si512(_mm512_set1_ps(-0.f)))));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
 }
 
@@ -739,7 +743,6 @@ inline __m256 round_as(__m256 v, const at::BFloat16*) {  // to bf16 and back
 }
 
 // Gemma's gelu-tanh, 8 lanes, as gelu_tanh16 in the AVX-512 build.
-constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f, kTanhOne = 8.664339742f;
 inline __m256 gelu_tanh8(__m256 x) {
   const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta),
                                      _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), _mm256_mul_ps(_mm256_mul_ps(x, x), x))));
@@ -1030,8 +1033,10 @@ at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, Gate ga
               for (int64_t c = 0; c < width; c += kTile)
                 gated16<decltype(act)::value>(gate.data() + r * width + c, up.data() + r * width + c, yp + r * n_out + s0 * kTile + c);
           };
-          gate_act == Gate::silu ? epilogue(std::integral_constant<Gate, Gate::silu>{})
-                                 : epilogue(std::integral_constant<Gate, Gate::gelu_tanh>{});
+          if (gate_act == Gate::silu)
+            epilogue(std::integral_constant<Gate, Gate::silu>{});
+          else
+            epilogue(std::integral_constant<Gate, Gate::gelu_tanh>{});
         }
       }
     });

@@ -49,7 +49,7 @@ def _gemm(layer: nn.Module, gate: Gate | None = None) -> Gemm | None:
         return None
     if gate is not None and (isinstance(layer, RowParts) or layer.out_features % 32):  # forward_gated's other branch
         return functools.partial(_gate_after, functools.partial(layer._int8_act, gate=0), gate)
-    return functools.partial(layer._int8_act, gate=gate or 0)
+    return functools.partial(layer._int8_act, gate=int(gate) if gate else 0)
 
 
 def _gate_after(gemm: Gemm, gate: Gate, x: torch.Tensor) -> torch.Tensor:

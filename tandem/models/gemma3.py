@@ -22,7 +22,7 @@ from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausal
 
 class Gemma3MLP(MLP):
     """The Llama MLP's fused [gate | up] projection, gated by gelu-tanh instead of silu."""
-    gate = Gate.GELU_TANH
+    gate: Gate = Gate.GELU_TANH
 
 
 class Gemma3DecoderLayer(nn.Module):

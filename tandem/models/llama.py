@@ -191,7 +191,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    gate = Gate.SILU
+    gate: Gate = Gate.SILU
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
