@@ -20,8 +20,7 @@ from torch import nn
 from tandem.kernels import cpu_fused_ops
 from tandem.models.layers import Gate
 from tandem.models.llama import DecoderLayer, LlamaForCausalLM
-from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import Int4Linear, Int8Linear, RowParts
+from tandem.models.quantization import IntegerKernelLayer, RowParts
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -45,7 +44,7 @@ class LayerPlan:
 def _gemm(layer: nn.Module, gate: Gate | None = None) -> Gemm | None:
     """The call a quantised layer on the integer kernel makes for a 2-D contiguous x (with the
     gate_up's activation-and-mul where its forward_gated makes it); None: not such a layer."""
-    if type(layer) not in (Int4Linear, Int8Linear, Q6KLinear, RowParts) or not layer.int8_act or layer.bias is not None:
+    if not isinstance(layer, IntegerKernelLayer) or not layer.int8_act or layer.bias is not None:
         return None
     if gate is not None and (isinstance(layer, RowParts) or layer.out_features % 32):  # forward_gated's other branch
         return functools.partial(_gate_after, functools.partial(layer._int8_act, gate=0), gate)

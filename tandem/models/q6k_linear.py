@@ -12,13 +12,11 @@ AVX2) the builder requantises Q6_K to int8 per channel.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tandem.kernels import cpu_quant_gemm
 from tandem.models import quantization
 from tandem.models.host_memory import huge_empty
-from tandem.models.layers import Gate
-from tandem.models.quantization import block_tiles, int8_act_forward, int8_act_gated
+from tandem.models.quantization import IntegerKernelLayer, block_tiles, int8_act_forward
 
 QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
 
@@ -28,7 +26,7 @@ def q6k_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
     return quantization.int8_act_kernel(device, dtype, n, k) if k % QK_K == 0 else None
 
 
-class Q6KLinear(nn.Module):
+class Q6KLinear(IntegerKernelLayer):
     """y = x W^T + b, W[n, k] = d[n, k // 256] * sc[n, k // 16] * (q[n, k] - 32)."""
 
     def __init__(self, n: int, k: int, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -84,12 +82,6 @@ class Q6KLinear(nn.Module):
         """Rows `ids` of W: an embedding lookup in this table (a tied Q6_K vocabulary)."""
         b = self._buffers
         return cpu_quant_gemm().q6k_rows(ids, b["qpacked"], b["qtop"], b["sc"], b["d"], self.in_features).to(dtype)
-
-    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
-
-    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return int8_act_gated(self, x, gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_act_forward(self, x)

@@ -39,7 +39,22 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP = 32
 
 
-class Int8Linear(nn.Module):
+class IntegerKernelLayer(nn.Module):
+    """What the layers the integer-activation kernel runs share: `gemm_weights`, their tables as
+    the kernel's view (built once), and `int8_act`, whether the kernel runs them."""
+
+    gemm_weights: list | None
+    int8_act: bool
+
+    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
+        """x2d [M, K] contiguous through the kernel; gate 0, or a Gate its epilogue applies."""
+        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
+
+    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        return int8_act_gated(self, x, gate)
+
+
+class Int8Linear(IntegerKernelLayer):
     """y = x (q * s)^T + b, q int8 [N, K], s [N]: one scale per output channel; or s [N, K // 32]
     fp16, one per block of 32 inputs (a GGUF Q8_0 tensor as stored), on the integer kernel only.
     On the integer kernel's path `qweight` is packed in place (an int8 tensor passed in becomes
@@ -89,12 +104,6 @@ class Int8Linear(nn.Module):
         b = self._buffers
         return cpu_quant_gemm().int8_rows(ids, b["qweight"], b["scales"], self.in_features).to(dtype)
 
-    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
-
-    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return int8_act_gated(self, x, gate)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
             return int8_act_forward(self, x)
@@ -136,7 +145,7 @@ class KQuantScales(NamedTuple):
         return KQuantScales(*(t.to(device) for t in self))
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(IntegerKernelLayer):
     """y = x W^T + b with W[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g], q of
     `bits` bits (4, or 5 for a GGUF's 5-bit blocks)."""
 
@@ -300,12 +309,6 @@ class Int4Linear(nn.Module):
         bits = bits.reshape(-1, self.in_features // 32, 4, 2, 2, 8, 4)  # [j, nibble, h, n', i]
         return bits.transpose(2, 3).reshape(-1, self.in_features // 32, 2, 4, 16, 4)
 
-    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
-
-    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return int8_act_gated(self, x, gate)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
             return int8_act_forward(self, x)
@@ -315,7 +318,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class RowParts(nn.Module):
+class RowParts(IntegerKernelLayer):
     """A fused layer (qkv, gate_up) whose row parts are served in different formats (a Q4_K_M
     file's Q4_K q and k beside its Q6_K v). Where every part is on the integer kernel without a
     bias, one call runs them all (one parallel region, the output written once; as two calls and
@@ -331,16 +334,13 @@ class RowParts(nn.Module):
         self.int8_act = all(getattr(p, "int8_act", False) and p.bias is None for p in parts)
         self.gemm_weights = [w for p in parts for w in p.gemm_weights] if self.int8_act else None
 
-    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)  # a gate is refused: several weights
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
             return int8_act_forward(self, x)
         return torch.cat([part(x) for part in self.parts], -1)
 
     def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return gate(self(x))
+        return gate(self(x))  # the kernel takes a gate for one weight only
 
 
 def block_tiles(v: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
