@@ -113,14 +113,16 @@ inline void q4_prefetch(const Q4Scales& s, int64_t b) {
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define TANDEM_QUANT_GEMM 512
 // Rows per weight read (at most; `max_rows`): an int4 row holds an accumulator and a dot register,
 // so 8 fit in AVX-512's 32 registers beside the codes (with 4 the int4 GEMMs of 1B shapes at 16
-// rows ran 6% slower, AMD EPYC Zen 4); AVX2's 16 ymm registers take 4. The q6k and int8 tiles
-// keep more registers a row and read for kNarrowRows.
+// rows ran 6% slower, AMD EPYC Zen 4). AVX2 reads for 8 too, though its 16 ymm registers then
+// spill: on an AVX2-only Zen 3 the int4 GEMMs at 16 rows ran 4-10% faster than reading for 4
+// (Q4_K and Q4_1; 16 a read was slower again). The q6k and int8 tiles keep more registers a row
+// and read for kNarrowRows (both builds: on that Zen 3, 2 or 8 were slower, 3 and 6 no faster).
 constexpr int64_t kRows = 8, kNarrowRows = 4;
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define TANDEM_QUANT_GEMM 512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -403,7 +405,6 @@ inline void gated16(const float* gate, const float* up, T* y) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TANDEM_QUANT_GEMM 256
-constexpr int64_t kRows = 4, kNarrowRows = 4;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
