@@ -84,7 +84,7 @@ def test_one_kv_head_read_in_place_equals_the_gathered_rows(bs, dtype, window):
     """With one KV head the kernel reads a part's V rows where they lie, block by block; with
     more it gathers them first. Head 0 of a two-head cache is the one-head cache, so its query
     heads' outputs must be the same bits either way, at block sizes that split a part into many
-    runs."""
+    blocks."""
     ext = cpu_paged_attention()
     if ext is None:
         pytest.skip("no C++ toolchain: the engine uses the PyTorch path")

@@ -118,7 +118,7 @@ inline void q4_prefetch(const Q4Scales& s, int64_t b) {
 // rows ran 6% slower, AMD EPYC Zen 4). AVX2 reads for 8 too, though its 16 ymm registers then
 // spill: on an AVX2-only Zen 3 the int4 GEMMs at 16 rows ran 4-10% faster than reading for 4
 // (Q4_K and Q4_1; 16 a read was slower again). The q6k and int8 tiles keep more registers a row
-// and read for kNarrowRows (both builds: on that Zen 3, 2 or 8 were slower, 3 and 6 no faster).
+// and read for kNarrowRows (on that Zen 3, 2 or 8 rows a read were slower, 3 and 6 no faster).
 constexpr int64_t kRows = 8, kNarrowRows = 4;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
