@@ -97,8 +97,17 @@ def _healthy(proc: subprocess.Popen, ids: list[str]) -> bool:
 def _instance_proc(proc: subprocess.Popen, group: str) -> psutil.Process:
     """The launcher's child serving `group` (the instance's own children are below it)."""
     (p,) = [p for p in _alive(psutil.Process(proc.pid).children())
-            if f"--served-model-name {group}" in " ".join(p.cmdline())]
+            if f"--served-model-name {group}" in " ".join(_cmdline(p))]
     return p
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    """A child's command line; none for one that ended since it was listed (a short-lived helper
+    can turn zombie between the two reads)."""
+    try:
+        return p.cmdline()
+    except psutil.NoSuchProcess:  # ZombieProcess too
+        return []
 
 
 def test_a_dead_instance_is_restarted_or_left_out(cluster):
