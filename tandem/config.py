@@ -38,6 +38,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (executor/device.py: resolve_kv_cache_dtype)
     kv_cache_memory: int | None = None  # bytes; None: a share of free memory
     gpu_memory_utilization: float | None = None  # or the KV pool sized from a share of memory
     max_num_seqs: int = 128
@@ -94,6 +95,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory and gpu_memory_utilization both size the KV pool: give one of them")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not isinstance(self.deterministic, bool):

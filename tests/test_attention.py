@@ -22,25 +22,43 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, bs, window=None):
     return out
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+# (activations, KV cache, tolerance): a cache narrower than fp32 activations is read widened, so
+# the fp32 reference over the same cache values holds to fp32's tolerance
+DTYPE_PAIRS = [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
+               (torch.float32, torch.bfloat16, 1e-5), (torch.float32, torch.float16, 1e-5)]
+PAIR_IDS = ["fp32", "bf16", "fp32-over-bf16", "fp32-over-fp16"]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (4, 1, 256),
                                                      (12, 2, 64), (10, 2, 128)])  # groups of 6 and 5: 4 + 2, 4 + 1
 @pytest.mark.parametrize("window", [None, 20], ids=["global", "window-20"])
-def test_native_decode_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, window):
+def test_native_decode_matches_sdpa(dtype, kv_dtype, tol, heads, kv_heads, head_dim, window):
     ext = cpu_paged_attention()
     if ext is None:
         pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(0)
     bs, num_blocks, batch = 16, 64, 7
-    k_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, head_dim, generator=g).to(kv_dtype)
     seq_lens = torch.tensor([1, 5, 16, 17, 100, 250, 33])
     max_blocks = (int(seq_lens.max()) + bs - 1) // bs
     block_tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(batch)])
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     out = ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, head_dim ** -0.5, window or 0)
     ref = _reference(q, k_cache, v_cache, block_tables, seq_lens, bs, window)
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_native_decode_refuses_a_cache_wider_than_the_activations():
+    ext = cpu_paged_attention()
+    if ext is None:
+        pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
+    q, cache = torch.zeros(1, 2, 64, dtype=torch.bfloat16), torch.zeros(16, 1, 64)
+    with pytest.raises(RuntimeError, match="BFloat16 activations over a Float KV cache"):
+        ext.paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                   16, 0.125, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -138,11 +156,13 @@ def test_kernel_build_dir_is_shared_by_content_and_drops_a_stale_lock(tmp_path):
     assert build_dir("k.cpp", b"int y;\n", tmp_path / "kernels")[0] != build  # other source, other build
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_from_fused_qkv_equals_the_separate_ops(dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+                         ids=["fp32", "bf16", "fp32-over-bf16", "fp32-over-fp16"])
+def test_decode_from_fused_qkv_equals_the_separate_ops(dtype, kv_dtype):
     """forward_qkv (KV write and attention in one native call on the fused projection) gives the
-    same bits as forward (index_copy_ into the cache, then the decode kernel), cache included;
-    it declines a step with a prefill."""
+    same bits as forward (index_copy_ into the cache, then the decode kernel), cache included, a
+    narrower cache rounded as torch rounds; it declines a step with a prefill."""
     from tandem.executor.attention import AttentionMetadata, TorchAttention
     ext = cpu_paged_attention()
     if ext is None:
@@ -152,7 +172,7 @@ def test_decode_from_fused_qkv_equals_the_separate_ops(dtype):
     seq_lens = torch.tensor([1, 7, 16, 17, 90])
     tables = torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(batch)])
     slots = torch.stack([tables[b, (n - 1) // bs] * bs + (n - 1) % bs for b, n in enumerate(seq_lens.tolist())])
-    cache = torch.randn(2, 40 * bs, kv_heads, d, generator=g).to(dtype)
+    cache = torch.randn(2, 40 * bs, kv_heads, d, generator=g).to(kv_dtype)
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     meta = AttentionMetadata(slots, tables, seq_lens, torch.arange(batch + 1), batch, [], [], bs,
                              decode_kernel=ext.paged_decode_attention)
@@ -163,15 +183,15 @@ def test_decode_from_fused_qkv_equals_the_separate_ops(dtype):
     plain = attn.forward(q.reshape(batch, heads, d), k.reshape(batch, kv_heads, d), v.reshape(batch, kv_heads, d),
                          plain_cache, meta)
     assert torch.equal(fused, plain) and torch.equal(fused_cache, plain_cache)
-    assert not torch.equal(fused_cache, cache)
+    assert not torch.equal(fused_cache, cache) and fused.dtype == dtype
     meta.num_decodes = batch - 1  # the last row a prefill: not this path
     assert attn.forward_qkv(qkv, cache, meta) is None
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["decode-kernel", "sdpa-buckets"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPE_PAIRS[:3], ids=PAIR_IDS[:3])
 @pytest.mark.parametrize("window", [None, 6, 10], ids=["global", "window-6", "window-10"])
-def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, tol, window):
+def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, kv_dtype, tol, window):
     """A verify query (a decode plus its drafts) given as one one-token row per position, each
     attending to the context up to its own position (how the model runner builds a verify step
     on the torch backend), attends as the same query does as one causal chunk after its cached
@@ -194,7 +214,7 @@ def test_verify_query_as_one_token_rows_equals_its_causal_chunk(native, dtype, t
     slots = tables[req, positions // bs] * bs + positions % bs
     t = int(qlens.sum())
     q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
-    cache = torch.randn(2, num_blocks * bs, kv_heads, d, generator=g).to(dtype)
+    cache = torch.randn(2, num_blocks * bs, kv_heads, d, generator=g).to(kv_dtype)
     kernel = ext.paged_decode_attention if native else None
     per_request = build_attention_metadata(tables, cached + qlens, qlens, slots, bs, torch.device("cpu"), kernel)
     row_req = np.concatenate([req[:6], [2]])  # the decode and each verify position, then the chunk

@@ -126,7 +126,8 @@ def test_auto_is_the_precision_the_file_stores(monkeypatch):
         seen.update(kw)
         raise Stop
     monkeypatch.setattr("tandem.LLM", fake_llm)
-    args = argparse.Namespace(model="smollm2-135m", dtype="auto", device="cpu", batch_sizes="1", prompt_len=8,
+    args = argparse.Namespace(model="smollm2-135m", dtype="auto", kv_cache_dtype="auto", device="cpu", batch_sizes="1",
+                              prompt_len=8,
                               output_len=4, kv_cache_memory=None, num_threads=1, seed=0)
     with pytest.raises(Stop):
         quantization.run_precision(args, "auto", False)
@@ -141,7 +142,8 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
 
     def fake_tandem(fn, args, requests):
         order.append(fn.precision)
-        return {"decode_tok_s": {1: next(runs)}, "peak_rss_mb": 100.0, "precision": "int4"}
+        return {"decode_tok_s": {1: next(runs)}, "peak_rss_mb": 100.0, "precision": "int4",
+                "kv_cache_dtype": "bfloat16"}
 
     def fake_llama(command, batches):
         order.append("llama")
@@ -151,9 +153,11 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
     monkeypatch.setattr(llamacpp, "llama_cpp_tool", lambda name, path: Path("/bin/true"))
     monkeypatch.setattr("tandem.models.loader.gguf_source", lambda model: tmp_path / "m.gguf")
     report = llamacpp.compare(_args(quantization="auto,int4", repeats=2, batch_sizes="1", model="m",
-                                    llama_batched_bench=None, dtype="auto", kv_cache_memory=None, seed=0))
+                                    llama_batched_bench=None, dtype="auto", kv_cache_dtype="auto", kv_cache_memory=None, seed=0))
     assert order == ["auto", "int4", "llama", "int4", "llama", "auto"]
     assert report["decode_tok_s"]["auto (int4)"] == {1: 10.0} and report["decode_tok_s"]["int4"] == {1: 30.0}
     assert report["ratio"]["int4"] == {1: 1.5}
     llamacpp.print_table(report)
-    assert "tandem peak RSS: auto (int4) 100 MiB, int4 100 MiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tandem peak RSS: auto (int4) 100 MiB, int4 100 MiB" in out
+    assert "tandem KV cache: auto (int4) bfloat16, int4 bfloat16" in out

@@ -220,7 +220,8 @@ def main(args: argparse.Namespace) -> dict:
                                                            new_eq, n_eq, 512)})
     wl = dict(num_requests=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16) if args.tiny else \
         dict(num_requests=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
-    oargs = argparse.Namespace(model=args.model, dtype=args.dtype, device=args.device, seed=0, max_num_seqs=256,
+    oargs = argparse.Namespace(model=args.model, dtype=args.dtype, kv_cache_dtype="auto", device=args.device, seed=0,
+                               max_num_seqs=256,
                                max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory,
                                async_scheduling=None, progress=False, hf_dtype=None, hf_batch_size=256,
                                enforce_eager=False, **wl)

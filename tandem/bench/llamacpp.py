@@ -83,7 +83,8 @@ def run_llama(command: list[str], batches: list[int]) -> dict[int, float]:
 
 def _tandem_args(args: argparse.Namespace) -> argparse.Namespace:
     """What bench/quantization.run_precision reads."""
-    return argparse.Namespace(model=args.model, dtype=args.dtype, device="cpu", batch_sizes=args.batch_sizes,
+    return argparse.Namespace(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device="cpu",
+                              batch_sizes=args.batch_sizes,
                               prompt_len=args.prompt_len, output_len=args.output_len,
                               kv_cache_memory=args.kv_cache_memory, num_threads=args.num_threads, seed=args.seed)
 
@@ -103,6 +104,7 @@ def compare(args: argparse.Namespace) -> dict:
     best = {side: dict.fromkeys(batches, 0.0) for side in sides}
     peak_rss_mb: dict[str, float] = {}
     served: dict[str, str] = {}  # side -> the precision it ran ("auto" resolves to the file's)
+    kv_dtypes: dict[str, str] = {}
     for round_ in range(args.repeats):
         for side in sides[round_ % len(sides):] + sides[:round_ % len(sides)]:
             if side == LLAMA:
@@ -110,12 +112,14 @@ def compare(args: argparse.Namespace) -> dict:
             else:
                 run = in_subprocess(RunPrecision(side), _tandem_args(args), None)
                 got, peak_rss_mb[side], served[side] = run["decode_tok_s"], run["peak_rss_mb"], run["precision"]
+                kv_dtypes[side] = run["kv_cache_dtype"]
             best[side] = {b: max(best[side][b], got[b]) for b in batches}
     label = {side: side if served.get(side, side) == side else f"{side} ({served[side]})" for side in sides}
     return {"model": str(gguf), "llama_command": " ".join(command),
             "decode_tok_s": {label[side]: best[side] for side in sides},
             "ratio": {label[side]: {b: best[side][b] / best[LLAMA][b] for b in batches} for side in sides[:-1]},
-            "tandem_peak_rss_mb": {label[side]: rss for side, rss in peak_rss_mb.items()}}
+            "tandem_peak_rss_mb": {label[side]: rss for side, rss in peak_rss_mb.items()},
+            "tandem_kv_cache_dtype": {label[side]: kv for side, kv in kv_dtypes.items()}}
 
 
 def print_table(report: dict) -> None:
@@ -127,6 +131,8 @@ def print_table(report: dict) -> None:
         print(f"{b:>5} " + " ".join(f"{report['decode_tok_s'][s][b]:>15.1f}" for s in sides)
               + " " + " ".join(f"{r[b]:>14.2f}x" for r in report["ratio"].values()))
     print("tandem peak RSS: " + ", ".join(f"{s} {mb:,.0f} MiB" for s, mb in report["tandem_peak_rss_mb"].items()))
+    print("tandem KV cache: " + ", ".join(f"{s} {kv}" for s, kv in report["tandem_kv_cache_dtype"].items())
+          + " (llama.cpp's: f16)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,6 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="int4",
                    help="Tandem's precision, or several comma-separated, each its own column (default int4)")
     p.add_argument("--dtype", default="auto", help="Tandem's float dtype (default auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="Tandem's KV cache dtype (default auto; llama.cpp's is f16)")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default 1,16)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=int, default=128,

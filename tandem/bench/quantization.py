@@ -21,25 +21,27 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
 
     from tandem import LLM, SamplingParams
     from tandem.bench.offline import _peak_rss_mb, until_first_tokens
-    from tandem.executor.device import resolve_device, resolve_dtype
+    from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
     from tandem.models.builder import resolve_precision
     from tandem.models.llama import ModelConfig
     from tandem.models.loader import gguf_source, load_config, resolve_model
     from tandem.models.variants import auto_precision
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    # KV for the largest batch (in the dtype the variant computes in, with a block of slack per
+    # KV for the largest batch (in the KV dtype the engine will choose, with a block of slack per
     # request), not a share of the machine: peak RSS then shows the weights, not an untouched pool.
     device = resolve_device(args.device)
     if precision == "auto":  # named: the KV dtype and the report follow it
         precision = auto_precision(resolve_model(args.model), gguf_source(args.model), args.dtype,
                                    resolve_dtype(args.dtype, device))
-    kv_dtype = resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2]
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype,
+                                      resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2],
+                                      device, "torch")
     kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
     kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
         kv_dtype) * kv_tokens
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=precision,
               max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads,
-              deterministic=deterministic)
+              deterministic=deterministic, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     rng = random.Random(args.seed)
     vocab, info = engine.vocab_size, engine.info()
@@ -49,6 +51,7 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     # the RSS after loading is what the variant keeps.
     loaded_rss_mb = psutil.Process().memory_info().rss / 2**20
     out = {"rss_after_load_mb": loaded_rss_mb, "precision": precision, "dtype": info.dtype,
+           "kv_cache_dtype": info.kv_cache_dtype,
            "weight_mib": info.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
     for b in batches:
         until_first_tokens(engine, [engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)

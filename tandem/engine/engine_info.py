@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     dtype: str  # the float dtype the model runs in: float32, bfloat16, float16
+    kv_cache_dtype: str  # the KV cache's: the same, or bfloat16 / float16 under float32
     block_size: int
     num_kv_blocks: int
     kv_bytes_per_token: int  # the target model's KV, all layers
@@ -55,8 +56,8 @@ def engine_info(core: EngineCore) -> EngineInfo:
     ex = core.executor
     graphs = ex.graph_runner
     return EngineInfo(
-        dtype=str(ex.dtype).removeprefix("torch."), block_size=ex.block_size, num_kv_blocks=ex.num_kv_blocks,
-        kv_bytes_per_token=ex.model_config.kv_bytes_per_token(ex.dtype), default_precision=ex.variants.default,
+        dtype=str(ex.dtype).removeprefix("torch."), kv_cache_dtype=str(ex.kv.dtype).removeprefix("torch."),
+        block_size=ex.block_size, num_kv_blocks=ex.num_kv_blocks, kv_bytes_per_token=ex.kv.kv_bytes_per_token, default_precision=ex.variants.default,
         weight_bytes=dict(ex.variants.weight_bytes), decode_weight_bytes=_decode_weight_bytes(ex.model),
         graphs_captured=graphs is not None, graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
         graph_capture_bytes=graphs.capture_bytes if graphs else 0, async_scheduling=core.pipeline.overlap)

@@ -175,7 +175,8 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 class TorchAttention:
     """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when meta.triton.
-    KV cache layout: [2, num_slots, num_kv_heads, head_dim]."""
+    KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations' dtype or, under
+    fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as they are read)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  sliding_window: int | None = None) -> None:
@@ -199,8 +200,8 @@ class TorchAttention:
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                 meta.block_size, self.scale, self.window_arg).view(q.shape[0], -1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # a narrower cache rounds here
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and meta.decode_kernel is not None:
@@ -235,15 +236,15 @@ class TorchAttention:
         b, length = q.shape[0], bucket.mask.shape[-1]
         shape = (b, length, self.num_kv_heads, self.head_dim)
         # index_select on rows is several times faster than advanced indexing on CPU.
-        k = k_cache.index_select(0, bucket.slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_cache.index_select(0, bucket.slots).view(shape).transpose(1, 2)
+        k = k_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
-        k = k_cache.index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v = v_cache.index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
+        k = k_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v = v_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=1)

@@ -26,6 +26,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") else torch.float32
 
 
+def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device,
+                           attention_backend: str) -> torch.dtype:
+    """The KV cache's element type, for activations in `dtype` (`dtype_name` as asked for).
+
+    auto: the activations' dtype, except on a CPU where an auto `dtype` computes in fp32 (no
+    AVX-512, whose bf16 matmuls it lacks): there the cache is bf16, as an AVX-512 CPU keeps it
+    (llama.cpp keeps f16). Decode attention reads the whole context every step, and half the
+    bytes takes ~40% off its time; the pool holds twice the tokens. A cache narrower than the
+    activations (bf16 or fp16 under fp32) is read by the CPU attention alone: refused elsewhere."""
+    if name == "auto":
+        narrow = device.type == "cpu" and attention_backend == "torch" and dtype_name == "auto"
+        return torch.bfloat16 if narrow and dtype == torch.float32 else dtype
+    kv_dtype = _DTYPES[name]
+    if kv_dtype == dtype:
+        return kv_dtype
+    if dtype != torch.float32 or kv_dtype == torch.float32:
+        raise ValueError(f"kv_cache_dtype {name} under {_name(dtype)} activations: the cache holds the "
+                         f"activations' dtype, or bfloat16 / float16 under float32")
+    if device.type != "cpu" or attention_backend != "torch":
+        raise ValueError(f"kv_cache_dtype {name} under float32 activations runs on the CPU attention only "
+                         f"(device {device}, attention backend {attention_backend}); use the activations' dtype")
+    return kv_dtype
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def default_kv_cache_memory(device: torch.device, memory_utilization: float | None = None) -> int:
     """The KV pool's bytes when no size was given, measured after the weights were loaded.
 

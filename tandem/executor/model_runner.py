@@ -16,7 +16,7 @@ from tandem.core.kv_groups import KVGroups, kv_groups, plain_groups
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.executor.attention import TorchAttention, resolve_attention_backend
 from tandem.executor.cuda_graphs import capture_graphs
-from tandem.executor.device import resolve_device, resolve_dtype
+from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.input_batch import CachedRequestState, InputBatch, InputBuilder
 from tandem.executor.kv_cache import KVCache
@@ -63,11 +63,13 @@ class ModelRunner:
         own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
         groups = kv_layout(cfg, self.device, own_draft_kv)
         self.kv_group_windows = groups.windows
-        self.kv = KVCache(config, cfg, draft.cfg if own_draft_kv else None, self.dtype, self.device, groups)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.dtype, self.device,
+                                          self.attention_backend)
+        self.kv = KVCache(config, cfg, draft.cfg if own_draft_kv else None, kv_dtype, self.device, groups)
         self.block_size, self.num_kv_blocks, self.num_host_blocks = (
             self.kv.block_size, self.kv.num_kv_blocks, self.kv.num_host_blocks)
         self.kv_caches, self.kv_device = self.kv.kv_caches, self.kv.kv_cache.device
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         if self.device.type == "cpu":
             cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
         self.graph_runner = capture_graphs(config, self.model, self.kv_caches, self.kv.num_slots,

@@ -1,8 +1,9 @@
 // Paged decode attention for CPU: one query token per sequence, K read in place from the
 // block-paged cache, a part's V rows read in place with one KV head and else copied into one run
-// (no gather of the whole context), fp32
-// accumulation; the query heads of a GQA group share every K/V row they read, and a context is
-// split into fixed parts that the threads share.
+// (no gather of the whole context), fp32 accumulation whatever the cache holds (the activations'
+// type, or bf16 / fp16 under fp32 activations: half the bytes to stream); the query heads of a
+// GQA group share every K/V row they read, and a context is split into fixed parts that the
+// threads share.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
 #include <ATen/Dispatch.h>
@@ -47,7 +48,18 @@ inline v8 load8(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
   return (v8)(__builtin_convertvector(h, u32x8) << 16);
 #endif
 }
-template <typename T>  // fp16, fp64
+inline v8 load8(const at::Half* p) {
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  v8 v;
+  std::memcpy(&v, f, sizeof v);
+  return v;
+#endif
+}
+template <typename T>  // fp64
 inline v8 load8(const T* p) {
   float f[8];
   for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
@@ -221,10 +233,11 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   });
 }
 
-// q: row b at q + b * q_row, [Hq, D] inside it; out: [B, Hq, D].
-template <typename T, int D>
-static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t hq, int64_t hkv,
+// q: row b at q + b * q_row, [Hq, D] inside it; out: [B, Hq, D]. The cache's type T may be
+// narrower than the activations' TQ (fp32 activations over a bf16 / fp16 KV cache).
+template <typename TQ, typename T, int D>
+static void decode(const TQ* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   const int64_t* seq_lens, TQ* out, int64_t num_seqs, int64_t hq, int64_t hkv,
                    int64_t max_blocks, int64_t block_size, float scale, int64_t window) {
   const int64_t g = hq / hkv, part_size = g * (D + 2);
   TORCH_CHECK(g <= kMaxGroup, "paged decode: at most ", kMaxGroup, " query heads per KV head");
@@ -282,11 +295,27 @@ static void decode(const T* q, int64_t q_row, const T* k_cache, const T* v_cache
           l += w * part[g + j];
           for (int i = 0; i < D; ++i) acc[i] += w * part[2 * g + j * D + i];
         }
-        T* o = out + (b * hq + h * g + j) * D;
-        for (int i = 0; i < D; ++i) o[i] = static_cast<T>(acc[i] / l);
+        TQ* o = out + (b * hq + h * g + j) * D;
+        for (int i = 0; i < D; ++i) o[i] = static_cast<TQ>(acc[i] / l);
       }
     }
   });
+}
+
+// f(TQ{}, T{}) for the (activations, cache) types a call pairs: one type, or fp32 activations over
+// a bf16 / fp16 cache.
+template <typename F>
+void dispatch_types(at::ScalarType q, at::ScalarType cache, const char* name, F&& f) {
+  if (q == cache) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q, "paged_decode", [&] { f(scalar_t{}, scalar_t{}); });
+  } else if (q == at::kFloat && cache == at::kBFloat16) {
+    f(float{}, at::BFloat16{});
+  } else if (q == at::kFloat && cache == at::kHalf) {
+    f(float{}, at::Half{});
+  } else {
+    TORCH_CHECK(false, name, ": ", q, " activations over a ", cache,
+                " KV cache (the cache holds the activations' type, or bf16 / fp16 under fp32)");
+  }
 }
 
 // q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; block_tables: [B, max_blocks] int64;
@@ -300,11 +329,14 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto out = at::empty_like(q);
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_attention supports head_dim 64, 128 or 256");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = d == 64 ? decode<scalar_t, 64> : d == 128 ? decode<scalar_t, 128> : decode<scalar_t, 256>;
-    run(q.data_ptr<scalar_t>(), hq * d, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-        block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-        b, hq, hkv, block_tables.size(1), block_size, static_cast<float>(scale), window);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K and V caches' dtypes differ");
+  dispatch_types(q.scalar_type(), k_cache.scalar_type(), "paged_decode_attention", [&](auto tq, auto tkv) {
+    using TQ = decltype(tq);
+    using T = decltype(tkv);
+    auto run = d == 64 ? decode<TQ, T, 64> : d == 128 ? decode<TQ, T, 128> : decode<TQ, T, 256>;
+    run(q.data_ptr<TQ>(), hq * d, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+        seq_lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), b, hq, hkv, block_tables.size(1), block_size,
+        static_cast<float>(scale), window);
   });
   return out;
 }
@@ -317,7 +349,6 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
                             at::Tensor block_tables, at::Tensor seq_lens, int64_t num_heads,
                             int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.dim() == 4 && kv_cache.is_contiguous());
-  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type(), "paged_decode_qkv: qkv and cache dtypes differ");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && slot_mapping.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               slot_mapping.scalar_type() == at::kLong);
@@ -325,20 +356,23 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_qkv supports head_dim 64, 128 or 256");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && slot_mapping.numel() == b && seq_lens.numel() >= b);
   auto out = at::empty({b, num_heads * d}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "paged_decode_qkv", [&] {
-    const scalar_t* src = qkv.data_ptr<scalar_t>();
-    scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
-    scalar_t* v_cache = k_cache + slots * hkv * d;
+  dispatch_types(qkv.scalar_type(), kv_cache.scalar_type(), "paged_decode_qkv", [&](auto tq, auto tkv) {
+    using TQ = decltype(tq);
+    using T = decltype(tkv);
+    const TQ* src = qkv.data_ptr<TQ>();
+    T* k_cache = kv_cache.data_ptr<T>();
+    T* v_cache = k_cache + slots * hkv * d;
     const int64_t row = qkv.size(1), kv = hkv * d;
     const int64_t* slot = slot_mapping.data_ptr<int64_t>();
     for (int64_t i = 0; i < b; ++i) {
       TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "paged_decode_qkv: slot out of range");
+      // a narrower cache rounds to nearest even, as torch's casts do
       std::copy_n(src + i * row + num_heads * d, kv, k_cache + slot[i] * kv);
       std::copy_n(src + i * row + num_heads * d + kv, kv, v_cache + slot[i] * kv);
     }
-    auto run = d == 64 ? decode<scalar_t, 64> : d == 128 ? decode<scalar_t, 128> : decode<scalar_t, 256>;
+    auto run = d == 64 ? decode<TQ, T, 64> : d == 128 ? decode<TQ, T, 128> : decode<TQ, T, 256>;
     run(src, row, k_cache, v_cache, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-        out.data_ptr<scalar_t>(), b, num_heads, hkv, block_tables.size(1), block_size, static_cast<float>(scale),
+        out.data_ptr<TQ>(), b, num_heads, hkv, block_tables.size(1), block_size, static_cast<float>(scale),
         window);
   });
   return out;

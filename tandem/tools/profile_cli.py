@@ -120,7 +120,7 @@ def measure(args: argparse.Namespace) -> CostModel:
             continue
         s, t = res
         samples.append([s.num_prefill_tokens, s.prefill_attention, s.num_decode_seqs, s.decode_context, t])
-    kv_bytes = runner.model_config.kv_bytes_per_token(runner.dtype)
+    kv_bytes = runner.kv.kv_bytes_per_token
     bw = host_copy_bandwidth(runner.device)
     dtype = str(runner.dtype).removeprefix("torch.")
     gpu = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None
