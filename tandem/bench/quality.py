@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
     p.add_argument("--quantization", default="bf16,int8,int4", help="precisions; the first is the reference")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype, every variant's (default auto: the activations', but bf16 where "
+                        "--dtype auto is fp32 on CPU)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)")
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
     p.add_argument("--deterministic", choices=["off", "on", "both"], default="both",
@@ -100,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine(args, precisions: list[str], deterministic: bool):
     from tandem import LLM
-    return LLM(args.model, dtype=args.dtype, quantization=precisions[0], precision_classes={
+    return LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=precisions[0],
+               precision_classes={
         cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])},
         kv_cache_memory=256 << 20, enable_prefix_caching=False, deterministic=deterministic)
 
@@ -119,7 +123,8 @@ def main(args: argparse.Namespace) -> dict:
     text_ids = llm.tokenizer.encode(TEXT.read_text())
     batch = prompts(llm.tokenizer)
     report = {"text_tokens": len(text_ids), "num_prompts": len(batch), "max_tokens": args.max_tokens,
-              "deterministic": args.deterministic == "on", "variants": {}}
+              "deterministic": args.deterministic == "on", "kv_cache_dtype": engine.info().kv_cache_dtype,
+              "variants": {}}
     ref = None
     for p in precisions:
         batched, dependent = _batch_dependent(engine, batch, p, args.max_tokens)
@@ -136,7 +141,8 @@ def main(args: argparse.Namespace) -> dict:
             report["variants"][p]["batch_dependent_prompts_deterministic"] = _batch_dependent(
                 det, batch, p, args.max_tokens)[1]
     print(f"{report['text_tokens']} text tokens; {len(batch)} prompts x {args.max_tokens} greedy tokens; "
-          f"reference {precisions[0]}{'; deterministic' if report['deterministic'] else ''}")
+          f"reference {precisions[0]}; KV cache {report['kv_cache_dtype']}"
+          f"{'; deterministic' if report['deterministic'] else ''}")
     both = args.deterministic == "both"
     print(f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}"
           + (f" {'with --deterministic':>21}" if both else ""))
