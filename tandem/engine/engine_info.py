@@ -57,7 +57,8 @@ def engine_info(core: EngineCore) -> EngineInfo:
     graphs = ex.graph_runner
     return EngineInfo(
         dtype=str(ex.dtype).removeprefix("torch."), kv_cache_dtype=str(ex.kv.dtype).removeprefix("torch."),
-        block_size=ex.block_size, num_kv_blocks=ex.num_kv_blocks, kv_bytes_per_token=ex.kv.kv_bytes_per_token, default_precision=ex.variants.default,
+        block_size=ex.block_size, num_kv_blocks=ex.num_kv_blocks, kv_bytes_per_token=ex.kv.kv_bytes_per_token,
+        default_precision=ex.variants.default,
         weight_bytes=dict(ex.variants.weight_bytes), decode_weight_bytes=_decode_weight_bytes(ex.model),
         graphs_captured=graphs is not None, graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
         graph_capture_bytes=graphs.capture_bytes if graphs else 0, async_scheduling=core.pipeline.overlap)
