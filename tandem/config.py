@@ -11,7 +11,7 @@ import yaml
 from tandem.core.request_class import CLASS_NAMES
 from tandem.core.scheduler_config import SchedulerConfig
 from tandem.core.spec_decode import SpeculativeConfig
-from tandem.flags import parse_size
+from tandem.flags import FLOAT_DTYPES, parse_size
 
 log = logging.getLogger(__name__)
 KNOWN_SECTIONS = ("engine", "cache", "scheduler", "server", "quantization", "speculative_decoding", "deterministic")
@@ -93,10 +93,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
             raise ValueError("kv_cache_memory and gpu_memory_utilization both size the KV pool: give one of them")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in FLOAT_DTYPES:
+                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not isinstance(self.deterministic, bool):

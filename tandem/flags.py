@@ -1,5 +1,5 @@
-"""Command-line helpers every command shares: sizes with units, and the old spellings a release
-shipped, which still parse but say the new name."""
+"""Command-line helpers every command shares: sizes with units, the KV cache dtype flag, and the
+old spellings a release shipped, which still parse but say the new name."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,16 @@ from typing import Callable
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+FLOAT_DTYPES = ("auto", "float32", "bfloat16", "float16")  # `dtype` and `kv_cache_dtype` values
+
+
+def kv_cache_dtype_argument(p, default: str | None = "auto") -> None:
+    """--kv-cache-dtype, as every command that builds an engine takes it."""
+    p.add_argument("--kv-cache-dtype", default=default, choices=FLOAT_DTYPES,
+                   help="the KV cache's element type (default auto: the activations' dtype, but bfloat16 on a CPU "
+                        "where --dtype auto computes in float32); narrower than the activations on CPU only")
 
 
 def parse_size(text: str | int | float, bare_unit: str = "b") -> int:

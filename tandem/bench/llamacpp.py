@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tandem.flags import size_type
+from tandem.flags import kv_cache_dtype_argument, size_type
 
 LLAMA = "llama.cpp"
 
@@ -140,8 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="int4",
                    help="Tandem's precision, or several comma-separated, each its own column (default int4)")
     p.add_argument("--dtype", default="auto", help="Tandem's float dtype (default auto)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="Tandem's KV cache dtype (default auto; llama.cpp's is f16)")
+    kv_cache_dtype_argument(p)  # llama.cpp's is f16
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default 1,16)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=int, default=128,

@@ -13,7 +13,7 @@ import random
 import resource
 import time
 
-from tandem.flags import renamed, size_type
+from tandem.flags import kv_cache_dtype_argument, renamed, size_type
 from tandem.server.launch import add_speculative_arguments, with_speculation_flags
 
 
@@ -40,8 +40,7 @@ def run_tandem(args, requests) -> dict:
     opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     opts = with_speculation_flags(opts, args)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
               enforce_eager=args.enforce_eager, deterministic=args.deterministic, **opts)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
@@ -203,8 +202,7 @@ def in_subprocess(fn, args, requests) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the KV cache's dtype (default auto: the activations', but bf16 where --dtype auto is fp32 on CPU)")
+    kv_cache_dtype_argument(p)
     p.add_argument("--num-prompts", type=int, default=64, help="requests to run (default 64)")
     renamed(p, "--num-requests", "--num-prompts", "num_prompts", convert=int)
     p.add_argument("--min-prompt", type=int, default=64, help="shortest random prompt, tokens (default 64)")

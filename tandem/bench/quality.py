@@ -17,6 +17,8 @@ import json
 import math
 from pathlib import Path
 
+from tandem.flags import kv_cache_dtype_argument
+
 TEXT = Path(__file__).with_name("data") / "opticks.txt"
 _TOPICS = ["photosynthesis", "the French Revolution", "a binary search", "black holes", "inflation in economics",
            "the water cycle", "TCP handshakes", "Shakespeare's sonnets", "vaccines", "plate tectonics",
@@ -90,9 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
     p.add_argument("--quantization", default="bf16,int8,int4", help="precisions; the first is the reference")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the KV cache's dtype, every variant's (default auto: the activations', but bf16 where "
-                        "--dtype auto is fp32 on CPU)")
+    kv_cache_dtype_argument(p)  # one pool: every variant's KV
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)")
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
     p.add_argument("--deterministic", choices=["off", "on", "both"], default="both",

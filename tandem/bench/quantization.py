@@ -21,6 +21,7 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
 
     from tandem import LLM, SamplingParams
     from tandem.bench.offline import _peak_rss_mb, until_first_tokens
+    from tandem.executor.attention import resolve_attention_backend
     from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
     from tandem.models.builder import resolve_precision
     from tandem.models.llama import ModelConfig
@@ -35,7 +36,7 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
                                    resolve_dtype(args.dtype, device))
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype,
                                       resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2],
-                                      device, "torch")
+                                      device, resolve_attention_backend("auto", device))
     kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
     kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
         kv_dtype) * kv_tokens

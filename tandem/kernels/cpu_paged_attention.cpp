@@ -1,5 +1,5 @@
 // Paged decode attention for CPU: one query token per sequence, K read in place from the
-// block-paged cache, a part's V rows read in place with one KV head and else copied into one run
+// block-paged cache, a part's V rows read in place with one KV head and else copied into one buffer
 // (no gather of the whole context), fp32 accumulation whatever the cache holds (the activations'
 // type, or bf16 / fp16 under fp32 activations: half the bytes to stream); the query heads of a
 // GQA group share every K/V row they read, and a context is split into fixed parts that the
@@ -48,18 +48,10 @@ inline v8 load8(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
   return (v8)(__builtin_convertvector(h, u32x8) << 16);
 #endif
 }
-inline v8 load8(const at::Half* p) {
 #ifdef __F16C__
-  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
-  v8 v;
-  std::memcpy(&v, f, sizeof v);
-  return v;
+inline v8 load8(const at::Half* p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
-}
-template <typename T>  // fp64
+template <typename T>  // fp64, and fp16 without F16C
 inline v8 load8(const T* p) {
   float f[8];
   for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);

@@ -8,7 +8,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from tandem.config import EngineConfig, load_yaml
-from tandem.flags import renamed, size_type
+from tandem.flags import kv_cache_dtype_argument, renamed, size_type
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerConfig
@@ -45,9 +45,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed of sampled requests without their own (default 0)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads of the engine (default: all cores)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block, a power of two (default 16)")
-    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the KV cache's element type (default auto: the activations' dtype, but bfloat16 on a CPU "
-                        "where --dtype auto computes in float32); narrower than the activations on CPU only")
+    kv_cache_dtype_argument(g, default=None)
     g.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
                    help="KV pool size, e.g. 4GiB or 512MiB (a bare number is bytes); default: 90%% of free "
                         "GPU memory after the weights, or on CPU a quarter of available memory up to 2 GiB")
