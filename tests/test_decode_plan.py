@@ -1,5 +1,6 @@
-"""The decode plan (models/decode_plan.py): where it is built, its steps give the modules' logits
-bit for bit; where a layer would take another path, it is not built."""
+"""The decode plan (models/decode_plan.py): where it is built (Llama-family and Gemma 3 layers on
+the integer kernel), its steps give the modules' logits bit for bit; where a layer would take
+another path, it is not built."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,12 +22,7 @@ def _outputs(llm: LLM) -> list[tuple[list[int], list]]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(_prompts(), PARAMS)]
 
 
-@pytest.mark.parametrize("kinds, default", [(Q4_K_M, Q.Q4_K), ({"token_embd": Q.Q8_0}, Q.Q8_0)],
-                         ids=["q4_k_m-row-parts", "q8_0"])
-def test_the_plans_steps_equal_the_modules(tmp_path, monkeypatch, kinds, default) -> None:
-    # no prefix cache: the second pass would prefill less, so its logits could differ in the last bits
-    llm = LLM(str(write_quantised_gguf(Path(tmp_path) / "m.gguf", kinds, default)), dtype="float32",
-              kv_cache_memory=1 << 22, enable_prefix_caching=False)
+def _assert_the_plans_steps_equal_the_modules(llm: LLM, monkeypatch) -> None:
     model = llm.engine.core.executor.model
     plan = model.decode_plan
     assert plan is not None
@@ -39,6 +35,24 @@ def test_the_plans_steps_equal_the_modules(tmp_path, monkeypatch, kinds, default
     assert _outputs(llm) == with_plan
 
 
+@pytest.mark.parametrize("kinds, default", [(Q4_K_M, Q.Q4_K), ({"token_embd": Q.Q8_0}, Q.Q8_0)],
+                         ids=["q4_k_m-row-parts", "q8_0"])
+def test_the_plans_steps_equal_the_modules(tmp_path, monkeypatch, kinds, default) -> None:
+    # no prefix cache: the second pass would prefill less, so its logits could differ in the last bits
+    llm = LLM(str(write_quantised_gguf(Path(tmp_path) / "m.gguf", kinds, default)), dtype="float32",
+              kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    _assert_the_plans_steps_equal_the_modules(llm, monkeypatch)
+
+
+def test_gemma3_steps_equal_the_modules(tiny_model_dirs, monkeypatch) -> None:
+    """Gemma 3: QK-norm, sliding-window layers with their own RoPE table and metadata, norms after
+    the attention and the MLP, the scaled embedding; the prompts outrun the tiny model's window
+    of 12."""
+    llm = LLM(tiny_model_dirs["gemma3"], dtype="float32", quantization="int4", kv_cache_memory=1 << 22,
+              enable_prefix_caching=False)
+    _assert_the_plans_steps_equal_the_modules(llm, monkeypatch)
+
+
 def test_no_plan_where_a_layer_takes_another_path(tiny_model_dirs) -> None:
     def plan_of(kind: str, **kw) -> DecodePlan | None:
         llm = LLM(tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, **kw)
@@ -47,8 +61,9 @@ def test_no_plan_where_a_layer_takes_another_path(tiny_model_dirs) -> None:
     assert plan_of("llama", quantization="int4") is not None
     assert plan_of("llama") is None  # float linears
     assert plan_of("qwen2", quantization="int4") is None  # a bias on qkv
-    assert plan_of("qwen3", quantization="int4") is None  # QK-norm
-    assert plan_of("gemma3", quantization="int4") is None  # another layer kind
+    assert plan_of("qwen3", quantization="int4") is not None  # QK-norm
+    assert plan_of("gemma3", quantization="int4") is not None
+    assert plan_of("gemma3") is None  # float linears
 
 
 def test_a_float_linear_among_quantised_ones_means_no_plan(tiny_model_dirs) -> None:

@@ -20,6 +20,13 @@ from tandem.models.layers import Gate, RMSNorm, RotaryEmbedding, StepRope
 from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausalLM, ModelConfig, per_layer
 
 
+def scaled_embedding(embed_tokens: nn.Module, hidden_size: int, input_ids: torch.Tensor) -> torch.Tensor:
+    """Gemma's input: the embedding times sqrt(hidden), the scale rounded to the embedding's
+    dtype first, as transformers rounds it."""
+    x = embed_tokens(input_ids)
+    return x * torch.tensor(hidden_size ** 0.5).to(x.dtype)
+
+
 class Gemma3MLP(MLP):
     """The Llama MLP's fused [gate | up] projection, gated by gelu-tanh instead of silu."""
     gate: Gate = Gate.GELU_TANH
@@ -57,11 +64,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> nn.Module:
         return Gemma3DecoderLayer(cfg, attention, cfg.layer_windows[index])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # transformers rounds the scale to the weights' dtype first
-        x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
+    def forward_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
+        x = scaled_embedding(self.embed_tokens, self.cfg.hidden_size, input_ids)
         ropes = {False: self.rotary(positions, x.dtype), True: self.rotary_local(positions, x.dtype)}
         residual = None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):

@@ -261,6 +261,11 @@ class LlamaForCausalLM(nn.Module):
         plan = self.decode_plan
         if plan is not None and (hidden := plan.run(input_ids, positions, kv_caches, meta)) is not None:
             return hidden
+        return self.forward_modules(input_ids, positions, kv_caches, meta)
+
+    def forward_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
+        """The forward through the layers' modules (any step; `forward` without a plan)."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):
