@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from conftest import TINY, write_tiny_model
 from tandem import LLM, SamplingParams
 from tandem.models.decode_plan import DecodePlan
 from tandem.models.layers import Linear
@@ -53,7 +54,16 @@ def test_gemma3_steps_equal_the_modules(tiny_model_dirs, monkeypatch) -> None:
     _assert_the_plans_steps_equal_the_modules(llm, monkeypatch)
 
 
-def test_no_plan_where_a_layer_takes_another_path(tiny_model_dirs) -> None:
+def test_qk_norm_llama_steps_equal_the_modules(tmp_path, monkeypatch) -> None:
+    """A Llama layer with QK-norm (Qwen3), at a head_dim the native decode attention takes (the
+    shared tiny Qwen3's 32 is not one, so its plan never runs a step)."""
+    import transformers as tf
+    path = write_tiny_model(tf.Qwen3Config(**TINY, head_dim=64, tie_word_embeddings=False), tmp_path)
+    llm = LLM(path, dtype="float32", quantization="int4", kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    _assert_the_plans_steps_equal_the_modules(llm, monkeypatch)
+
+
+def test_which_models_get_a_plan(tiny_model_dirs) -> None:
     def plan_of(kind: str, **kw) -> DecodePlan | None:
         llm = LLM(tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, **kw)
         return llm.engine.core.executor.model.decode_plan

@@ -1,8 +1,8 @@
 // Fused small ops of a decoder layer for CPU: at batch 1 a step is dominated by the fixed cost
 // of ~40 tiny PyTorch ops per layer, not by arithmetic. Each op here rounds exactly where the
 // PyTorch code it replaces rounds (models/layers.py), so bf16 results are the same bits.
-// Serial on purpose: built without OpenMP, so the process keeps torch's one OpenMP team (a
-// second, spinning team made every oneDNN GEMM ~50x slower on 2 cores).
+// Serial on purpose: no parallel region of its own, so the process keeps torch's one OpenMP team
+// (a second, spinning team made every oneDNN GEMM ~50x slower on 2 cores).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>

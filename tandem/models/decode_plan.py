@@ -1,4 +1,4 @@
-"""A decode-only step of a Llama-family model with quantised linears on CPU, as one loop of
+"""A decode-only step of a Llama-family or Gemma 3 model with quantised linears on CPU, as one loop of
 prebound native calls: the CPU's stand-in for a captured CUDA graph.
 
 At batch 1 each layer streams its weights through the caches, so the Python between two GEMMs
@@ -8,8 +8,8 @@ The calls and their arguments are the ones the modules make on such a step, so t
 are the modules' bit for bit. Gemma 3's layers take the same loop with its differences: QK-norm,
 a RoPE table for the sliding-window layers, the norms after the attention and the MLP, the
 scaled embedding, and one attention metadata per layer. `build` returns None where a layer
-would take another path (another layer kind, a bias, a float or batch-invariant linear, no
-native fused ops)."""
+would take another path (another layer kind, a bias, a float or batch-invariant linear, a norm
+whose eps is not the final norm's, a model off the CPU, no native fused ops)."""
 from __future__ import annotations
 
 import functools
