@@ -155,7 +155,7 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     """Read a config file with the mission's `serving:` shape.
 
     section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
-    prefix cache; serving.engine holds any other EngineConfig field by name (kv_cache_memory and
+    prefix cache (another key there is refused); serving.engine holds any other EngineConfig field by name (kv_cache_memory and
     swap_space in bytes, or a string with a unit: "4GiB");
     serving.speculative_decoding.{draft_model, verify_interval} is speculative_config;
     serving.deterministic (true / false) is deterministic.
@@ -179,6 +179,11 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
         out["scheduler_policy"] = scheduler.pop("policy")
     out.update(scheduler)
     cache = serving.get("cache") or {}
+    unknown = set(cache) - {"enabled", "max_prefix_tokens", "min_match_length"}
+    if unknown:  # the KV pool's own settings (kv_cache_memory, kv_cache_dtype, ...) are serving.engine's
+        raise ValueError(f"{path}: unknown serving.cache key(s): {', '.join(sorted(unknown))} (serving.cache is the "
+                         f"prefix cache: enabled, max_prefix_tokens, min_match_length; the KV pool's settings, "
+                         f"e.g. kv_cache_dtype, go in serving.engine)")
     if "enabled" in cache:
         out["enable_prefix_caching"] = bool(cache["enabled"])
     for key in ("max_prefix_tokens", "min_match_length"):

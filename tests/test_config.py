@@ -100,3 +100,12 @@ def test_the_shipped_example_is_a_valid_serving_config(caplog):
     assert (engine.quantization, engine.precision_fallback, engine.scheduler_policy) == ("int8", "bf16", "multilevel")
     assert engine.speculative_config.model == "self:int4" and engine.speculative_config.num_speculative_tokens == 4
     assert load_yaml(path, section="server") == {"max_waiting": 256}
+
+
+def test_an_unknown_cache_key_is_refused_and_the_kv_dtype_goes_in_engine(tmp_path):
+    path = tmp_path / "serving.yaml"
+    path.write_text("serving:\n  cache: {enabled: true, kv_cache_dtype: bfloat16}\n")
+    with pytest.raises(ValueError, match="unknown serving.cache key.*kv_cache_dtype.*go in serving.engine"):
+        load_yaml(path)
+    path.write_text("serving:\n  engine: {kv_cache_dtype: bfloat16}\n")
+    assert EngineConfig.from_dict(load_yaml(path)).kv_cache_dtype == "bfloat16"

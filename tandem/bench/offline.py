@@ -40,7 +40,8 @@ def run_tandem(args, requests) -> dict:
     opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     opts = with_speculation_flags(opts, args)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory,
               enforce_eager=args.enforce_eager, deterministic=args.deterministic, **opts)
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine

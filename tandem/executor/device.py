@@ -42,16 +42,12 @@ def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, devic
     if kv_dtype == dtype:
         return kv_dtype
     if dtype != torch.float32 or kv_dtype == torch.float32:
-        raise ValueError(f"kv_cache_dtype {name} under {_name(dtype)} activations: the cache holds the "
-                         f"activations' dtype, or bfloat16 / float16 under float32")
+        raise ValueError(f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations: the cache "
+                         f"holds the activations' dtype, or bfloat16 / float16 under float32")
     if device.type != "cpu" or attention_backend != "torch":
         raise ValueError(f"kv_cache_dtype {name} under float32 activations runs on the CPU attention only "
                          f"(device {device}, attention backend {attention_backend}); use the activations' dtype")
     return kv_dtype
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def default_kv_cache_memory(device: torch.device, memory_utilization: float | None = None) -> int:
