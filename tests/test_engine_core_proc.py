@@ -5,7 +5,9 @@ step, stop strings aborting in the core)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +194,26 @@ def test_engine_core_death_fails_every_stream(model_dir):
             llm.generate([1, 2], GREEDY)
     finally:
         llm.shutdown()
+
+
+def test_the_core_process_freezes_its_startup_heap(model_dir, capfd):
+    """Once built, the engine-core process puts what it holds (torch's modules, the model's
+    Python objects) out of the garbage collector's full collections, which walked all of it
+    mid-serving; it then serves as before."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.DEBUG)  # the level the core process logs at
+    try:
+        llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
+    finally:
+        root.setLevel(level)
+    try:
+        out = asyncio.run(_final(llm, PROMPTS[0], GREEDY))
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()
+    frozen = re.search(r"engine core: (\d+) startup objects frozen", capfd.readouterr().err)
+    assert frozen is not None and int(frozen.group(1)) > 10_000
 
 
 def test_engine_niceness_lowers_only_the_core_process(model_dir):

@@ -23,6 +23,7 @@ from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreInp
                                          EngineCoreRequest, EngineDead, Ready, RequestErrors, Shutdown,
                                          UtilityCall, UtilityResult, decode_utility, error_of)
 from tandem.engine.pd_service import PDService
+from tandem.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 50  # how long an idle loop waits on the socket before looking again
@@ -46,9 +47,10 @@ class EngineCoreProc:
         self._held: list[Any] = []  # commands _admit_arrivals left for the next drain
         self._stop = False
         ex = self.core.executor
-        self._send(Ready(self.core.max_model_len, self.core.vocab_size, self.core.eos_token_id, ex.block_size,
-                         ex.num_kv_blocks, ex.variants.default, dict(ex.variants.unavailable),
-                         dict(ex.variants.weight_bytes), os.getpid(), self.core.scheduler_stats()))
+        # sent as run() starts: in its own process the core freezes its startup heap in between
+        self._ready = Ready(self.core.max_model_len, self.core.vocab_size, self.core.eos_token_id, ex.block_size,
+                            ex.num_kv_blocks, ex.variants.default, dict(ex.variants.unavailable),
+                            dict(ex.variants.weight_bytes), os.getpid(), self.core.scheduler_stats())
 
     def close(self) -> None:
         self._channel.close(linger_ms=1000)  # what is sent still leaves
@@ -56,6 +58,7 @@ class EngineCoreProc:
     # ---- the busy loop --------------------------------------------------------------
     def run(self) -> None:
         core = self.core
+        self._send(self._ready)
         try:
             while not self._stop:
                 idle = not core.has_unfinished_requests()
@@ -175,6 +178,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     except BaseException:
         log.exception("engine core failed to start")
         sys.exit(1)
+    freeze_startup_heap("engine core")
     proc.run()
     logging.shutdown()
     os._exit(0)  # the sockets are closed and nothing else is left to write: skip torch's teardown

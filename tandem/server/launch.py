@@ -220,6 +220,7 @@ def main(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tandem.engine.async_llm import AsyncLLM
+    from tandem.heap import freeze_startup_heap
     from tandem.server.api_server import build_app
     from tandem.server.lifecycle import Lifecycle, RefuseWhenStopping, Server
 
@@ -229,6 +230,7 @@ def main(args: argparse.Namespace) -> None:
     llm.on_dead = lifecycle.engine_died
     app = build_app(llm, server)
     app.add_middleware(RefuseWhenStopping, lifecycle=lifecycle)
+    freeze_startup_heap("API server")
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                               timeout_graceful_shutdown=1), lifecycle).run()

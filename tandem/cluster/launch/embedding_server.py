@@ -13,6 +13,7 @@ import numpy as np
 from fastapi import FastAPI
 
 from tandem.cluster.launch.embedding_routes import EmbeddingState, api
+from tandem.heap import freeze_startup_heap
 from tandem.server.errors import add_error_handlers
 from tandem.server.middleware import BodySizeLimit
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     app = build_embedding_app(Embedder(args.model, args.num_threads), args.served_model_name or args.model)
+    freeze_startup_heap("embedding server")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -161,6 +161,7 @@ def main(args: argparse.Namespace) -> None:
 
     from tandem.cluster.launch.kv_group import join_kv_group
     from tandem.cluster.router.app import build_router
+    from tandem.heap import freeze_startup_heap
     cfg = load_cluster_config(args.config)
     cfg.router.host = args.host or cfg.router.host
     cfg.router.port = args.port or cfg.router.port
@@ -175,6 +176,7 @@ def main(args: argparse.Namespace) -> None:
             server = uvicorn.Server(uvicorn.Config(
                 build_router(cfg, instances), host=cfg.router.host, port=cfg.router.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(cfg.stop_timeout_s)))
+            freeze_startup_heap("router")
             router = threading.Thread(target=server.run, name="router")
             router.start()
             log.info("router on http://%s:%d", cfg.router.host, cfg.router.port)
