@@ -155,8 +155,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict:
     """Read a config file with the mission's `serving:` shape.
 
     section "engine": serving.cache.{enabled, max_prefix_tokens, min_match_length} map to the
-    prefix cache (another key there is refused); serving.engine holds any other EngineConfig field by name (kv_cache_memory and
-    swap_space in bytes, or a string with a unit: "4GiB");
+    prefix cache (another key there is refused); serving.engine holds any other EngineConfig field
+    by name (kv_cache_memory and swap_space in bytes, or a string with a unit: "4GiB");
     serving.speculative_decoding.{draft_model, verify_interval} is speculative_config;
     serving.deterministic (true / false) is deterministic.
     section "server": serving.server (host-independent server options, e.g. api_key).
