@@ -5,7 +5,6 @@ move has landed."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from fastapi.responses import JSONResponse
@@ -118,8 +117,7 @@ def test_the_loop_decides_again_only_on_states_polled_after_a_move_landed():
     a.state, b.state = dec("a", 950), dec("b", 100)
     legs = [DecodeLeg("r1", "m", a, 450, num_tokens=400), DecodeLeg("r2", "m", a, 350, num_tokens=300)]
     chain = Chain(pool, legs)
-    loop = MigrationLoop(SimpleNamespace(rcfg=SimpleNamespace(migration=CFG), pool=pool,
-                                         pd=SimpleNamespace(chain=chain)))
+    loop = MigrationLoop(CFG, chain, pool)
     pool.polled_at = 0.0
     assert asyncio.run(loop.step(1.0)) == Migration("r1", "a", "b")
     assert asyncio.run(loop.step(1.5)) is None  # r1 is moving

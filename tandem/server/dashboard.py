@@ -72,7 +72,7 @@ def add_server_dashboard(app: FastAPI, registry, model: str) -> None:
 
 
 def add_router_dashboard(app: FastAPI, cluster) -> None:
-    """cluster: the `Router` (cluster/router/app.py)."""
+    """cluster: the `Router` (cluster/router/router.py)."""
     async def exposition() -> str:
         return (await cluster.metrics.exposition(cluster.client)).decode()
     app.state.dashboard = Dashboard("router", "tandem router: " + ", ".join(cluster.groups), exposition,

@@ -8,20 +8,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
-from tandem.cluster.policy.migration import DecodingRequest, Migration, choose_migration
-
-if TYPE_CHECKING:
-    from tandem.cluster.router.app import Router
+from tandem.cluster.policy.migration import (
+    DecodingRequest, Migration, MigrationConfig, choose_migration,
+)
+from tandem.cluster.router.pd_decode import DecodeChain
+from tandem.cluster.router.pool import InstancePool
 
 log = logging.getLogger(__name__)
 
 
 class MigrationLoop:
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.cfg = router.rcfg.migration
+    def __init__(self, cfg: MigrationConfig, chain: DecodeChain, pool: InstancePool) -> None:
+        self.cfg, self.chain, self.pool = cfg, chain, pool
         self.moved_at: dict[str, float] = {}  # response id -> when the loop last moved it
         self.fresh_after = float("-inf")  # decide only on states polled after this
         self.settling = False  # a move was under way at the last check, or just asked for
@@ -35,7 +34,7 @@ class MigrationLoop:
 
     async def step(self, now: float) -> Migration | None:
         """One check: at most one move, in the first group that needs one."""
-        chain, pool = self.router.pd.chain, self.router.pool
+        chain, pool = self.chain, self.pool
         legs = list(chain.live.values())
         moving = any(leg.move_to is not None for leg in legs)
         if moving or self.settling:  # by now the move has landed, or is landing

@@ -12,19 +12,17 @@ import functools
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.cluster.config import RouterConfig
+from tandem.cluster.router.metrics import RouterMetrics
 from tandem.cluster.router.pd_decode import DecodeChain, DecodeLeg, LegFailed, kv_sent
 from tandem.cluster.router.pd_format import PDFormat
-from tandem.cluster.router.pool import Instance
-from tandem.cluster.router.proxy import Retry, json_error
+from tandem.cluster.router.pool import Instance, InstancePool
+from tandem.cluster.router.proxy import Proxy, Retry, json_error
 from tandem.cluster.policy.routing import InstanceState, route_pd
-
-if TYPE_CHECKING:
-    from tandem.cluster.router.app import Router
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
@@ -54,58 +52,58 @@ def splittable(body: dict, max_tokens: int | None) -> bool:
 
 
 class PDHandoff:
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.chain = DecodeChain(router)
+    def __init__(self, rcfg: RouterConfig, pool: InstancePool, client: httpx.AsyncClient,
+                 metrics: RouterMetrics, proxy: Proxy) -> None:
+        self.rcfg, self.pool, self.client, self.metrics = rcfg, pool, client, metrics
+        self.proxy = proxy
+        self.chain = DecodeChain(pool, client, metrics, rcfg.max_attempts)
 
     def applies(self, model: str) -> bool:
-        roles = {i.state.role for i in self.router.pool.group(model) if i.state.available}
+        roles = {i.state.role for i in self.pool.group(model) if i.state.available}
         return {"prefill", "decode"} <= roles
 
     async def handle(self, model: str, path: str, body: dict, stream: bool, ids: list[int] | None,
                      hashes: list[int]) -> Response:
-        r = self.router
         raw = json.dumps(body).encode()
-        plain = functools.partial(r.proxy.forward, model, path, raw, stream, hashes, len(ids or ()),
-                                  r.rcfg.max_attempts)
+        plain = functools.partial(self.proxy.forward, model, path, raw, stream, hashes,
+                                  len(ids or ()), self.rcfg.max_attempts)
         max_tokens = requested_max_tokens(path, body)
         if not ids or not splittable(body, max_tokens):
             return await plain()
         pre, dec = await self._pair(model, ids, max_tokens, hashes)
         if dec is None:
-            r.metrics.failures.labels(model, "no_decode_room").inc()
+            self.metrics.failures.labels(model, "no_decode_room").inc()
             return json_error(503, f"model `{model}`: no decode instance has room for {len(ids) + (max_tokens or 1)} "
                                    "KV tokens; retry later")
-        dec_inst = r.pool.instances[dec.instance_id]
+        dec_inst = self.pool.instances[dec.instance_id]
         if pre is None:  # an idle decode instance prefills this short prompt itself
-            out = await r.proxy.attempt(dec_inst, path, raw, stream, len(ids))
+            out = await self.proxy.attempt(dec_inst, path, raw, stream, len(ids))
             return out if not isinstance(out, Retry) else await plain()
-        out = await self._split(model, path, body, stream, ids, r.pool.instances[pre.instance_id], dec_inst,
-                                max_tokens)
+        pre_inst = self.pool.instances[pre.instance_id]
+        out = await self._split(model, path, body, stream, ids, pre_inst, dec_inst, max_tokens)
         return out if out is not None else await plain()
 
     async def _pair(self, model: str, ids: list[int], max_tokens: int | None,
                     hashes: list[int]) -> tuple[InstanceState | None, InstanceState | None]:
         """(prefill, decode) views by `route_pd`, waiting up to ROOM_WAIT_S for a decode instance
         with room for the request's KV (decode None: none had it)."""
-        r = self.router
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
-            views = [i.view() for i in r.pool.group(model)]
-            pre, dec = route_pd(views, len(ids), len(ids) + (max_tokens or 1), hashes, r.rcfg.weights)
+            views = [i.view() for i in self.pool.group(model)]
+            pre, dec = route_pd(views, len(ids), len(ids) + (max_tokens or 1), hashes,
+                                self.rcfg.weights)
             if dec is not None or time.monotonic() > deadline:
                 return pre, dec
-            await asyncio.sleep(r.rcfg.poll_interval_s)
+            await asyncio.sleep(self.rcfg.poll_interval_s)
 
     async def _split(self, model: str, path: str, body: dict, stream: bool, ids: list[int], pre_inst: Instance,
                      dec_inst: Instance, max_tokens: int | None) -> Response | None:
         """The prefill leg, then the decode legs, as one response; None if either could not
         start (the caller serves it the plain way)."""
-        r = self.router
         tid, sampling = uuid.uuid4().hex, {k: body[k] for k in SAMPLING_KEYS if k in body}
         first = await self._prefill(pre_inst, dec_inst, ids, tid, sampling)
         if first is None:  # prefill instance gone or refused
-            r.metrics.retries.labels(model, "prefill_failed").inc()
+            self.metrics.retries.labels(model, "prefill_failed").inc()
             return None
         fmt = PDFormat(model, path.endswith("/chat/completions"), len(ids), body)
         leg = DecodeLeg(fmt.rid, model, dec_inst, len(ids) + (max_tokens or 1))
@@ -113,7 +111,7 @@ class PDHandoff:
         try:
             head = await anext(events)  # a decode leg is up (or the request already finished)
         except (LegFailed, StopAsyncIteration):  # no decode instance could start it
-            r.metrics.retries.labels(model, "decode_failed").inc()
+            self.metrics.retries.labels(model, "decode_failed").inc()
             return None
         served = {"x-tandem-instance": f"{pre_inst.id}+{leg.dec.id}"}  # where the first leg that started runs
         if stream:
@@ -121,32 +119,31 @@ class PDHandoff:
         try:
             return JSONResponse(await fmt.body(head, events), headers=served)
         except (httpx.HTTPError, RuntimeError) as e:
-            r.metrics.failures.labels(model, "stream_broken").inc()
+            self.metrics.failures.labels(model, "stream_broken").inc()
             return json_error(502, f"decode side of {fmt.rid} failed mid-request: {type(e).__name__}: {e}")
 
     async def _prefill(self, pre: Instance, dec: Instance, ids: list[int], tid: str, sampling: dict) -> dict | None:
         """The prompt's first token from `pre` (None if it failed). Its KV is then on its way to
         `dec`: a task reads the send's outcome and keeps `pre` counted busy until it is done,
         while the caller starts the decode leg (a point-to-point send waits for the receive)."""
-        r = self.router
         key = pre.start(len(ids))
-        r.metrics.routed.labels(pre.model, pre.id).inc()
+        self.metrics.routed.labels(pre.model, pre.id).inc()
         body = {"prompt": ids, "transfer_id": tid, "sampling": sampling, "kv_peer": dec.kv_rank}
         resp = None
         try:
-            resp = await r.client.send(r.client.build_request("POST", pre.url + "/tandem/prefill", json=body),
-                                       stream=True)
+            request = self.client.build_request("POST", pre.url + "/tandem/prefill", json=body)
+            resp = await self.client.send(request, stream=True)
             if resp.status_code != 200:
                 return None
             lines = resp.aiter_lines()
             first = json.loads(await anext(lines))
             if first["finish_reason"] == "length":  # the KV follows
-                self.chain.background.spawn(kv_sent(r.metrics, pre, key, resp, lines))
+                self.chain.background.spawn(kv_sent(self.metrics, pre, key, resp, lines))
                 resp = key = None  # the task closes them
             return first
         except (httpx.TransportError, StopAsyncIteration, ValueError) as e:
             if isinstance(e, httpx.TransportError):
-                r.pool.mark_failed(pre, f"{type(e).__name__}: {e}")
+                self.pool.mark_failed(pre, f"{type(e).__name__}: {e}")
             return None
         finally:
             if resp is not None:

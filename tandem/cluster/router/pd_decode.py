@@ -14,19 +14,15 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httpx
 from fastapi.responses import JSONResponse, Response
 
 from tandem.cluster.router.background import Background
-from tandem.cluster.router.pool import Instance
+from tandem.cluster.router.pool import Instance, InstancePool
 from tandem.cluster.router.proxy import json_error
 from tandem.cluster.router.metrics import RouterMetrics
 from tandem.cluster.policy.routing import choose_decode
-
-if TYPE_CHECKING:
-    from tandem.cluster.router.app import Router
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +115,10 @@ async def leg_events(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
 
 
 class DecodeChain:
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, pool: InstancePool, client: httpx.AsyncClient, metrics: RouterMetrics,
+                 max_attempts: int) -> None:
+        self.pool, self.client, self.metrics = pool, client, metrics
+        self.max_attempts = max_attempts  # decode instances a request's legs may fail on
         self.live: dict[str, DecodeLeg] = {}  # by response id
         self.background = Background()
 
@@ -136,7 +134,7 @@ class DecodeChain:
         if head["finish_reason"] is not None:
             yield head
             return
-        r, done = self.router, len(head["token_ids"])  # tokens out so far: the prefill side's
+        done = len(head["token_ids"])  # tokens out so far: the prefill side's
         failed: list[str] = []  # the decode instances a leg of this request failed on
         self.live[leg.id] = leg
         try:
@@ -154,14 +152,14 @@ class DecodeChain:
                     tokens, done = tokens + run.got, done + len(run.got)
                     leg.dec, leg.move_to = self._resume_on(leg, failed, run.failure), None
                     leg.n, src, tid = leg.n + 1, dec, None
-                    r.metrics.retries.labels(leg.model, "decode_leg_failed").inc()
+                    self.metrics.retries.labels(leg.model, "decode_leg_failed").inc()
                     continue
                 if run.moved is None:
                     return
                 if leg.move_to is None:
                     raise RuntimeError(f"decode instance {dec.id} moved the request, but not at the router's asking")
-                self.background.spawn(kv_sent(r.metrics, dec, run.key, run.resp, run.lines))
-                r.metrics.migrations.labels(leg.model, dec.id, leg.move_reason).inc()
+                self.background.spawn(kv_sent(self.metrics, dec, run.key, run.resp, run.lines))
+                self.metrics.migrations.labels(leg.model, dec.id, leg.move_reason).inc()
                 tokens, done = tokens + run.moved["token_ids"], done + len(run.moved["token_ids"])
                 src, tid = dec, leg.transfer_id
                 leg.dec, leg.n = leg.move_to, leg.n + 1
@@ -173,11 +171,11 @@ class DecodeChain:
         """One leg on `leg.dec`: `run.head` once it is up, then its chunks with the usage counted
         from the request's start. How it ended goes into `run`; after a migration the response
         stays open for the sender's KV report. `done`: the request's tokens before this leg."""
-        r, dec = self.router, leg.dec
-        r.metrics.routed.labels(dec.model, dec.id).inc()
+        dec = leg.dec
+        self.metrics.routed.labels(dec.model, dec.id).inc()
         try:
-            run.resp = await r.client.send(r.client.build_request("POST", dec.url + "/tandem/decode", json=body),
-                                           stream=True)
+            request = self.client.build_request("POST", dec.url + "/tandem/decode", json=body)
+            run.resp = await self.client.send(request, stream=True)
             if run.resp.status_code != 200:
                 raise LegFailed(f"answered {run.resp.status_code}: {(await run.resp.aread())[:300]!r}")
             dec.first_token(run.key)
@@ -201,7 +199,7 @@ class DecodeChain:
                 yield ev
         except httpx.HTTPError as e:
             if isinstance(e, httpx.TransportError):
-                r.pool.mark_failed(dec, f"{type(e).__name__}: {e}")
+                self.pool.mark_failed(dec, f"{type(e).__name__}: {e}")
             run.failure = f"{type(e).__name__}: {e}"
         except LegFailed as e:
             run.failure = str(e)
@@ -213,37 +211,37 @@ class DecodeChain:
 
     def _resume_on(self, leg: DecodeLeg, failed: list[str], failure: str) -> Instance:
         """Another decode instance with room for the request (the most free KV), or LegFailed."""
-        r = self.router
         log.warning("decode leg of %s on %s failed: %s", leg.id, failed[-1], failure)
-        views = [i.view() for i in r.pool.group(leg.model) if i.id not in failed]
-        dst = choose_decode(views, leg.kv_tokens) if len(failed) < r.rcfg.max_attempts else None
+        views = [i.view() for i in self.pool.group(leg.model) if i.id not in failed]
+        dst = choose_decode(views, leg.kv_tokens) if len(failed) < self.max_attempts else None
         if dst is None:
-            r.metrics.failures.labels(leg.model, "decode_failed").inc()
+            self.metrics.failures.labels(leg.model, "decode_failed").inc()
             raise LegFailed(f"the decode leg on {failed[-1]} failed ({failure}) and no other decode instance "
                             f"can resume it (tried {', '.join(failed)})")
-        return r.pool.instances[dst.instance_id]
+        return self.pool.instances[dst.instance_id]
 
     async def migrate(self, request_id: str, to: str | None = None, reason: str = "operator") -> Response:
         """Move a decoding P/D request to another decode instance (`to`, or the one with the
         most free KV that has room for it)."""
-        r = self.router
         leg = self.live.get(request_id)
         if leg is None:
             return json_error(404, f"no P/D request {request_id!r} is decoding (give a response's `id`)")
         if leg.move_to is not None:
             return json_error(409, f"request {request_id!r} is already moving to {leg.move_to.id}")
-        if to is not None and to not in r.pool.instances:
+        if to is not None and to not in self.pool.instances:
             return json_error(404, f"no instance {to!r}; see GET /cluster/state")
         src = leg.dec
-        views = [i.view() for i in r.pool.group(leg.model) if i.id != src.id and to in (None, i.id)]
+        views = [i.view() for i in self.pool.group(leg.model)
+                 if i.id != src.id and to in (None, i.id)]
         dst = choose_decode(views, leg.kv_tokens)
         if dst is None:
             return json_error(503, f"no {'' if to is None else to + ' as '}other decode instance with room for "
                                    f"{leg.kv_tokens} KV tokens")
-        leg.move_to, leg.move_reason, leg.transfer_id = r.pool.instances[dst.instance_id], reason, uuid.uuid4().hex
+        leg.move_to = self.pool.instances[dst.instance_id]
+        leg.move_reason, leg.transfer_id = reason, uuid.uuid4().hex
         dst_inst = leg.move_to
         try:
-            resp = await r.client.post(src.url + "/tandem/migrate", json={
+            resp = await self.client.post(src.url + "/tandem/migrate", json={
                 "request_id": leg.instance_rid, "transfer_id": leg.transfer_id, "kv_peer": dst_inst.kv_rank})
             error = None if resp.status_code == 200 else f"{src.id} answered {resp.status_code}: {resp.text[:300]}"
         except httpx.TransportError as e:

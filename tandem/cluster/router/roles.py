@@ -9,15 +9,13 @@ import asyncio
 import datetime
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 
+from tandem.cluster.config import ClusterConfig
 from tandem.cluster.policy.elastic import RoleController
-from tandem.cluster.router.pool import Instance
-
-if TYPE_CHECKING:
-    from tandem.cluster.router.app import Router
+from tandem.cluster.router.metrics import RouterMetrics
+from tandem.cluster.router.pool import Instance, InstancePool
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +27,20 @@ def local_now() -> float:
 
 
 class RoleLoop:
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        rc = router.rcfg
-        self.controllers = {g.name: RoleController(rc.elastic, rc.elastic_schedule)
-                            for g in router.cfg.models if g.kind == "chat"}
+    def __init__(self, cfg: ClusterConfig, pool: InstancePool, client: httpx.AsyncClient,
+                 metrics: RouterMetrics) -> None:
+        self.rcfg, self.pool, self.client, self.metrics = cfg.router, pool, client, metrics
+        self.controllers = {g.name: RoleController(self.rcfg.elastic, self.rcfg.elastic_schedule)
+                            for g in cfg.models if g.kind == "chat"}
         self.switching: set[str] = set()  # models with a switch under way
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.router.rcfg.elastic_interval_s)
+            await asyncio.sleep(self.rcfg.elastic_interval_s)
             self.step(local_now())
 
     def step(self, now: float) -> None:
-        pool = self.router.pool
+        pool = self.pool
         for model, ctl in self.controllers.items():
             group = pool.group(model)
             if model in self.switching or not any(i.state.elastic for i in group):
@@ -54,7 +52,7 @@ class RoleLoop:
 
     async def switch(self, inst: Instance, role: str) -> bool:
         """Drain, switch, undrain. False (role unchanged) if it does not drain in time or fails."""
-        rc, pool = self.router.rcfg, self.router.pool
+        rc, pool = self.rcfg, self.pool
         log.info("elastic: draining %s to switch %s -> %s", inst.id, inst.state.role, role)
         inst.state.draining = True
         try:
@@ -64,10 +62,10 @@ class RoleLoop:
                     log.warning("elastic: %s did not drain (healthy=%s); role unchanged", inst.id, inst.state.healthy)
                     return False
                 await asyncio.sleep(pool.poll_interval_s / 2)
-            r = await self.router.client.post(inst.url + "/tandem/role", json={"role": role}, timeout=5)
+            r = await self.client.post(inst.url + "/tandem/role", json={"role": role}, timeout=5)
             r.raise_for_status()
             inst.state.role = role
-            self.router.metrics.role_switches.labels(inst.model, role).inc()
+            self.metrics.role_switches.labels(inst.model, role).inc()
             log.info("elastic: %s is now %s", inst.id, role)
             return True
         except httpx.HTTPError as e:

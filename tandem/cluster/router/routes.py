@@ -2,15 +2,12 @@
 `app.state.router`, so each can be served and tested alone."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from tandem.cluster.router.app import Router
+from tandem.cluster.router.router import Router
 
 api = APIRouter()
 
