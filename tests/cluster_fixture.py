@@ -9,7 +9,7 @@ from pathlib import Path
 
 from server_fixture import serving
 from tandem.cluster.config import parse_cluster_config
-from tandem.cluster.launch.launcher import external_instances
+from tandem.cluster.launch.instances import external_instances
 from tandem.cluster.router.app import build_router
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM

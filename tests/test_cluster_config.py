@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from tandem.cluster.config import load_cluster_config, parse_cluster_config
-from tandem.cluster.launch.launcher import instance_command, plan
+from tandem.cluster.launch.instances import plan
+from tandem.cluster.launch.local_backend import instance_command
 from tandem.cluster.router.prefix import prefix_hashes
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request

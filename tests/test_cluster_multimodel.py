@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster_fixture import router_for, serving, tiny_instance, wait_for
 from server_fixture import free_port
 from tandem.cluster.config import load_cluster_config
-from tandem.cluster.launch.launcher import instance_command, plan
+from tandem.cluster.launch.instances import plan
+from tandem.cluster.launch.local_backend import instance_command
 from tandem.cluster.router.prefix import prefix_hashes
 from test_cluster_routes import FakeEmbedder
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from tandem.cluster.launch.launcher import free_port, wait_healthy
+from tandem.cluster.launch.instances import free_port, wait_healthy
 
 
 @dataclass

@@ -6,16 +6,31 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.launch.launcher import (
-    InstanceSpec, external_instances, free_port, instance_command, instance_died, plan, wait_healthy,
+from tandem.cluster.launch.instances import (
+    InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy,
 )
 from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
+
+
+def instance_command(spec: InstanceSpec, port: int, config_file: Path) -> list[str]:
+    g = spec.group
+    if g.kind == "embedding":
+        return [sys.executable, "-m", "tandem.cluster.launch.embedding_server", "--model", g.model,
+                "--served-model-name", g.name, "--port", str(port), "--num-threads", str(spec.num_threads),
+                "--log-level", "warning"]
+    config_file.write_text(yaml.safe_dump({"serving": {"engine": {**g.engine, "num_threads": spec.num_threads}}}))
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config_file), "--model", g.model,
+           "--served-model-name", g.name, "--port", str(port), "--role", spec.role, "--log-level", "warning"]
+    return cmd + (["--elastic"] if spec.elastic else [])
 
 
 class LocalBackend:

@@ -10,7 +10,9 @@ import threading
 import time
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.launch.launcher import InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy
+from tandem.cluster.launch.instances import (
+    InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy,
+)
 from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
