@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tandem.cli import main as cli
-from tandem.sim.cost_model import BatchShape, CostModel, fit_linear, load_cost_model, measured
-from tandem.sim.hardware import ACCELERATORS, roofline
+from tandem.sim.cost_model import BatchShape, CostModel, fit_linear, measured
+from tandem.sim.hardware import ACCELERATORS, load_cost_model, roofline
 from tandem.workload.model_shapes import get_shape
 
 TRUE = (2e-3, 5e-5, 1e-9, 1e-4, 2e-7)  # const, prefill tokens, pairs, decode seqs, decode context

@@ -134,17 +134,6 @@ class CostModel:
         return cls.from_json(d)
 
 
-def load_cost_model(path_or_name: str) -> CostModel:
-    """A profile JSON path, or `accelerator:model-shape` (e.g. h100:llama-3-8b) for a roofline."""
-    if Path(path_or_name).exists() or path_or_name.endswith(".json"):
-        return CostModel.load(path_or_name)
-    accel, sep, shape = path_or_name.partition(":")
-    if not sep:
-        raise ValueError(f"{path_or_name!r}: expected a profile .json or accelerator:model-shape (h100:llama-3-8b)")
-    from tandem.sim.hardware import roofline  # hardware builds CostModels: import it only when asked
-    return roofline(accel, shape)
-
-
 # ---- fitting a measured profile ------------------------------------------------------
 def fit_linear(samples: list[list[float]]) -> tuple[tuple[float, ...], dict]:
     """Non-negative least squares of time on FEATURES over rows (p, a, d, c, seconds).

@@ -1,4 +1,5 @@
-"""Accelerator specs and the roofline cost model built from them and a model shape.
+"""Accelerator specs and the roofline cost model built from them and a model shape; a cost
+model by name (`load_cost_model`: a measured profile or a roofline).
 
 Assumptions (each one a number an operator can change):
 - Achievable fractions of peak: 70% of dense bf16 FLOP/s (large GEMMs reach 60-75%) and 85%
@@ -13,6 +14,7 @@ Assumptions (each one a number an operator can change):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from tandem.sim.cost_model import CostModel
 from tandem.workload.model_shapes import ModelShape, get_shape, kv_bytes_per_token
@@ -105,3 +107,14 @@ def roofline(accelerator: str | Accelerator, model: str | ModelShape, tp: int = 
         host_kv_capacity_tokens=int(host_memory * tp // kv_bytes), host_bandwidth=acc.host_bandwidth * tp,
         link_bandwidth=link * tp, link_latency=latency, max_num_batched_tokens=max_num_batched_tokens,
         info=info)
+
+
+def load_cost_model(path_or_name: str) -> CostModel:
+    """A profile JSON path, or `accelerator:model-shape` (e.g. h100:llama-3-8b) for a roofline."""
+    if Path(path_or_name).exists() or path_or_name.endswith(".json"):
+        return CostModel.load(path_or_name)
+    accel, sep, shape = path_or_name.partition(":")
+    if not sep:
+        raise ValueError(f"{path_or_name!r}: expected a profile .json or accelerator:model-shape "
+                         "(h100:llama-3-8b)")
+    return roofline(accel, shape)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tandem.bench.report import parse_goodput
 from tandem.flags import renamed
-from tandem.sim.cost_model import CostModel, load_cost_model
+from tandem.sim.cost_model import CostModel
+from tandem.sim.hardware import load_cost_model, roofline
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
 from tandem.tools.machine import provenance_lines
 
@@ -80,7 +81,6 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         return load_cost_model(args.profile)
     if not args.model_shape:
         raise ValueError("--roofline needs --model-shape (e.g. llama-3-8b)")
-    from tandem.sim.hardware import roofline
     return roofline(args.roofline, args.model_shape, tp=args.tp, interconnect=args.interconnect)
 
 

@@ -16,7 +16,7 @@ from tandem.cluster.policy.elastic import ElasticConfig, TimeSchedule
 from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig, load_yaml
 from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
-from tandem.sim.cost_model import load_cost_model
+from tandem.sim.hardware import load_cost_model
 from tandem.sim import workload
 from tandem.tools.machine import provenance_lines
 from tandem.sim.prefix_report import prefix_figures
