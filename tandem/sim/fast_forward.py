@@ -8,19 +8,30 @@ would give them (tests/test_sim.py checks that). This is what lets an hour of a 
 trace simulate in seconds."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tandem.core.kv_cache_manager import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.scheduler import Scheduler
 from tandem.sim.cost_model import BatchShape
-from tandem.sim.executor import SIM_TOKEN
-
-if TYPE_CHECKING:
-    from tandem.sim.instance import SimInstance
+from tandem.sim.executor import SIM_TOKEN, SimulatedExecutor
+from tandem.sim.request import SimRequest
 
 MIN_STEPS = 2
 
 
-def fast_forward(inst: SimInstance, now: float, horizon: float) -> float | None:
+class DecodingInstance(Protocol):
+    """What a run of decode steps reads and advances of a simulated instance (SimInstance)."""
+
+    scheduler: Scheduler
+    kv: KVCacheManager
+    executor: SimulatedExecutor
+    sim_reqs: dict[str, SimRequest]
+    num_coalesced: int
+
+    def account(self, seconds: float, usage: float) -> None: ...
+
+
+def fast_forward(inst: DecodingInstance, now: float, horizon: float) -> float | None:
     """Apply k >= MIN_STEPS decode steps from `now`; returns when the last ends, or None
     when the instance is not in a steady decode run (then it steps normally)."""
     sched, kv = inst.scheduler, inst.kv
