@@ -14,7 +14,7 @@ import pytest
 
 from tandem.bench import llamacpp
 from tandem.bench.llamacpp import batched_bench_command, llama_cpp_tool, parse_batched_bench, run_llama
-from tandem.bench.offline import in_subprocess
+from tandem.bench.measure import in_subprocess
 
 # Captured SAMPLE_PLACEHOLDER
 SAMPLE = """\
@@ -148,7 +148,7 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
     def fake_llama(command, batches):
         order.append("llama")
         return {1: 20.0}
-    monkeypatch.setattr("tandem.bench.offline.in_subprocess", fake_tandem)
+    monkeypatch.setattr("tandem.bench.measure.in_subprocess", fake_tandem)
     monkeypatch.setattr(llamacpp, "run_llama", fake_llama)
     monkeypatch.setattr(llamacpp, "llama_cpp_tool", lambda name, path: Path("/bin/true"))
     monkeypatch.setattr("tandem.models.loader.gguf_source", lambda model: tmp_path / "m.gguf")

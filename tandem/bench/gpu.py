@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tandem.bench import offline
+from tandem.bench.measure import in_subprocess, until_first_tokens
 from tandem.flags import size_type
 
 
@@ -122,7 +123,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     for b in batches:
         ids = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params)
                for _ in range(b)]
-        offline.until_first_tokens(engine, ids)
+        until_first_tokens(engine, ids)
         for _ in range(3):  # steady state: every request decoding, the pipeline full
             engine.step()
         before = engine.step_counters()
@@ -229,9 +230,9 @@ def main(args: argparse.Namespace) -> dict:
 
     def throughput() -> dict:
         eager = argparse.Namespace(**{**vars(oargs), "enforce_eager": True})
-        runs = {"tandem_graphs": offline.in_subprocess(offline.run_tandem, oargs, requests),
-                "tandem_eager": offline.in_subprocess(offline.run_tandem, eager, requests),
-                "hf_generate": offline.in_subprocess(offline.run_hf, oargs, requests)}
+        runs = {"tandem_graphs": in_subprocess(offline.run_tandem, oargs, requests),
+                "tandem_eager": in_subprocess(offline.run_tandem, eager, requests),
+                "hf_generate": in_subprocess(offline.run_hf, oargs, requests)}
         runs["workload"] = {**wl, "max_num_seqs": oargs.max_num_seqs, "max_num_batched_tokens":
                             oargs.max_num_batched_tokens, "dtype": args.dtype, "hf_batch_size": oargs.hf_batch_size}
         runs["ratio_vs_hf"] = runs["tandem_graphs"]["output_throughput"] / runs["hf_generate"]["output_throughput"]

@@ -92,7 +92,7 @@ def _tandem_args(args: argparse.Namespace) -> argparse.Namespace:
 def compare(args: argparse.Namespace) -> dict:
     """Every side (each Tandem precision, then llama.cpp) for `repeats` rounds, the order
     rotating by one each round; each figure keeps its best."""
-    from tandem.bench.offline import in_subprocess
+    from tandem.bench.measure import in_subprocess
     from tandem.bench.quantization import RunPrecision
     from tandem.models.loader import gguf_source
     gguf = gguf_source(args.model)

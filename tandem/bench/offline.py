@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import queue as queue_module
 import random
-import resource
 import time
 
+from tandem.bench.measure import in_subprocess, peak_gpu_mb, peak_rss_mb
+from tandem.bench.quantization import compare
 from tandem.flags import kv_cache_dtype_argument, renamed, size_type
 from tandem.server.launch import add_speculative_arguments, with_speculation_flags
 
@@ -24,15 +23,6 @@ def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
          rng.randint(args.min_output, args.max_output))
         for _ in range(args.num_prompts)
     ]
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _peak_gpu_mb() -> float | None:
-    import torch
-    return torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_initialized() else None
 
 
 def run_tandem(args, requests) -> dict:
@@ -63,7 +53,8 @@ def run_tandem(args, requests) -> dict:
             "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
             "kv_utilization_mean": c.kv_utilization_sum / steps, "kv_usage_peak": c.kv_usage_peak,
             "dtype": engine.info().dtype, "deterministic": engine.config.deterministic,
-            "preemptions": c.num_preemptions, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(),
+            "preemptions": c.num_preemptions,
+            "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(),
             **gpu_step_ms(before, c),
             "spec_decode": spec_summary(c.spec) if "speculative_config" in opts else None}
 
@@ -77,13 +68,6 @@ def gpu_step_ms(before, after) -> dict:
             / max(after.gpu_num_steps - before.gpu_num_steps, 1),
             "gpu_gap_ms": (after.gpu_gap_seconds - before.gpu_gap_seconds) * 1e3
             / max(after.gpu_num_gaps - before.gpu_num_gaps, 1)}
-
-
-def until_first_tokens(engine, request_ids: list[str]) -> None:
-    """Step until every one of the requests has its first token: each has prefilled."""
-    waiting = set(request_ids)
-    while waiting:
-        waiting -= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
 
 
 def spec_summary(stats) -> dict:
@@ -124,7 +108,7 @@ def run_hf(args, requests) -> dict:
     elapsed = time.perf_counter() - start
     return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
             "dtype": str(dtype).removeprefix("torch."), "batch_size": args.hf_batch_size,
-            "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()}
+            "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb()}
 
 
 def _print_run(t: dict) -> None:
@@ -163,41 +147,6 @@ def _print_async_table(off: dict, on: dict) -> None:
 
 def _replace(args: argparse.Namespace, **changes) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **changes})
-
-
-def _child(fn, args, requests, queue) -> None:
-    try:
-        result = fn(args, requests)
-    except BaseException as e:
-        queue.put((False, f"{type(e).__name__}: {e}"))
-        raise
-    queue.put((True, result))
-
-
-def in_subprocess(fn, args, requests) -> dict:
-    """fn(args, requests) in a fresh process (its peak memory is its own). Its error, or its
-    death before it answers (killed for memory, say), is raised here rather than waited on; if
-    this process stops waiting (an error, Ctrl-C), the child is stopped too."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn, args, requests, queue))
-    proc.start()
-    try:
-        while True:
-            try:
-                ok, result = queue.get(timeout=1.0)
-                break
-            except queue_module.Empty:
-                if not proc.is_alive() and queue.empty():
-                    raise RuntimeError(f"the benchmark's process died (exit code {proc.exitcode}) before it answered")
-    except BaseException:
-        proc.terminate()
-        proc.join()
-        raise
-    proc.join()
-    if not ok:
-        raise RuntimeError(f"in the benchmark's process: {result}")
-    return result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -267,7 +216,6 @@ def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> dict:
     _refuse_the_other_runs_options(args)
     if args.quantization:
-        from tandem.bench.quantization import compare
         report = compare(args)
         if args.json_path:
             with open(args.json_path, "w") as f:

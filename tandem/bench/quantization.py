@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 import time
 
+from tandem.bench.measure import in_subprocess, peak_rss_mb, until_first_tokens
+
 DEFAULT_BATCHES = (1, 8, 32, 64)
 
 
@@ -20,7 +22,6 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     import psutil
 
     from tandem import LLM, SamplingParams
-    from tandem.bench.offline import _peak_rss_mb, until_first_tokens
     from tandem.executor.attention import resolve_attention_backend
     from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
     from tandem.models.builder import resolve_precision
@@ -64,14 +65,13 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
         elapsed = time.perf_counter() - start
         out["decode_tok_s"][b] = b * (args.output_len - 1) / elapsed
         out["ms_per_step"][b] = elapsed / max(steps, 1) * 1e3
-    out["peak_rss_mb"] = _peak_rss_mb()
+    out["peak_rss_mb"] = peak_rss_mb()
     return out
 
 
 def compare(args) -> dict:
     """Every precision (with --compare-deterministic: with and without the flag, as "<p>" and
     "<p> det"), `repeats` rounds alternating; the best of each figure."""
-    from tandem.bench.offline import in_subprocess
     modes = (False, True) if args.compare_deterministic else (args.deterministic,)
     runs = [(p, d) for p in args.quantization.split(",") for d in modes]
     best: dict[str, dict] = {}

@@ -31,7 +31,8 @@ from collections import defaultdict
 from importlib import resources
 from statistics import median
 
-from tandem.bench.offline import _peak_rss_mb, _replace, spec_summary
+from tandem.bench.measure import peak_rss_mb
+from tandem.bench.offline import _replace, spec_summary
 
 
 def load_prompt_sets() -> dict[str, list[str]]:
@@ -116,7 +117,8 @@ class CaseRunner:
         if self.trace is not None:
             self.trace.close()
         info = self.engine.info()
-        return {"dtype": info.dtype, "peak_rss_mb": _peak_rss_mb(), "async_scheduling": info.async_scheduling}
+        return {"dtype": info.dtype, "peak_rss_mb": peak_rss_mb(),
+                "async_scheduling": info.async_scheduling}
 
 
 def _serve_cases(args, conn) -> None:
