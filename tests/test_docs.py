@@ -41,7 +41,7 @@ for argv in json.loads(sys.argv[1]):
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    """The files a commit would carry (tracked, or new and not ignored), in a folder of their own."""
+    """The files a commit would carry (tracked, or new and not ignored), in a folder alone."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, check=True, capture_output=True).stdout
     dest = tmp_path_factory.mktemp("clone") / "tandem"
