@@ -103,7 +103,8 @@ def test_multilevel_preemption_matches_hf(mode, async_scheduling, tiny_model_dir
     prompts, ref, _, _ = references["llama"]
     per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(torch.float32)
     llm = _llm(tiny_model_dirs["llama"], block_size=4, kv_cache_memory=per_token * 4 * 30, max_num_seqs=3,
-               scheduler_policy="multilevel", preemption_mode=mode, async_scheduling=async_scheduling)
+               scheduling_policy="multilevel", preemption_mode=mode,
+               async_scheduling=async_scheduling)
     engine = llm.engine
     for i, p in enumerate(prompts[:3]):
         engine.add_request(p, GREEDY, request_id=f"bg{i}", priority=3 if i else 2)

@@ -147,7 +147,8 @@ def _group(doc: dict, i: int) -> ModelGroup:
         raise ValueError(f"{where}.engine: {bad} cannot apply to an embedding model (its instance runs the "
                          f"encoder with its own tokenizer and no chat template; it takes only num_threads)")
     if group.kind == "chat":
-        EngineConfig.from_dict({"model": group.model, **group.engine})  # fail now on a bad option
+        # fail now on a bad option
+        EngineConfig.from_kwargs(**{"model": group.model, **group.engine})
         if group.engine.get("chat_template") is not None:
             from tandem.engine.tokenizer import read_chat_template
             read_chat_template(group.engine["chat_template"])  # a template that does not parse, now

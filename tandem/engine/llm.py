@@ -14,7 +14,7 @@ from tandem.engine.output_processor import RequestOutput
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @property
     def tokenizer(self):
