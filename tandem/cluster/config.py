@@ -13,7 +13,7 @@ models:
     model: smollm2-135m   # alias, .gguf file or Hugging Face folder
     kind: chat            # chat | embedding
     instances: 3          # or roles: {prefill: 1, decode: 2, colocated: 0, elastic: 0}
-    engine: {kv_cache_memory: 268435456}   # any EngineConfig field (tokenizer, chat_template too;
+    engine: {kv_cache_memory: 268435456}   # any engine option (tokenizer, chat_template too;
                                            # an embedding group: num_threads only)
     resources: {num_gpus: 0, num_cpus: 1}  # per instance (Ray placement)
     restart: false        # an instance that dies: false = left out (the router routes around
