@@ -321,3 +321,14 @@ def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: not JSON"):
         bench_steps.main(argparse.Namespace(trace=tmp_path / "bad.jsonl"))
+
+
+def test_the_engine_seed_fixes_the_stream_of_unseeded_requests(tiny_model_dirs):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sampled(seed: int) -> list[int]:
+        out = _llm(tiny_model_dirs["llama"], seed=seed).generate([1, 2, 3], params)[0]
+        return out.outputs[0].token_ids
+
+    first = sampled(5)
+    assert sampled(5) == first and sampled(6) != first

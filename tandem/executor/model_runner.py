@@ -48,6 +48,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler | None = None) -> None:
         model, run = config.model_config, config.device_config
+        torch.manual_seed(model.seed)  # the stream of requests sampled without a seed of their own
         self.device = resolve_device(run.device)
         if self.device.type == "cpu" and run.num_threads:
             torch.set_num_threads(run.num_threads)
