@@ -85,8 +85,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def _phase(args: argparse.Namespace, phase: str, cache: str) -> dict:
-    argv = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
-            "--phase", phase, "--quantization", args.quantization]
+    argv = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--phase", phase]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
     import tandem  # the children import the same checkout as this process
     env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1]), "TANDEM_CACHE_DIR": cache}
     out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
