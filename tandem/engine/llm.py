@@ -1,4 +1,5 @@
-"""Offline batch API: `LLM(model=...).generate(prompts, sampling_params)`."""
+"""Offline batch API: `LLM(model=..., max_num_seqs=...).generate(prompts, sampling_params)`; the
+keyword arguments are the engine's flat options (config/engine.py: EngineConfig.from_kwargs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
