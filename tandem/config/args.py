@@ -66,9 +66,8 @@ def add_arguments(
         if meta.get("flag") is False:
             continue
         flag = meta["flag"] if isinstance(meta.get("flag"), str) else "--" + name.replace("_", "-")
-        own = defaults is not None and name in defaults
         kwargs = _kind(_value_type(opt.type), meta)
-        default = defaults[name] if own else opt.field.default
+        default = (defaults or {}).get(name, opt.field.default)
         yaml = f"; YAML: serving.{meta['yaml']}" if meta.get("yaml") else ""
         text = f"{meta['help']} ({_unit_text(meta)}default: {_default_text(default, meta)}{yaml})"
         kwargs["help"] = text.replace("%", "%%")

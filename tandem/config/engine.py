@@ -65,13 +65,14 @@ class Option(NamedTuple):
 
 
 def _options() -> tuple[dict[str, type], dict[str, Option]]:
-    sections, options = {}, {}
+    sections: dict[str, type] = {}
+    options: dict[str, Option] = {}
     own = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         if f.default_factory is dataclasses.MISSING:
             options[f.name] = Option("", f, own[f.name])
             continue
-        sections[f.name] = section = f.default_factory
+        sections[f.name] = section = own[f.name]
         hints = typing.get_type_hints(section)
         for g in dataclasses.fields(section):
             if g.name in options:  # a flat name routes to one section only

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import MISSING, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 _UNITS = {
     "": 1,
@@ -55,6 +55,9 @@ def option(
     return field(default=default, metadata=meta)
 
 
+C = TypeVar("C", bound="Choice")
+
+
 class Choice(str, Enum):
     """A mode chosen by name (a policy, a backend): parsed from its string once, where a config
     is built, then compared as a member."""
@@ -63,7 +66,7 @@ class Choice(str, Enum):
         return self.value
 
     @classmethod
-    def parse(cls, value: str | Choice, what: str) -> Choice:
+    def parse(cls: type[C], value: str, what: str) -> C:
         try:
             return cls(value)
         except ValueError:

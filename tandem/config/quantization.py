@@ -40,13 +40,13 @@ class QuantizationConfig:
         named = {"quantization": self.quantization, "fallback": self.precision_fallback}
         if self.precision_classes is not None and not isinstance(self.precision_classes, dict):
             raise ValueError("quantization classes must map a request class to a precision")
-        for cls, precision in (self.precision_classes or {}).items():
+        for cls, variant in (self.precision_classes or {}).items():
             if cls not in CLASS_NAMES:
                 raise ValueError(
                     f"quantization class {cls!r} is not a request class; "
                     f"known: {', '.join(CLASS_NAMES)}"
                 )
-            named[f"class {cls!r}"] = precision
+            named[f"class {cls!r}"] = variant
         for what, precision in named.items():
             # auto: as stored
             known = ("auto", *PRECISIONS) if what == "quantization" else PRECISIONS
