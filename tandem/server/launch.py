@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tandem.server.limits import LIMITS_HELP
     p.epilog = LIMITS_HELP
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="model alias, HF folder or GGUF file (same as --model; default smollm2-135m)")
+                   help=f"same as --model (default {EngineConfig().model_config.model})")
     p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it; examples/serving.yaml)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names clients send as `model`, each accepted; the first is the one responses report "
