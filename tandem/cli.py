@@ -6,12 +6,14 @@ import importlib
 import logging
 import sys
 
+from tandem.config.args import add_engine_arguments, given
+
 
 def _generate(args: argparse.Namespace) -> None:
     from tandem import LLM, SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(**given(args, ("model", "dtype")))
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -64,18 +66,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="resolve a model (a GGUF's config and tokenizer written once into the "
                        "cache) and build the native kernels into their shared cache")
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf or HF folder (default smollm2-135m)")
+    add_engine_arguments(p, ("model",), store_defaults=True)
     p.set_defaults(func=_prepare)
 
     p = sub.add_parser("generate", help="generate text from one prompt")
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    add_engine_arguments(p, ("model", "dtype"))
     p.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens with this probability mass (default 1: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampled tokens (default: the engine's, 0)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
     p.set_defaults(func=_generate)
 
     groups = {None: sub,

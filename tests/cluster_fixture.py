@@ -20,7 +20,7 @@ from tandem.server.api_server import ServerConfig, build_app
 @contextmanager
 def tiny_instance(model_dir: str, name: str = "tiny", role: str = "colocated", elastic: bool = False, **engine):
     opts = dict(model=model_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1) | engine
-    llm = AsyncLLM(EngineConfig(**opts), in_process=True)
+    llm = AsyncLLM(EngineConfig.from_kwargs(**opts), in_process=True)
     try:
         with serving(build_app(llm, ServerConfig(model_name=name, role=role, elastic=elastic))) as (url, srv):
             yield url, llm, srv

@@ -30,11 +30,14 @@ from typing import Callable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
+from tandem.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.preemption import PreemptionCosts
+from tandem.core.scheduler import Scheduler
+from tandem.core.spec_planner import Speculation
 
 EOS = 0
 VOCAB = 50
@@ -84,14 +87,18 @@ class Clock:
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                max_model_len=None, num_host_blocks=0, enable_caching=True, clock=None,
                **cfg_kw) -> Scheduler:
-    """Anything else (policy, preemption_mode, l2_min_share, ...) goes to SchedulerConfig,
+    """Anything else goes to SchedulerConfig (scheduling_policy, preemption_mode, ...),
+    PreemptionCosts (swap_cost_per_token, ...) or Speculation (num_speculative_tokens, ...),
     whose defaults apply where it is not given."""
     kv = KVCacheManager(num_blocks, block_size=block_size, enable_caching=enable_caching,
                         num_host_blocks=num_host_blocks)
     max_model_len = max_model_len or min(128, num_blocks * block_size)
+    costs = {k: cfg_kw.pop(k) for k in PreemptionCosts.__dataclass_fields__ if k in cfg_kw}
+    spec = {k: cfg_kw.pop(k) for k in Speculation.__dataclass_fields__ if k in cfg_kw}
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, **cfg_kw)
-    return Scheduler(cfg, kv, clock=clock or Clock())
+                          **cfg_kw)
+    return Scheduler(cfg, kv, clock or Clock(), max_model_len, PreemptionCosts(**costs),
+                     Speculation(**spec))
 
 
 def make_req(rid, tokens, max_tokens=4, *, eos=None, priority=2, arrival=0.0, **kw) -> Request:
@@ -245,7 +252,7 @@ class FakeExecutor:
                     self.num_drafts += len(drafts)
                     self.num_accepted += len(sampled[rid]) - 1
                 lookahead = out.spec.num_lookahead_tokens.get(rid, 0)
-                if self.propose is not None and not s.config.num_lookahead_tokens and out.spec.propose:
+                if self.propose is not None and not s.planner.max_lookahead and out.spec.propose:
                     proposals[rid] = self.propose(rid, toks, self.sample)
                 elif self.propose is not None and lookahead:
                     # a draft model: its "KV" (DRAFT_KV) goes into the lookahead slots after the
@@ -286,7 +293,8 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     # A verify step holds slots for its drafts; rejected ones stay allocated. Under async
     # scheduling a verify step may still be in flight behind a later step that drafts nothing.
     spec = s.spec_stats.num_drafts or unverified or (s._step is not None and s._step.out.spec.draft_token_ids)
-    slack = (MAX_DRAFTS + 1 if spec else 0) + cfg.num_lookahead_tokens  # + a draft model's lookahead slots
+    # + a draft model's lookahead slots
+    slack = (MAX_DRAFTS + 1 if spec else 0) + s.planner.max_lookahead
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
         assert cdiv(r.num_computed_tokens, kv.block_size) <= len(kv.block_ids(r)) \
@@ -297,7 +305,8 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
         for r in s.waiting.queues[level]:
             assert r.level == level
     for r in list(s.running) + waiting:
-        assert r.level == (r.priority if cfg.policy == "multilevel" else 2)
+        multilevel = cfg.scheduling_policy == SchedulingPolicy.MULTILEVEL
+        assert r.level == (r.priority if multilevel else 2)
     for r in waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if r.swapped:
@@ -386,7 +395,7 @@ class Driver:
 
     def schedule(self) -> SchedulerOutput:
         s = self.s
-        l2_work = s.config.policy == "multilevel" and l2_has_work(s)
+        l2_work = s.config.scheduling_policy == SchedulingPolicy.MULTILEVEL and l2_has_work(s)
         before = {r.request_id: (r.num_computed_tokens, r.swapped) for r in s.waiting}
         n_pre = s.num_preemptions
         out = s.schedule()
@@ -409,7 +418,7 @@ class Driver:
             assert req.status == RequestStatus.PREEMPTED and req in s.waiting
             assert rid not in s.kv.req_to_blocks
             if req.swapped:
-                assert s.config.preemption_mode != "recompute"
+                assert s.config.preemption_mode != PreemptionMode.RECOMPUTE
                 assert rid in s.kv.req_to_host_blocks
             else:
                 assert req.num_computed_tokens == 0

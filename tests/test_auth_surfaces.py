@@ -27,8 +27,9 @@ KEYS = {"api_key only": ({"api_key": "sesame"}, ["sesame"]),
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    llm = AsyncLLM(EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 20,
-                                max_model_len=64), in_process=True)
+    llm = AsyncLLM(EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], dtype="float32",
+                                            kv_cache_memory=1 << 20, max_model_len=64),
+                   in_process=True)
     yield llm
     llm.shutdown()
 

@@ -91,7 +91,8 @@ def shared_prefix(i: int) -> list[int]:
 @pytest.mark.slow  # a browser watching a server under load: ~13 s
 @needs_chromium
 def test_server_dashboard_charts_fill_under_load(tiny_model_dirs):
-    engine = EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
+    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], dtype="float32",
+                                      kv_cache_memory=1 << 22, num_threads=1)
     with running_server(engine, ServerConfig(model_name="tiny")) as (url, _), load(url, shared_prefix) as sent:
         watch(url)
         first = chromium(url + "/dashboard")
@@ -112,7 +113,8 @@ def test_server_dashboard_charts_fill_under_load(tiny_model_dirs):
 
 @needs_chromium
 def test_dashboard_with_an_api_key_asks_for_it_and_serves_nothing_without(tiny_model_dirs):
-    engine = EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
+    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], dtype="float32",
+                                      kv_cache_memory=1 << 22, num_threads=1)
     with running_server(engine, ServerConfig(model_name="tiny", api_key="sesame")) as (url, _):
         r = httpx.get(url + "/dashboard/data")
         assert r.status_code == 401 and "tandem:" not in r.text and "kv_usage" not in r.text

@@ -67,10 +67,10 @@ def test_refused_in_words_where_it_cannot_be_honoured(monkeypatch):
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         InputBuilder(16, torch.device("cpu"), "torch", 16, deterministic=True)
     with pytest.raises(ValueError, match="true or false"):
-        EngineConfig(deterministic="yes")
+        EngineConfig.from_kwargs(deterministic="yes")
 
 
 def test_yaml_serving_deterministic(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("serving:\n  deterministic: true\n")
-    assert EngineConfig.from_dict(load_yaml(path)).deterministic is True
+    assert EngineConfig.from_kwargs(**load_yaml(path)).device_config.deterministic is True

@@ -47,7 +47,7 @@ def model_dir(tiny_model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proc_llm(model_dir):
-    llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
+    llm = AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)))
     yield llm
     llm.shutdown()
 
@@ -150,7 +150,7 @@ class _Recorder:
 
 
 def test_on_add_in_process(model_dir):
-    llm = AsyncLLM(EngineConfig(**_opts(model_dir)), in_process=True)
+    llm = AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)), in_process=True)
     try:
         rec = _Recorder(llm.engine_core)
         llm.engine_core.register_utilities({}, rec.on_add)
@@ -172,7 +172,7 @@ def test_on_add_in_process(model_dir):
 
 
 def test_engine_core_death_fails_every_stream(model_dir):
-    llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
+    llm = AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)))
     died = []
     llm.on_dead = died.append
     try:
@@ -204,7 +204,7 @@ def test_the_core_process_freezes_its_startup_heap(model_dir, capfd):
     level = root.level
     root.setLevel(logging.DEBUG)  # the level the core process logs at
     try:
-        llm = AsyncLLM(EngineConfig(**_opts(model_dir)))
+        llm = AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)))
     finally:
         root.setLevel(level)
     try:
@@ -221,7 +221,7 @@ def test_engine_niceness_lowers_only_the_core_process(model_dir):
     starts) runs at niceness N above this one, which keeps its own; out of [0, 19], or asked of
     an in-process core, it is refused in words."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    llm = AsyncLLM(EngineConfig(**_opts(model_dir)), engine_niceness=5)
+    llm = AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)), engine_niceness=5)
     try:
         pid = llm._client.process.pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(own + 5, 19)
@@ -232,6 +232,6 @@ def test_engine_niceness_lowers_only_the_core_process(model_dir):
         llm.shutdown()
     for bad in (-1, 20, 2.5):
         with pytest.raises(ValueError, match="engine niceness must be an integer in \\[0, 19\\]"):
-            AsyncLLM(EngineConfig(**_opts(model_dir)), engine_niceness=bad)
+            AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)), engine_niceness=bad)
     with pytest.raises(ValueError, match="not in-process"):
-        AsyncLLM(EngineConfig(**_opts(model_dir)), in_process=True, engine_niceness=3)
+        AsyncLLM(EngineConfig.from_kwargs(**_opts(model_dir)), in_process=True, engine_niceness=3)

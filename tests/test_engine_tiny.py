@@ -103,7 +103,8 @@ def test_multilevel_preemption_matches_hf(mode, async_scheduling, tiny_model_dir
     prompts, ref, _, _ = references["llama"]
     per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(torch.float32)
     llm = _llm(tiny_model_dirs["llama"], block_size=4, kv_cache_memory=per_token * 4 * 30, max_num_seqs=3,
-               scheduler_policy="multilevel", preemption_mode=mode, async_scheduling=async_scheduling)
+               scheduling_policy="multilevel", preemption_mode=mode,
+               async_scheduling=async_scheduling)
     engine = llm.engine
     for i, p in enumerate(prompts[:3]):
         engine.add_request(p, GREEDY, request_id=f"bg{i}", priority=3 if i else 2)
@@ -320,3 +321,14 @@ def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: not JSON"):
         bench_steps.main(argparse.Namespace(trace=tmp_path / "bad.jsonl"))
+
+
+def test_the_engine_seed_fixes_the_stream_of_unseeded_requests(tiny_model_dirs):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sampled(seed: int) -> list[int]:
+        out = _llm(tiny_model_dirs["llama"], seed=seed).generate([1, 2, 3], params)[0]
+        return out.outputs[0].token_ids
+
+    first = sampled(5)
+    assert sampled(5) == first and sampled(6) != first

@@ -19,7 +19,8 @@ pytest.importorskip("schemathesis")
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
     model = with_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("fuzz") / "m")
-    engine = EngineConfig(model=model, dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+    engine = EngineConfig.from_kwargs(model=model, dtype="float32", kv_cache_memory=1 << 20,
+                                      max_model_len=64)
     with running_server(engine, ServerConfig(model_name="tiny", max_n=4, api_key="sesame")) as (url, _):
         yield url
 

@@ -103,7 +103,7 @@ def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, exp
     path = write_quantised_gguf(tmp_path / "m.gguf", kinds, default)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)
     assert llm.engine.core.executor.variants.default == expected
-    assert llm.engine.core.config.quantization == "auto"
+    assert llm.engine.core.config.quant_config.quantization == "auto"
     assert len(llm.generate(_prompts()[:1], GREEDY)[0].outputs[0].token_ids) == 8
 
 

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tandem"
 # package's own __init__: LLM, SamplingParams). Units of one layer may import each other in one
 # direction only.
 LAYERS: list[tuple[str, ...]] = [
-    ("core", "config", "flags", "heap"),
+    ("core", "config", "heap"),
     ("kernels",),
     ("models",),
     ("executor",),

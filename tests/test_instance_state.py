@@ -19,8 +19,10 @@ def test_real_and_simulated_instance_report_the_same_load():
     now = [0.0]
     # 40 blocks of 16 tokens, 64-token chunks: prompts are prefilled in chunks and decodes run
     # the pool short, so requests are preempted (recompute) and wait again.
-    cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, preemption_mode="recompute")
-    inst = SimInstance("i0", cost_model(kv_tokens=640), cfg, lambda: now[0])
+    cfg = EngineConfig.from_kwargs(max_num_batched_tokens=64, max_num_seqs=8,
+                                   preemption_mode="recompute")
+    inst = SimInstance("i0", cost_model(kv_tokens=640), cfg.scheduler_config, cfg.cache_config,
+                       lambda: now[0])
     for i in range(6):
         sim = SimRequest(i, 0.0, 150 + 10 * i, 120)
         inst.add(sim, sim.prompt_token_ids(), sim.output_len, f"r{i}")

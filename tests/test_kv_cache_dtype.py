@@ -49,7 +49,7 @@ def test_what_cannot_be_built_is_refused_in_words(name, dtype, device, backend, 
 
 def test_an_unknown_kv_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8")
 
 
 def _llm(path: str, **kw) -> LLM:

@@ -18,16 +18,16 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
+from tandem.config import SchedulerConfig
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.request import RequestStatus
-from tandem.core.scheduler import SchedulerConfig
 
 import sched_harness
 from sched_harness import (EOS, Clock, Driver, DriverMachine, PipelinedDriver,
                            make_req, prompts)
 
 # Multilevel queues and recompute-on-preemption unless a test says otherwise.
-make_sched = functools.partial(sched_harness.make_sched, policy="multilevel",
+make_sched = functools.partial(sched_harness.make_sched, scheduling_policy="multilevel",
                                preemption_mode="recompute")
 
 
@@ -41,7 +41,7 @@ def ids(reqs) -> list[str]:
 
 def test_level_is_priority_under_multilevel_and_2_under_fcfs():
     for policy, want in (("multilevel", [1, 2, 3]), ("fcfs", [2, 2, 2])):
-        s = make_sched(policy=policy)
+        s = make_sched(scheduling_policy=policy)
         reqs = [make_req(f"p{p}", [1, 2], priority=p) for p in (1, 2, 3)]
         for r in reqs:
             s.add_request(r)
@@ -50,13 +50,13 @@ def test_level_is_priority_under_multilevel_and_2_under_fcfs():
 
 
 def test_bad_config_and_priority_are_rejected():
-    for kw in (dict(policy="lifo"), dict(preemption_mode="disk"), dict(l2_min_share=1.0),
+    for kw in (dict(scheduling_policy="lifo"), dict(preemption_mode="disk"), dict(l2_min_share=1.0),
                dict(l2_min_share=-0.1), dict(l1_step_time=0.0), dict(l1_hold_s=-1.0),
-               dict(policy="multilevel", max_num_batched_tokens=1)):
+               dict(scheduling_policy="multilevel", max_num_batched_tokens=1)):
         with pytest.raises(ValueError):
             SchedulerConfig(**kw)
     from tandem.config import EngineConfig
-    assert EngineConfig(l1_step_time=0.1).scheduler_config(64, 1e-5, 1e-3).l1_step_time == 0.1
+    assert EngineConfig.from_kwargs(l1_step_time=0.1).scheduler_config.l1_step_time == 0.1
     s = make_sched()
     with pytest.raises(ValueError):
         s.add_request(make_req("x", [1], priority=0))
@@ -125,7 +125,7 @@ def test_l1_never_preempts_l1():
 
 
 def test_seat_preemption_happens_under_fcfs_never():
-    s, d = _seats_full_of_l2_l3(policy="fcfs")
+    s, d = _seats_full_of_l2_l3(scheduling_policy="fcfs")
     d.add(make_req("e", [7, 8, 9], max_tokens=50, priority=1))
     out = d.step()
     assert not out.preempted_req_ids and "e" not in out.num_scheduled_tokens
@@ -224,7 +224,8 @@ def test_l1_enters_next_step_while_l3_prefill_needs_the_blocks():
 def test_top_up_admits_arrivals_into_the_step_planned_within_its_budget(policy):
     """Async scheduling plans a step while the one before runs; requests that arrive before
     it starts join it (top_up) as far as its budget and seats allow, preempting nothing."""
-    s = make_sched(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16, policy=policy)
+    s = make_sched(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16,
+                   scheduling_policy=policy)
     d = Driver(s)
     d.add(make_req("a", range(1, 11), max_tokens=3))  # 10 of 16 tokens
     out = d.schedule()
@@ -244,7 +245,7 @@ def test_top_up_admits_arrivals_into_the_step_planned_within_its_budget(policy):
 
 
 def test_top_up_takes_only_the_step_just_planned():
-    s = make_sched(policy="multilevel")
+    s = make_sched(scheduling_policy="multilevel")
     d = Driver(s)
     d.add(make_req("a", [1, 2, 3]))
     first = d.schedule()
@@ -342,8 +343,9 @@ def test_adapt_throttle(tokens, used, seconds, want):
 def test_one_token_prompt_chunks_count_against_the_throttle():
     """A prompt chunk cut to one token by the throttle is still prefill: it counts, so the
     lower levels cannot slip whole prompts in one token at a time past the throttle."""
-    s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512, policy="multilevel",
-                   l2_min_share=0.125, l1_step_time=0.1)  # throttle 8 tokens
+    s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512,
+                   scheduling_policy="multilevel", l2_min_share=0.125,
+                   l1_step_time=0.1)  # throttle 8 tokens
     d = Driver(s)
     d.add(make_req("chat", [5, 6, 7], max_tokens=50, priority=1))
     d.add(make_req("a", range(1, 8), max_tokens=2))  # 7 tokens
@@ -359,7 +361,8 @@ def test_l1_step_time_sizes_lower_prefill_from_measured_steps():
     it grow, steps over it shrink it back, never below the share. Without l1_step_time the
     measured times change nothing."""
     for step_time, want in ((0.1, [8, 16, 32, 16]), (None, [8, 8, 8, 8])):
-        s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512, policy="multilevel",
+        s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512,
+                       scheduling_policy="multilevel",
                        l2_min_share=0.125, l1_step_time=step_time)
         d = Driver(s)
         d.add(make_req("long", range(1, 401), max_tokens=2))
@@ -497,7 +500,7 @@ def test_l3_is_admitted_on_idle_capacity_and_is_preempted_first_for_growth():
 
 
 def test_fcfs_treats_priority_3_like_any_other():
-    s = make_sched(policy="fcfs", num_blocks=6, block_size=4, max_model_len=24)
+    s = make_sched(scheduling_policy="fcfs", num_blocks=6, block_size=4, max_model_len=24)
     d = Driver(s)
     d.add(make_req("c", [5, 6, 7], max_tokens=2, priority=3))
     d.add(make_req("a", [1, 2, 3], max_tokens=2, priority=1))
@@ -551,7 +554,8 @@ def test_max_preemptions_shields_a_request_from_l1_admission():
 
 def test_max_preemptions_victim_for_growth_only_as_last_resort():
     def scenario(mark):
-        s = make_sched(policy="fcfs", num_blocks=5, block_size=4, max_model_len=20, max_preemptions=1)
+        s = make_sched(scheduling_policy="fcfs", num_blocks=5, block_size=4, max_model_len=20,
+                       max_preemptions=1)
         d = Driver(s)
         for i, r in enumerate("abcd"):  # a, b at 4 tokens need a block next step; c, d at 3 not
             d.add(make_req(r, range(10 * i + 1, 10 * i + (5 if r in "ab" else 4)), max_tokens=6))
@@ -716,7 +720,7 @@ def test_host_blocks_freed_by_swap_in_are_reusable_only_from_the_next_step():
 def test_swap_in_waits_for_device_blocks_and_keeps_its_place():
     """fcfs + swap: a swapped request at the head of the queue blocks newer ones until its
     blocks fit, and comes back with its progress."""
-    s = make_sched(policy="fcfs", num_blocks=4, block_size=4, max_model_len=16,
+    s = make_sched(scheduling_policy="fcfs", num_blocks=4, block_size=4, max_model_len=16,
                    preemption_mode="swap", num_host_blocks=4)
     d = Driver(s)
     for r in "abc":
@@ -762,7 +766,8 @@ class MultilevelMachine(DriverMachine):
         self.clock = Clock()
         self.sched = make_sched(num_blocks=num_blocks, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                max_model_len=max_model_len, policy=policy, preemption_mode=mode,
+                                max_model_len=max_model_len, scheduling_policy=policy,
+                                preemption_mode=mode,
                                 num_host_blocks=host_blocks, enable_caching=caching,
                                 clock=self.clock, queue_order=order, l2_min_share=share,
                                 max_preemptions=max_preemptions,
@@ -780,7 +785,7 @@ class MultilevelMachine(DriverMachine):
         self.add(data, data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12)), data.draw(st.booleans()))
 
     def add(self, data, priority, max_tokens, eos):
-        prompt = data.draw(prompts(self.sched.config.max_model_len))
+        prompt = data.draw(prompts(self.sched.max_model_len))
         self.n += 1
         self.d.add(make_req(f"r{self.n}", prompt, max_tokens, priority=priority,
                             eos=EOS if eos else None, arrival=self.clock.t))
@@ -857,7 +862,7 @@ def run_workload(reqs, policy, mode, small, bs, budget, seqs, pipelined=False):
     else:
         kw = dict(num_blocks=1000, num_host_blocks=1000, max_num_batched_tokens=10_000,
                   max_num_seqs=100)
-    s = make_sched(block_size=bs, max_model_len=max_model_len, policy=policy,
+    s = make_sched(block_size=bs, max_model_len=max_model_len, scheduling_policy=policy,
                    preemption_mode=mode, **kw)
     d = (PipelinedDriver if pipelined else Driver)(s)
     pending = sorted(enumerate(reqs), key=lambda x: x[1][4])

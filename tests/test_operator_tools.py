@@ -28,15 +28,15 @@ def _offline_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def test_bench_offline_takes_num_prompts_and_the_old_name():
+def test_bench_offline_takes_num_prompts():
     assert _offline_args(["--num-prompts", "7"]).num_prompts == 7
-    assert _offline_args(["--num-requests", "5"]).num_prompts == 5
     assert _offline_args([]).num_prompts == 64
 
 
 @pytest.mark.parametrize("argv,named", [
     (["--quantization", "int4", "--compare-async", "--num-prompts", "3"], "--num-prompts, --compare-async: read by the request run only"),
-    (["--quantization", "int4", "--speculative-method", "ngram"], "--speculative-method: read by the request run only"),
+    (["--quantization", "int4", "--speculative-config", '{"method": "ngram"}'],
+     "--speculative-config: read by the request run only"),
     (["--batch-sizes", "1,2", "--repeats", "2"], "--batch-sizes, --repeats: read by --quantization's precision table only"),
 ])
 def test_bench_offline_refuses_the_other_runs_options_in_words(argv, named):
@@ -69,7 +69,8 @@ def test_ideal_prefix_hits_counts_leading_blocks_seen_before():
 
 
 def test_bench_serve_reports_the_servers_prefix_cache_hits(tiny_model_dirs):
-    engine = EngineConfig(model=tiny_model_dirs["llama"], kv_cache_memory=8 << 20, max_model_len=512)
+    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], kv_cache_memory=8 << 20,
+                                      max_model_len=512)
     with running_server(engine, ServerConfig(model_name="tiny")) as (url, _):
         before = scrape(url)
         prompt = list(range(3, 200))

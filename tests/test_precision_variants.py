@@ -104,6 +104,6 @@ def test_unbuildable_variant_falls_back_with_a_count(tmp_path, caplog):
 
 def test_bad_precision_names_fail_at_construction():
     with pytest.raises(ValueError, match="unknown precision 'int2'"):
-        EngineConfig(quantization="int2")
+        EngineConfig.from_kwargs(quantization="int2")
     with pytest.raises(ValueError, match="'urgent' is not a request class"):
-        EngineConfig(precision_classes={"urgent": "int8"})
+        EngineConfig.from_kwargs(precision_classes={"urgent": "int8"})

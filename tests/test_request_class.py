@@ -1,12 +1,13 @@
 """The request class has one table: the names a client, an API key and the quantization section
-use, the priority a request carries, and the scheduler level are read from core/request_class.py."""
+use, the priority a request carries, and the scheduler level are read from
+config/request_class.py."""
 from __future__ import annotations
 
 import pytest
 
 from tandem.config import EngineConfig
 from tandem.core.queues import classify
-from tandem.core.request_class import CLASS_NAMES, LEVELS, class_name, priority_of
+from tandem.config.request_class import CLASS_NAMES, LEVELS, class_name, priority_of
 from tandem.server.precision import check_key_classes, key_priority
 from tandem.server.protocol import CompletionRequest
 
@@ -29,6 +30,6 @@ def test_anything_else_is_refused_in_words(bad):
         with pytest.raises(ValueError, match="api_key_classes: 'urgent' is not a request class"):
             check_key_classes({"k": bad})
         with pytest.raises(ValueError, match="quantization class 'urgent' is not a request class"):
-            EngineConfig(precision_classes={bad: "int8"})
+            EngineConfig.from_kwargs(precision_classes={bad: "int8"})
         with pytest.raises(ValueError, match="priority"):
             CompletionRequest(prompt="x", priority=bad)

@@ -127,7 +127,8 @@ def test_body_limit_counts_a_chunked_body_while_it_is_read():
 def test_context_limits_on_a_real_engine(tiny_model_dirs):
     """The prompt at the context and max_tokens past the room it leaves: 400s from the engine and
     the server; a request within both is served."""
-    engine = EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], dtype="float32",
+                                      kv_cache_memory=1 << 20, max_model_len=64)
     with running_server(engine, ServerConfig(model_name="tiny", max_n=2)) as (url, _):
         post = lambda **body: httpx.post(url + "/v1/completions", json={"prompt": [1] * 10, **body}, timeout=60)
         r = post(prompt=[1] * 64)

@@ -413,7 +413,7 @@ class SchedulerMachine(DriverMachine):
 
     @rule(data=st.data(), max_tokens=st.integers(1, 12), eos=st.booleans())
     def add(self, data, max_tokens, eos):
-        prompt = data.draw(prompts(self.sched.config.max_model_len))
+        prompt = data.draw(prompts(self.sched.max_model_len))
         self.d.add(make_req(self._new_id(), prompt, max_tokens, eos=EOS if eos else None))
 
     def add_arrival(self, data):
@@ -421,7 +421,7 @@ class SchedulerMachine(DriverMachine):
 
     @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 8))
     def add_siblings(self, data, n, max_tokens):
-        prompt = data.draw(prompts(self.sched.config.max_model_len))
+        prompt = data.draw(prompts(self.sched.max_model_len))
         src = self.d.add(make_req(self._new_id(), prompt, max_tokens))
         for _ in range(n):
             self.d.add(make_req(self._new_id(), prompt, max_tokens, prefill_after=src))

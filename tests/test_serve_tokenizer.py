@@ -40,7 +40,8 @@ def tok_dir(tmp_path_factory) -> str:
 
 
 def engine(model_dir: str, **kw) -> EngineConfig:
-    return EngineConfig(model=model_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1, **kw)
+    return EngineConfig.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory=1 << 22,
+                                    num_threads=1, **kw)
 
 
 def test_tokenizer_and_chat_template_are_served(tiny_model_dirs, tok_dir, tmp_path):
@@ -100,11 +101,15 @@ def test_flags_and_yaml(tmp_path):
     parse = build_parser().parse_args
     eng, srv = build_configs(parse(["serve", "--served-model-name", "a", "b", "--tokenizer", "T",
                                     "--chat-template", "C.jinja"]))
-    assert (srv.model_name, srv.model_aliases, eng.tokenizer, eng.chat_template) == ("a", ("b",), "T", "C.jinja")
+    model = eng.model_config
+    got = (srv.model_name, srv.model_aliases, model.tokenizer, model.chat_template)
+    assert got == ("a", ("b",), "T", "C.jinja")
     (tmp_path / "s.yaml").write_text("serving:\n  engine: {tokenizer: T, chat_template: C.jinja}\n"
                                      "  server: {served_model_name: [x, y, z]}\n")
     eng, srv = build_configs(parse(["serve", "--config", str(tmp_path / "s.yaml")]))
-    assert (srv.served_model_names, eng.tokenizer, eng.chat_template) == (("x", "y", "z"), "T", "C.jinja")
+    model = eng.model_config
+    got = (srv.served_model_names, model.tokenizer, model.chat_template)
+    assert got == (("x", "y", "z"), "T", "C.jinja")
     eng, srv = build_configs(parse(["serve", "--config", str(tmp_path / "s.yaml"), "--served-model-name", "q"]))
     assert srv.served_model_names == ("q",)  # the flag wins
     _, srv = build_configs(parse(["serve", "--model", "m"]))
@@ -114,7 +119,8 @@ def test_flags_and_yaml(tmp_path):
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--chat-template", "--tokenizer", "--served-model-name"):
         assert flag in help_text
-    assert "(default: the model's own;" in help_text and "(default: the tokenizer's own;" in " ".join(help_text.split())
+    assert "(default: the model's own)" in help_text
+    assert "(default: the tokenizer's own)" in " ".join(help_text.split())
 
 
 def test_cluster_config_refuses_what_cannot_apply():

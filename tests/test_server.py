@@ -22,7 +22,7 @@ MODEL = "smollm2-135m"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"
-    engine = EngineConfig(model=MODEL, kv_cache_memory=64 << 20, max_model_len=1024)
+    engine = EngineConfig.from_kwargs(model=MODEL, kv_cache_memory=64 << 20, max_model_len=1024)
     with running_server(engine, ServerConfig(model_name=MODEL, request_log=str(log))) as (url, llm):
         yield url, llm, log
 
@@ -175,7 +175,8 @@ def test_disconnects_return_every_block(server):
 
 
 def test_overload_429_and_api_key(tiny_model_dirs):
-    engine = EngineConfig(model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=1)
+    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], dtype="float32",
+                                      kv_cache_memory=1 << 22, max_num_seqs=1)
     with running_server(engine, ServerConfig(model_name="tiny", api_key="sesame", max_waiting=2)) as (url, _):
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401

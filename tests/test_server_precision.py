@@ -32,7 +32,8 @@ def test_precision_per_request(tiny_model_dirs, tmp_path, caplog):
         server_opts = load_yaml(path, section="server")
     assert "not supported" not in caplog.text
     # bf16 activations, so the fp16 variant shares the int8 default's KV pool on any CPU
-    engine = EngineConfig.from_dict(opts | {"model": tiny_model_dirs["llama"], "kv_cache_memory": 1 << 22, "dtype": "bfloat16"})
+    engine = EngineConfig.from_kwargs(**opts | {"model": tiny_model_dirs["llama"],
+                                                "kv_cache_memory": 1 << 22, "dtype": "bfloat16"})
     log = tmp_path / "requests.jsonl"
     server = ServerConfig(model_name="tiny", request_log=str(log), **server_opts)
     key = {"Authorization": "Bearer sesame"}
@@ -66,7 +67,7 @@ def test_precision_per_request(tiny_model_dirs, tmp_path, caplog):
 
 def test_class_keys_alone_still_close_the_server(tiny_model_dirs):
     """api_key_classes without api_key: the class keys are the only keys, not an open server."""
-    engine = EngineConfig(model=tiny_model_dirs["llama"], kv_cache_memory=1 << 22)
+    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], kv_cache_memory=1 << 22)
     server = ServerConfig(model_name="tiny", api_key_classes={"batch-key": "background"})
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
     with running_server(engine, server) as (url, _):

@@ -11,7 +11,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
 from route_fixture import EMPTY, FakeLLM
-from tandem.config import EngineConfig
+from tandem.config import QuantizationConfig
 from tandem.engine.precision import PrecisionRouter
 from tandem.server.errors import add_error_handlers
 from tandem.server.routes import chat, completions, health, models, tokenize
@@ -47,7 +47,8 @@ def fake_tokenize(prompt):
 
 def client_for(router: APIRouter, llm=None, alive: bool = True) -> tuple[TestClient, ServingState]:
     facts = EngineFacts(tokenizer=word_tokenizer(), tokenize=fake_tokenize, max_model_len=32,
-                        vocab_size=len(WORDS), precisions=PrecisionRouter(EngineConfig(model="x"), "fp32", {}),
+                        vocab_size=len(WORDS),
+                        precisions=PrecisionRouter(QuantizationConfig(), "fp32", {}),
                         compile_grammar=None)
     llm = llm or FakeLLM()
     llm.alive = alive

@@ -38,7 +38,8 @@ def workload(n: int = 300, rate: float = 10.0, seed: int = 0, shared: bool = Fal
 
 def simulate(cfg: ClusterConfig, reqs: list[SimRequest], engine: EngineConfig | None = None,
              cost: CostModel | None = None) -> ClusterSim:
-    sim = ClusterSim(cost or cost_model(), engine or EngineConfig(max_num_batched_tokens=2048), cfg)
+    sim = ClusterSim(cost or cost_model(),
+                     engine or EngineConfig.from_kwargs(max_num_batched_tokens=2048), cfg)
     sim.run(reqs)
     return sim
 
@@ -54,7 +55,7 @@ def assert_clean(sim: ClusterSim) -> None:
 @pytest.mark.parametrize("mode,policy,shared", [("colocated", "fcfs", False), ("colocated", "multilevel", True),
                                                 ("pd", "fcfs", True), ("elastic", "fcfs", False)])
 def test_coalesced_decode_runs_match_stepping(mode, policy, shared):
-    engine = EngineConfig(max_num_batched_tokens=1024, scheduler_policy=policy)
+    engine = EngineConfig.from_kwargs(max_num_batched_tokens=1024, scheduling_policy=policy)
     runs = []
     for coalesce in (False, True):
         reqs = workload(shared=shared)
@@ -108,7 +109,8 @@ def test_multilevel_cuts_short_ttft_tail_on_a_long_short_mix():
     p99 = {}
     for policy in ("fcfs", "multilevel"):
         reqs, _ = mixed(400, 8.0, 0.1, (4000, 100), (30, 30), seed=1, priority_by_class=True)
-        simulate(ClusterConfig(1), reqs, EngineConfig(max_num_batched_tokens=2048, scheduler_policy=policy))
+        simulate(ClusterConfig(1), reqs, EngineConfig.from_kwargs(max_num_batched_tokens=2048,
+                                                                  scheduling_policy=policy))
         ttft = sorted(r.first_token - r.arrival for r in reqs if r.cls == "short")
         p99[policy] = ttft[int(0.99 * (len(ttft) - 1))]
     assert p99["multilevel"] < 0.75 * p99["fcfs"], p99

@@ -105,7 +105,8 @@ SCENARIOS = {
     "chunked": dict(max_num_batched_tokens=16, block_size=8),
     "recompute": dict(block_size=4, enable_prefix_caching=False, preemption_mode="recompute"),
     "swap": dict(block_size=4, enable_prefix_caching=False, preemption_mode="swap"),
-    "multilevel": dict(block_size=4, scheduler_policy="multilevel", max_num_seqs=3, max_num_batched_tokens=32),
+    "multilevel": dict(block_size=4, scheduling_policy="multilevel", max_num_seqs=3,
+                       max_num_batched_tokens=32),
 }
 
 
@@ -236,18 +237,18 @@ def test_seeded_sampling_is_reproducible(proposer, copy_models):
 ])
 def test_bad_speculative_config_is_refused_at_start(bad, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(speculative_config=bad)
+        EngineConfig.from_kwargs(speculative_config=bad)
 
 
 def test_mission_yaml_section_is_accepted(tmp_path, caplog):
     path = tmp_path / "serving.yaml"
     path.write_text("serving:\n  speculative_decoding:\n    draft_model: ngram\n    verify_interval: 4\n")
     with caplog.at_level(logging.WARNING):
-        config = EngineConfig.from_dict(load_yaml(path))
+        config = EngineConfig.from_kwargs(**load_yaml(path))
     assert "not supported" not in caplog.text
     assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 4)
     path.write_text("serving:\n  speculative_decoding:\n    draft_model: self:int4\n    verify_interval: 3\n")
-    spec = EngineConfig.from_dict(load_yaml(path)).speculative_config
+    spec = EngineConfig.from_kwargs(**load_yaml(path)).speculative_config
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft", "self:int4", 3)
 
 
@@ -340,12 +341,13 @@ def test_metrics_and_request_log(copy_models, tmp_path):
 def test_serve_flags_ask_for_the_self_draft():
     import argparse
 
-    from tandem.server.launch import add_arguments, with_speculation_flags
+    from tandem.server.launch import add_arguments, build_configs
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--speculative-method", "draft", "--speculative-model", "self:int4",
-                              "--num-speculative-tokens", "5"])
-    spec = EngineConfig.from_dict(with_speculation_flags({}, args)).speculative_config
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "draft", "model": "self:int4", '
+                              '"num_speculative_tokens": 5}'])
+    spec = build_configs(args)[0].speculative_config
     assert (spec.method, spec.model, spec.num_speculative_tokens, spec.num_lookahead_tokens) == ("draft", "self:int4", 5, 5)
 
 
@@ -358,7 +360,8 @@ def test_opt_out_through_the_openai_api(copy_models, tmp_path):
     from server_fixture import running_server
     from tandem.server.api_server import ServerConfig
     log = tmp_path / "requests.jsonl"
-    engine = EngineConfig(model=copy_models["llama"], dtype="float32", kv_cache_memory=1 << 22, speculative_config=SPEC)
+    engine = EngineConfig.from_kwargs(model=copy_models["llama"], dtype="float32",
+                                      kv_cache_memory=1 << 22, speculative_config=SPEC)
     prompt = _prompts()[-1]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
     with running_server(engine, ServerConfig(model_name="tiny", request_log=str(log))) as (url, _):

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.core.adaptive_k import AdaptiveK, batch_bucket
-from tandem.core.spec_decode import SpecDecodeStats, SpeculativeConfig, num_drafts
+from tandem.config import SpeculativeConfig
+from tandem.core.spec_decode import SpecDecodeStats, num_drafts
 
 
 def _trained(acceptance: float, fixed: float, per_token: float, k_max: int = 4) -> AdaptiveK:
@@ -263,21 +264,21 @@ def test_stats_and_yaml_mapping():
     assert SpeculativeConfig.from_yaml({"draft_model": "ngram", "verify_interval": 3}) == {"num_speculative_tokens": 3}
 
 
-def test_serve_flags_override_the_yaml_section():
+def test_serve_flags_override_the_yaml_section(tmp_path):
     import argparse
 
-    from tandem.config import EngineConfig
-    from tandem.server.launch import add_arguments, with_speculation_flags
+    from tandem.server.launch import add_arguments, build_configs
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--speculative-method", "ngram", "--num-speculative-tokens", "6"])
-    opts = with_speculation_flags({"speculative_config": {"num_speculative_tokens": 3, "adaptive": False}}, args)
-    spec = EngineConfig.from_dict(opts).speculative_config
+    path = tmp_path / "serving.yaml"
+    path.write_text("serving:\n  speculative_decoding: {verify_interval: 3, adaptive: false}\n")
+    args = parser.parse_args(["--config", str(path), "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 6}'])
+    spec = build_configs(args)[0].speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 6, False)
-    assert with_speculation_flags({}, parser.parse_args([])) == {}
+    assert build_configs(parser.parse_args([]))[0].speculative_config is None
     with pytest.raises(ValueError, match=r"in \[1, 16\]"):
-        EngineConfig.from_dict(with_speculation_flags({}, parser.parse_args(["--num-speculative-tokens", "0",
-                                                                             "--speculative-method", "ngram"])))
+        build_configs(parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 0}']))
 
 
 def test_a_buckets_samples_compare_at_the_batch_size_asked_for():

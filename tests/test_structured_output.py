@@ -97,7 +97,7 @@ def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     ref = [o.outputs[0].token_ids for o in _llm(model_dir).generate(prompts, params)]
     per_token = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32)
     llm = _llm(model_dir, block_size=4, kv_cache_memory=per_token * 4 * 24, enable_prefix_caching=False,
-               preemption_mode=mode, scheduler_policy=policy, async_scheduling=async_scheduling)
+               preemption_mode=mode, scheduling_policy=policy, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, params)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -28,7 +28,7 @@ CHAT = [{"role": "user", "content": "weather?"}]
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
     path = with_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("sos") / "tiny-tok")
-    engine = EngineConfig(model=path, kv_cache_memory=1 << 22, dtype="float32")
+    engine = EngineConfig.from_kwargs(model=path, kv_cache_memory=1 << 22, dtype="float32")
     with running_server(engine, ServerConfig(model_name=MODEL)) as (url, llm):
         yield url, llm
 

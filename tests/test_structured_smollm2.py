@@ -43,7 +43,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def client():
     # KV room for the 64 requests in flight, each at its max_tokens (22.5 KiB a token): none is
     # preempted, which here only cost time (grammars across preemption: test_structured_output.py)
-    engine = EngineConfig(model=MODEL, kv_cache_memory=288 << 20, max_model_len=1024)
+    engine = EngineConfig.from_kwargs(model=MODEL, kv_cache_memory=288 << 20, max_model_len=1024)
     with running_server(engine, ServerConfig(model_name=MODEL)) as (url, _):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tandem.bench import offline
 from tandem.bench.measure import in_subprocess, until_first_tokens
-from tandem.flags import size_type
+from tandem.config.args import add_engine_arguments
 
 
 def _tiny_model(folder: Path) -> str:
@@ -180,12 +180,12 @@ def _environment(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
-    p.add_argument("--device", default="cuda", help="cuda | cuda:N (default cuda)")
-    p.add_argument("--dtype", default="bfloat16", help="for throughput and decode timing (equality is fp32)")
+    # The GPU check: on CUDA, throughput and decode timed in bf16 (equality runs in fp32 whatever
+    # --dtype says), over a fixed KV pool so that runs on different cards compare.
+    add_engine_arguments(p, ("model", "device", "dtype", "kv_cache_memory"), store_defaults=True,
+                         defaults={"device": "cuda", "dtype": "bfloat16",
+                                   "kv_cache_memory": 16 << 30})
     p.add_argument("--tiny", action="store_true", help="a dry run: tiny model and workload (seconds on CPU)")
-    p.add_argument("--kv-cache-memory", type=size_type("B"), default=16 << 30, metavar="SIZE",
-                   help="KV pool, e.g. 16GiB (a bare number is bytes; default 16 GiB)")
     p.add_argument("--peak-bandwidth", type=float, default=4.3e12, help="bytes/s (H200 device copy: 4.3e12)")
     p.add_argument("--decode-prompt", type=int, default=256, help="context of each request when decode is timed")
     p.add_argument("--decode-steps", type=int, default=30, help="decode steps timed per batch size (default 30)")
@@ -219,12 +219,13 @@ def main(args: argparse.Namespace) -> dict:
     part("equality", lambda: {"model": check_equality(args.model, args.device, new_eq, n_eq, vocab),
                               "tiny_llama": check_equality(_tiny_model(Path(tmp.name) / "tiny-eq"), args.device,
                                                            new_eq, n_eq, 512)})
-    wl = dict(num_requests=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16) if args.tiny else \
-        dict(num_requests=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
+    wl = dict(num_prompts=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16) \
+        if args.tiny else \
+        dict(num_prompts=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
     oargs = argparse.Namespace(model=args.model, dtype=args.dtype, kv_cache_dtype="auto", device=args.device, seed=0,
                                max_num_seqs=256,
                                max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory,
-                               async_scheduling=None, progress=False, hf_dtype=None, hf_batch_size=256,
+                               progress=False, hf_dtype=None, hf_batch_size=256,
                                enforce_eager=False, **wl)
     requests = offline.make_requests(oargs, vocab)
 

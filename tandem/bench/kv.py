@@ -14,15 +14,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from tandem.config.args import add_engine_arguments, given
+
+
+# max_num_batched_tokens: the prefill chunk
+ENGINE_OPTIONS = ("model", "dtype", "quantization", "max_num_batched_tokens")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gemma3-270m", help="model alias, .gguf file or HF folder (default gemma3-270m)")
+    # Gemma 3 by default: the comparison needs sliding-window layers, which SmolLM2 has none of.
+    add_engine_arguments(p, ENGINE_OPTIONS, defaults={"model": "gemma3-270m"}, store_defaults=True)
     p.add_argument("--prompt-len", type=int, default=8192, help="prompt tokens (default 8192)")
     p.add_argument("--output-len", type=int, default=32, help="tokens decoded after it (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="prefill chunk, tokens per step (default 2048)")
-    p.add_argument("--quantization", default="auto", help="the precision served (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON to this path")
 
@@ -44,9 +47,9 @@ def main(args: argparse.Namespace) -> dict:
     blocks = -(-total // block_size)
     # room for the full-attention layout of the request, so the figure is what it holds, not what fits
     per_token_fp32 = cfg.kv_bytes_per_token(torch.float32)
-    llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, block_size=block_size,
-              kv_cache_memory=(blocks + 2) * block_size * per_token_fp32, max_model_len=total,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    llm = LLM(**given(args, ENGINE_OPTIONS), block_size=block_size, max_model_len=total,
+              kv_cache_memory=(blocks + 2) * block_size * per_token_fp32,
+              enable_prefix_caching=False)
     core = llm.engine.core
     kv, cache = core.kv_manager, core.executor.kv
     block_bytes = cache.kv_cache[:, :, :block_size].numel() * cache.kv_cache.element_size()

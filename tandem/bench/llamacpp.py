@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tandem.flags import kv_cache_dtype_argument, size_type
+from tandem.config.args import add_engine_arguments
 
 LLAMA = "llama.cpp"
 
@@ -136,19 +136,21 @@ def print_table(report: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="a .gguf file or an alias of one (default smollm2-135m)")
+    # --model: a .gguf file or an alias of one. Both sides run the same number of threads, which
+    # llama.cpp needs as a number: 2, this machine's cores, rather than the engine's "all cores".
+    # (--quantization and --seed are this command's own: Tandem's precisions, each a column, and
+    # the random prompts' seed; llama.cpp's KV cache is f16.)
+    add_engine_arguments(p, ("model", "dtype", "kv_cache_dtype", "kv_cache_memory", "num_threads"),
+                         defaults={"num_threads": 2}, store_defaults=True)
     p.add_argument("--quantization", default="int4",
                    help="Tandem's precision, or several comma-separated, each its own column (default int4)")
-    p.add_argument("--dtype", default="auto", help="Tandem's float dtype (default auto)")
-    kv_cache_dtype_argument(p)  # llama.cpp's is f16
-    p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default 1,16)")
+    p.add_argument("--batch-sizes", default="1,16",
+                   help="comma-separated batch sizes; Tandem's KV pool is sized for the largest "
+                        "unless --kv-cache-memory (default 1,16)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=int, default=128,
                    help="tokens out per request; llama.cpp decodes output_len - 1 after its prompt (default 128)")
-    p.add_argument("--num-threads", type=int, default=2, help="CPU threads of each side (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="rounds, alternating the sides; best kept (default 1)")
-    p.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
-                   help="Tandem's KV pool, e.g. 512MiB (default: sized for the largest batch)")
     p.add_argument("--seed", type=int, default=0, help="seed of Tandem's random prompts (default 0)")
     p.add_argument("--llama-batched-bench", default=None, metavar="PATH",
                    help="llama-batched-bench binary (default: the one on PATH)")

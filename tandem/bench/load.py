@@ -6,9 +6,7 @@ Two phases, each in a fresh process whose baseline is taken once torch and tande
 imported: resolving the model (a GGUF's config and tokenizer written into the cache, once; into
 a fresh temporary cache unless --cache is given) and building its variants (the weights read
 into their serving form; the KV pool is not part of it). Peak RSS is the kernel's mark
-(VmHWM, reset through /proc/self/clear_refs), so Linux only. It uses only the loader's and the
-variant builder's entry points, so the same file run by path against an older checkout
-(`python tandem/bench/load.py --model ...`) measures that.
+(VmHWM, reset through /proc/self/clear_refs), so Linux only.
 """
 from __future__ import annotations
 
@@ -22,12 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.config.args import add_engine_arguments, given
+
+
+ENGINE_OPTIONS = ("model", "quantization", "dtype")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="model alias, .gguf file or HF folder (default smollm2-135m)")
-    p.add_argument("--quantization", default=None, help="the default precision (default: the engine's, auto)")
-    p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto)")
+    add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
     p.add_argument("--cache", default=None, help="the cache directory (default: a fresh temporary one)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON to this path")
     p.add_argument("--phase", choices=["resolve", "load"], default=None, help=argparse.SUPPRESS)  # a child's
@@ -61,8 +61,7 @@ def measure(args: argparse.Namespace) -> dict:
     from tandem.models.loader import load_config, resolve_model
     from tandem.models.variants import build_variants
 
-    kwargs = {} if args.quantization is None else {"quantization": args.quantization}
-    config = EngineConfig(model=args.model, dtype=args.dtype, **kwargs)
+    config = EngineConfig.from_kwargs(**given(args, ENGINE_OPTIONS))
     if args.phase == "resolve":
         before = _tree_bytes(cache_root())
         base = _reset_peak()
@@ -71,12 +70,13 @@ def measure(args: argparse.Namespace) -> dict:
         return {"resolve_s": round(time.perf_counter() - start, 2), "resolve_peak_rss_above_baseline":
                 _rss()[1] - base, "cache_bytes_written": _tree_bytes(cache_root()) - before}
     model_dir = resolve_model(args.model)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    device = resolve_device(config.device_config.device)
+    dtype = resolve_dtype(args.dtype, device)
     cfg = ModelConfig.from_hf(load_config(model_dir))
     base = _reset_peak()
     start = time.perf_counter()
-    variants = build_variants(config, model_dir, cfg, device, dtype, TorchAttention)
+    variants = build_variants(config.quant_config, args.model, args.dtype, model_dir, cfg, device,
+                              dtype, TorchAttention)
     load_s = time.perf_counter() - start
     rss, peak = _rss()
     return {"precisions": list(variants.models), "dtype": str(variants.dtype).removeprefix("torch."),

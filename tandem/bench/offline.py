@@ -12,8 +12,13 @@ import time
 
 from tandem.bench.measure import in_subprocess, peak_gpu_mb, peak_rss_mb
 from tandem.bench.quantization import compare
-from tandem.flags import kv_cache_dtype_argument, renamed, size_type
-from tandem.server.launch import add_speculative_arguments, with_speculation_flags
+from tandem.config.args import add_engine_arguments, given
+
+# The engine options this command takes (its --quantization and --seed are its own: a list of
+# precisions to compare, and the random prompts' seed).
+ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype", "device", "kv_cache_memory", "max_num_seqs",
+                  "max_num_batched_tokens", "enforce_eager", "async_scheduling", "deterministic",
+                  "num_threads", "speculative_config")
 
 
 def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -27,12 +32,7 @@ def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
 
 def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
-    opts = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
-    opts = with_speculation_flags(opts, args)
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory,
-              enforce_eager=args.enforce_eager, deterministic=args.deterministic, **opts)
+    llm = LLM(**given(args, ENGINE_OPTIONS))
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
     engine.reset_stats()
@@ -48,15 +48,15 @@ def run_tandem(args, requests) -> dict:
     per_step_ms = {k: v / steps * 1e3 for k, v in times.items() if k != "gap"}
     per_step_ms["gap"] = times["gap"] / max(c.num_gaps, 1) * 1e3
     return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
-            "async_scheduling": engine.config.async_scheduling,
+            "async_scheduling": engine.config.scheduler_config.async_scheduling,
             "steps": c.num_steps, "ms_per_step": per_step_ms,
             "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
             "kv_utilization_mean": c.kv_utilization_sum / steps, "kv_usage_peak": c.kv_usage_peak,
-            "dtype": engine.info().dtype, "deterministic": engine.config.deterministic,
-            "preemptions": c.num_preemptions,
-            "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(),
+            "dtype": engine.info().dtype,
+            "deterministic": engine.config.device_config.deterministic,
+            "preemptions": c.num_preemptions, "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(),
             **gpu_step_ms(before, c),
-            "spec_decode": spec_summary(c.spec) if "speculative_config" in opts else None}
+            "spec_decode": spec_summary(c.spec) if engine.config.speculative_config else None}
 
 
 def gpu_step_ms(before, after) -> dict:
@@ -150,28 +150,14 @@ def _replace(args: argparse.Namespace, **changes) -> argparse.Namespace:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
-    kv_cache_dtype_argument(p)
+    add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
     p.add_argument("--num-prompts", type=int, default=64, help="requests to run (default 64)")
-    renamed(p, "--num-requests", "--num-prompts", "num_prompts", convert=int)
     p.add_argument("--min-prompt", type=int, default=64, help="shortest random prompt, tokens (default 64)")
     p.add_argument("--max-prompt", type=int, default=512, help="longest random prompt, tokens (default 512)")
     p.add_argument("--min-output", type=int, default=64, help="fewest output tokens per request (default 64)")
     p.add_argument("--max-output", type=int, default=256, help="most output tokens per request (default 256)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="requests in a step at most (default 128)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in a step at most (default 2048)")
-    p.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
-                   help="KV pool, e.g. 512MiB (a bare number is bytes; default: as tandem serve)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap scheduling with execution (default: the engine's default)")
     p.add_argument("--compare-async", action="store_true",
                    help="run tandem with and without async scheduling, side by side")
-    add_speculative_arguments(p)
-    p.add_argument("--deterministic", action="store_true",
-                   help="serve with deterministic=True (batch-invariant kernels; see README)")
     p.add_argument("--compare-deterministic", action="store_true",
                    help="--quantization: each precision with and without --deterministic, alternating, and the ratio")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -183,11 +169,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None,
                    help="comma-separated precisions (bf16,int8,int4): decode tok/s of each at --batch-sizes "
                         "(see bench/quantization.py) instead of the run above")
-    p.add_argument("--batch-sizes", default="1,8,32,64", help="--quantization: comma-separated batch sizes (default 1,8,32,64)")
+    p.add_argument("--batch-sizes", default="1,8,32,64",
+                   help="--quantization: comma-separated batch sizes; the KV pool is sized for the "
+                        "largest unless --kv-cache-memory (default 1,8,32,64)")
     p.add_argument("--prompt-len", type=int, default=128, help="--quantization: prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=int, default=128, help="--quantization: output tokens per request (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="--quantization: rounds, alternating; best kept")
-    p.add_argument("--num-threads", type=int, default=None, help="--quantization: CPU threads (default: all cores)")
 
 
 # The options only one of the two runs reads (--quantization's precision table, or the request
@@ -195,8 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _TABLE_ONLY = ("batch_sizes", "prompt_len", "output_len", "repeats", "num_threads", "compare_deterministic")
 _RUN_ONLY = ("num_prompts", "min_prompt", "max_prompt", "min_output", "max_output", "max_num_seqs",
              "max_num_batched_tokens", "enforce_eager", "async_scheduling", "compare_async", "compare",
-             "hf_batch_size", "hf_dtype", "speculative_config", "speculative_method", "speculative_model",
-             "num_speculative_tokens")
+             "hf_batch_size", "hf_dtype", "speculative_config")
 
 
 def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
@@ -204,11 +190,10 @@ def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
     add_arguments(parser)
     defaults = vars(parser.parse_args([]))
     others = _RUN_ONLY if args.quantization else _TABLE_ONLY
-    # (the old --speculative-* spellings have no default: present only when given)
-    given = ["--" + name.replace("_", "-") for name in others
-             if hasattr(args, name) and getattr(args, name) != defaults.get(name)]
-    if given:
-        raise SystemExit(f"bench offline: {', '.join(given)}: " + (
+    named = ["--" + name.replace("_", "-") for name in others
+             if getattr(args, name) != defaults.get(name)]
+    if named:
+        raise SystemExit(f"bench offline: {', '.join(named)}: " + (
             "read by the request run only, not by --quantization's precision table" if args.quantization
             else "read by --quantization's precision table only (add --quantization, or leave them out)"))
 

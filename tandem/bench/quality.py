@@ -17,7 +17,9 @@ import json
 import math
 from pathlib import Path
 
-from tandem.flags import kv_cache_dtype_argument
+from tandem.config.args import add_engine_arguments, given
+
+ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype")  # one KV pool: every variant's KV
 
 TEXT = Path(__file__).with_name("data") / "opticks.txt"
 _TOPICS = ["photosynthesis", "the French Revolution", "a binary search", "black holes", "inflation in economics",
@@ -89,10 +91,10 @@ def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
+    # --quantization and --deterministic are this command's own: the precisions compared, and
+    # the engines run.
     p.add_argument("--quantization", default="bf16,int8,int4", help="precisions; the first is the reference")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
-    kv_cache_dtype_argument(p)  # one pool: every variant's KV
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)")
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
     p.add_argument("--deterministic", choices=["off", "on", "both"], default="both",
@@ -103,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine(args, precisions: list[str], deterministic: bool):
     from tandem import LLM
-    return LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=precisions[0],
+    return LLM(**given(args, ENGINE_OPTIONS), quantization=precisions[0],
                precision_classes={
         cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])},
         kv_cache_memory=256 << 20, enable_prefix_caching=False, deterministic=deterministic)

@@ -34,18 +34,6 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     return slo
 
 
-def slo_as_goodput(text: str) -> list[str]:
-    """The old --slo "ttft=0.5,tpot=0.1" (seconds) as --goodput pairs (milliseconds)."""
-    pairs = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        try:
-            pairs.append(f"{'e2el' if key.strip() == 'e2e' else key.strip()}:{float(value) * 1000:g}")
-        except ValueError:
-            raise ValueError(f"--slo: bad value in {part!r}; use --goodput ttft:500 tpot:100 (ms)") from None
-    return pairs
-
-
 def stats_ms(values_s, pcts: tuple[float, ...] = PCTS) -> dict:
     v = np.asarray([x for x in values_s if x is not None], dtype=float) * 1000.0
     if v.size == 0:

@@ -11,11 +11,12 @@ import random
 import statistics
 import time
 
+from tandem.config import SchedulerConfig
 from tandem.core.kv_cache_manager import KVCacheManager, cdiv
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.scheduler import Scheduler
 
 
 def null_execute(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -38,8 +39,8 @@ def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size
     blocks = sum(cdiv(p + extra, block_size) for p in prompts) * 5 // 4 + 64
     kv = KVCacheManager(max(blocks, cdiv(max_len, block_size)), block_size)
     cfg = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=budget,
-                          max_model_len=max_len, policy=policy)
-    sched = Scheduler(cfg, kv, clock=time.monotonic)
+                          scheduling_policy=policy)
+    sched = Scheduler(cfg, kv, time.monotonic, max_len)
     params = SamplingParams(max_tokens=extra + 1000, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add_request(Request(f"r{i}", [rng.randrange(32000) for _ in range(p)], params,

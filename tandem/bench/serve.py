@@ -20,7 +20,6 @@ from pathlib import Path
 from tandem.bench import report
 from tandem.bench.scrape import format_counters, format_ideal, ideal_of, kv_layout, run_counters, scrape, warm_mismatch
 from tandem.bench.workloads import PromptSynth, Request, mixed_workload, random_workload
-from tandem.flags import renamed
 from tandem.workload.traces import SHIPPED_TRACES, resolve_trace, trace_format
 
 FALLBACK_TOKENIZER = "smollm2-135m"
@@ -196,7 +195,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-name", choices=["random", "mixed", *SHIPPED_TRACES], default=None,
                    help="random | mixed | a shipped trace (azure, mooncake); default: the --trace file's "
                         "format when --trace is given, else random")
-    renamed(g, "--workload", "--dataset-name", "dataset_name")
     g.add_argument("--num-prompts", type=int, default=100, help="requests of random / mixed (default 100)")
     g.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (default 256)")
     g.add_argument("--output-len", type=int, default=128, help="random: output tokens, EOS ignored (default 128)")
@@ -225,7 +223,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="goodput SLOs in milliseconds, vLLM's syntax: ttft:500 tpot:100 e2el:10000 (default none)")
-    renamed(g, "--slo", "--goodput ttft:MS tpot:MS e2el:MS", "goodput", convert=report.slo_as_goodput)
     g.add_argument("--percentile-metrics", default="ttft,itl,tpot,e2el",
                    help="latency rows printed, of ttft, itl, tpot, e2el (default all four; the JSON has all)")
     g.add_argument("--metric-percentiles", default="50,90,95,99",
@@ -234,7 +231,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--result-dir", default=None, help="folder of the saved result (default: the current one)")
     g.add_argument("--result-filename", default=None,
                    help="file name of the saved result (default: tandem-<dataset>-<rate>qps-<concurrency>conc-<time>.json)")
-    renamed(g, "--json", "--save-result --result-dir DIR --result-filename NAME", "result_path")
     g.add_argument("--plot", dest="plot_dir", default=None, help="write PNG plots into this folder")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -254,9 +250,7 @@ def _report_options(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
 
 
 def result_path(args) -> Path | None:
-    """Where the result JSON goes: --save-result into --result-dir, or the old --json PATH."""
-    if getattr(args, "result_path", None):
-        return Path(args.result_path)
+    """Where the result JSON goes: --save-result into --result-dir."""
     if not args.save_result:
         if args.result_dir or args.result_filename:
             raise ValueError("--result-dir / --result-filename need --save-result")

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import yaml
 
 from tandem.cluster.launch.instances import free_port, wait_healthy
+from tandem.config.args import add_engine_arguments
 
 
 @dataclass
@@ -97,9 +98,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=None,
                    help="start `tandem cluster up` of this YAML (P/D: examples/cluster-pd.yaml) instead, and kill "
                         "one decode instance halfway (the launcher restarts it)")
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
-    p.add_argument("--kv-cache-memory", type=int, default=24 << 20,
-                   help="bytes of KV pool per instance started (default 24 MiB: small, so requests are preempted)")
-    p.add_argument("--max-model-len", type=int, default=512, help="tokens per request at most, prompt and output (default 512)")
+    # Of each instance started: a small KV pool, so that requests are preempted.
+    add_engine_arguments(p, ("model", "kv_cache_memory", "max_model_len"), store_defaults=True,
+                         defaults={"kv_cache_memory": 24 << 20, "max_model_len": 512})
     p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
                    help="a further flag for the server started (repeat)")

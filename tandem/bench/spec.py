@@ -33,6 +33,10 @@ from statistics import median
 
 from tandem.bench.measure import peak_rss_mb
 from tandem.bench.offline import _replace, spec_summary
+from tandem.config.args import add_engine_arguments, given
+
+# With --deterministic every output must equal speculation off's.
+ENGINE_OPTIONS = ("model", "dtype", "num_threads", "deterministic")
 
 
 def load_prompt_sets() -> dict[str, list[str]]:
@@ -66,9 +70,8 @@ class CaseRunner:
     def __init__(self, args) -> None:
         from tandem import LLM, SamplingParams
         self.args, self.spec, self.sets = args, args.spec, load_prompt_sets()
-        self.llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                       speculative_config=self.spec, enable_prefix_caching=False, num_threads=args.num_threads,
-                       deterministic=args.deterministic)
+        self.llm = LLM(**given(args, ENGINE_OPTIONS), max_num_seqs=max(args.batch_sizes),
+                       speculative_config=self.spec, enable_prefix_caching=False)
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         self.llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm-up
         self.engine = self.llm.engine
@@ -240,8 +243,9 @@ def policy_cost(path: str, batch_sizes: list[int]) -> list[dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
+    add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
+    # The speculative configurations compared, each with speculation off: a grid, so these are
+    # this command's own (lists), not the engine's --speculative-config.
     p.add_argument("--method", default="ngram", help="comma-separated proposers to compare with speculation off: "
                    "ngram, draft (one run per --speculative-model)")
     p.add_argument("--speculative-model", default="self:int4",
@@ -255,9 +259,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--rounds", type=int, default=2,
                    help="times every case runs in every configuration, alternating (the first with AdaptiveK new)")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="every configuration with deterministic=True: then every output must equal speculation off")
     p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
     p.add_argument("--trace-adaptive", default=None, metavar="FILE",
                    help="append AdaptiveK's choices and the steps it saw to FILE (JSON lines; the file is "

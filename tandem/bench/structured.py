@@ -10,7 +10,7 @@ import json
 import resource
 import time
 
-from tandem.flags import renamed, size_type
+from tandem.config.args import add_engine_arguments
 
 TOPICS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "orange", "peach", "pear", "plum",
           "kiwi", "melon", "fig", "lime", "papaya", "apricot", "coconut", "guava", "date", "olive",
@@ -86,17 +86,15 @@ def run(args) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or HF folder (default smollm2-135m)")
+    # A small fixed KV pool: the requests need little, and the default takes a share of memory.
+    add_engine_arguments(p, ("model", "kv_cache_memory"), defaults={"kv_cache_memory": 256 << 20},
+                         store_defaults=True)
     p.add_argument("--max-concurrency", dest="concurrency", type=int, default=16,
                    help="max_num_seqs: requests decoding at once (default 16)")
-    renamed(p, "--concurrency", "--max-concurrency", "concurrency", convert=int)
     p.add_argument("--num-prompts", dest="num_requests", type=int, default=32, help="requests (default 32)")
-    renamed(p, "--num-requests", "--num-prompts", "num_requests", convert=int)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     p.add_argument("--constrained-share", type=float, default=0.5, help="share of requests given the schema")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of each arm")
-    p.add_argument("--kv-cache-memory", type=size_type("B"), default=256 << 20, metavar="SIZE",
-                   help="KV pool, e.g. 256MiB (a bare number is bytes; default 256 MiB)")
     p.add_argument("--json", help="write the results here too")
 
 

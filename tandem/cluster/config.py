@@ -13,7 +13,7 @@ models:
     model: smollm2-135m   # alias, .gguf file or Hugging Face folder
     kind: chat            # chat | embedding
     instances: 3          # or roles: {prefill: 1, decode: 2, colocated: 0, elastic: 0}
-    engine: {kv_cache_memory: 268435456}   # any EngineConfig field (tokenizer, chat_template too;
+    engine: {kv_cache_memory: 268435456}   # any engine option (tokenizer, chat_template too;
                                            # an embedding group: num_threads only)
     resources: {num_gpus: 0, num_cpus: 1}  # per instance (Ray placement)
     restart: false        # an instance that dies: false = left out (the router routes around
@@ -147,7 +147,8 @@ def _group(doc: dict, i: int) -> ModelGroup:
         raise ValueError(f"{where}.engine: {bad} cannot apply to an embedding model (its instance runs the "
                          f"encoder with its own tokenizer and no chat template; it takes only num_threads)")
     if group.kind == "chat":
-        EngineConfig.from_dict({"model": group.model, **group.engine})  # fail now on a bad option
+        # fail now on a bad option
+        EngineConfig.from_kwargs(**{"model": group.model, **group.engine})
         if group.engine.get("chat_template") is not None:
             from tandem.engine.tokenizer import read_chat_template
             read_chat_template(group.engine["chat_template"])  # a template that does not parse, now

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.request_class import LEVELS
+from tandem.config.request_class import LEVELS
 from tandem.core.scheduler import Scheduler
 
 

@@ -1,13 +1,20 @@
 """Who is preempted, how, and what L1 must leave to L2: the scheduler's pure helpers."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from tandem.config.scheduler import PreemptionMode
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request
 
-if TYPE_CHECKING:
-    from tandem.core.scheduler_config import SchedulerConfig
+
+@dataclass(frozen=True, slots=True)
+class PreemptionCosts:
+    """What auto mode weighs, per token: seconds to move its KV out and back, and to prefill
+    it again (the executor measures both at start)."""
+
+    swap_cost_per_token: float = 2e-5
+    recompute_cost_per_token: float = 1e-3
 
 
 def pick_victim(candidates: list[Request], running: list[Request], admitted: list[Request], keep_l2: int,
@@ -28,14 +35,17 @@ def pick_victim(candidates: list[Request], running: list[Request], admitted: lis
     return fallback if last_resort else None
 
 
-def preemption_mode(req: Request, kv: KVCacheManager, config: SchedulerConfig) -> str:
-    """swap or recompute, whichever costs less for this victim ("auto"); blocks still in
-    the prefix cache make recompute cheap."""
-    if config.preemption_mode != "auto":
-        return config.preemption_mode
+def preemption_mode(req: Request, kv: KVCacheManager, mode: PreemptionMode,
+                    costs: PreemptionCosts) -> PreemptionMode:
+    """swap or recompute, whichever costs less for this victim (auto); blocks still in the
+    prefix cache make recompute cheap."""
+    if mode != PreemptionMode.AUTO:
+        return mode
     to_recompute = req.num_computed_tokens - kv.num_cached_blocks(req) * kv.block_size
-    swap_cost = req.num_computed_tokens * config.swap_cost_per_token
-    return "swap" if swap_cost < to_recompute * config.recompute_cost_per_token else "recompute"
+    swap_cost = req.num_computed_tokens * costs.swap_cost_per_token
+    if swap_cost < to_recompute * costs.recompute_cost_per_token:
+        return PreemptionMode.SWAP
+    return PreemptionMode.RECOMPUTE
 
 
 def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCacheManager,

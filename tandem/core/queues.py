@@ -1,12 +1,13 @@
-"""Waiting requests by level (a request class's priority, core/request_class.py), the order
+"""Waiting requests by level (a request class's priority, config/request_class.py), the order
 within a level, and the classifier that gives a request its level when the client did not."""
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from tandem.config.request_class import LEVELS, PRIORITIES, STANDARD
+from tandem.config.scheduler import QueueOrder
 from tandem.core.request import Request, RequestStatus
-from tandem.core.request_class import LEVELS, PRIORITIES, STANDARD
 
 
 def classify(prompt_tokens: int, max_tokens: int | None, l1_max_prompt: int, l1_max_output: int) -> int:
@@ -22,9 +23,7 @@ class WaitingQueues:
     prompt first with aging (`spf`: a request gains `aging` tokens of priority per second
     waited, so long prompts are not starved)."""
 
-    def __init__(self, order: str, clock: Callable[[], float], aging: float = 100.0) -> None:
-        if order not in ("fcfs", "spf"):
-            raise ValueError(f"queue order must be fcfs or spf, got {order!r}")
+    def __init__(self, order: QueueOrder, clock: Callable[[], float], aging: float = 100.0) -> None:
         self.order, self.clock, self.aging = order, clock, aging
         self.queues: dict[int, deque[Request]] = {level: deque() for level in LEVELS}
 
@@ -57,7 +56,7 @@ class WaitingQueues:
     def in_order(self, level: int) -> list[Request]:
         """The level's requests in the order they should be admitted."""
         q = self.queues[level]
-        if self.order == "fcfs" or len(q) < 2:
+        if self.order == QueueOrder.FCFS or len(q) < 2:
             return list(q)
         resumed = [r for r in q if r.status == RequestStatus.PREEMPTED]
         now = self.clock()

@@ -17,31 +17,33 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+from tandem.config.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
-from tandem.core.preemption import l2_hold, pick_victim, preemption_mode
+from tandem.core.preemption import PreemptionCosts, l2_hold, pick_victim, preemption_mode
 from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus, check_prompt_length
-from tandem.core.scheduler_config import SchedulerConfig
 from tandem.core.spec_decode import SpecDecodeStats
-from tandem.core.spec_planner import SpecPlanner
+from tandem.core.spec_planner import SpecPlanner, Speculation
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float]
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float],
+        max_model_len: int, costs: PreemptionCosts = PreemptionCosts(),
+        speculation: Speculation = Speculation(),
     ) -> None:
         capacity = kv_manager.token_capacity(config.max_num_batched_tokens)
-        if capacity < config.max_model_len:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV pool ({capacity} tokens): "
-                             "one request could never fit")
-        self.config = config
+        if capacity < max_model_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool ({capacity} "
+                             "tokens): one request could never fit")
+        self.config, self.max_model_len, self.costs = config, max_model_len, costs
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
-        self.multilevel = config.policy == "multilevel"
+        self.multilevel = config.scheduling_policy == SchedulingPolicy.MULTILEVEL
         self._l2_floor = math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
         self.waiting = WaitingQueues(config.queue_order, clock)
         self._l1_seen = -math.inf  # when L1 work was last present (see SchedulerConfig.l1_hold_s)
@@ -54,16 +56,16 @@ class Scheduler:
         self.lower_prefill_tokens = self._floor_tokens
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
-        self.planner = SpecPlanner(config)  # speculative decoding's decisions
+        self.planner = SpecPlanner(speculation)  # speculative decoding's decisions
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        check_prompt_length(req.num_prompt_tokens, self.config.max_model_len)
+        check_prompt_length(req.num_prompt_tokens, self.max_model_len)
         if req.priority not in LEVELS:
             raise ValueError(f"priority must be 1, 2 or 3, got {req.priority!r}")
-        req.max_model_len = self.config.max_model_len
+        req.max_model_len = self.max_model_len
         req.level = req.priority if self.multilevel else 2
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -328,19 +330,19 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the victim's KV to the host tier or drop it for recompute, whichever is
         cheaper (blocks still in the prefix cache make recompute cheap)."""
-        mode = preemption_mode(req, self.kv, self.config)
-        pairs = self.kv.swap_out(req) if mode == "swap" else None
+        mode = preemption_mode(req, self.kv, self.config.preemption_mode, self.costs)
+        pairs = self.kv.swap_out(req) if mode == PreemptionMode.SWAP else None
         if pairs is not None:
             out.blocks_to_swap_out.extend(pairs)
             req.swapped = True
         else:
-            mode = "recompute"
+            mode = PreemptionMode.RECOMPUTE
             self.kv.free(req)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.preemptions_by_mode[mode] += 1
+        self.preemptions_by_mode[mode.value] += 1
         self.waiting.push_front(req)
         out.preempted_req_ids.add(req.request_id)
 

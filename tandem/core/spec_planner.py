@@ -9,19 +9,38 @@ cost to `observe_step`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from tandem.core.adaptive_k import AdaptiveK
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tandem.core.spec_decode import MAX_SPECULATIVE_TOKENS, SpecDecodeStats, num_drafts
+from tandem.core.spec_decode import SpecDecodeStats, num_drafts
 
 if TYPE_CHECKING:
     from tandem.core.request import Request
-    from tandem.core.scheduler_config import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What the scheduler is told of speculative decoding: drafts verified per request and step
+    at most (0: none asked for, those proposed verified as they come), whether AdaptiveK picks
+    fewer (down to 0) from measured acceptance and step costs, and the KV slots past a sampling
+    step a draft model writes its proposals' KV into (0: n-gram, or no speculation)."""
+
+    num_speculative_tokens: int = 0
+    adaptive_speculation: bool = True
+    num_lookahead_tokens: int = 0
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig | None) -> Speculation:
+        if config is None:
+            return cls()
+        return cls(config.num_speculative_tokens, config.adaptive, config.num_lookahead_tokens)
 
 
 class SpecPlanner:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: Speculation) -> None:
         self.k_max = config.num_speculative_tokens  # 0: no speculation
         self.max_lookahead = config.num_lookahead_tokens
         self.stats = SpecDecodeStats()

@@ -54,7 +54,8 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False,
                  on_dead: Callable[[str], None] | None = None, engine_niceness: int = 0) -> None:
         self.config = config
-        self.tokenizer = get_tokenizer(config.model, config.tokenizer, config.chat_template)
+        model = config.model_config
+        self.tokenizer = get_tokenizer(model.model, model.tokenizer, model.chat_template)
         # Metrics hook, on the receiver thread: after each step (with its duration) and with
         # None for requests that ended outside a step (aborted).
         self.on_step: Callable[[float | None, list[RequestOutput], SchedulerStats | None], None] | None = None
@@ -78,9 +79,10 @@ class AsyncLLM:
         self.engine_pid = ready.pid
         self.engine_core = self._client.engine_core  # in_process only: the EngineCore (tests); else None
         self.stats = ready.stats
-        self.precisions = PrecisionRouter(config, ready.default_precision, ready.unavailable_precisions)
-        self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.max_model_len,
-                                              self.precisions)
+        self.precisions = PrecisionRouter(config.quant_config, ready.default_precision,
+                                          ready.unavailable_precisions)
+        self.input_processor = InputProcessor(config.scheduler_config, self.tokenizer,
+                                              self.vocab_size, self.max_model_len, self.precisions)
 
     @property
     def alive(self) -> bool:

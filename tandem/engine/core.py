@@ -15,10 +15,12 @@ import msgspec
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.core.scheduler import Scheduler
+from tandem.core.spec_planner import Speculation
 from tandem.engine.core_messages import (CompileGrammar, EngineCoreOutputs, EngineCoreRequest, GetSchedulerStats,
                                          ScheduledEvent, SchedulerStats, UtilityMessage, child_ids)
 from tandem.engine.core_stats import StepStats
@@ -44,34 +46,38 @@ def model_runner_factory(config: EngineConfig, model_dir, grammar_compiler: Gram
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory) -> None:
         self.config = config
-        self.model_dir = resolve_model(config.model)
+        model, cache, sched_cfg = config.model_config, config.cache_config, config.scheduler_config
+        self.model_dir = resolve_model(model.model)
         # the grammar compiler's vocabulary, and EOS
-        self.tokenizer = get_tokenizer(config.model, config.tokenizer, config.chat_template, self.model_dir)
+        self.tokenizer = get_tokenizer(model.model, model.tokenizer, model.chat_template,
+                                       self.model_dir)
         mcfg = ModelConfig.from_hf(load_config(self.model_dir))
         self.vocab_size = mcfg.vocab_size
         eos = mcfg.eos_token_ids[:1]
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_id = eos[0] if eos else None
-        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched), config.async_scheduling)
+        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched),
+                                     sched_cfg.async_scheduling)
         # Structured outputs: compiles constraints off the step path; the executor masks with them.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
         # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
         # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
         self.executor: Executor = self.pipeline.call(executor_factory, config, self.model_dir, self.grammar_compiler)
         self.kv_manager = KVCacheManager(
-            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            config.max_prefix_tokens, config.min_match_length, self.executor.num_host_blocks,
+            self.executor.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
+            cache.max_prefix_tokens, cache.min_match_length, self.executor.num_host_blocks,
             self.executor.kv_group_windows,
         )
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings,
-                                 self.kv_manager.token_capacity(config.max_num_batched_tokens))
+        self.max_model_len = min(model.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings,
+                                 self.kv_manager.token_capacity(sched_cfg.max_num_batched_tokens))
         # P/D export / import of KV blocks; a write waits for the steps in flight
         self.kv_handoff = KVHandoff(self.kv_manager, self.executor, lambda: self.pipeline.in_flight())
-        swap_cost, recompute_cost = self.executor.preemption_costs()
         self.scheduler = Scheduler(
-            config.scheduler_config(self.max_model_len, swap_cost, recompute_cost),
-            self.kv_manager, time.monotonic,
+            sched_cfg, self.kv_manager, time.monotonic, self.max_model_len,
+            PreemptionCosts(*self.executor.preemption_costs()),
+            Speculation.of(config.speculative_config),
         )
         self._children: dict[str, list[str]] = {}
         self._handlers: dict[type, Callable[..., Any]] = {CompileGrammar: self.compile_grammar,
@@ -82,7 +88,8 @@ class EngineCore:
         # Called between two overlapped steps, before the later one is topped up: the core
         # process takes in the requests that arrived while the earlier one ran.
         self.on_step_boundary: Callable[[], None] | None = None
-        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
+        trace = config.observability_config.step_trace
+        self.step_trace = StepTrace(trace) if trace else None
         self.stats = StepStats(self)
         self.grammar_compiler.on_compile = self.stats.record_compile
 
@@ -133,7 +140,8 @@ class EngineCore:
         for cid, params in zip(ids, request.params):
             req = Request(cid, request.prompt_token_ids, params, request.arrival_time, self.eos_token_id,
                           priority=request.priority, precision=request.precision, cache_salt=request.cache_salt,
-                          prefill_after=first if self.config.enable_prefix_caching else None)
+                          prefill_after=first if self.config.cache_config.enable_prefix_caching
+                          else None)
             first = first or req
             self.scheduler.add_request(req)
         self._children[rid] = ids

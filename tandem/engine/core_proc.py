@@ -170,7 +170,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     import torch
     # The cores go to the engine; the API process runs no torch (see docs/architecture.md).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(config.num_threads or cores or 1)
+    torch.set_num_threads(config.device_config.num_threads or cores or 1)
     if niceness:  # before the model loads: every thread torch starts inherits it
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
     try:

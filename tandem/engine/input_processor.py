@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tandem.config import EngineConfig
+from tandem.config import SchedulerConfig
 from tandem.core.queues import classify
 from tandem.core.request import check_prompt_length
 from tandem.core.sampling_params import SamplingParams
@@ -17,7 +17,7 @@ PromptType = str | list[int]
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int,
+    def __init__(self, config: SchedulerConfig, tokenizer, vocab_size: int, max_model_len: int,
                  precisions: PrecisionRouter) -> None:
         self.config = config
         self.tokenizer = tokenizer

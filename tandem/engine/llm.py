@@ -1,4 +1,5 @@
-"""Offline batch API: `LLM(model=...).generate(prompts, sampling_params)`."""
+"""Offline batch API: `LLM(model=..., max_num_seqs=...).generate(prompts, sampling_params)`; the
+keyword arguments are the engine's flat options (config/engine.py: EngineConfig.from_kwargs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from tandem.engine.output_processor import RequestOutput
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @property
     def tokenizer(self):

@@ -23,9 +23,10 @@ class LLMEngine:
         self.max_model_len, self.vocab_size = self.core.max_model_len, self.core.vocab_size
         self.eos_token_id = self.core.eos_token_id
         variants = self.core.executor.variants
-        self.precisions = PrecisionRouter(config, variants.default, variants.unavailable)
-        self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.max_model_len,
-                                              self.precisions)
+        self.precisions = PrecisionRouter(config.quant_config, variants.default,
+                                          variants.unavailable)
+        self.input_processor = InputProcessor(config.scheduler_config, self.tokenizer,
+                                              self.vocab_size, self.max_model_len, self.precisions)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

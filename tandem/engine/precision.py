@@ -6,14 +6,15 @@ from __future__ import annotations
 import collections
 import logging
 
-from tandem.config import EngineConfig
-from tandem.core.request_class import class_name
+from tandem.config import QuantizationConfig
+from tandem.config.request_class import class_name
 
 log = logging.getLogger(__name__)
 
 
 class PrecisionRouter:
-    def __init__(self, config: EngineConfig, default: str, unavailable: dict[str, str]) -> None:
+    def __init__(self, config: QuantizationConfig, default: str,
+                 unavailable: dict[str, str]) -> None:
         """default: the default variant's name; unavailable: variants that failed to build, and why."""
         self.default = default
         self.fallback = config.precision_fallback

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import IO
 
-from tandem.core.request_class import LEVELS
+from tandem.config.request_class import LEVELS
 
 from tandem.core.scheduler import Scheduler
 from tandem.engine.step_pipeline import ExecutedStep

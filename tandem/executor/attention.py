@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem.config import AttentionBackend
 from tandem.executor.device import to_device
 from tandem.kernels import cpu_paged_attention
 
@@ -158,14 +159,16 @@ def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -
     return buckets
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
+def resolve_attention_backend(name: AttentionBackend, device: torch.device) -> AttentionBackend:
     """auto: Triton on CUDA when it is installed, else PyTorch. Triton on CPU runs only in its
     interpreter (TRITON_INTERPRET=1, for tests). Triton is imported only when it is chosen (it
     costs ~90 MiB of RSS)."""
     installed = importlib.util.find_spec("triton") is not None
-    if name == "auto":
-        return "triton" if device.type == "cuda" and installed else "torch"
-    if name == "triton":
+    if name == AttentionBackend.AUTO:
+        if device.type == "cuda" and installed:
+            return AttentionBackend.TRITON
+        return AttentionBackend.TORCH
+    if name == AttentionBackend.TRITON:
         if not installed:
             raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import AttentionBackend
 from tandem.executor.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -23,16 +23,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def capture_graphs(config: EngineConfig, model, kv_caches: list[torch.Tensor], num_slots: int,
-                   max_position_embeddings: int, device: torch.device, attention_backend: str
-                   ) -> CUDAGraphRunner | None:
-    """The default variant's decode graphs, captured now, where they run: CUDA with the Triton
-    backend, unless enforce_eager (or the default variant fell back: `model` None)."""
-    if device.type != "cuda" or attention_backend != "triton" or config.enforce_eager or model is None:
+def capture_graphs(model, kv_caches: list[torch.Tensor], block_size: int, max_len: int,
+                   max_num_seqs: int, device: torch.device, attention_backend: AttentionBackend,
+                   enforce_eager: bool) -> CUDAGraphRunner | None:
+    """The default variant's decode graphs (requests up to `max_len` tokens), captured now, where
+    they run: CUDA with the Triton backend, unless enforce_eager (or the default variant fell
+    back: `model` None)."""
+    if (device.type != "cuda" or attention_backend != AttentionBackend.TRITON or enforce_eager
+            or model is None):
         return None
-    max_len = config.max_model_len or min(max_position_embeddings, num_slots)
-    runner = CUDAGraphRunner(model, kv_caches, config.block_size, -(-max_len // config.block_size),
-                             config.max_num_seqs, device)
+    runner = CUDAGraphRunner(model, kv_caches, block_size, -(-max_len // block_size), max_num_seqs,
+                             device)
     runner.capture()
     return runner
 

@@ -5,6 +5,8 @@ import numpy as np
 import psutil
 import torch
 
+from tandem.config import AttentionBackend
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,7 +29,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device,
-                           attention_backend: str) -> torch.dtype:
+                           attention_backend: AttentionBackend) -> torch.dtype:
     """The KV cache's element type, for activations in `dtype` (`dtype_name` as asked for).
 
     auto: the activations' dtype, except on a CPU where an auto `dtype` computes in fp32 (no
@@ -36,7 +38,8 @@ def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, devic
     bytes takes ~40% off its time; the pool holds twice the tokens. A cache narrower than the
     activations (bf16 or fp16 under fp32) is read by the CPU attention alone: refused elsewhere."""
     if name == "auto":
-        narrow = device.type == "cpu" and attention_backend == "torch" and dtype_name == "auto"
+        native = device.type == "cpu" and attention_backend == AttentionBackend.TORCH
+        narrow = native and dtype_name == "auto"
         return torch.bfloat16 if narrow and dtype == torch.float32 else dtype
     kv_dtype = _DTYPES[name]
     if kv_dtype == dtype:
@@ -44,7 +47,7 @@ def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, devic
     if dtype != torch.float32 or kv_dtype == torch.float32:
         raise ValueError(f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations: the cache "
                          f"holds the activations' dtype, or bfloat16 / float16 under float32")
-    if device.type != "cpu" or attention_backend != "torch":
+    if device.type != "cpu" or attention_backend != AttentionBackend.TORCH:
         raise ValueError(f"kv_cache_dtype {name} under float32 activations runs on the CPU attention only "
                          f"(device {device}, attention backend {attention_backend}); use the activations' dtype")
     return kv_dtype

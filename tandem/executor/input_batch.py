@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tandem.config import AttentionBackend
 from tandem.core.kv_groups import KVGroups
 from tandem.core.outputs import NewRequestData, SchedulerOutput
 from tandem.core.sampling_params import SamplingParams
@@ -58,12 +59,13 @@ class InputBuilder:
     attention is the same arithmetic whether it is decoded, prefilled in any chunk, recomputed
     after preemption or verified as a draft (its context length alone shapes it)."""
 
-    def __init__(self, block_size: int, device: torch.device, attention_backend: str, head_dim: int,
+    def __init__(self, block_size: int, device: torch.device, attention_backend: AttentionBackend,
+                 head_dim: int,
                  deterministic: bool = False, groups: KVGroups | None = None) -> None:
         self.block_size, self.device, self.attention_backend = block_size, device, attention_backend
         self.groups = groups  # None: the plain layout
-        self.triton = attention_backend == "triton"
-        native = attention_backend == "torch" and device.type == "cpu"
+        self.triton = attention_backend == AttentionBackend.TRITON
+        native = attention_backend == AttentionBackend.TORCH and device.type == "cpu"
         self.decode_kernel = cpu_paged_decode(head_dim) if native else None
         self.deterministic = deterministic
         if deterministic and self.decode_kernel is None:

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import CacheConfig
 from tandem.core.kv_groups import KVGroups, plain_groups
 from tandem.core.outputs import SchedulerOutput
 from tandem.executor.device import default_kv_cache_memory
@@ -23,7 +23,7 @@ class KVCache:
     serve the target and a draft model with KV of its own (`draft_cfg`, plain layout only): the
     budget pays for both per block."""
 
-    def __init__(self, config: EngineConfig, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+    def __init__(self, config: CacheConfig, cfg: ModelConfig, draft_cfg: ModelConfig | None,
                  dtype: torch.dtype, device: torch.device, groups: KVGroups | None = None) -> None:
         self.block_size, self.dtype, self.device = config.block_size, dtype, device
         self.groups = groups = groups or plain_groups(cfg.num_layers)

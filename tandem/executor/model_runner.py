@@ -47,38 +47,45 @@ class ModelRunner:
     """The model executor (see executor/base.py)."""
 
     def __init__(self, config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler | None = None) -> None:
-        self.device = resolve_device(config.device)
-        if self.device.type == "cpu" and config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        model, run = config.model_config, config.device_config
+        torch.manual_seed(model.seed)  # the stream of requests sampled without a seed of their own
+        self.device = resolve_device(run.device)
+        if self.device.type == "cpu" and run.num_threads:
+            torch.set_num_threads(run.num_threads)
         self.model_config = cfg = ModelConfig.from_hf(load_config(model_dir))
-        dtype = resolve_dtype(config.dtype, self.device)
-        if config.deterministic:  # refused before the weights load, not after
+        dtype = resolve_dtype(model.dtype, self.device)
+        if run.deterministic:  # refused before the weights load, not after
             check_supported(self.device, dtype)
-        self.variants = build_variants(config, model_dir, cfg, self.device, dtype, TorchAttention)
+        self.variants = build_variants(config.quant_config, model.model, model.dtype, model_dir,
+                                       cfg, self.device, dtype, TorchAttention, run.deterministic)
         self.dtype = self.variants.dtype
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
         spec = config.speculative_config
         draft = None if spec is None or spec.method != "draft" else build_draft(
-            self.variants, spec.self_draft, spec.model, config.model, model_dir, cfg, self.device, TorchAttention)
+            self.variants, spec.self_draft, spec.model, model.model, model_dir, cfg, self.device,
+            TorchAttention)
         own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
         groups = kv_layout(cfg, self.device, own_draft_kv)
         self.kv_group_windows = groups.windows
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.dtype, self.device,
-                                          self.attention_backend)
-        self.kv = KVCache(config, cfg, draft.cfg if own_draft_kv else None, kv_dtype, self.device, groups)
+        self.attention_backend = resolve_attention_backend(run.attention_backend, self.device)
+        kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, model.dtype,
+                                          self.dtype, self.device, self.attention_backend)
+        self.kv = KVCache(config.cache_config, cfg, draft.cfg if own_draft_kv else None, kv_dtype,
+                          self.device, groups)
         self.block_size, self.num_kv_blocks, self.num_host_blocks = (
             self.kv.block_size, self.kv.num_kv_blocks, self.kv.num_host_blocks)
         self.kv_caches, self.kv_device = self.kv.kv_caches, self.kv.kv_cache.device
         if self.device.type == "cpu":
             cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
-        self.graph_runner = capture_graphs(config, self.model, self.kv_caches, self.kv.num_slots,
-                                           cfg.max_position_embeddings, self.device, self.attention_backend)
+        max_len = model.max_model_len or min(cfg.max_position_embeddings, self.kv.num_slots)
+        self.graph_runner = capture_graphs(self.model, self.kv_caches, self.block_size, max_len,
+                                           config.scheduler_config.max_num_seqs, self.device,
+                                           self.attention_backend, run.enforce_eager)
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
-        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim, config.deterministic,
-                               groups)
+        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim,
+                               run.deterministic, groups)
         self.input_batch = InputBatch(builder, self.variants.default)
         self.proposer = build_proposer(spec, draft, self.kv, builder)
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),

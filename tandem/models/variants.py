@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import QuantizationConfig
 from tandem.models.builder import (
     FLOAT_NAMES, QUANTIZED, build_model, resolve_precision, stored_precision, weight_bytes,
 )
@@ -44,30 +44,32 @@ def auto_precision(model_dir: Path, gguf_path: Path | None, config_dtype: str, d
     return stored
 
 
-def build_variants(config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device,
-                   dtype: torch.dtype, attention: AttentionFactory) -> ModelVariants:
-    """`dtype`: the engine's `dtype` resolved for the device (the executor's choice)."""
-    gguf_path = gguf_source(config.model)
-    default = config.quantization
+def build_variants(quant: QuantizationConfig, model_name: str, dtype_name: str, model_dir: Path,
+                   cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                   attention: AttentionFactory, deterministic: bool = False) -> ModelVariants:
+    """`model_name`, `dtype_name`: as the engine was given them; `dtype`: that dtype resolved
+    for the device (the executor's choice)."""
+    gguf_path = gguf_source(model_name)
+    default = quant.quantization
     if default in (None, "auto"):
-        default = auto_precision(model_dir, gguf_path, config.dtype, dtype)
-    if config.dtype == "auto":
+        default = auto_precision(model_dir, gguf_path, dtype_name, dtype)
+    if dtype_name == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
     variants = ModelVariants(default, dtype)
-    for name in config.precisions(default):
+    for name in quant.precisions(default):
         _, weights, variant_dtype = resolve_precision(name, dtype, device)
         try:
             if variant_dtype != dtype:
                 raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
                                  "variants share one KV pool")
             model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_path,
-                                deterministic=config.deterministic)
+                                deterministic=deterministic)
         except (ValueError, RuntimeError) as e:
-            if config.precision_fallback in (None, name):  # nothing could serve its requests
-                what = "the fallback " if name == config.precision_fallback else ""
+            if quant.precision_fallback in (None, name):  # nothing could serve its requests
+                what = "the fallback " if name == quant.precision_fallback else ""
                 raise ValueError(f"{what}precision {name} cannot be built here: {e}") from e
             log.warning("precision %s cannot be built here (%s); its requests go to the fallback %s",
-                        name, e, config.precision_fallback)
+                        name, e, quant.precision_fallback)
             variants.unavailable[name] = str(e)
             continue
         variants.models[name] = model

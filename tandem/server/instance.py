@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
-from tandem.config import ROLES
+from tandem.config import InstanceRole
 from tandem.engine.async_llm import AsyncLLM
 
 
@@ -20,7 +20,8 @@ class RoleRequest(BaseModel):
 
 
 class InstanceSnapshot:
-    def __init__(self, llm: AsyncLLM, model: str, role: str = "colocated", elastic: bool = False) -> None:
+    def __init__(self, llm: AsyncLLM, model: str, role: InstanceRole = InstanceRole.COLOCATED,
+                 elastic: bool = False) -> None:
         self.llm, self.model, self.elastic = llm, model, elastic
         self.set_role(role)
 
@@ -31,9 +32,7 @@ class InstanceSnapshot:
                 "precisions": p.served, **self.llm.stats.instance}
 
     def set_role(self, role: str) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        self.role = role
+        self.role = InstanceRole.parse(role, "role")
 
 
 def add_instance_routes(app: FastAPI, snapshot: InstanceSnapshot) -> None:

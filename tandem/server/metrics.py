@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tandem.core.request_class import LEVELS
+from tandem.config.request_class import LEVELS
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.output_processor import RequestOutput

@@ -2,7 +2,7 @@
 API key mapped to a request class; and the variants `/v1/models` lists."""
 from __future__ import annotations
 
-from tandem.core.request_class import CLASS_NAMES, priority_of
+from tandem.config.request_class import CLASS_NAMES, priority_of
 from tandem.engine.precision import PrecisionRouter
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.core.request_class import CLASS_NAMES, LEVELS, priority_of
+from tandem.config.request_class import CLASS_NAMES, LEVELS, priority_of
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.engine.chat import apply_chat_template
 from tandem.server.limits import (INT64_MAX, MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Choices, ConstraintText,
@@ -67,7 +67,7 @@ class SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    priority: Literal[CLASS_NAMES + LEVELS] | None = None  # a request class (core/request_class.py)
+    priority: Literal[CLASS_NAMES + LEVELS] | None = None  # request class: config/request_class.py
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: SchemaOrText | None = None

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from tandem.config import InstanceRole
+from tandem.config.option import option
 from tandem.engine.core_messages import CompileGrammar
 
 if TYPE_CHECKING:
@@ -21,18 +23,36 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ServerConfig:
-    model_name: str = "smollm2-135m"  # the name clients send as `model`, and responses report
-    api_key: str | None = None
-    max_waiting: int = 512  # past this many waiting requests, answer 429
-    max_n: int = 16
-    max_body_bytes: int = 4 << 20
-    request_log: str | None = None  # one JSON line per finished request: lengths and timings
-    request_log_text: bool = False  # the log holds the prompt and output text too
-    allowed_origins: list[str] | None = None  # CORS: browser origins allowed (None: no CORS headers)
-    api_key_classes: dict[str, str] | None = None  # further API keys, each mapped to a request class
-    role: str | None = None  # a cluster's instance: colocated | prefill | decode; None: standalone
-    elastic: bool = False  # may be switched between prefill and decode by the router
-    model_aliases: tuple[str, ...] = ()  # further names accepted as `model` (--served-model-name A B ...)
+    """The server's options; `tandem serve` derives its flags from the fields (config/args.py),
+    YAML serving.server takes them by name."""
+
+    # The name clients send as `model`, and responses report; model_aliases: further names
+    # accepted (--served-model-name A B ...).
+    model_name: str = option("smollm2-135m", flag=False)
+    model_aliases: tuple[str, ...] = option((), flag=False)
+    api_key: str | None = option(None, "bearer token clients must send",
+                                 none="$TANDEM_API_KEY, else none")
+    max_waiting: int = option(512, "waiting requests before answering 429", unit="requests")
+    max_n: int = option(16, flag=False)
+    max_body_bytes: int = option(4 << 20, "largest request body, counted while it is read: 413 "
+                                 "past it", unit="bytes", flag="--max-request-bytes")
+    request_log: str | None = option(None, "append one JSON line per finished request to this file",
+                                     none="no log")
+    request_log_text: bool = option(False, "the request log holds each prompt and output text too, "
+                                    "not only lengths and timings")
+    allowed_origins: list[str] | None = option(
+        None, "comma-separated browser origins allowed cross-origin (CORS)",
+        none="none, no CORS headers")
+    # Further API keys, each mapped to a request class (YAML only).
+    api_key_classes: dict[str, str] | None = option(None, flag=False)
+    role: InstanceRole | None = option(
+        None, "role in a cluster's model group (tandem cluster)",
+        none="none, a standalone server whose P/D routes answer 409")
+    elastic: bool = option(False, "the router may switch this instance's role")
+
+    def __post_init__(self) -> None:
+        if self.role is not None:
+            self.role = InstanceRole.parse(self.role, "role")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tandem.cluster.policy.elastic import ElasticConfig, RoleController, TimeSchedule
 from tandem.cluster.policy.routing import RoutingWeights, choose_instance, route_pd
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, InstanceRole
 from tandem.sim.cost_model import CostModel
 from tandem.sim.executor import SIM_TOKEN
 from tandem.sim.instance import SimInstance
@@ -49,9 +49,11 @@ class ClusterSim:
         clock = lambda: self.now  # noqa: E731 - the one virtual clock every policy object reads
         pd = cfg.mode != "colocated"
         self.instances = [
-            SimInstance(f"i{i}", cost, engine, clock,
-                        role=("prefill" if i < cfg.num_prefill else "decode") if pd else "colocated",
-                        elastic=cfg.mode == "elastic")
+            SimInstance(f"i{i}", cost, engine.scheduler_config, engine.cache_config, clock,
+                        role=(InstanceRole.PREFILL if i < cfg.num_prefill else InstanceRole.DECODE)
+                        if pd else InstanceRole.COLOCATED,
+                        elastic=cfg.mode == "elastic",
+                        max_model_len=engine.model_config.max_model_len)
             for i in range(cfg.num_instances)]
         for inst in self.instances:
             inst.on_finish = self._on_finish
@@ -145,7 +147,7 @@ class ClusterSim:
         inst.end_step(self.now)
         if inst.draining and not inst.num_unfinished and not inst.reserved_tokens:
             inst.role, inst.draining = inst.next_role, False
-        if self.pending and inst.role == "decode":
+        if self.pending and inst.role == InstanceRole.DECODE:
             self._retry_pending()
 
     def _tick(self, _) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tandem.cluster.policy.routing import InstanceState
-from tandem.config import EngineConfig
+from tandem.config import CacheConfig, InstanceRole, SchedulerConfig
 from tandem.core.instance_state import instance_load
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.queues import classify
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.scheduler import Scheduler
 from tandem.sim.cost_model import CostModel
 from tandem.sim.executor import SimulatedExecutor
@@ -21,18 +22,20 @@ from tandem.sim.request import SimRequest
 
 
 class SimInstance:
-    def __init__(self, instance_id: str, cost: CostModel, cfg: EngineConfig, clock: Callable[[], float],
-                 role: str = "colocated", elastic: bool = False) -> None:
+    def __init__(self, instance_id: str, cost: CostModel, cfg: SchedulerConfig, cache: CacheConfig,
+                 clock: Callable[[], float], role: InstanceRole = InstanceRole.COLOCATED,
+                 elastic: bool = False, max_model_len: int | None = None) -> None:
         self.instance_id, self.cfg, self.clock = instance_id, cfg, clock
         self.role, self.elastic, self.draining, self.next_role = role, elastic, False, None
         self.executor = SimulatedExecutor(cost)
         bs = self.executor.block_size
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, bs, cfg.enable_prefix_caching,
-                                 cfg.max_prefix_tokens, cfg.min_match_length, self.executor.num_host_blocks)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, bs, cache.enable_prefix_caching,
+                                 cache.max_prefix_tokens, cache.min_match_length,
+                                 self.executor.num_host_blocks)
         capacity = self.executor.num_kv_blocks * bs
-        self.max_model_len = min(cfg.max_model_len or capacity, capacity)
-        swap, recompute = self.executor.preemption_costs()
-        self.scheduler = Scheduler(cfg.scheduler_config(self.max_model_len, swap, recompute), self.kv, clock)
+        self.max_model_len = min(max_model_len or capacity, capacity)
+        self.scheduler = Scheduler(cfg, self.kv, clock, self.max_model_len,
+                                   PreemptionCosts(*self.executor.preemption_costs()))
         self.sim_reqs: dict[str, SimRequest] = {}
         self.on_finish: Callable[[SimRequest, str, float], None] = lambda r, rid, t: None
         self.busy = False

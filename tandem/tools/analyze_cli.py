@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.flags import renamed
 from tandem.workload.analyze import LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, analyze
 from tandem.workload.model_shapes import MODEL_SHAPES, get_shape
 from tandem.workload.traces import READERS, read_trace, resolve_trace, trace_format
@@ -25,7 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="reject a malformed line instead of skipping it")
     p.add_argument("--model-shape", default="llama-3-8b",
                    help=f"model shape for KV bytes: {', '.join(MODEL_SHAPES)} (default llama-3-8b)")
-    renamed(p, "--model", "--model-shape", "model_shape")
     p.add_argument("--kv-cache-dtype", default="fp16", choices=list(KV_DTYPE_BYTES), help="KV element type the KV bytes are counted in (default fp16)")
     p.add_argument("--decode-tps", type=float, default=50.0,
                    help="decode tokens/s per request; a request holds its KV for output_tokens / this")

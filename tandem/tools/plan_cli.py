@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tandem.bench.report import parse_goodput
-from tandem.flags import renamed
 from tandem.sim.cost_model import CostModel
 from tandem.sim.hardware import load_cost_model, roofline
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
@@ -68,8 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs in milliseconds, vLLM's syntax: ttft (to the first token) and tpot (between "
                         f"tokens); default {' '.join(DEFAULT_GOODPUT)}")
-    renamed(s, "--ttft-slo", "--goodput ttft:MS", "ttft_slo", convert=float)
-    renamed(s, "--itl-slo", "--goodput tpot:MS", "itl_slo", convert=float)
     s.add_argument("--utilization", type=float, default=0.75, help="target load per instance (headroom)")
     p.add_argument("--json", dest="json_path", default=None, help="write every figure here")
 
@@ -140,11 +137,11 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
 
 
 def _slo_seconds(args: argparse.Namespace) -> tuple[float, float]:
-    """(TTFT, ITL) in seconds: --goodput over its defaults, or the old --ttft-slo / --itl-slo."""
+    """(TTFT, ITL) in seconds: --goodput over its defaults."""
     slo = {**parse_goodput(DEFAULT_GOODPUT), **parse_goodput(args.goodput)}
     if "e2e" in slo:
         raise ValueError("--goodput: plan sizes instances by ttft and tpot; e2el is not one of its SLOs")
-    return getattr(args, "ttft_slo", slo["ttft"]), getattr(args, "itl_slo", slo["tpot"])
+    return slo["ttft"], slo["tpot"]
 
 
 def _clock(seconds: float) -> str:

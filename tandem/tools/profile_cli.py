@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from tandem.flags import renamed, size_type
+from tandem.config.args import add_engine_arguments, given
 from tandem.sim.cost_model import FEATURES, BatchShape, CostModel, measured
 from tandem.tools.machine import describe, machine_info
 
@@ -102,8 +102,7 @@ def measure(args: argparse.Namespace) -> CostModel:
     from tandem.config import EngineConfig
     from tandem.executor.model_runner import ModelRunner
     from tandem.models.loader import resolve_model
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                          num_threads=args.num_threads)
+    config = EngineConfig.from_kwargs(**given(args, ENGINE_OPTIONS))
     runner = ModelRunner(config, resolve_model(args.model))
     driver = Driver(runner, runner.model_config.vocab_size, args.repeats)
     grid = QUICK if args.quick else GRID
@@ -138,7 +137,8 @@ def measure(args: argparse.Namespace) -> CostModel:
                     kv_capacity_tokens=runner.num_kv_blocks * runner.block_size,
                     host_kv_capacity_tokens=runner.num_host_blocks * runner.block_size, host_bandwidth=bw,
                     link_bandwidth=bw, link_latency=50e-6,  # instances on one host: a process-to-process copy
-                    max_num_batched_tokens=config.max_num_batched_tokens, info=info)
+                    max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                    info=info)
 
 
 def report(cm: CostModel) -> None:
@@ -165,18 +165,15 @@ def report(cm: CostModel) -> None:
           f"Y at batch 32, context 1024: {cm.decode_throughput(32, 1024):,.0f} tok/s")
 
 
+# --num-threads 1 is steadier on a shared machine.
+ENGINE_OPTIONS = ("model", "dtype", "device", "kv_cache_memory", "num_threads")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model to measure (alias, .gguf or HF folder)")
+    add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="a tiny grid (tests)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the median is kept)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 on AVX-512 CPUs and CUDA, else fp32)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    p.add_argument("--kv-cache-memory", type=size_type("B"), default=None, metavar="SIZE",
-                   help="KV pool, e.g. 256MiB (a bare number is bytes; default: as tandem serve)")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads (default: all cores, as the engine); 1 is steadier on a shared machine")
-    renamed(p, "--threads", "--num-threads", "num_threads", convert=int)
     p.add_argument("--roofline", default=None, help="no measurement: roofline of this accelerator (h100, h200, a100-80gb)")
     p.add_argument("--model-shape", default=None, help="with --roofline: llama-3-8b, llama-3-70b, ...")
     p.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance (tensor parallel)")

@@ -10,16 +10,23 @@ import time
 
 from tqdm import tqdm
 
-from tandem.bench.report import fmt, jsonable, parse_goodput, slo_as_goodput, summarize, table
-from tandem.flags import renamed
+from tandem.bench.report import fmt, jsonable, parse_goodput, summarize, table
 from tandem.cluster.policy.elastic import ElasticConfig, TimeSchedule
 from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig, load_yaml
+from tandem.config.args import add_engine_arguments, given
 from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
 from tandem.sim.hardware import load_cost_model
 from tandem.sim import workload
 from tandem.tools.machine import provenance_lines
 from tandem.sim.prefix_report import prefix_figures
+
+
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "l2_min_share",
+                  "l1_step_time", "enable_prefix_caching")
+# An instance stands for a GPU server (the profiles' accelerators): vLLM's 256 seats, not the
+# CPU engine's 128.
+ENGINE_DEFAULTS = {"max_num_seqs": 256}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cluster size sees the same load per instance")
     g = p.add_argument_group("mixed workload")
     g.add_argument("--num-prompts", dest="num_requests", type=int, default=2000, help="requests (default 2000)")
-    renamed(g, "--num-requests", "--num-prompts", "num_requests", convert=int)
     g.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
     g.add_argument("--long-fraction", type=float, default=0.05, help="share of long requests (default 0.05)")
     g.add_argument("--long", type=int, nargs=2, default=(8000, 256), metavar=("PROMPT", "OUTPUT"), help="tokens of a long request's prompt and output (default 8000 256)")
@@ -48,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the mixed workload (default 0)")
     g = p.add_argument_group("cluster")
     g.add_argument("--profile", default="h100:llama-3-8b",
-                   help="a profile JSON from `tandem profile`, or accelerator:model-shape for a roofline")
+                   help="a profile JSON from `tandem profile`, or accelerator:model-shape for a "
+                        "roofline; its step size is the instances' max_num_batched_tokens unless "
+                        "given")
     g.add_argument("--step-scale", type=float, default=1.0,
                    help="multiply every step time (serving overhead over the profiled executor, "
                         "calibrated from a served run of another workload)")
@@ -67,18 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-weight", type=float, default=RoutingWeights().prefix,
                    help="routing score of a full prefix-cache hit against load (router.weights.prefix); 0: by load alone")
     g = p.add_argument_group("engine (each instance)")
-    g.add_argument("--config", default=None, help="serving YAML (its engine/cache/scheduler sections)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="requests in a step at most, per instance (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the profile's step size")
-    g.add_argument("--max-model-len", type=int, default=None, help="tokens per request at most (default: no limit)")
-    g.add_argument("--l2-min-share", type=float, default=0.2, help="multilevel: share of a step's tokens lower levels keep (default 0.2)")
-    g.add_argument("--l1-step-time", type=float, default=None, help="multilevel: seconds per step the L1 throttle aims at")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="the simulated instances reuse shared prompt prefixes (default on)")
-    renamed(g, "--no-prefix-caching", "--no-enable-prefix-caching", "enable_prefix_caching", flag=False)
+    g.add_argument("--config", default=None,
+                   help="serving YAML (its engine/cache/scheduler sections; the flags below "
+                        "override it)")
+    add_engine_arguments(p, ENGINE_OPTIONS, defaults=ENGINE_DEFAULTS)
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="KEY:MS",
                    help="goodput SLOs in milliseconds, vLLM's syntax: ttft, tpot, e2el (default ttft:2000 tpot:100)")
-    renamed(p, "--slo", "--goodput ttft:MS tpot:MS e2el:MS", "goodput", convert=slo_as_goodput)
     p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
 
 
@@ -115,10 +117,9 @@ def _yaml_engine(path: str | None) -> dict:
 
 
 def _engine(args, cost, policy: str, yaml_values: dict) -> EngineConfig:
-    values = {"max_num_seqs": args.max_num_seqs, "l2_min_share": args.l2_min_share, "l1_step_time": args.l1_step_time,
-              "max_num_batched_tokens": args.max_num_batched_tokens or cost.max_num_batched_tokens,
-              "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching}
-    return EngineConfig.from_dict({**values, **yaml_values, "scheduler_policy": policy})
+    values = {**ENGINE_DEFAULTS, "max_num_batched_tokens": cost.max_num_batched_tokens,
+              **yaml_values, **given(args, ENGINE_OPTIONS)}
+    return EngineConfig.from_kwargs(**{**values, "scheduling_policy": policy})
 
 
 def _schedule(text: str | None) -> TimeSchedule | None:
@@ -140,13 +141,14 @@ def run_one(args, cost, engine: EngineConfig, n: int, mode: str, prefill: int, s
     t0 = time.perf_counter()
     sim.run(reqs)
     wall = time.perf_counter() - t0
-    prefix = prefix_figures(sim, reqs) if mode == "colocated" and engine.enable_prefix_caching else None
+    caching = engine.cache_config.enable_prefix_caching
+    prefix = prefix_figures(sim, reqs) if mode == "colocated" and caching else None
     span = max((r.finished or r.arrival) for r in reqs)
     summary = summarize([r.record() for r in reqs], span, slo)
     classes = sorted({r.cls for r in reqs})
     busy = sum(i.busy_time for i in sim.instances)
     return {"instances": n, "mode": mode, "prefill": prefill if mode != "colocated" else None,
-            "policy": engine.scheduler_policy, "summary": summary,
+            "policy": engine.scheduler_config.scheduling_policy, "summary": summary,
             "per_class": {c: summarize([r.record() for r in reqs if r.cls == c], span, slo) for c in classes}
             if len(classes) > 1 else {},
             "kv_usage_mean": sum(i.usage_time for i in sim.instances) / max(busy, 1e-12),

@@ -33,7 +33,8 @@ class InstanceServer:
             from tandem.config import EngineConfig
             from tandem.engine.async_llm import AsyncLLM
             from tandem.server.api_server import ServerConfig, build_app
-            engine = EngineConfig.from_dict({"model": g.model, **g.engine, "num_threads": spec.num_threads})
+            engine = EngineConfig.from_kwargs(**{"model": g.model, **g.engine,
+                                                 "num_threads": spec.num_threads})
             self.llm = AsyncLLM(engine)  # the engine core in its own process, as under tandem serve
             app = build_app(self.llm, ServerConfig(model_name=g.name, role=spec.role, elastic=spec.elastic))
         port = free_port(bind_host)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.cluster.policy.routing import InstanceState
+from tandem.config import InstanceRole
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,8 +45,8 @@ class TimeSchedule:
 def pressures(instances: Sequence[InstanceState], cfg: ElasticConfig, ttft_p90: float | None = None,
               itl_p90: float | None = None) -> tuple[float, float]:
     """(prefill, decode) pressure: 1.0 means a side is at its threshold."""
-    p = [i for i in instances if i.role == "prefill" and i.healthy]
-    d = [i for i in instances if i.role == "decode" and i.healthy]
+    p = [i for i in instances if i.role == InstanceRole.PREFILL and i.healthy]
+    d = [i for i in instances if i.role == InstanceRole.DECODE and i.healthy]
     pp = sum(i.waiting_prefill_tokens for i in p) / max(len(p), 1) / cfg.prefill_backlog_tokens if p else 2.0
     dp = sum(i.kv_usage for i in d) / max(len(d), 1) / cfg.decode_kv_usage if d else 2.0
     if cfg.ttft_slo and ttft_p90 is not None:
@@ -71,9 +72,10 @@ class RoleController:
     def decide(self, now: float, instances: Sequence[InstanceState], ttft_p90: float | None = None,
                itl_p90: float | None = None) -> tuple[str, str] | None:
         """(instance_id, new role) or None. Only healthy, non-draining elastic instances move."""
-        live = [i for i in instances if i.healthy and i.role in ("prefill", "decode")]
+        live = [i for i in instances
+                if i.healthy and i.role in (InstanceRole.PREFILL, InstanceRole.DECODE)]
         # A draining instance is on its way to the other role: count it there.
-        num_p = sum((i.role == "prefill") != i.draining for i in live)
+        num_p = sum((i.role == InstanceRole.PREFILL) != i.draining for i in live)
         num_d = len(live) - num_p
         if self.schedule is not None:
             want, persisted = self.schedule.num_prefill(now) - num_p, True
@@ -87,9 +89,9 @@ class RoleController:
         if now - self.last_switch < self.cfg.cooldown_s or not persisted:
             return None
         if want > 0 and num_d > self.cfg.min_decode:
-            src, dst = "decode", "prefill"
+            src, dst = InstanceRole.DECODE, InstanceRole.PREFILL
         elif want < 0 and num_p > self.cfg.min_prefill:
-            src, dst = "prefill", "decode"
+            src, dst = InstanceRole.PREFILL, InstanceRole.DECODE
         else:
             return None
         movable = [i for i in live if i.elastic and i.role == src and not i.draining

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.cluster.policy.routing import InstanceState
+from tandem.config import InstanceRole
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,7 +65,7 @@ def choose_migration(instances: Sequence[InstanceState], requests: Iterable[Deco
     max(quota, KV held), usage after it <= target_kv_usage) and that has not moved within
     the cooldown (`moved_at`: request id -> time of its last move); the target with the most
     free KV. Targets: available decode instances not short themselves."""
-    decode = [s for s in instances if s.role == "decode" and s.healthy]
+    decode = [s for s in instances if s.role == InstanceRole.DECODE and s.healthy]
     targets = [s for s in decode if s.available and not short_of_kv(s, cfg)]
     if not targets:
         return None

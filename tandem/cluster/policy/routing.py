@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.config import ROLES
+from tandem.config import InstanceRole
 
 
 @dataclass(slots=True)
@@ -16,7 +16,7 @@ class InstanceState:
 
     instance_id: str
     model: str
-    role: str = "colocated"  # colocated | prefill | decode
+    role: InstanceRole = InstanceRole.COLOCATED
     elastic: bool = False  # may switch between prefill and decode
     healthy: bool = True
     draining: bool = False  # finishing in-flight work before a role switch: takes nothing new
@@ -62,7 +62,8 @@ def overloaded(inst: InstanceState, w: RoutingWeights) -> bool:
 
 
 def choose_instance(instances: Iterable[InstanceState], prefix_hashes: Sequence[int] = (),
-                    w: RoutingWeights = RoutingWeights(), role: str | None = None) -> InstanceState | None:
+                    w: RoutingWeights = RoutingWeights(), role: InstanceRole | None = None
+                    ) -> InstanceState | None:
     """Best available instance (of `role`, when given) by prefix hit minus load; None when
     no instance can take the request. Ties go to fewer running requests, then list order."""
     best, best_key = None, None
@@ -81,7 +82,8 @@ def choose_instance(instances: Iterable[InstanceState], prefix_hashes: Sequence[
 def choose_decode(instances: Iterable[InstanceState], kv_tokens: int) -> InstanceState | None:
     """The decode instance with the most free KV that can reserve `kv_tokens` (the request's
     quota, taken before the transfer); None when none has room now."""
-    fits = [d for d in instances if d.available and d.role == "decode" and d.kv_free_tokens >= kv_tokens]
+    fits = [d for d in instances
+            if d.available and d.role == InstanceRole.DECODE and d.kv_free_tokens >= kv_tokens]
     return max(fits, key=lambda d: (d.kv_free_tokens, -d.num_running), default=None)
 
 
@@ -95,4 +97,4 @@ def route_pd(instances: Sequence[InstanceState], prompt_tokens: int, kv_tokens: 
     if decode is not None and prompt_tokens <= w.short_prefill_tokens and decode.num_waiting == 0 \
             and decode.waiting_prefill_tokens == 0:
         return None, decode
-    return choose_instance(instances, prefix_hashes, w, role="prefill"), decode
+    return choose_instance(instances, prefix_hashes, w, role=InstanceRole.PREFILL), decode

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from tandem.config import SpeculativeConfig
 from tandem.core.outputs import SchedulerOutput
-from tandem.core.spec_decode import SpeculativeConfig
 from tandem.executor.input_batch import CachedRequestState, InputBuilder
 from tandem.executor.kv_cache import KVCache
 from tandem.executor.proposers.draft_model import DraftModelProposer, SelfDraftProposer
