@@ -97,7 +97,7 @@ class Scheduler:
         running list at the end, so every victim picked during the step is unscheduled."""
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        self.kv.release_pending_host_blocks()
+        self.kv.host_tier.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
         self.planner.plan(out, self.running)
         if self.multilevel:
@@ -269,7 +269,7 @@ class Scheduler:
                 lookahead = 0  # the drafts are what gives way
             if self.kv.blocks_needed(req, num_new) > free:
                 return False
-            swapped_in = self.kv.swap_in(req, num_new + lookahead)
+            swapped_in = self.kv.host_tier.swap_in(req, num_new + lookahead)
             if swapped_in is None:
                 return False
             pairs, block_ids = swapped_in
@@ -329,7 +329,7 @@ class Scheduler:
         """Swap the victim's KV to the host tier or drop it for recompute, whichever is
         cheaper (blocks still in the prefix cache make recompute cheap)."""
         mode = preemption_mode(req, self.kv, self.config)
-        pairs = self.kv.swap_out(req) if mode == "swap" else None
+        pairs = self.kv.host_tier.swap_out(req) if mode == "swap" else None
         if pairs is not None:
             out.blocks_to_swap_out.extend(pairs)
             req.swapped = True

@@ -71,15 +71,15 @@ class StepStats:
 
     def snapshot(self) -> SchedulerStats:
         s, kv = self.core.scheduler, self.core.kv_manager
-        spec = s.spec_stats
+        spec, host = s.spec_stats, kv.host_tier
         waiting = {f"L{lv}": s.waiting.count(lv) for lv in LEVELS}
         running = collections.Counter(f"L{r.level}" for r in s.running)
         return SchedulerStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             running_by_level={f"L{lv}": running.get(f"L{lv}", 0) for lv in LEVELS}, waiting_by_level=waiting,
             kv_usage=kv.usage, kv_utilization=kv.utilization, kv_free_blocks=kv.num_free_blocks,
-            kv_total_blocks=kv.num_blocks, host_free_blocks=kv.num_free_host_blocks,
-            host_total_blocks=kv.num_host_blocks, num_swapped=kv.num_swapped,
+            kv_total_blocks=kv.num_blocks, host_free_blocks=host.num_free_host_blocks,
+            host_total_blocks=host.num_host_blocks, num_swapped=host.num_swapped,
             prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits, num_preemptions=s.num_preemptions,
             preemptions_by_mode=dict(s.preemptions_by_mode),
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.core.kv_cache_manager import cdiv
+from tandem.core.kv_cache_coordinator import cdiv
 from tandem.sim.cost_model import BatchShape
 from tandem.sim.executor import SIM_TOKEN
 
@@ -39,7 +39,7 @@ def fast_forward(inst: SimInstance, now: float, horizon: float) -> float | None:
     if k_max < MIN_STEPS:
         return None
     # New blocks needed per step, with a margin of one block per request for L2's hold.
-    held = [len(kv.req_to_blocks[r.request_id]) for r in running]
+    held = [kv.coordinator.num_held_blocks(r.request_id) for r in running]
     free0 = kv.num_free_blocks
     cost, context = inst.executor.cost, sum(r.num_tokens for r in running)
     times, usages, t = [], [], now
@@ -56,7 +56,7 @@ def fast_forward(inst: SimInstance, now: float, horizon: float) -> float | None:
     k = len(times)
     if k < MIN_STEPS:
         return None
-    kv.release_pending_host_blocks()  # as the first schedule() of the run would
+    kv.host_tier.release_pending_host_blocks()  # as the first schedule() of the run would
     for r in running:
         kv.allocate_slots(r, k)
         r.num_computed_tokens += k
