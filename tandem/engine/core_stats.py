@@ -12,21 +12,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tandem.core.instance_state import Backlog, instance_load, request_backlog
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.queues import LEVELS
+from tandem.core.scheduler import Scheduler
 from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.step_pipeline import ExecutedStep
-
-if TYPE_CHECKING:
-    from tandem.engine.core import EngineCore
 
 MAX_PREFIXES = 4096  # newest cached block hashes reported to the router
 
 
+class StatsSource(Protocol):
+    """What the figures are read from: the engine core."""
+
+    scheduler: Scheduler
+    kv_manager: KVCacheManager
+    max_model_len: int
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
 class StepStats:
-    def __init__(self, core: EngineCore, full_interval: float = 0.2) -> None:
+    def __init__(self, core: StatsSource, full_interval: float = 0.2) -> None:
         self.core = core
         self.full_interval = full_interval
         self._last_full = float("-inf")
