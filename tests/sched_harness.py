@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tandem.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_coordinator import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
@@ -283,6 +284,7 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     those alone."""
     unverified = unverified or {}
     kv, pool, cfg = s.kv, s.kv.pool, s.config
+    req_to_blocks, host = kv.coordinator.managers[0].req_to_blocks, kv.host_tier
     running_ids = [r.request_id for r in s.running]
     waiting = list(s.waiting)
     waiting_ids = [r.request_id for r in waiting]
@@ -311,15 +313,15 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if r.swapped:
             assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens > 0
-            hosts = kv.req_to_host_blocks[r.request_id]
+            (hosts,) = host.req_to_host_blocks[r.request_id]
             assert cdiv(r.num_computed_tokens, kv.block_size) <= len(hosts) \
                 <= cdiv(r.num_computed_tokens + slack, kv.block_size)
         else:
             assert r.num_computed_tokens == 0
     # device: ref counts are the number of running requests holding each block
-    assert set(kv.req_to_blocks) <= set(running_ids)
+    assert set(req_to_blocks) <= set(running_ids)
     refs = [0] * pool.num_blocks
-    for rid, blocks in kv.req_to_blocks.items():
+    for rid, blocks in req_to_blocks.items():
         ids = [b.block_id for b in blocks]
         assert len(ids) == len(set(ids)), f"{rid} owns a block twice"
         for i in ids:
@@ -335,11 +337,11 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     assert 0.0 <= kv.usage <= 1.0 and 0.0 <= kv.utilization <= 1.0
     # host: free + held by swapped + pending == all, nothing twice
     swapped = {r.request_id for r in waiting if r.swapped}
-    assert swapped == set(kv.req_to_host_blocks), "swapped requests != holders of host blocks"
-    held = [h for hs in kv.req_to_host_blocks.values() for h in hs]
-    every = held + list(kv._host_free) + list(kv._host_pending)
+    assert swapped == set(host.req_to_host_blocks), "swapped requests != holders of host blocks"
+    held = [h for (hs,) in host.req_to_host_blocks.values() for h in hs]
+    every = held + list(host._free) + list(host._pending)
     assert len(every) == len(set(every)), "a host block is in two places"
-    assert sorted(every) == list(range(kv.num_host_blocks))
+    assert sorted(every) == list(range(host.num_host_blocks))
 
 
 def bandwidth_bound(out: SchedulerOutput) -> float:
@@ -416,10 +418,10 @@ class Driver:
                 self.readmitted_same_step += 1  # preempted and re-admitted in one step
                 continue
             assert req.status == RequestStatus.PREEMPTED and req in s.waiting
-            assert rid not in s.kv.req_to_blocks
+            assert rid not in s.kv.coordinator.managers[0].req_to_blocks
             if req.swapped:
                 assert s.config.preemption_mode != PreemptionMode.RECOMPUTE
-                assert rid in s.kv.req_to_host_blocks
+                assert rid in s.kv.host_tier.req_to_host_blocks
             else:
                 assert req.num_computed_tokens == 0
         for new in out.scheduled_new_reqs:  # a swapped request resumes where it was

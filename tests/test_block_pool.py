@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tandem.core.block_pool import BlockPool, hash_block
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_coordinator import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
 
@@ -428,7 +429,7 @@ def test_allocate_slots_none_changes_nothing():
     a, b = make_req("a", range(8)), make_req("b", range(8))
     assert kv.allocate_slots(a, 8) is not None
     assert kv.allocate_slots(b, 8) is None
-    assert kv.num_free_blocks == 1 and "b" not in kv.req_to_blocks
+    assert kv.num_free_blocks == 1 and "b" not in kv.coordinator.managers[0].req_to_blocks
     # a running request asking too much keeps what it had
     a.num_computed_tokens = 8
     held = kv.block_ids(a)
@@ -454,17 +455,17 @@ def test_get_computed_blocks_longest_full_block_prefix():
     # same first 9 tokens: 2 full blocks match
     b = make_req("b", list(range(9)) + [99] * 6)
     blocks, hit = kv.get_computed_blocks(b)
-    assert hit == 8 and [x.block_id for x in blocks] == a_ids[:2]
+    assert hit == 8 and [x.block_id for x in blocks[0]] == a_ids[:2]
     # different first token: nothing
     c = make_req("c", [99] + list(range(1, 14)))
-    assert kv.get_computed_blocks(c) == ([], 0)
+    assert kv.get_computed_blocks(c) == ((), 0)
 
 
 def test_get_computed_blocks_never_the_whole_prompt():
     kv = KVCacheManager(32, block_size=4)
     run_prefill(kv, make_req("a", range(12)))
     blocks, hit = kv.get_computed_blocks(make_req("b", range(12)))
-    assert hit == 8 and len(blocks) == 2  # 12 tokens cached, 1 must be left: 2 blocks
+    assert hit == 8 and len(blocks[0]) == 2  # 12 tokens cached, 1 must be left: 2 blocks
     blocks, hit = kv.get_computed_blocks(make_req("c", range(13)))
     assert hit == 12
     blocks, hit = kv.get_computed_blocks(make_req("d", range(4)))
@@ -485,7 +486,7 @@ def test_get_computed_blocks_max_prefix_and_min_match():
     kv = KVCacheManager(32, block_size=4, enable_caching=False)
     run_prefill(kv, make_req("a", range(20)))
     assert kv.pool.num_cached_blocks == 0
-    assert kv.get_computed_blocks(make_req("b", range(20))) == ([], 0)
+    assert kv.get_computed_blocks(make_req("b", range(20))) == ((), 0)
 
 
 def test_cache_blocks_indexes_full_computed_blocks_only():
@@ -523,7 +524,7 @@ def test_allocate_with_hits_from_the_lru_counts_them_as_taken():
     blocks, hit = kv.get_computed_blocks(c)
     # c needs 3 new blocks beyond its 2 hits: 4 free - 2 reusable = 2 < 3
     assert kv.allocate_slots(c, c.num_tokens - hit, blocks) is None
-    assert kv.num_free_blocks == 4 and all(x.ref_cnt == 0 for x in blocks)
+    assert kv.num_free_blocks == 4 and all(x.ref_cnt == 0 for x in blocks[0])
     check_pool(kv.pool)
 
 
@@ -548,7 +549,8 @@ def test_kv_manager_random_ops_keep_figures_in_range(data):
             before = kv.num_free_blocks
             ids = kv.allocate_slots(req, req.num_tokens - hit, blocks)
             if ids is None:
-                assert kv.num_free_blocks == before and req.request_id not in kv.req_to_blocks
+                assert kv.num_free_blocks == before
+                assert req.request_id not in kv.coordinator.managers[0].req_to_blocks
                 continue
             req.num_computed_tokens = req.num_tokens
             kv.cache_blocks(req)
@@ -569,7 +571,7 @@ def test_kv_manager_random_ops_keep_figures_in_range(data):
             assert len(kv.block_ids(req)) == math.ceil(req.num_computed_tokens / bs)
         check_pool(kv.pool)
         refs = [0] * num_blocks
-        for blocks in kv.req_to_blocks.values():
+        for blocks in kv.coordinator.managers[0].req_to_blocks.values():
             assert len({b.block_id for b in blocks}) == len(blocks)
             for b in blocks:
                 refs[b.block_id] += 1

@@ -43,9 +43,10 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 def _assert_all_blocks_free(llm: LLM) -> None:
     kv = llm.engine.core.kv_manager
-    assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks and not kv.req_to_blocks
-    kv.release_pending_host_blocks()
-    assert kv.num_free_host_blocks == kv.num_host_blocks
+    assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks
+    assert not kv.coordinator.managers[0].req_to_blocks
+    kv.host_tier.release_pending_host_blocks()
+    assert kv.host_tier.num_free_host_blocks == kv.host_tier.num_host_blocks
 
 
 def _run(engine) -> dict[str, list[int]]:

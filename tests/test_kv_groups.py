@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_coordinator import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_groups import kv_groups
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
@@ -31,17 +32,19 @@ def test_one_kind_of_attention_is_the_plain_layout():
 
 
 def _check(kv: KVCacheManager, reqs: dict[str, Request]) -> None:
-    """Every request holds G entries per logical block; a sliding group's entries behind the
-    window of its next query are the null block once freed, every other entry a real block."""
-    G, null = kv.num_groups, kv.null_block
-    for rid, blocks in kv.req_to_blocks.items():
+    """Every group holds a block per logical block of a request; a sliding group's blocks behind
+    the window of its next query are the null block once freed, every other block a real one."""
+    managers, null = kv.coordinator.managers, kv.coordinator.null_block
+    for rid, first in managers[0].req_to_blocks.items():
         req = reqs[rid]
-        assert len(blocks) % G == 0 and len(blocks) // G >= cdiv(req.num_computed_tokens, BS)
-        for e, b in enumerate(blocks):
-            i, k = divmod(e, G)
-            if i >= kv._live_from(k, req.num_computed_tokens):
-                assert b is not null and b.ref_cnt >= 1
-    owned = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b is not null}
+        assert len(first) >= cdiv(req.num_computed_tokens, BS)
+        for m in managers:
+            assert len(m.req_to_blocks[rid]) == len(first)
+            for i, b in enumerate(m.req_to_blocks[rid]):
+                if i >= m.live_from(req.num_computed_tokens):
+                    assert b is not null and b.ref_cnt >= 1
+    owned = {b.block_id for m in managers for blocks in m.req_to_blocks.values() for b in blocks
+             if b is not null}
     assert len(owned) + kv.num_free_blocks <= kv.num_blocks
 
 
@@ -60,10 +63,10 @@ def test_allocation_frees_behind_windows_and_accounts_exactly(windows, lengths, 
         req = make_req(f"r{n}", common + [n * 100 + t for t in range(length)])
         reqs[req.request_id] = req
         hits, num_hit = kv.get_computed_blocks(req)
-        for e, b in enumerate(hits):  # every hit entry a query at num_hit reads is the cached chunk
-            i, k = divmod(e, kv.num_groups)
-            if i >= kv._live_from(k, num_hit):
-                assert b.token_ids == tuple(req.all_token_ids[i * BS:(i + 1) * BS])
+        for m, blocks in zip(kv.coordinator.managers, hits):  # every hit a query at num_hit reads
+            for i, b in enumerate(blocks):  # is the cached chunk
+                if i >= m.live_from(num_hit):
+                    assert b.token_ids == tuple(req.all_token_ids[i * BS:(i + 1) * BS])
         first = min(chunk, req.num_tokens - num_hit)
         free = kv.num_free_blocks
         need = kv.blocks_needed(req, first, hits)
@@ -77,11 +80,11 @@ def test_allocation_frees_behind_windows_and_accounts_exactly(windows, lengths, 
                 req.append_token(7)
                 decodes += 1
             if steps == swap_at:
-                pairs = kv.swap_out(req)
+                pairs = kv.host_tier.swap_out(req)
                 assert pairs is not None and len({d for d, _ in pairs}) == len(pairs)
-                back = kv.swap_in(req, 0)
+                back = kv.host_tier.swap_in(req, 0)
                 assert back is not None and len(back[0]) == len(pairs)
-                kv.release_pending_host_blocks()
+                kv.host_tier.release_pending_host_blocks()
             step = min(chunk, req.num_tokens - req.num_computed_tokens)
             free = kv.num_free_blocks
             need = kv.blocks_needed(req, step)
@@ -93,7 +96,8 @@ def test_allocation_frees_behind_windows_and_accounts_exactly(windows, lengths, 
             steps += 1
     for req in reqs.values():
         kv.free(req)
-    assert kv.num_free_blocks == kv.num_blocks and not kv.req_to_blocks
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not any(m.req_to_blocks for m in kv.coordinator.managers)
 
 
 def test_a_long_request_holds_the_window_not_the_context():

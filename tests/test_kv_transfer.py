@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from test_block_pool import check_pool, make_req
 from tandem import LLM, SamplingParams
-from tandem.core.kv_cache_manager import KVCacheManager, KVPoolFullError
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_connector.pd import KVPoolFullError, PDConnector
 from tandem.executor.kv_transfer import KVPayload, ShmConnector
 from tandem.models.llama import ModelConfig
 from tandem.models.loader import load_config
@@ -59,7 +60,7 @@ def decode(engine, prompt: list[int], first: int, connector, transfer_id: str) -
     payload, _ = connector.recv(transfer_id, timeout=30, on_layer=handoff.writer(res))
     engine.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=transfer_id)
     handoff.commit(res, payload, transfer_id)
-    assert handoff.num_pinned_blocks == len(prompt) // BS
+    assert engine.core.kv_connector.num_pinned_blocks == len(prompt) // BS
     tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -68,7 +69,7 @@ def decode(engine, prompt: list[int], first: int, connector, transfer_id: str) -
 
 
 def assert_no_blocks_held(engine) -> None:
-    assert engine.core.kv_handoff.num_pinned_blocks == 0
+    assert engine.core.kv_connector.num_pinned_blocks == 0
     assert engine.core.kv_manager.num_free_blocks == engine.core.executor.num_kv_blocks
 
 
@@ -183,13 +184,14 @@ def test_blocks_cached_on_the_decode_side_are_pinned_not_rewritten(llama, refere
     a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmConnector()
     prompt = _prompts()[-1]
     _run(b, prompt[:20] + [1, 2, 3], greedy(1), "warm")  # blocks 0 and 1 of the prompt cached on b
-    own = b.core.executor.read_kv_blocks([blk.block_id for blk in b.core.kv_manager.cached_prefix(prompt)])
+    (cached,), _ = b.core.kv_connector.cached_prefix(prompt)
+    own = b.core.executor.read_kv_blocks([blk.block_id for blk in cached])
     assert own.shape[2] == 2
     first, payload = prefill(a, prompt, "p")
     payload.kv[:, :, :2] = 0  # had decode overwritten its own blocks 0 and 1, the output would show it
     conn.send("t", payload)
     assert decode(b, prompt, first, conn, "t") == reference[-1]
-    kept = [blk.block_id for blk in b.core.kv_manager.cached_prefix(prompt)[:2]]
+    kept = [blk.block_id for blk in b.core.kv_connector.cached_prefix(prompt)[0][0][:2]]
     assert torch.equal(own, b.core.executor.read_kv_blocks(kept))
     assert_no_blocks_held(b)
 
@@ -205,7 +207,7 @@ def test_shorter_payload_than_reserved(llama, reference):
     got, _ = conn.recv("t", timeout=5, on_layer=b.core.kv_handoff.writer(res))
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id="t")
     b.core.kv_handoff.commit(res, got, "t")
-    assert b.core.kv_handoff.num_pinned_blocks == 2
+    assert b.core.kv_connector.num_pinned_blocks == 2
     tokens = []
     while b.has_unfinished_requests():
         for out in b.step():
@@ -221,7 +223,7 @@ def test_writes_wait_for_steps_in_flight(llama):
     from tandem.executor.kv_transfer import KVHandoff
     a, b = _llm(llama).engine, _llm(llama).engine
     step = Future()
-    handoff = KVHandoff(b.core.kv_manager, b.core.executor, lambda: [step])
+    handoff = KVHandoff(b.core.kv_connector, b.core.executor, lambda: [step])
     prompt = _prompts()[-1]
     _, payload = prefill(a, prompt, "p")
     res = handoff.reserve(prompt)
@@ -241,19 +243,20 @@ def test_reservations_and_requests_never_leak(ops):
     """Any mix of reservations (pinned hits, fresh blocks, short commits, releases) and plain
     requests sharing prefixes keeps every block free or held exactly by its holders."""
     kv = KVCacheManager(10, 4)
+    pd = PDConnector(kv.coordinator, {})
     base = list(range(16))
     prompts = [base, base[:8] + [90] * 8, base[:4] + [91] * 9, [92] * 13]
     reservations, committed, requests = [], [], []
     for i, (op, k, n) in enumerate(ops):
-        if op == "reserve" and (res := kv.reserve(prompts[k])) is not None:
+        if op == "reserve" and (res := pd.reserve(prompts[k])) is not None:
             reservations.append(res)
         elif op == "commit" and reservations:
             res = reservations.pop(k % len(reservations))
-            kv.commit(res, n)
+            pd.commit(res, n)
             committed.append(res)
         elif op == "release" and (reservations or committed):
             pool = reservations if reservations and (k % 2 or not committed) else committed
-            kv.release(pool.pop(k % len(pool)))
+            pd.release(pool.pop(k % len(pool)))
         elif op == "admit":
             req = make_req(f"r{i}", prompts[k])
             blocks, hit = kv.get_computed_blocks(req)
@@ -264,11 +267,12 @@ def test_reservations_and_requests_never_leak(ops):
         elif op == "free" and requests:
             kv.free(requests.pop(k % len(requests)))
         check_pool(kv.pool)
-        holders = Counter(b.block_id for r in reservations + committed for b in r.blocks)
-        holders.update(b.block_id for r in requests for b in kv.req_to_blocks[r.request_id])
+        holders = Counter(b.block_id for r in reservations + committed for b in r.blocks[0])
+        held = kv.coordinator.managers[0].req_to_blocks
+        holders.update(b.block_id for r in requests for b in held[r.request_id])
         assert all(b.ref_cnt == holders[b.block_id] for b in kv.pool.blocks)
     for res in reservations + committed:
-        kv.release(res)
+        pd.release(res)
     for req in requests:
         kv.free(req)
     check_pool(kv.pool)

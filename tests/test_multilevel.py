@@ -19,7 +19,8 @@ from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from tandem.config import SchedulerConfig
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_coordinator import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import RequestStatus
 
 import sched_harness
@@ -633,10 +634,10 @@ def test_swap_out_keeps_progress_and_swap_in_resumes_without_recompute():
     out = d.schedule()
     assert out.preempted_req_ids == {"v"} and "q" in out.num_scheduled_tokens
     assert v.swapped and v.status == RequestStatus.PREEMPTED and v.num_computed_tokens == 10
-    host = s.kv.req_to_host_blocks["v"]
+    (host,) = s.kv.host_tier.req_to_host_blocks["v"]
     assert out.blocks_to_swap_out == list(zip(dev, host)) and not out.blocks_to_swap_in
     assert s.preemptions_by_mode == {"swap": 1}
-    assert s.kv.num_free_host_blocks == 8 - 3
+    assert s.kv.host_tier.num_free_host_blocks == 8 - 3
     d.finish_step(out)
     d.step()  # q finishes
     out = d.schedule()
@@ -645,19 +646,20 @@ def test_swap_out_keeps_progress_and_swap_in_resumes_without_recompute():
     assert out.blocks_to_swap_in == list(zip(host, s.kv.block_ids(v)[:3]))
     assert out.num_scheduled_tokens == {"v": 1}  # a decode, not a prefill
     assert new.output_token_ids == d.tokens["v"]
-    assert s.kv.num_free_host_blocks == 5  # the 3 read now come back next step
+    assert s.kv.host_tier.num_free_host_blocks == 5  # the 3 read now come back next step
     d.finish_step(out)
     d.run()
     assert d.ex.num_swap_outs == d.ex.num_swap_ins == 1
-    assert s.kv.num_free_host_blocks == 8 and s.kv.num_free_blocks == 16
+    assert s.kv.host_tier.num_free_host_blocks == 8 and s.kv.num_free_blocks == 16
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_short():
     s, d, v = _l3_victim(num_host_blocks=2)  # v holds 3 blocks
     out = d.step()
     assert out.preempted_req_ids == {"v"} and not out.blocks_to_swap_out
-    assert not v.swapped and v.num_computed_tokens == 0 and "v" not in s.kv.req_to_blocks
-    assert s.preemptions_by_mode == {"recompute": 1} and s.kv.num_free_host_blocks == 2
+    assert not v.swapped and v.num_computed_tokens == 0
+    assert "v" not in s.kv.coordinator.managers[0].req_to_blocks
+    assert s.preemptions_by_mode == {"recompute": 1} and s.kv.host_tier.num_free_host_blocks == 2
     d.run()
     assert d.finish["v"] == "length"
 
@@ -691,30 +693,32 @@ def test_auto_mode_compares_swap_and_recompute_costs(caching, swap_cost, recompu
 def test_abort_swapped_request_frees_its_host_blocks():
     s, d, v = _l3_victim()
     d.step()
-    assert v.swapped and s.kv.num_free_host_blocks == 5
+    assert v.swapped and s.kv.host_tier.num_free_host_blocks == 5
     d.abort(["v"])
-    assert s.kv.num_free_host_blocks == 8 and "v" not in s.kv.req_to_host_blocks
+    assert s.kv.host_tier.num_free_host_blocks == 8 and "v" not in s.kv.host_tier.req_to_host_blocks
     d.run()
     assert d.finish["v"] == "abort" and s.kv.num_free_blocks == 16
 
 
 def test_host_blocks_freed_by_swap_in_are_reusable_only_from_the_next_step():
     kv = KVCacheManager(8, block_size=4, num_host_blocks=3)
+    host = kv.host_tier
     a = make_req("a", range(1, 10))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
-    pairs = kv.swap_out(a)
-    assert [h for _, h in pairs] == kv.req_to_host_blocks["a"] and kv.num_free_host_blocks == 0
-    swapped_in = kv.swap_in(a, 1)
+    pairs = host.swap_out(a)
+    assert [[h for _, h in pairs]] == host.req_to_host_blocks["a"]
+    assert host.num_free_host_blocks == 0
+    swapped_in = host.swap_in(a, 1)
     assert swapped_in is not None
-    assert kv.num_free_host_blocks == 0  # read by this step's copies: not free yet
+    assert host.num_free_host_blocks == 0  # read by this step's copies: not free yet
     b = make_req("b", range(1, 5))
     kv.allocate_slots(b, 4)
     b.num_computed_tokens = 4
-    assert kv.swap_out(b) is None  # in the same step: no host room
-    kv.release_pending_host_blocks()
-    assert kv.num_free_host_blocks == 3
-    assert kv.swap_out(b) is not None
+    assert host.swap_out(b) is None  # in the same step: no host room
+    host.release_pending_host_blocks()
+    assert host.num_free_host_blocks == 3
+    assert host.swap_out(b) is not None
 
 
 def test_swap_in_waits_for_device_blocks_and_keeps_its_place():
@@ -812,9 +816,11 @@ class MultilevelMachine(DriverMachine):
         self.d.run(max_steps=5_000)
         s, kv = self.sched, self.sched.kv
         assert not s.requests and not s.running and not s.waiting
-        assert kv.num_free_blocks == kv.pool.num_blocks and not kv.req_to_blocks
-        kv.release_pending_host_blocks()
-        assert kv.num_free_host_blocks == kv.num_host_blocks and not kv.req_to_host_blocks
+        assert kv.num_free_blocks == kv.pool.num_blocks
+        assert not kv.coordinator.managers[0].req_to_blocks
+        host = kv.host_tier
+        host.release_pending_host_blocks()
+        assert host.num_free_host_blocks == host.num_host_blocks and not host.req_to_host_blocks
         assert set(self.d.finish) == set(self.d.tokens), "a request was lost"
         for rid, toks in self.d.tokens.items():
             if self.d.finish[rid] != "abort":

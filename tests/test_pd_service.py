@@ -11,7 +11,7 @@ import pytest
 
 from test_kv_transfer import (BS, MAX_NEW, _block_bytes, _llm, _prompts, _run, assert_no_blocks_held,  # noqa: F401
                               greedy, llama, reference)  # the fixtures too
-from tandem.core.kv_cache_manager import KVPoolFullError
+from tandem.core.kv_connector.pd import KVPoolFullError
 from tandem.engine import pd_service
 from tandem.engine.pd_service import PDService
 from tandem.executor.kv_transfer import ShmConnector
@@ -36,7 +36,7 @@ def _decode(b, svc: PDService, prompt: list[int], first: int, tid: str, rid: str
     assert got["kv_blocks"] == len(prompt) // BS and "error" not in got
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=rid)
     svc.on_add(rid, {"transfer_id": tid}, True)
-    assert b.core.kv_handoff.num_pinned_blocks == len(prompt) // BS and svc.num_held_blocks() == 0
+    assert b.core.kv_connector.num_pinned_blocks == len(prompt) // BS and svc.num_held_blocks() == 0
     return [first] + _finish(b, rid)
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from tandem.core.kv_cache_manager import cdiv
+from tandem.core.kv_cache_coordinator import cdiv
 from tandem.core.request import RequestStatus
 
 import sched_harness
@@ -437,7 +437,7 @@ class SchedulerMachine(DriverMachine):
         s = self.sched
         assert not s.requests and not s.running and not s.waiting
         assert s.kv.num_free_blocks == s.kv.pool.num_blocks
-        assert not s.kv.req_to_blocks
+        assert not s.kv.coordinator.managers[0].req_to_blocks
         assert set(self.d.finish) == set(self.d.tokens), "a request was lost"
         for rid, toks in self.d.tokens.items():
             if self.d.finish[rid] != "abort":

@@ -48,8 +48,9 @@ def assert_clean(sim: ClusterSim) -> None:
     for inst in sim.instances:
         assert inst.num_unfinished == 0 and not inst.busy and inst.reserved_tokens == 0
         assert inst.kv.num_free_blocks == inst.kv.pool.num_blocks, "KV blocks leaked"
-        assert not inst.kv.req_to_host_blocks and inst.kv.num_free_host_blocks + len(inst.kv._host_pending) \
-            == inst.kv.num_host_blocks
+        host = inst.kv.host_tier
+        assert not host.req_to_host_blocks
+        assert host.num_free_host_blocks + len(host._pending) == host.num_host_blocks
 
 
 @pytest.mark.parametrize("mode,policy,shared", [("colocated", "fcfs", False), ("colocated", "multilevel", True),

@@ -92,7 +92,8 @@ def _assert_drafts_accepted_and_rejected(llm: LLM) -> None:
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert llm.engine.core.stats.phase_times["propose"] > 0  # the executor timed the proposals (AdaptiveK's costs)
     kv = llm.engine.core.kv_manager
-    assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks and not kv.req_to_blocks
+    assert kv.num_free_blocks == llm.engine.core.executor.num_kv_blocks
+    assert not kv.coordinator.managers[0].req_to_blocks
 
 
 def _per_token(path: str) -> int:
@@ -281,7 +282,8 @@ def test_another_model_as_draft_keeps_its_own_kv(copy_models, plain, tmp_path):
     assert executor.proposer.kv_caches[0].data_ptr() != executor.kv_caches[0].data_ptr()
     assert f"draft:{copy}" in executor.variants.weight_bytes
     kv = llm.engine.core.kv_manager
-    assert kv.num_free_blocks == executor.num_kv_blocks and not kv.req_to_blocks
+    assert kv.num_free_blocks == executor.num_kv_blocks
+    assert not kv.coordinator.managers[0].req_to_blocks
 
 
 def test_self_draft_weights_are_reported(copy_models):

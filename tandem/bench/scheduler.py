@@ -12,7 +12,8 @@ import statistics
 import time
 
 from tandem.config import SchedulerConfig
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_coordinator import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams

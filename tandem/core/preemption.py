@@ -1,11 +1,16 @@
-"""Who is preempted, how, and what L1 must leave to L2: the scheduler's pure helpers."""
+"""Who is preempted, how, and what L1 must leave to L2: pure helpers, and `Preemption`, the
+scheduler's preemption step (the base of Scheduler: the state it reads is the Scheduler's)."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
-from tandem.config.scheduler import PreemptionMode
+from tandem.config.scheduler import PreemptionMode, SchedulerConfig
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.request import Request
+from tandem.core.outputs import SchedulerOutput
+from tandem.core.queues import WaitingQueues
+from tandem.core.request import Request, RequestStatus
+from tandem.core.step_budget import StepBudget
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +69,52 @@ def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCa
     head = l2_waiting_head
     chunk = max(1, min(head.num_tokens_with_placeholders - head.num_computed_tokens, tokens))
     return 1, blocks + max(kv.blocks_needed(head, chunk), 0)
+
+
+class Preemption:
+    config: SchedulerConfig
+    costs: PreemptionCosts
+    kv: KVCacheManager
+    waiting: WaitingQueues
+    running: list[Request]  # by level, then admission order
+    multilevel: bool
+    l2_floor: int  # L2's guaranteed seats (multilevel)
+    num_preemptions: int
+    preemptions_by_mode: Counter[str]
+
+    def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False
+                ) -> Request | None:
+        return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,
+                           self.config.max_preemptions, last_resort)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take a running request out of the step: its KV swapped to the host tier or dropped
+        for recompute, whichever is cheaper (blocks still in the prefix cache make recompute
+        cheap); it waits at the front of its level."""
+        self.running.remove(req)
+        mode = preemption_mode(req, self.kv, self.config.preemption_mode, self.costs)
+        pairs = self.kv.host_tier.swap_out(req) if mode == PreemptionMode.SWAP else None
+        if pairs is not None:
+            out.blocks_to_swap_out.extend(pairs)
+            req.swapped = True
+        else:
+            mode = PreemptionMode.RECOMPUTE
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preemptions_by_mode[mode.value] += 1
+        self.waiting.push_front(req)
+        out.preempted_req_ids.add(req.request_id)
+
+    def _held_for_l2(self, step: StepBudget) -> tuple[int, int]:
+        """Seats and blocks L1 must leave L2 this step (see l2_hold). Computed once a step: L1
+        work only shrinks what L2 needs, so the first figure is safe."""
+        if step.l2_hold is None:
+            step.l2_hold = (0, 0)
+            if self.multilevel and step.l1_cap < step.budget:
+                l2 = [r for r in self.running if r.level == 2]
+                head = self.waiting.in_order(2)[0] if self.waiting.count(2) else None
+                step.l2_hold = l2_hold(l2, head, self.kv, self.l2_floor, step.budget - step.l1_cap)
+        return step.l2_hold

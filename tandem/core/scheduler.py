@@ -17,20 +17,24 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
-from tandem.config.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from tandem.config.scheduler import SchedulerConfig, SchedulingPolicy
+from tandem.core.admission import Admission
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
-    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput,
+    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
 )
-from tandem.core.preemption import PreemptionCosts, l2_hold, pick_victim, preemption_mode
 from tandem.core.queues import LEVELS, WaitingQueues
 from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus, check_prompt_length
 from tandem.core.spec_decode import SpecDecodeStats
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.spec_planner import SpecPlanner, Speculation
 
 
-class Scheduler:
+class Scheduler(Admission):
+    """Its parts, one job each: admission of waiting requests (admission.py), preemption
+    (preemption.py); here, the step's plan, the running requests' catch-up and the results."""
+
     def __init__(
         self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float],
         max_model_len: int, costs: PreemptionCosts = PreemptionCosts(),
@@ -44,7 +48,8 @@ class Scheduler:
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
         self.multilevel = config.scheduling_policy == SchedulingPolicy.MULTILEVEL
-        self._l2_floor = math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
+        self.l2_floor = math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel \
+            else 0
         self.waiting = WaitingQueues(config.queue_order, clock)
         self._l1_seen = -math.inf  # when L1 work was last present (see SchedulerConfig.l1_hold_s)
         self.running: list[Request] = []  # by level, then admission order
@@ -99,7 +104,7 @@ class Scheduler:
         running list at the end, so every victim picked during the step is unscheduled."""
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        self.kv.release_pending_host_blocks()
+        self.kv.host_tier.release_pending_host_blocks()
         cfg, budget = self.config, self.config.max_num_batched_tokens
         self.planner.plan(out, self.running)
         if self.multilevel:
@@ -177,7 +182,7 @@ class Scheduler:
     def _schedule_running(self, level: int, i: int, step: StepBudget) -> int:
         """Catch up the running requests of `level` (from index i); returns the next index.
         When blocks run short, the lowest-level, newest unscheduled request is preempted."""
-        floor = self._l2_floor if level == 1 else 0
+        floor = self.l2_floor if level == 1 else 0
         while i < len(self.running) and self.running[i].level == level:
             req = self.running[i]
             pending = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -201,7 +206,6 @@ class Scheduler:
                     new_block_ids = self._allocate(req, num_new, step)
             while new_block_ids is None:
                 victim = self._victim(i + 1, step, keep_l2=floor, last_resort=True) or req
-                self.running.remove(victim)
                 self._preempt(victim, step.out)
                 if victim is req:
                     break
@@ -211,35 +215,9 @@ class Scheduler:
             step.out.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
             self.planner.schedule(req, k, lookahead, step.out)
-            self._commit(req, num_new, step)
+            step.commit(req, num_new)
             i += 1
         return i
-
-    def _admit_waiting(self, level: int, i: int, step: StepBudget) -> bool:
-        """Admit waiting requests of `level` in order; under multilevel, make room by
-        preempting unscheduled lower-level requests (running[i:]). L1 leaves L2 its
-        guaranteed seats and the blocks its running requests need to grow. False when a
-        request had to stay waiting."""
-        for req in self.waiting.in_order(level):
-            cap = step.cap(level, req.num_tokens - req.num_computed_tokens)
-            if cap <= 0:
-                return False
-            if req.prefill_after is not None and not self._prefix_ready(req):
-                continue
-            if req.num_output_placeholders:
-                continue  # preempted with a token in flight: it resumes once that token is known
-            while True:
-                seats_held, blocks_held = self._held_for_l2(step) if level == 1 else (0, 0)
-                if len(self.running) + len(step.admitted) + seats_held < self.config.max_num_seqs:
-                    if self._admit(req, cap, step, blocks_held):
-                        break
-                victim = self._victim(i, step, keep_l2=self._l2_floor if level == 1 else 0) \
-                    if self.multilevel else None
-                if victim is None:
-                    return False
-                self.running.remove(victim)
-                self._preempt(victim, step.out)
-        return True
 
     def _allocate(self, req: Request, num_new: int, step: StepBudget) -> list[int] | None:
         """allocate_slots, except that L1 may not take the blocks held for L2's share."""
@@ -248,103 +226,6 @@ class Scheduler:
             if self.kv.blocks_needed(req, num_new) > self.kv.num_free_blocks - held:
                 return None
         return self.kv.allocate_slots(req, num_new)
-
-    def _held_for_l2(self, step: StepBudget) -> tuple[int, int]:
-        """Seats and blocks L1 must leave L2 this step (see preemption.l2_hold). Computed once
-        a step: L1 work only shrinks what L2 needs, so the first figure is safe."""
-        if step.l2_hold is None:
-            step.l2_hold = (0, 0)
-            if self.multilevel and step.l1_cap < step.budget:
-                l2 = [r for r in self.running if r.level == 2]
-                head = self.waiting.in_order(2)[0] if self.waiting.count(2) else None
-                step.l2_hold = l2_hold(l2, head, self.kv, self._l2_floor, step.budget - step.l1_cap)
-        return step.l2_hold
-
-    def _admit(self, req: Request, cap: int, step: StepBudget, blocks_held: int) -> bool:
-        """Take a waiting request into this step's batch; False when its blocks do not fit."""
-        out = step.out
-        free = self.kv.num_free_blocks - blocks_held
-        if req.swapped:
-            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
-            lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
-            if self.kv.blocks_needed(req, num_new + lookahead) > free:
-                lookahead = 0  # the drafts are what gives way
-            if self.kv.blocks_needed(req, num_new) > free:
-                return False
-            swapped_in = self.kv.swap_in(req, num_new + lookahead)
-            if swapped_in is None:
-                return False
-            pairs, block_ids = swapped_in
-            out.blocks_to_swap_in.extend(pairs)
-            req.swapped = False
-        else:
-            computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit, cap)
-            lookahead = self.planner.lookahead(req, num_hit + num_new)
-            need = self.kv.blocks_needed(req, num_new, computed_blocks)
-            if self.kv.blocks_needed(req, num_new + lookahead, computed_blocks) > free:
-                lookahead = 0  # the drafts are what gives way
-            block_ids = self.kv.allocate_slots(req, num_new + lookahead, computed_blocks) if need <= free else None
-            if block_ids is None:
-                return False
-            if req.num_cached_tokens < 0:
-                self.kv.record_prefix_query(req, num_hit)
-                req.num_cached_tokens = num_hit
-                req.first_scheduled_time = self.clock()
-            req.num_computed_tokens = num_hit
-        self.waiting.remove(req)
-        req.status = RequestStatus.RUNNING
-        step.admitted.append(req)
-        self.planner.admit(req, lookahead, out)
-        out.scheduled_new_reqs.append(NewRequestData(
-            req.request_id, list(req.prompt_token_ids), req.output_token_ids,
-            req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id, req.precision,
-        ))
-        self._commit(req, num_new, step)
-        return True
-
-    def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False) -> Request | None:
-        return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,
-                           self.config.max_preemptions, last_resort)
-
-    def _commit(self, req: Request, num_new: int, step: StepBudget) -> None:
-        step.out.num_scheduled_tokens[req.request_id] = num_new
-        step.out.total_num_scheduled_tokens += num_new
-        step.used += num_new
-        if req.level == 1:
-            step.l1_used += num_new
-        elif req.num_tokens_with_placeholders - req.num_computed_tokens > 1:  # a prompt chunk, even of one token
-            step.lower_prefill_used += num_new
-        req.num_computed_tokens += num_new
-        if req.num_computed_tokens >= req.num_tokens_with_placeholders:  # > with drafts
-            req.num_output_placeholders += 1  # this step samples a token, known only after it ran
-
-    def _prefix_ready(self, req: Request) -> bool:
-        src = req.prefill_after
-        # A first output token means the prompt ran and its blocks are in the prefix cache.
-        if src.status.finished or src.num_output_tokens > 0:
-            req.prefill_after = None
-            return True
-        return False
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Swap the victim's KV to the host tier or drop it for recompute, whichever is
-        cheaper (blocks still in the prefix cache make recompute cheap)."""
-        mode = preemption_mode(req, self.kv, self.config.preemption_mode, self.costs)
-        pairs = self.kv.swap_out(req) if mode == PreemptionMode.SWAP else None
-        if pairs is not None:
-            out.blocks_to_swap_out.extend(pairs)
-            req.swapped = True
-        else:
-            mode = PreemptionMode.RECOMPUTE
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.preemptions_by_mode[mode.value] += 1
-        self.waiting.push_front(req)
-        out.preempted_req_ids.add(req.request_id)
 
     # ---- after the step -----------------------------------------------------------
     def update_from_output(

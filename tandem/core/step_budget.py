@@ -32,6 +32,19 @@ class StepBudget:
             return left
         return min(left, self.lower_prefill_cap - self.lower_prefill_used)
 
+    def commit(self, req: Request, num_new: int) -> None:
+        """Schedule `num_new` tokens of `req` in this step."""
+        self.out.num_scheduled_tokens[req.request_id] = num_new
+        self.out.total_num_scheduled_tokens += num_new
+        self.used += num_new
+        if req.level == 1:
+            self.l1_used += num_new
+        elif req.num_tokens_with_placeholders - req.num_computed_tokens > 1:
+            self.lower_prefill_used += num_new  # a prompt chunk, even of one token
+        req.num_computed_tokens += num_new
+        if req.num_computed_tokens >= req.num_tokens_with_placeholders:  # > with drafts
+            req.num_output_placeholders += 1  # this step samples a token, known only after it ran
+
 
 def adapt_throttle(tokens: int, used: int, seconds: float, target: float, floor: int, ceiling: int) -> int:
     """Lower-level prompt tokens per step under the L1 throttle, after a step that held `used`

@@ -15,6 +15,7 @@ import msgspec
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_connector.pd import PDConnector
 from tandem.core.preemption import PreemptionCosts
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus
@@ -72,13 +73,16 @@ class EngineCore:
         self.max_model_len = min(model.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings,
                                  self.kv_manager.token_capacity(sched_cfg.max_num_batched_tokens))
-        # P/D export / import of KV blocks; a write waits for the steps in flight
-        self.kv_handoff = KVHandoff(self.kv_manager, self.executor, lambda: self.pipeline.in_flight())
         self.scheduler = Scheduler(
             sched_cfg, self.kv_manager, time.monotonic, self.max_model_len,
             PreemptionCosts(*self.executor.preemption_costs()),
             Speculation.of(config.speculative_config),
         )
+        # KV received from other instances: blocks reserved and pinned here (the scheduler
+        # side), written by the handoff (the worker side), which waits for the steps in flight
+        self.kv_connector = PDConnector(self.kv_manager.coordinator, self.scheduler.requests)
+        self.kv_handoff = KVHandoff(self.kv_connector, self.executor,
+                                    lambda: self.pipeline.in_flight())
         self._children: dict[str, list[str]] = {}
         self._handlers: dict[type, Callable[..., Any]] = {CompileGrammar: self.compile_grammar,
                                                           GetSchedulerStats: self.scheduler_stats}
@@ -164,7 +168,8 @@ class EngineCore:
             else:
                 seqs.append(rid)
         self.scheduler.finish_requests(seqs, status)
-        self.kv_handoff.release_admitted(self.scheduler.requests)
+        for rid in request_ids:
+            self.kv_connector.request_finished(rid)
         self._forget_finished()
 
     def abort_request(self, request_id: str) -> None:
@@ -217,7 +222,7 @@ class EngineCore:
                     self.on_step_boundary()
                 self.scheduler.top_up(sched)
                 self.stats.phase_times["schedule"] += time.perf_counter() - t0
-            self.kv_handoff.release_admitted(self.scheduler.requests)  # P/D: admitted requests hold their blocks now
+            self.kv_connector.build_connector_meta(sched)
             for new in sched.scheduled_new_reqs:
                 req = self.scheduler.requests[new.req_id]
                 self._scheduled.append(ScheduledEvent(new.req_id, req.first_scheduled_time,

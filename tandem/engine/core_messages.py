@@ -244,6 +244,6 @@ def remote_error(type_name: str, message: str) -> Exception:
     if type_name == "TimeoutError":
         return TimeoutError(message)
     if type_name == "KVPoolFullError":
-        from tandem.core.kv_cache_manager import KVPoolFullError
+        from tandem.core.kv_connector.pd import KVPoolFullError
         return KVPoolFullError(message)
     return RuntimeError(f"{type_name}: {message}")

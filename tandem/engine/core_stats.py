@@ -12,21 +12,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tandem.core.instance_state import Backlog, instance_load, request_backlog
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.queues import LEVELS
+from tandem.core.scheduler import Scheduler
 from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.step_pipeline import ExecutedStep
-
-if TYPE_CHECKING:
-    from tandem.engine.core import EngineCore
 
 MAX_PREFIXES = 4096  # newest cached block hashes reported to the router
 
 
+class StatsSource(Protocol):
+    """What the figures are read from: the engine core."""
+
+    scheduler: Scheduler
+    kv_manager: KVCacheManager
+    max_model_len: int
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
 class StepStats:
-    def __init__(self, core: EngineCore, full_interval: float = 0.2) -> None:
+    def __init__(self, core: StatsSource, full_interval: float = 0.2) -> None:
         self.core = core
         self.full_interval = full_interval
         self._last_full = float("-inf")
@@ -71,15 +80,15 @@ class StepStats:
 
     def snapshot(self) -> SchedulerStats:
         s, kv = self.core.scheduler, self.core.kv_manager
-        spec = s.spec_stats
+        spec, host = s.spec_stats, kv.host_tier
         waiting = {f"L{lv}": s.waiting.count(lv) for lv in LEVELS}
         running = collections.Counter(f"L{r.level}" for r in s.running)
         return SchedulerStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             running_by_level={f"L{lv}": running.get(f"L{lv}", 0) for lv in LEVELS}, waiting_by_level=waiting,
             kv_usage=kv.usage, kv_utilization=kv.utilization, kv_free_blocks=kv.num_free_blocks,
-            kv_total_blocks=kv.num_blocks, host_free_blocks=kv.num_free_host_blocks,
-            host_total_blocks=kv.num_host_blocks, num_swapped=kv.num_swapped,
+            kv_total_blocks=kv.num_blocks, host_free_blocks=host.num_free_host_blocks,
+            host_total_blocks=host.num_host_blocks, num_swapped=host.num_swapped,
             prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits, num_preemptions=s.num_preemptions,
             preemptions_by_mode=dict(s.preemptions_by_mode),
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.core.kv_cache_manager import KVReservation
+from tandem.core.kv_connector.pd import KVReservation
 from tandem.engine.core_messages import (CheckKVPeer, DrainKV, JoinKVGroup, KVSent, MigrateOut, ReceiveKV, ReleaseKV,
                                          SendKV)
 from tandem.executor.kv_transfer import KVLinks, KVPayload, TransferStats
@@ -169,7 +169,7 @@ class PDService:
 
     def num_held_blocks(self) -> int:
         """Blocks reserved for transfers not yet claimed by an add."""
-        return sum(len(r.res.blocks) for r in self._receipts.values())
+        return sum(len(row) for r in self._receipts.values() for row in r.res.blocks)
 
     def _expire(self) -> None:
         now = time.monotonic()

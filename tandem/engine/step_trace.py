@@ -19,6 +19,7 @@ class StepTrace:
 
     def write(self, done: ExecutedStep, scheduler: Scheduler) -> None:
         sched, kv, cfg = done.sched, scheduler.kv, scheduler.config
+        host = kv.host_tier
         self._file.write(json.dumps({
             "start": done.start, "seconds": done.end - done.start,
             "tokens": sched.total_num_scheduled_tokens, "seqs": len(sched.num_scheduled_tokens),
@@ -30,8 +31,9 @@ class StepTrace:
             "waiting": len(scheduler.waiting), "running": len(scheduler.running),
             "waiting_by_level": {f"L{lv}": scheduler.waiting.count(lv) for lv in LEVELS},
             "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.num_blocks,
-            "host_free_blocks": kv.num_free_host_blocks, "host_total_blocks": kv.num_host_blocks,
-            "swapped": len(kv.req_to_host_blocks), "preemptions": scheduler.num_preemptions,
+            "host_free_blocks": host.num_free_host_blocks,
+            "host_total_blocks": host.num_host_blocks,
+            "swapped": host.num_swapped, "preemptions": scheduler.num_preemptions,
             "max_num_seqs": cfg.max_num_seqs, "token_budget": cfg.max_num_batched_tokens,
             "structured_output_seconds": done.result.structured_output_time,  # grammar masks, within `seconds`
         }) + "\n")

@@ -1,7 +1,7 @@
-"""The paged KV cache: how many blocks the budget holds, the device tensor (and a draft model's
-layers beside it, in the same slots), the host tier swapped-out requests go to, and whole-block
-reads and writes (swap, P/D). With KV groups (core/kv_groups.py) the tensor holds one group's
-layers per block and each layer reads its group's entries of a request's blocks."""
+"""The paged KV cache: how many blocks the budget holds (and the host tier's swap space), the
+device tensor (and a draft model's layers beside it, in the same slots), and whole-block reads
+and writes (KV transfer between instances). With KV groups (core/kv_groups.py) the tensor holds
+one group's layers per block and each layer reads its group's entries of a request's blocks."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,6 @@ import torch
 
 from tandem.config import CacheConfig
 from tandem.core.kv_groups import KVGroups, plain_groups
-from tandem.core.outputs import SchedulerOutput
 from tandem.executor.device import default_kv_cache_memory
 from tandem.models.llama import ModelConfig
 
@@ -50,44 +49,21 @@ class KVCache:
             log.info("draft KV cache: %d layers beside the target's (%.1f MiB)", draft_cfg.num_layers,
                      sum(map(_mib, self.draft_kv_caches)))
         self.num_host_blocks = config.swap_space // target_per_block  # a swapped-out draft starts again
-        self._host_kv_cache: torch.Tensor | None = None  # allocated at the first swap-out
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(dtype)
 
     def _zeros(self, cfg: ModelConfig, rows: int) -> torch.Tensor:
         return torch.zeros(rows, 2, self.num_slots, cfg.num_kv_heads, cfg.head_dim,
                            dtype=self.dtype, device=self.device)
 
-    @property
-    def host_kv_cache(self) -> torch.Tensor:
-        """The host tier (pinned on GPU machines); zeros, like the device cache, so a
-        masked-out slot never holds NaN."""
-        if self._host_kv_cache is None:
-            _, _, _, heads, dim = self.kv_cache.shape
-            self._host_kv_cache = torch.zeros(
-                self.kv_cache.shape[0], 2, self.num_host_blocks * self.block_size, heads, dim,
-                dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
-        return self._host_kv_cache
-
-    def swap(self, sched: SchedulerOutput) -> None:
-        """The step's swaps, out first: before anything can reuse the freed device blocks."""
-        if sched.blocks_to_swap_out:
-            self._copy(self.kv_cache, self.host_kv_cache, sched.blocks_to_swap_out)
-        if sched.blocks_to_swap_in:
-            self._copy(self.host_kv_cache, self.kv_cache, sched.blocks_to_swap_in)
-
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (all layers, K and V) from src to dst (device and host tiers)."""
-        blocks = _read_blocks(src, [a for a, _ in pairs], self.block_size)
-        _write_blocks(dst, [b for _, b in pairs], blocks.to(dst.device, non_blocking=True), self.block_size)
-
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of the blocks' K/V, all layers, on the cache's device:
         [num_layers, 2, n, ...] for the n logical blocks whose entries `block_ids` lists (G
         each): the plain layout's payload, whatever the grouping."""
         if self.groups.num_groups == 1:
-            return _read_blocks(self.kv_cache, block_ids, self.block_size)
+            return gather_blocks(self.kv_cache, block_ids, self.block_size)
         ids = self._entries(block_ids)
-        return torch.stack([_read_blocks(self.kv_caches[layer], ids[:, k].tolist(), self.block_size)
+        return torch.stack([gather_blocks(self.kv_caches[layer], ids[:, k].tolist(),
+                                          self.block_size)
                             for layer, (k, _) in enumerate(self.groups.layer_slots)])
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None) -> None:
@@ -100,12 +76,14 @@ class KVCache:
                              f"({num_layers} layers of blocks {expect})")
         kv = kv.to(self.device, self.dtype)
         if self.groups.num_groups == 1:
-            _write_blocks(self.kv_cache if layer is None else self.kv_cache[layer], block_ids, kv, self.block_size)
+            cache = self.kv_cache if layer is None else self.kv_cache[layer]
+            scatter_blocks(cache, block_ids, kv, self.block_size)
             return
         ids = self._entries(block_ids)
         for i in range(num_layers) if layer is None else (layer,):
             k = self.groups.layer_slots[i][0]
-            _write_blocks(self.kv_caches[i], ids[:, k].tolist(), kv[i] if layer is None else kv, self.block_size)
+            scatter_blocks(self.kv_caches[i], ids[:, k].tolist(), kv[i] if layer is None else kv,
+                           self.block_size)
 
     def _entries(self, block_ids: list[int]) -> torch.Tensor:
         """Flat entries (G per logical block) as [n, G]."""
@@ -131,11 +109,12 @@ def _blocks_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     return cache.view(*cache.shape[:-3], -1, block_size, *cache.shape[-2:])
 
 
-def _read_blocks(cache: torch.Tensor, block_ids: list[int], block_size: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_ids: list[int], block_size: int) -> torch.Tensor:
     blocks = _blocks_view(cache, block_size)
     return blocks.index_select(blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device))
 
 
-def _write_blocks(cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor, block_size: int) -> None:
+def scatter_blocks(cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor,
+                   block_size: int) -> None:
     blocks = _blocks_view(cache, block_size)
     blocks.index_copy_(blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device), kv)

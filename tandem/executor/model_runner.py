@@ -2,8 +2,9 @@
 each precision variant's forward and sampling, then asks the proposer for the next step's drafts.
 
 Its parts, one job each: the persistent batch and the flattening of inputs (input_batch.py), the
-KV cache (kv_cache.py), the weights, precision variants and draft model (models/variants.py),
-CUDA graphs (cuda_graphs.py), grammar masks (structured_output.py), drafts (proposers/)."""
+KV cache (kv_cache.py) and its host tier (kv_transfer/host_tier.py), the weights, precision
+variants and draft model (models/variants.py), CUDA graphs (cuda_graphs.py), grammar masks
+(structured_output.py), drafts (proposers/)."""
 from __future__ import annotations
 
 import time
@@ -20,6 +21,7 @@ from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cac
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.input_batch import CachedRequestState, InputBatch, InputBuilder
 from tandem.executor.kv_cache import KVCache
+from tandem.executor.kv_transfer.host_tier import HostTierWorker
 from tandem.executor.proposers import build_proposer
 from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow
 from tandem.executor.sampler import Sampler
@@ -72,6 +74,7 @@ class ModelRunner:
                                           self.dtype, self.device, self.attention_backend)
         self.kv = KVCache(config.cache_config, cfg, draft.cfg if own_draft_kv else None, kv_dtype,
                           self.device, groups)
+        self.host_tier = HostTierWorker(self.kv)
         self.block_size, self.num_kv_blocks, self.num_host_blocks = (
             self.kv.block_size, self.kv.num_kv_blocks, self.kv.num_host_blocks)
         self.kv_caches, self.kv_device = self.kv.kv_caches, self.kv.kv_cache.device
@@ -109,7 +112,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        self.kv.swap(sched)
+        self.host_tier.start_load_kv(sched)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()

@@ -26,7 +26,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.core.kv_cache_manager import KVPoolFullError
+from tandem.core.kv_connector.pd import KVPoolFullError
 from tandem.engine.core_messages import DrainKV, JoinKVGroup, ReceiveKV, ReleaseKV, SendKV
 from tandem.server.decode_stream import DecodeLegs, send_outcome
 from tandem.server.limits import TokenId

@@ -237,9 +237,9 @@ class ClusterSim:
             return
         # As the real decode instance does just before the transfer: hold blocks for the
         # prompt's whole blocks (pinning those it caches already); only the rest move.
-        sim.kv_reservation = sim.decode_target.kv.reserve(sim.prompt_token_ids())
+        sim.kv_reservation = sim.decode_target.kv_connector.reserve(sim.prompt_token_ids())
         res = sim.kv_reservation
-        moved = len(res.fresh) * self.cost.block_size if res is not None else 0
+        moved = res.num_fresh_blocks * self.cost.block_size if res is not None else 0
         seconds = self.cost.kv_transfer_time(moved)
         sim.transfer_s += seconds
         self.transfer_bytes += moved * self.cost.kv_bytes_per_token
@@ -252,8 +252,8 @@ class ClusterSim:
         target = sim.decode_target
         target.reserved_tokens -= sim.prompt_len + sim.output_len
         if sim.kv_reservation is not None:
-            target.kv.commit(sim.kv_reservation, len(sim.kv_reservation.blocks))
+            target.kv_connector.commit(sim.kv_reservation, sim.kv_reservation.num_blocks)
         if not self._add(target.state(self.cfg.model), sim, sim.prompt_token_ids() + [SIM_TOKEN],
                          sim.output_len - 1, f"d:{sim.index}") and sim.kv_reservation is not None:
-            target.kv.release(sim.kv_reservation)
+            target.kv_connector.release(sim.kv_reservation)
             sim.kv_reservation = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tandem.core.kv_cache_manager import KVCacheManager, cdiv
+from tandem.core.kv_cache_coordinator import cdiv
+from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.scheduler import Scheduler
 from tandem.sim.cost_model import BatchShape
 from tandem.sim.executor import SIM_TOKEN, SimulatedExecutor
@@ -50,7 +51,7 @@ def fast_forward(inst: DecodingInstance, now: float, horizon: float) -> float | 
     if k_max < MIN_STEPS:
         return None
     # New blocks needed per step, with a margin of one block per request for L2's hold.
-    held = [len(kv.req_to_blocks[r.request_id]) for r in running]
+    held = [kv.coordinator.num_held_blocks(r.request_id) for r in running]
     free0 = kv.num_free_blocks
     cost, context = inst.executor.cost, sum(r.num_tokens for r in running)
     times, usages, t = [], [], now
@@ -67,7 +68,7 @@ def fast_forward(inst: DecodingInstance, now: float, horizon: float) -> float | 
     k = len(times)
     if k < MIN_STEPS:
         return None
-    kv.release_pending_host_blocks()  # as the first schedule() of the run would
+    kv.host_tier.release_pending_host_blocks()  # as the first schedule() of the run would
     for r in running:
         kv.allocate_slots(r, k)
         r.num_computed_tokens += k

@@ -9,6 +9,7 @@ from tandem.cluster.policy.routing import InstanceState
 from tandem.config import CacheConfig, InstanceRole, SchedulerConfig
 from tandem.core.instance_state import instance_load
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_connector.pd import PDConnector
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.queues import classify
 from tandem.core.request import Request
@@ -36,6 +37,8 @@ class SimInstance:
         self.max_model_len = min(max_model_len or capacity, capacity)
         self.scheduler = Scheduler(cfg, self.kv, clock, self.max_model_len,
                                    PreemptionCosts(*self.executor.preemption_costs()))
+        # KV sent here by a prefill instance (P/D)
+        self.kv_connector = PDConnector(self.kv.coordinator, self.scheduler.requests)
         self.sim_reqs: dict[str, SimRequest] = {}
         self.on_finish: Callable[[SimRequest, str, float], None] = lambda r, rid, t: None
         self.busy = False
@@ -86,7 +89,8 @@ class SimInstance:
             if sim.first_scheduled is None:
                 sim.first_scheduled = now
             if sim.kv_reservation is not None and new.req_id.startswith("d:"):
-                self.kv.release(sim.kv_reservation)  # admitted: it holds its own references now
+                # admitted: it holds its own references now
+                self.kv_connector.release(sim.kv_reservation)
                 sim.kv_reservation = None
         if so.is_empty:
             self.busy = False

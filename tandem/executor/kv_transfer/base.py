@@ -1,5 +1,5 @@
-"""The connector seam: how a payload gets from a prefill instance to a decode instance.
-Names follow vLLM's KV connectors; a transfer is matched by id on both sides."""
+"""The transport seam: how a payload gets from a prefill instance to a decode instance (shared
+memory, torch.distributed); a transfer is matched by id on both sides."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,7 +14,7 @@ from tandem.executor.kv_transfer.payload import KVPayload, TransferStats
 LayerSink = Callable[[int, torch.Tensor], None]
 
 
-class KVConnector(Protocol):
+class KVTransport(Protocol):
     def send(self, transfer_id: str, payload: KVPayload) -> TransferStats:
         """Move the payload out, layer by layer; returns when its buffers may be reused."""
         ...

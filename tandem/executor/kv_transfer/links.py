@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from tandem.executor.kv_transfer.base import KVConnector, LayerSink
+from tandem.executor.kv_transfer.base import KVTransport, LayerSink
 from tandem.executor.kv_transfer.payload import KVPayload, TransferStats
 from tandem.executor.kv_transfer.shm import ShmConnector
 from tandem.executor.kv_transfer.torch_dist import TorchDistConnector, init_kv_group
@@ -55,7 +55,7 @@ class KVLinks:
         init_kv_group(rank, world_size, backend=backend, store=store, timeout=timeout)
         self.rank = rank
 
-    def connector(self, peer: int | None) -> tuple[KVConnector, ThreadPoolExecutor]:
+    def connector(self, peer: int | None) -> tuple[KVTransport, ThreadPoolExecutor]:
         """The connector to `peer` and the thread(s) that drive it; ValueError for a peer there
         is no link to."""
         if peer is None:

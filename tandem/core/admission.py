@@ -1,0 +1,96 @@
+"""Admission: waiting requests taken into a step's batch, level by level, with their prefix-cache
+hits or their KV back from the host tier (the base of Scheduler: the state it reads is the
+Scheduler's). Under multilevel, L1 makes room by preempting unscheduled lower-level requests and
+leaves L2 its guaranteed seats and the blocks its running requests need to grow."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.core.outputs import NewRequestData
+from tandem.core.preemption import Preemption
+from tandem.core.request import Request, RequestStatus
+from tandem.core.spec_planner import SpecPlanner
+from tandem.core.step_budget import StepBudget
+
+
+class Admission(Preemption):
+    planner: SpecPlanner
+    clock: Callable[[], float]
+
+    def _admit_waiting(self, level: int, i: int, step: StepBudget) -> bool:
+        """Admit waiting requests of `level` in order; under multilevel, make room by
+        preempting unscheduled lower-level requests (running[i:]). False when a request had
+        to stay waiting."""
+        for req in self.waiting.in_order(level):
+            cap = step.cap(level, req.num_tokens - req.num_computed_tokens)
+            if cap <= 0:
+                return False
+            if req.prefill_after is not None and not self._prefix_ready(req):
+                continue
+            if req.num_output_placeholders:
+                continue  # preempted with a token in flight: it resumes once that token is known
+            while True:
+                seats_held, blocks_held = self._held_for_l2(step) if level == 1 else (0, 0)
+                if len(self.running) + len(step.admitted) + seats_held < self.config.max_num_seqs:
+                    if self._admit(req, cap, step, blocks_held):
+                        break
+                victim = self._victim(i, step, keep_l2=self.l2_floor if level == 1 else 0) \
+                    if self.multilevel else None
+                if victim is None:
+                    return False
+                self._preempt(victim, step.out)
+        return True
+
+    def _admit(self, req: Request, cap: int, step: StepBudget, blocks_held: int) -> bool:
+        """Take a waiting request into this step's batch; False when its blocks do not fit."""
+        out, kv = step.out, self.kv
+        free = kv.num_free_blocks - blocks_held
+        if req.swapped:
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
+            if kv.blocks_needed(req, num_new + lookahead) > free:
+                lookahead = 0  # the drafts are what gives way
+            if kv.blocks_needed(req, num_new) > free:
+                return False
+            swapped_in = kv.host_tier.swap_in(req, num_new + lookahead)
+            if swapped_in is None:
+                return False
+            pairs, block_ids = swapped_in
+            out.blocks_to_swap_in.extend(pairs)
+            req.swapped = False
+        else:
+            computed_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, cap)
+            lookahead = self.planner.lookahead(req, num_hit + num_new)
+            need = kv.blocks_needed(req, num_new, computed_blocks)
+            if kv.blocks_needed(req, num_new + lookahead, computed_blocks) > free:
+                lookahead = 0  # the drafts are what gives way
+            if need > free:
+                return False
+            block_ids = kv.allocate_slots(req, num_new + lookahead, computed_blocks)
+            if block_ids is None:
+                return False
+            if req.num_cached_tokens < 0:
+                kv.record_prefix_query(req, num_hit)
+                req.num_cached_tokens = num_hit
+                req.first_scheduled_time = self.clock()
+            req.num_computed_tokens = num_hit
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        step.admitted.append(req)
+        self.planner.admit(req, lookahead, out)
+        out.scheduled_new_reqs.append(NewRequestData(
+            req.request_id, list(req.prompt_token_ids), req.output_token_ids,
+            req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id,
+            req.precision,
+        ))
+        step.commit(req, num_new)
+        return True
+
+    def _prefix_ready(self, req: Request) -> bool:
+        src = req.prefill_after
+        # A first output token means the prompt ran and its blocks are in the prefix cache.
+        if src.status.finished or src.num_output_tokens > 0:
+            req.prefill_after = None
+            return True
+        return False
