@@ -13,7 +13,7 @@ import yaml
 
 from tandem.cli import build_parser
 from tandem.config import EngineConfig, load_yaml
-from tandem.config.args import _default_text
+from tandem.config.args import default_text
 from tandem.config.engine import OPTIONS
 from tandem.config.serving_yaml import YAML_KEYS
 from tandem.server import launch
@@ -164,7 +164,7 @@ def test_every_flag_states_the_default_it_stores():
         field = OPTIONS[a.dest].field
         own = SIMULATE_DEFAULTS if command == "simulate" else {}
         shown = own.get(a.dest, field.default) if a.default is argparse.SUPPRESS else a.default
-        assert f"default: {_default_text(shown, field.metadata)}" in a.help % {}, (command, a.dest)
+        assert f"default: {default_text(shown, field.metadata)}" in a.help % {}, (command, a.dest)
         if command in ("serve", "generate"):
             assert a.default is argparse.SUPPRESS, (command, a.dest)
 

@@ -126,3 +126,24 @@ def test_the_paths_the_pages_name_exist():
     named = {(page.name, path) for page in PAGES for path in REPO_PATH.findall(page.read_text())}
     missing = sorted((page, path) for page, path in named if not (ROOT / path).exists())
     assert not missing, f"pages name paths that do not exist: {missing}"
+
+
+def test_the_configuration_page_explains_every_flag_of_tandem_serve():
+    """The page's tables are generated (docs/hooks/config_reference.py): the config's fields,
+    then the flags no field declares. Each flag of `tandem serve` has a row there that says
+    what it does: a field or a flag added without help text fails here."""
+    import importlib.util
+
+    from tandem.cli import build_parser
+
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "docs/hooks/config_reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.on_page_markdown((ROOT / "docs/configuration.md").read_text())
+    assert hook.MARKER not in page and "### Scheduler" in page
+    rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\|.*?`(--[\w-]+)`.*\|([^|]*)\|$", page, re.M)}
+    serve = build_parser(["serve"])._subparsers._group_actions[0].choices["serve"]
+    flags = {a.option_strings[0] for a in serve._actions
+             if a.option_strings and a.option_strings[0].startswith("--")} - {"--help"}
+    unexplained = sorted(f for f in flags if not rows.get(f))
+    assert not unexplained, f"tandem serve flags with no entry or no words on the page: {unexplained}"

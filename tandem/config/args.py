@@ -17,7 +17,7 @@ from typing import Any
 from tandem.config.engine import OPTIONS, SECTIONS, Option
 from tandem.config.option import parse_size
 
-_TITLES = {
+TITLES = {
     "model_config": "model",
     "cache_config": "cache (KV pool, prefix cache)",
     "scheduler_config": "scheduler",
@@ -45,7 +45,7 @@ def add_engine_arguments(
     for section in [*SECTIONS, ""]:
         chosen = {n: OPTIONS[n] for n in wanted if OPTIONS[n].section == section}
         if chosen:
-            add_arguments(p.add_argument_group(_TITLES[section]), chosen, defaults, store_defaults)
+            add_arguments(p.add_argument_group(TITLES[section]), chosen, defaults, store_defaults)
 
 
 def dataclass_options(cls: type) -> dict[str, Option]:
@@ -69,7 +69,7 @@ def add_arguments(
         kwargs = _kind(_value_type(opt.type), meta)
         default = (defaults or {}).get(name, opt.field.default)
         yaml = f"; YAML: serving.{meta['yaml']}" if meta.get("yaml") else ""
-        text = f"{meta['help']} ({_unit_text(meta)}default: {_default_text(default, meta)}{yaml})"
+        text = f"{meta['help']} ({unit_text(meta)}default: {default_text(default, meta)}{yaml})"
         kwargs["help"] = text.replace("%", "%%")
         stored = default if store_defaults else argparse.SUPPRESS
         g.add_argument(flag, dest=name, default=stored, **kwargs)
@@ -111,14 +111,14 @@ class _Switch(argparse.BooleanOptionalAction):
         self.help = help
 
 
-def _unit_text(meta: Mapping[str, Any]) -> str:
+def unit_text(meta: Mapping[str, Any]) -> str:
     if meta.get("unit") == "bytes":
         bare = "bytes" if meta["bare_unit"] == "B" else meta["bare_unit"]
         return f"a size, e.g. 4GiB or 512MiB, a bare number is {bare}; "
     return f"{meta['unit']}; " if meta.get("unit") else ""
 
 
-def _default_text(value: Any, meta: Mapping[str, Any]) -> str:
+def default_text(value: Any, meta: Mapping[str, Any]) -> str:
     if value is None:
         return meta.get("none") or "none"
     if isinstance(value, bool):

@@ -26,14 +26,14 @@ class ServerConfig:
     """The server's options; `tandem serve` derives its flags from the fields (config/args.py),
     YAML serving.server takes them by name."""
 
-    # The name clients send as `model`, and responses report; model_aliases: further names
-    # accepted (--served-model-name A B ...).
-    model_name: str = option("smollm2-135m", flag=False)
-    model_aliases: tuple[str, ...] = option((), flag=False)
+    # Set from --served-model-name A B ... (YAML: serving.server.served_model_name).
+    model_name: str = option("smollm2-135m", "the name clients send as `model`, and responses "
+                             "report", flag=False)
+    model_aliases: tuple[str, ...] = option((), "further names accepted as `model`", flag=False)
     api_key: str | None = option(None, "bearer token clients must send",
                                  none="$TANDEM_API_KEY, else none")
     max_waiting: int = option(512, "waiting requests before answering 429", unit="requests")
-    max_n: int = option(16, flag=False)
+    max_n: int = option(16, "completions one request may ask for at most (`n`)", flag=False)
     max_body_bytes: int = option(4 << 20, "largest request body, counted while it is read: 413 "
                                  "past it", unit="bytes", flag="--max-request-bytes")
     request_log: str | None = option(None, "append one JSON line per finished request to this file",
@@ -43,8 +43,8 @@ class ServerConfig:
     allowed_origins: list[str] | None = option(
         None, "comma-separated browser origins allowed cross-origin (CORS)",
         none="none, no CORS headers")
-    # Further API keys, each mapped to a request class (YAML only).
-    api_key_classes: dict[str, str] | None = option(None, flag=False)
+    api_key_classes: dict[str, str] | None = option(
+        None, "further API keys, each mapped to a request class", none="none", flag=False)
     role: InstanceRole | None = option(
         None, "role in a cluster's model group (tandem cluster)",
         none="none, a standalone server whose P/D routes answer 409")

@@ -1,0 +1,54 @@
+"""The configuration reference: a Markdown table per section of every option, with its flag,
+YAML key, unit and default, read off the fields' declarations (docs/configuration.md is built
+from it, so the page cannot drift from the code)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tandem.config.args import TITLES, default_text
+from tandem.config.engine import OPTIONS, SECTIONS, Option
+from tandem.config.serving_yaml import YAML_KEYS
+
+
+def flag_name(name: str, opt: Option) -> str | None:
+    """The option's flag, or None where it has none (YAML or `LLM` only)."""
+    flag = opt.field.metadata.get("flag", True)
+    if flag is False:
+        return None
+    return flag if isinstance(flag, str) else "--" + name.replace("_", "-")
+
+
+def engine_reference() -> str:
+    """Every engine option, a table per section."""
+    yaml_keys: dict[str, list[str]] = {}
+    for key, name in YAML_KEYS.items():
+        yaml_keys.setdefault(name, []).append(f"serving.{key}")
+    parts = []
+    for section in [*SECTIONS, ""]:
+        options = {n: o for n, o in OPTIONS.items() if o.section == section}
+        keys = {n: [f"serving.engine.{n}", *yaml_keys.get(n, [])] for n in options}
+        parts.append(table(TITLES[section], options, keys))
+    return "\n".join(parts)
+
+
+def table(title: str, options: Mapping[str, Option], yaml_keys: Mapping[str, list[str]]) -> str:
+    """One section's table: option (the `LLM` keyword), flag, YAML keys, default and help."""
+    rows = [f"### {title[0].upper()}{title[1:]}", "",
+            "| option | flag | YAML | unit | default | what it does |", "|---|---|---|---|---|---|"]
+    for name, opt in options.items():
+        meta = opt.field.metadata
+        flag = flag_name(name, opt)
+        keys = ", ".join(f"`{k}`" for k in yaml_keys.get(name, [])) or "-"
+        default = default_text(opt.field.default, meta) if "help" in meta else "-"
+        text = meta.get("help", "").replace("|", "\\|")
+        rows.append(f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit(meta)} | "
+                    f"{default} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
+def unit(meta: Mapping) -> str:
+    """A size takes a unit (4GiB, 512MiB); a bare number counts the field's bare unit."""
+    if meta.get("unit") == "bytes":
+        return f"size (a bare number: {'bytes' if meta['bare_unit'] == 'B' else meta['bare_unit']})"
+    return meta.get("unit") or "-"
