@@ -14,13 +14,15 @@ from gguf import GGMLQuantizationType as Q
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models import quantization
-from tandem.models.builder import build_model
-from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config, resolve_model
-from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import Int4Linear, Int8Linear, RowParts
+from tandem.models.quantization import base, int4
+from tandem.models.loader.builder import build_model
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config, resolve_model
+from tandem.models.quantization.q6k import Q6KLinear
+from tandem.models.quantization.int4 import Int4Linear
+from tandem.models.quantization.int8 import Int8Linear
+from tandem.models.quantization.row_parts import RowParts
 from tandem.executor.attention import TorchAttention
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
@@ -113,8 +115,8 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     not bit for bit), and so does a layer of Q5_0 and Q4_K parts, held as 5-bit codes; without
     the integer kernel (which alone reads Q6_K) a Q6_K tensor is int8, and a fused layer of Q4_K
     and Q6_K parts runs as its int4 and int8 parts."""
-    monkeypatch.setattr(quantization, "_pack_int4", lambda *args: None)
-    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
+    monkeypatch.setattr(int4, "_pack_int4", lambda *args: None)
+    monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
     model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
                         torch.float32, TorchAttention, Path(q4_k_m))
@@ -137,7 +139,7 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
 
 
 def _integer_kernel() -> bool:
-    return quantization.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
+    return base.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
 
 
 @pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: Q6_K / Q8_0 are int8 per channel there")

@@ -17,8 +17,8 @@ from test_block_pool import check_pool, make_req
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager, KVPoolFullError
 from tandem.executor.kv_transfer import KVPayload, ShmConnector
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 BS = 8
 MAX_NEW = 8

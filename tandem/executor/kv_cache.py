@@ -12,7 +12,7 @@ from tandem.config import EngineConfig
 from tandem.core.kv_groups import KVGroups, plain_groups
 from tandem.core.outputs import SchedulerOutput
 from tandem.executor.device import default_kv_cache_memory
-from tandem.models.llama import ModelConfig
+from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,14 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_fused_ops
-from tandem.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, scaled_embedding
-from tandem.models.layers import Gate, RMSNorm
-from tandem.models.llama import DecoderLayer, LlamaForCausalLM, per_layer
-from tandem.models.quantization import IntegerKernelLayer, RowParts
+from tandem.models.architectures.gemma3 import (
+    Gemma3DecoderLayer, Gemma3ForCausalLM, scaled_embedding,
+)
+from tandem.models.layers.activation import Gate
+from tandem.models.layers.layernorm import RMSNorm
+from tandem.models.architectures.llama import DecoderLayer, LlamaForCausalLM, per_layer
+from tandem.models.quantization.base import IntegerKernelLayer
+from tandem.models.quantization.row_parts import RowParts
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 

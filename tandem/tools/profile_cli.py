@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace) -> CostModel:
     from tqdm import tqdm
     from tandem.config import EngineConfig
     from tandem.executor.model_runner import ModelRunner
-    from tandem.models.loader import resolve_model
+    from tandem.models.loader.model_files import resolve_model
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                           num_threads=args.num_threads)
     runner = ModelRunner(config, resolve_model(args.model))

@@ -16,8 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.models.layers import Gate, RMSNorm, RotaryEmbedding, StepRope
-from tandem.models.llama import MLP, Attention, AttentionFactory, LlamaForCausalLM, ModelConfig, per_layer
+from tandem.models.layers.activation import Gate
+from tandem.models.layers.layernorm import RMSNorm
+from tandem.models.layers.rotary_embedding import RotaryEmbedding, StepRope
+from tandem.models.architectures.llama import (
+    MLP, Attention, AttentionFactory, LlamaForCausalLM, per_layer,
+)
+from tandem.models.config import ModelConfig
 
 
 def scaled_embedding(embed_tokens: nn.Module, hidden_size: int, input_ids: torch.Tensor) -> torch.Tensor:

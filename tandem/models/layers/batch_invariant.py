@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_invariant_gemm
-from tandem.models.layers import Gate, Linear
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.layers.activation import Gate
+from tandem.models.layers.linear import Linear
+from tandem.models.architectures.llama import LlamaForCausalLM
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -33,18 +33,24 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tandem.models.batch_invariant import make_batch_invariant
+from tandem.models.layers.batch_invariant import make_batch_invariant
 from tandem.models.decode_plan import DecodePlan
-from tandem.models.gemma3 import Gemma3ForCausalLM
-from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.host_memory import move_to_huge_pages, trim_heap
-from tandem.models.layers import Linear, RotaryEmbedding
-from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
-from tandem.models.loader import FolderWeights, weight_source
-from tandem.models import quantization
-from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import Int4Linear, Int8Linear, QuantEmbedding, RowParts
-from tandem.models.stored_layers import LayerFormat, served_as, stored_layer
+from tandem.models.architectures.gemma3 import Gemma3ForCausalLM
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.quantization.host_memory import move_to_huge_pages, trim_heap
+from tandem.models.layers.linear import Linear
+from tandem.models.layers.rotary_embedding import RotaryEmbedding
+from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
+from tandem.models.config import ModelConfig
+from tandem.models.loader.folder_weights import FolderWeights
+from tandem.models.loader.model_files import weight_source
+from tandem.models.quantization import base
+from tandem.models.quantization.q6k import Q6KLinear
+from tandem.models.quantization.embedding import QuantEmbedding
+from tandem.models.quantization.int4 import Int4Linear
+from tandem.models.quantization.int8 import Int8Linear
+from tandem.models.quantization.row_parts import RowParts
+from tandem.models.loader.stored_layers import LayerFormat, served_as, stored_layer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
                 deterministic: bool = False) -> LlamaForCausalLM:
     """weights: "float" (the activation dtype) or one of QUANTIZED, read from `gguf_path` when
     given, else from the folder's safetensors. deterministic: float GEMMs on the batch-invariant
-    kernel (models/batch_invariant.py) instead of oneDNN's packing."""
+    kernel (layers/batch_invariant.py) instead of oneDNN's packing."""
     if weights != "float" and weights not in QUANTIZED:
         raise ValueError(f"unknown weight format {weights!r}")
     with torch.device(device):
@@ -110,7 +116,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
     model.eval()
     source = weight_source(model_dir, gguf_path)
     consumed: set[str] = set()
-    # On CPU each quantised table is on huge pages (host_memory.py) as soon as it is built: made
+    # On CPU each quantised table is on huge pages (quantization/host_memory.py) as soon as it is built: made
     # there, or moved (loading then holds one table twice at most).
     if weights in QUANTIZED:
         native = 0
@@ -187,7 +193,7 @@ def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, d
     int4 variant, on the integer kernel (nothing requantised; 4-6 bit codes are also fewer bytes
     a step than int8), else int8 per channel."""
     fmt = served_as(source, name, weights, dtype, device)
-    if fmt == LayerFormat.INT4 and not quantization.int8_act_kernel(device, dtype, *source.shape(name)):
+    if fmt == LayerFormat.INT4 and not base.int8_act_kernel(device, dtype, *source.shape(name)):
         fmt = LayerFormat.INT8  # an embedding reads its rows from the integer kernel's tiles only
     return stored_layer(fmt, source, [name], None, dtype, device)[0]
 
