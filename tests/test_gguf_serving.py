@@ -118,8 +118,8 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     monkeypatch.setattr(int4, "_pack_int4", lambda *args: None)
     monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
-                        torch.float32, TorchAttention, Path(q4_k_m))
+    model = build_model(GGUFWeights(Path(q4_k_m)), ModelConfig.from_hf(load_config(folder)), "int4",
+                        torch.device("cpu"), torch.float32, TorchAttention)
     weights = GGUFWeights(Path(q4_k_m))
     o_proj = model.layers[0].self_attn.o_proj
     assert isinstance(o_proj, Int4Linear) and o_proj.bits == 4
@@ -153,8 +153,8 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
     alone."""
     path = str(write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "attn_v": v_kind}))
     folder = resolve_model(path)
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), weights, torch.device("cpu"),
-                        torch.float32, TorchAttention, Path(path))
+    model = build_model(GGUFWeights(Path(path)), ModelConfig.from_hf(load_config(folder)), weights,
+                        torch.device("cpu"), torch.float32, TorchAttention)
     stored = GGUFWeights(Path(path))
     v_layer = Q6KLinear if v_kind == Q.Q6_K else Int8Linear
     for i in range(LAYERS):
@@ -184,8 +184,8 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     rows are the head's rows exactly."""
     path = write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
     folder = resolve_model(str(path))
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
-                        torch.float32, TorchAttention, path)
+    model = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int4",
+                        torch.device("cpu"), torch.float32, TorchAttention)
     if bits == 6:
         assert isinstance(model.lm_head, Q6KLinear)
     else:
@@ -198,8 +198,8 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     torch.testing.assert_close(table, stored, rtol=0, atol=tol)
     ids = torch.tensor([[0, 17, VOCAB - 1], [5, 5, 160]])
     torch.testing.assert_close(model.embed_tokens(ids), table[ids], rtol=0, atol=0)
-    int8 = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int8", torch.device("cpu"),
-                       torch.float32, TorchAttention, path)
+    int8 = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int8",
+                       torch.device("cpu"), torch.float32, TorchAttention)
     # the int8 variant: int8 but for Q6_K, which it serves as stored
     assert isinstance(int8.lm_head, Q6KLinear if bits == 6 else Int8Linear)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, this head
@@ -212,8 +212,8 @@ def test_int4_of_a_file_stored_wider_is_4_bits_throughout(tmp_path) -> None:
     requantised to 4 bits, the odd Q5_0 layer held as its 5-bit codes."""
     path = write_quantised_gguf(tmp_path / "q8.gguf", {"ffn_up": Q.Q5_0}, Q.Q8_0)
     folder = resolve_model(str(path))
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
-                        torch.float32, TorchAttention, path)
+    model = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int4",
+                        torch.device("cpu"), torch.float32, TorchAttention)
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert all(isinstance(m, Int4Linear) for m in layers if m is not model.lm_head)
     assert {m.bits for m in layers if isinstance(m, Int4Linear)} == {4, 5}

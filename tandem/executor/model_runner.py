@@ -59,7 +59,7 @@ class ModelRunner:
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
         spec = config.speculative_config
         draft = None if spec is None or spec.method != "draft" else build_draft(
-            self.variants, spec.self_draft, spec.model, config.model, model_dir, cfg, self.device, TorchAttention)
+            self.variants, spec.self_draft, spec.model, model_dir, cfg, self.device, TorchAttention)
         own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
         groups = kv_layout(cfg, self.device, own_draft_kv)
         self.kv_group_windows = groups.windows

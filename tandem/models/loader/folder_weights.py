@@ -17,9 +17,9 @@ class FolderWeights:
     """A Hugging Face folder's safetensors tensors by name, read when asked for (as stored)."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
+        self.path = Path(folder)
         self._files: dict[str, Path] = {}
-        for file in weight_files(self.folder):
+        for file in weight_files(self.path):
             with open_safetensors(file) as f:
                 self._files.update(dict.fromkeys(f.keys(), file))
 
@@ -28,7 +28,7 @@ class FolderWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) as stored, one at a time."""
-        for file in weight_files(self.folder):
+        for file in weight_files(self.path):
             with open_safetensors(file) as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
