@@ -10,19 +10,18 @@ bf16 variant holds 1 + w rounded to bf16 (transformers multiplies by it in fp32)
 bit-exact with transformers anyway; fp32 is."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from tandem.models.layers.activation import Gate
-from tandem.models.layers.layernorm import RMSNorm
-from tandem.models.layers.rotary_embedding import RotaryEmbedding, StepRope
-from tandem.models.architectures.llama import (
-    MLP, Attention, AttentionFactory, LlamaForCausalLM, per_layer,
-)
 from tandem.models.config import ModelConfig
+from tandem.models.layers.activation import Gate
+from tandem.models.layers.decoder_ops import NormWeights
+from tandem.models.layers.layernorm import RMSNorm
+from tandem.models.layers.rotary_embedding import RotaryEmbedding
+from tandem.models.architectures.llama import AttentionFactory, DecoderLayer, LlamaForCausalLM
 
 
 def scaled_embedding(embed_tokens: nn.Module, hidden_size: int, input_ids: torch.Tensor) -> torch.Tensor:
@@ -32,31 +31,23 @@ def scaled_embedding(embed_tokens: nn.Module, hidden_size: int, input_ids: torch
     return x * torch.tensor(hidden_size ** 0.5).to(x.dtype)
 
 
-class Gemma3MLP(MLP):
-    """The Llama MLP's fused [gate | up] projection, gated by gelu-tanh instead of silu."""
+class Gemma3DecoderLayer(DecoderLayer):
+    """The Llama layer gated by gelu-tanh, its RoPE table and window by its kind, with norms on
+    the attention's and the MLP's outputs; its `post_attention_layernorm` is Gemma's (after the
+    attention), `pre_feedforward_layernorm` the MLP's input norm."""
+
     gate: Gate = Gate.GELU_TANH
 
+    def __init__(self, cfg: ModelConfig, attention: AttentionFactory,
+                 sliding_window: int | None) -> None:
+        super().__init__(cfg, attention, sliding_window)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None) -> None:
-        super().__init__()
-        self.sliding = sliding_window is not None
-        self.self_attn = Attention(cfg, attention, sliding_window)
-        self.mlp = Gemma3MLP(cfg)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
-
-    def forward(self, x, residual: torch.Tensor | None, rope: StepRope, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's normed MLP output, the residual stream before it), as the Llama layer
-        passes them: each residual add is fused into the norm that follows it."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            residual, h = self.input_layernorm.add_forward(x, residual)
-        attn = self.post_attention_layernorm(self.self_attn.forward(h, rope, kv_cache, meta))
-        residual, h = self.pre_feedforward_layernorm.add_forward(attn, residual)
-        return self.post_feedforward_layernorm(self.mlp.forward(h)), residual
+    def norm_weights(self) -> NormWeights:
+        return NormWeights(self.input_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                           self.post_attention_layernorm.weight,
+                           self.post_feedforward_layernorm.weight)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -66,17 +57,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
 
     @staticmethod
-    def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> nn.Module:
+    def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> DecoderLayer:
         return Gemma3DecoderLayer(cfg, attention, cfg.layer_windows[index])
 
-    def forward_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
-        x = scaled_embedding(self.embed_tokens, self.cfg.hidden_size, input_ids)
-        ropes = {False: self.rotary(positions, x.dtype), True: self.rotary_local(positions, x.dtype)}
-        residual = None
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):
-            x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache, layer_meta)
-        return residual + x
+    def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return functools.partial(scaled_embedding, self.embed_tokens, self.cfg.hidden_size)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rotary, self.rotary_local]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

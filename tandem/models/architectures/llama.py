@@ -6,27 +6,21 @@ how K/V are cached and attended, and the per-step metadata that says where, belo
 executor; the model only projects, rotates and passes them on."""
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from tandem.models.config import ModelConfig
 from tandem.models.layers.activation import Gate
+from tandem.models.layers.decoder_ops import (
+    DecodeRun, DecoderOps, ModuleOps, NormWeights, OpBinder, run_layers,
+)
 from tandem.models.layers.layernorm import RMSNorm, fused_ops_for
 from tandem.models.layers.linear import Linear, can_pack_cpu, cpu_packed_linear, pack_cpu_weight
 from tandem.models.layers.rotary_embedding import RotaryEmbedding, StepRope
-
-if TYPE_CHECKING:
-    from tandem.models.decode_plan import DecodePlan
-
-
-def per_layer(meta: Any) -> Iterable[Any]:
-    """A step's attention metadata for each layer in turn: a list holds one per layer (KV groups,
-    core/kv_groups.py), anything else serves every layer."""
-    return meta if isinstance(meta, list) else itertools.repeat(meta)
 
 
 class AttentionBackend(Protocol):
@@ -57,68 +51,82 @@ class Attention(nn.Module):
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size)
+        self.qk_norm = None  # qk_rms_norm_'s q / k weights, heads, head_dim and eps
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+            self.qk_norm = (self.q_norm.weight, self.k_norm.weight, self.nq, self.nkv, self.hd,
+                            cfg.rms_norm_eps)
         self.attn = attention(self.nq, self.nkv, self.hd, cfg.attn_scale, sliding_window)
 
-    def forward(self, x, rope: StepRope, kv_cache, meta: Any) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)
-        qk_ready = not self.qk_norm or self._qk_norm_(qkv)  # no QK-norm, or normed in place
-        rotated = qk_ready and rope.rotate_qk_(qkv, self.nq + self.nkv, self.hd)
-        if rotated and (out := self.attn.forward_qkv(qkv, kv_cache, meta)) is not None:
-            return self.o_proj.forward(out)
+    def attend(self, qkv: torch.Tensor, rope: StepRope, kv_cache: torch.Tensor,
+               meta: Any) -> torch.Tensor:
+        """QK-norm, RoPE and attention on the fused projection qkv: in place with the native
+        kernels where they serve qkv (`attend_native`, the decode plan's call), else on its
+        split."""
+        ext = fused_ops_for(qkv)
+        if ext is not None:
+            out = attend_native(ext, self.attn.forward_qkv, self.qk_norm, self.nq + self.nkv, self.hd,
+                                qkv, rope, kv_cache, meta)
+            if out is not None:
+                return out
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
-        if not qk_ready:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
+        if ext is None:  # else normed and turned in place above
+            if self.qk_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.rotate(q), rope.rotate(k)
-        return self.o_proj.forward(self.attn.forward(q, k, v, kv_cache, meta))
+        return self.attn.forward(q, k, v, kv_cache, meta)
+
+    def prebound(self, ext) -> Callable[..., torch.Tensor | None]:
+        """`attend` on the native kernels with its arguments bound once (the decode plan's)."""
+        return functools.partial(attend_native, ext, self.attn.forward_qkv, self.qk_norm,
+                                 self.nq + self.nkv, self.hd)
 
 
-    def _qk_norm_(self, qkv: torch.Tensor) -> bool:
-        """QK-norm in place on the fused projection with the native kernel (then RoPE and the
-        decode kernel take qkv as it is); False: not on this device, use the modules."""
-        ext = fused_ops_for(qkv)
-        if ext is None:
-            return False
-        ext.qk_rms_norm_(qkv, self.q_norm.weight, self.k_norm.weight, self.nq, self.nkv, self.hd, self.q_norm.eps)
-        return True
+def attend_native(ext, forward_qkv: Callable[..., torch.Tensor | None], qk_norm: tuple | None,
+                  heads: int, head_dim: int, qkv: torch.Tensor, rope: StepRope,
+                  kv_cache: torch.Tensor, meta: Any) -> torch.Tensor | None:
+    """QK-norm and RoPE in place on qkv with the native kernels, then the backend's attention on
+    it (`forward_qkv`: None where this step is not one it runs)."""
+    if qk_norm is not None:
+        ext.qk_rms_norm_(qkv, *qk_norm)
+    ext.rope_(qkv, rope.positions, rope.table, heads, head_dim)
+    return forward_qkv(qkv, kv_cache, meta)
 
 
 class MLP(nn.Module):
-    gate: Gate = Gate.SILU
-
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, gate: Gate) -> None:
         super().__init__()
+        self.gate = gate
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.gate_up_proj.forward_gated(x, self.gate))
-
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
+    gate: Gate = Gate.SILU
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionFactory,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, attention)
-        self.mlp = MLP(cfg)
+        self.rope = 0 if sliding_window is None else 1  # which RoPE table: 1 is Gemma's local one
+        self.self_attn = Attention(cfg, attention, sliding_window)
+        self.mlp = MLP(cfg, self.gate)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual: torch.Tensor | None, rope: StepRope, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the add of the two is
-        left to the next layer's input norm (one fused add + norm, vLLM's residual passing).
-        `residual` None: x is the embedding (the first layer)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            residual, h = self.input_layernorm.add_forward(x, residual)
-        residual, h = self.post_attention_layernorm.add_forward(self.self_attn.forward(h, rope, kv_cache, meta), residual)
-        return self.mlp.forward(h), residual
+    def norm_weights(self) -> NormWeights:
+        return NormWeights(self.input_layernorm.weight, self.post_attention_layernorm.weight)
+
+    def bind(self, bind: OpBinder) -> DecoderOps:
+        """This layer's step (layers/decoder_ops.py), each op served by the module named here and
+        bound by `bind`: ModuleOps for the modules' forwards, or the decode plan's binder."""
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderOps(bind.norm, bind.add_norm, self.input_layernorm.eps, self.norm_weights(),
+                          qkv=bind.gemm(attn, "qkv_proj"), attend=bind.attention(attn),
+                          o=bind.gemm(attn, "o_proj"), gate_up=bind.gemm(mlp, "gate_up_proj", mlp.gate),
+                          down=bind.gemm(mlp, "down_proj"), rope=self.rope)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,13 +140,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: torch.Tensor | None = None
+        self.layer_ops = [layer.bind(ModuleOps) for layer in self.layers]
         # a decode-only step as prebound native calls (models/decode_plan.py), set by the builder
-        self.decode_plan: DecodePlan | None = None
+        self.decode_plan: DecodeRun | None = None
 
     @staticmethod
-    def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> nn.Module:
+    def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> DecoderLayer:
         """Layer `index` of the stack (a subclass builds its own kind)."""
         return DecoderLayer(cfg, attention)
+
+    def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The input embedding as a callable that holds its parts, not the model."""
+        return self.embed_tokens
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        """The RoPE tables the layers turn by (a layer's `rope` indexes them)."""
+        return [self.rotary]
 
     def pack_for_cpu(self) -> bool:
         """bf16 on CPU: pre-pack every GEMM weight for oneDNN. Returns whether it did."""
@@ -165,11 +182,8 @@ class LlamaForCausalLM(nn.Module):
     def forward_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
         """The forward through the layers' modules (any step; `forward` without a plan)."""
-        x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions, x.dtype)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta)):
-            x, residual = layer.forward(x, residual, rope, kv_cache, layer_meta)
-        return residual + x
+        return run_layers(self.embedding(), self.rotaries(), self.layer_ops, input_ids, positions,
+                          kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a token pass the final norm and the LM head; fp32 logits."""

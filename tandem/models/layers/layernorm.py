@@ -14,23 +14,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = fused_ops_for(x)
-        if ext is not None:  # from _parameters: as an attribute, found only after an AttributeError (~1 us)
-            return ext.rms_norm(x, self._parameters["weight"], self.eps)
-        # Same op order as transformers (normalise in fp32, scale in the model dtype).
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # from _parameters: as an attribute, found only after an AttributeError (~1 us)
+        return rms_norm(x, self._parameters["weight"], self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, its norm): the residual add and this norm in one native pass."""
-        ext = fused_ops_for(x)
-        if ext is not None:
-            s, normed = ext.add_rms_norm(x, residual, self._parameters["weight"], self.eps)
-            return s, normed
-        s = residual + x
-        return s, self.forward(s)
+        return add_rms_norm(x, residual, self._parameters["weight"], self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The native kernel's norm where it serves x, else PyTorch's in transformers' op order
+    (normalise in fp32, scale in the model dtype): the same bits."""
+    ext = fused_ops_for(x)
+    if ext is not None:
+        return ext.rms_norm(x, weight, eps)
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, its norm), in one native pass where the kernel serves x."""
+    ext = fused_ops_for(x)
+    if ext is not None:
+        s, normed = ext.add_rms_norm(x, residual, weight, eps)
+        return s, normed
+    s = residual + x
+    return s, rms_norm(s, weight, eps)
 
 
 def fused_ops_for(x: torch.Tensor):
