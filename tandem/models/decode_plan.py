@@ -49,8 +49,8 @@ class NativeOps:
             raise NotNative(name)
         # forward_gated's other branch: the gate after the GEMM
         if gate is not None and (isinstance(layer, RowParts) or layer.out_features % 32):
-            return functools.partial(_gate_after, functools.partial(layer._int8_act, gate=0), gate)
-        return functools.partial(layer._int8_act, gate=int(gate) if gate else 0)
+            return functools.partial(_gate_after, layer.prebound(0), gate)
+        return layer.prebound(int(gate) if gate else 0)
 
     def attention(self, attention: nn.Module) -> Callable[..., torch.Tensor]:
         self.decodes.append(attention.attn.decodes_qkv)

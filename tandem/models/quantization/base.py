@@ -17,7 +17,9 @@ the layer is built (the ops' constraints differ between torch versions), never a
 """
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,6 +40,11 @@ class IntegerKernelLayer(nn.Module):
     def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
         """x2d [M, K] contiguous through the kernel; gate 0, or a Gate its epilogue applies."""
         return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
+
+    def prebound(self, gate: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`_int8_act` as one native call with its tables bound now (the decode plan's: no
+        Python frame between the GEMMs); the tables must stay as they are."""
+        return functools.partial(cpu_quant_gemm().gemm, weights=self.gemm_weights, gate=gate)
 
     def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
         return int8_act_gated(self, x, gate)
