@@ -14,16 +14,16 @@ from gguf import GGMLQuantizationType as Q
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models.quantization import base, int4
-from tandem.models.loader.builder import build_model
-from tandem.models.gguf.weights import GGUFWeights
+from tandem.executor.attention import TorchAttention
 from tandem.models.config import ModelConfig
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.loader.builder import build_model
 from tandem.models.loader.model_files import load_config, resolve_model
-from tandem.models.quantization.q6k import Q6KLinear
+from tandem.models.quantization import base, int4
 from tandem.models.quantization.int4 import Int4Linear
 from tandem.models.quantization.int8 import Int8Linear
+from tandem.models.quantization.q6k import Q6KLinear
 from tandem.models.quantization.row_parts import RowParts
-from tandem.executor.attention import TorchAttention
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_quant_gemm
 from tandem.models.layers.activation import Gate, silu_and_mul
-from tandem.models.quantization.q6k import Q6KLinear
 from tandem.models.quantization.base import int8_act_kernel
 from tandem.models.quantization.int4 import Int4Linear, KQuantScales, int4_dequantize, quantize_int4
 from tandem.models.quantization.int8 import Int8Linear, quantize_int8
+from tandem.models.quantization.q6k import Q6KLinear
 
 from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
 

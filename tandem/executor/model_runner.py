@@ -26,8 +26,8 @@ from tandem.executor.sampler import Sampler
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
 from tandem.kernels import cpu_fused_ops
-from tandem.models.layers.batch_invariant import check_supported
 from tandem.models.config import ModelConfig
+from tandem.models.layers.batch_invariant import check_supported
 from tandem.models.loader.model_files import load_config
 from tandem.models.loader.variants import build_draft, build_variants
 

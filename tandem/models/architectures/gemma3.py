@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from tandem.models.architectures.llama import AttentionFactory, DecoderLayer, LlamaForCausalLM
 from tandem.models.config import ModelConfig
 from tandem.models.layers.activation import Gate
 from tandem.models.layers.decoder_ops import NormWeights
 from tandem.models.layers.layernorm import RMSNorm
 from tandem.models.layers.rotary_embedding import RotaryEmbedding
-from tandem.models.architectures.llama import AttentionFactory, DecoderLayer, LlamaForCausalLM
 
 
 def scaled_embedding(embed_tokens: nn.Module, hidden_size: int, input_ids: torch.Tensor) -> torch.Tensor:

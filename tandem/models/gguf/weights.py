@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tandem.models.gguf.model_folder import SUPPORTED_ARCHS
 from tandem.models.gguf.file import GGUFFile, TensorInfo
+from tandem.models.gguf.model_folder import SUPPORTED_ARCHS
 from tandem.models.gguf.quants import (
     INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows, q6k_rows, q8_0_rows,
 )

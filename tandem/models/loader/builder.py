@@ -32,24 +32,24 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tandem.models.layers.batch_invariant import make_batch_invariant
-from tandem.models.decode_plan import DecodePlan
 from tandem.models.architectures.gemma3 import Gemma3ForCausalLM
-from tandem.models.gguf.weights import GGUFWeights
-from tandem.models.quantization.host_memory import move_to_huge_pages, trim_heap
-from tandem.models.layers.linear import Linear
-from tandem.models.layers.rotary_embedding import RotaryEmbedding
 from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
 from tandem.models.config import ModelConfig
+from tandem.models.decode_plan import DecodePlan
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.layers.batch_invariant import make_batch_invariant
+from tandem.models.layers.linear import Linear
+from tandem.models.layers.rotary_embedding import RotaryEmbedding
 from tandem.models.loader.folder_weights import FolderWeights
 from tandem.models.loader.model_files import load_config
+from tandem.models.loader.stored_layers import LayerFormat, served_as, stored_layer
 from tandem.models.quantization import base
-from tandem.models.quantization.q6k import Q6KLinear
 from tandem.models.quantization.embedding import QuantEmbedding
+from tandem.models.quantization.host_memory import move_to_huge_pages, trim_heap
 from tandem.models.quantization.int4 import Int4Linear
 from tandem.models.quantization.int8 import Int8Linear
+from tandem.models.quantization.q6k import Q6KLinear
 from tandem.models.quantization.row_parts import RowParts
-from tandem.models.loader.stored_layers import LayerFormat, served_as, stored_layer
 
 log = logging.getLogger(__name__)
 

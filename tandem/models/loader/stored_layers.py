@@ -10,15 +10,15 @@ import enum
 import torch
 from torch import nn
 
-from tandem.models.quantization import base
 from tandem.models.gguf.weights import GGUFWeights
-from tandem.models.quantization.host_memory import huge_empty, trim_heap
 from tandem.models.loader.folder_weights import FolderWeights
-from tandem.models.quantization.q6k import Q6KLinear, q6k_kernel
+from tandem.models.quantization import base
+from tandem.models.quantization.host_memory import huge_empty, trim_heap
 from tandem.models.quantization.int4 import (
     DEFAULT_INT4_GROUP, Int4Linear, KQuantScales, int4_concatenates, quantize_int4,
 )
 from tandem.models.quantization.int8 import Int8Linear, quantize_int8
+from tandem.models.quantization.q6k import Q6KLinear, q6k_kernel
 
 
 class LayerFormat(enum.Enum):

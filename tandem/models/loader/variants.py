@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.models.loader.builder import (
-    FLOAT_NAMES, QUANTIZED, build_model, resolve_precision, stored_precision, weight_bytes,
-)
 from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
 from tandem.models.config import ModelConfig
 from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.loader.builder import (
+    FLOAT_NAMES, QUANTIZED, build_model, resolve_precision, stored_precision, weight_bytes,
+)
 from tandem.models.loader.folder_weights import FolderWeights
 from tandem.models.loader.model_files import gguf_source, load_config, load_tokenizer, resolve_model, weight_source
 

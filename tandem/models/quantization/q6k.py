@@ -15,8 +15,8 @@ import torch
 
 from tandem.kernels import cpu_quant_gemm
 from tandem.models.quantization import base
-from tandem.models.quantization.host_memory import huge_empty
 from tandem.models.quantization.base import IntegerKernelLayer, block_tiles, int8_act_forward
+from tandem.models.quantization.host_memory import huge_empty
 
 QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
 
