@@ -24,7 +24,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _prepare(args: argparse.Namespace) -> None:
     """What a first start would otherwise do: convert the model, build the native kernels."""
     from tandem.kernels import prepare
-    from tandem.models.loader import resolve_model
+    from tandem.models.loader.model_files import resolve_model
     print(resolve_model(args.model))
     for name, ok in prepare().items():
         print(f"kernel {name}: {'ready' if ok else 'unavailable (the PyTorch path serves)'}")

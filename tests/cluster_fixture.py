@@ -13,7 +13,7 @@ from tandem.cluster.launch.instances import external_instances
 from tandem.cluster.router.app import build_router
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM
-from tandem.models.loader import load_tokenizer
+from tandem.models.loader.model_files import load_tokenizer
 from tandem.server.api_server import ServerConfig, build_app
 
 

@@ -80,7 +80,7 @@ def write_tiny_model(config, path) -> str:
 def hf_greedy(model: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference: Hugging Face generate, one prompt at a time, fp32, greedy; `model` a --model
     value (a GGUF's weights dequantised, as tandem reads them)."""
-    from tandem.models.hf_reference import hf_model
+    from tandem.models.loader.hf_reference import hf_model
     model = hf_model(model, torch.float32)
     model.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other
     outs = []

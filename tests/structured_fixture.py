@@ -8,7 +8,7 @@ import shutil
 import string
 from pathlib import Path
 
-from tandem.models.loader import load_tokenizer
+from tandem.models.loader.model_files import load_tokenizer
 
 EOS = "<eos>"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

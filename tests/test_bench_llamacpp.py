@@ -151,7 +151,7 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
     monkeypatch.setattr("tandem.bench.measure.in_subprocess", fake_tandem)
     monkeypatch.setattr(llamacpp, "run_llama", fake_llama)
     monkeypatch.setattr(llamacpp, "llama_cpp_tool", lambda name, path: Path("/bin/true"))
-    monkeypatch.setattr("tandem.models.loader.gguf_source", lambda model: tmp_path / "m.gguf")
+    monkeypatch.setattr("tandem.models.loader.model_files.gguf_source", lambda model: tmp_path / "m.gguf")
     report = llamacpp.compare(_args(quantization="auto,int4", repeats=2, batch_sizes="1", model="m",
                                     llama_batched_bench=None, dtype="auto", kv_cache_dtype="auto", kv_cache_memory=None, seed=0))
     assert order == ["auto", "int4", "llama", "int4", "llama", "auto"]

@@ -9,7 +9,7 @@ import torch
 
 from tandem import LLM
 from tandem.bench.quality import perplexity
-from tandem.models.hf_reference import hf_model
+from tandem.models.loader.hf_reference import hf_model
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

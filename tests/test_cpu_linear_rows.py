@@ -6,7 +6,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from tandem.models.layers import can_pack_cpu, cpu_packed_linear, pack_cpu_weight, padded_rows
+from tandem.models.layers.linear import (
+    can_pack_cpu, cpu_packed_linear, pack_cpu_weight, padded_rows,
+)
 
 
 @given(st.integers(1, 1 << 16))

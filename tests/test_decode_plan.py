@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from conftest import TINY, write_tiny_model
 from tandem import LLM, SamplingParams
 from tandem.models.decode_plan import DecodePlan
-from tandem.models.layers import Linear
+from tandem.models.layers.linear import Linear
 from test_gguf_serving import Q4_K_M, _integer_kernel, _prompts, write_quantised_gguf
 
 pytestmark = pytest.mark.skipif(not _integer_kernel(), reason="the plan runs the integer kernel's layers")

@@ -11,8 +11,9 @@ from hypothesis import given, settings, strategies as st
 from tandem.config import EngineConfig, load_yaml
 from tandem.executor.input_batch import InputBuilder
 from tandem.kernels import cpu_invariant_gemm
-from tandem.models.batch_invariant import InvariantLinear, check_supported
-from tandem.models.quantization import Int4Linear, Int8Linear
+from tandem.models.layers.batch_invariant import InvariantLinear, check_supported
+from tandem.models.quantization.int4 import Int4Linear
+from tandem.models.quantization.int8 import Int8Linear
 
 pytestmark = pytest.mark.skipif(cpu_invariant_gemm() is None, reason="no C++ toolchain for the native kernel")
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])

@@ -10,8 +10,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.bench import offline, quantization
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

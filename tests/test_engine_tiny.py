@@ -10,8 +10,8 @@ import torch
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 MAX_NEW = 12

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tandem.kernels import cpu_fused_ops
-from tandem.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from tandem.models.layers.layernorm import RMSNorm
+from tandem.models.layers.rotary_embedding import RotaryEmbedding, apply_rope
 
 ext = cpu_fused_ops()
 pytestmark = pytest.mark.skipif(ext is None, reason="no C++ toolchain here")

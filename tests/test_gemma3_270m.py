@@ -10,8 +10,8 @@ import torch
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config, resolve_model
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config, resolve_model
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16

@@ -8,9 +8,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference
 
-from tandem.models.gguf_quants import BLOCKS, FIVE_BIT_KINDS, INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows
-from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.quantization import Int4Linear, KQuantScales, int4_dequantize
+from tandem.models.gguf.quants import (
+    BLOCKS, FIVE_BIT_KINDS, INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows,
+)
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.quantization.int4 import Int4Linear, KQuantScales, int4_dequantize
 
 # Byte offsets of each block's fp16 fields (d, and dmin / m where the format has one).
 _HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -99,7 +101,7 @@ def test_int4_codes_map_onto_the_int4_layer(kind: Q) -> None:
 
 
 def _real_files():
-    from tandem.models.loader import gguf_source
+    from tandem.models.loader.model_files import gguf_source
     try:
         return {"smollm2": gguf_source("smollm2-135m"), "gemma3": gguf_source("gemma3-270m")}
     except FileNotFoundError as e:

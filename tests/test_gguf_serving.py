@@ -14,14 +14,16 @@ from gguf import GGMLQuantizationType as Q
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models import quantization
-from tandem.models.builder import build_model
-from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config, resolve_model
-from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import Int4Linear, Int8Linear, RowParts
 from tandem.executor.attention import TorchAttention
+from tandem.models.config import ModelConfig
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.loader.builder import build_model
+from tandem.models.loader.model_files import load_config, resolve_model
+from tandem.models.quantization import base, int4
+from tandem.models.quantization.int4 import Int4Linear
+from tandem.models.quantization.int8 import Int8Linear
+from tandem.models.quantization.q6k import Q6KLinear
+from tandem.models.quantization.row_parts import RowParts
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
@@ -113,11 +115,11 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     not bit for bit), and so does a layer of Q5_0 and Q4_K parts, held as 5-bit codes; without
     the integer kernel (which alone reads Q6_K) a Q6_K tensor is int8, and a fused layer of Q4_K
     and Q6_K parts runs as its int4 and int8 parts."""
-    monkeypatch.setattr(quantization, "_pack_int4", lambda *args: None)
-    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
+    monkeypatch.setattr(int4, "_pack_int4", lambda *args: None)
+    monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
-                        torch.float32, TorchAttention, Path(q4_k_m))
+    model = build_model(GGUFWeights(Path(q4_k_m)), ModelConfig.from_hf(load_config(folder)), "int4",
+                        torch.device("cpu"), torch.float32, TorchAttention)
     weights = GGUFWeights(Path(q4_k_m))
     o_proj = model.layers[0].self_attn.o_proj
     assert isinstance(o_proj, Int4Linear) and o_proj.bits == 4
@@ -137,7 +139,7 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
 
 
 def _integer_kernel() -> bool:
-    return quantization.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
+    return base.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
 
 
 @pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: Q6_K / Q8_0 are int8 per channel there")
@@ -151,8 +153,8 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
     alone."""
     path = str(write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "attn_v": v_kind}))
     folder = resolve_model(path)
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), weights, torch.device("cpu"),
-                        torch.float32, TorchAttention, Path(path))
+    model = build_model(GGUFWeights(Path(path)), ModelConfig.from_hf(load_config(folder)), weights,
+                        torch.device("cpu"), torch.float32, TorchAttention)
     stored = GGUFWeights(Path(path))
     v_layer = Q6KLinear if v_kind == Q.Q6_K else Int8Linear
     for i in range(LAYERS):
@@ -182,8 +184,8 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     rows are the head's rows exactly."""
     path = write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
     folder = resolve_model(str(path))
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
-                        torch.float32, TorchAttention, path)
+    model = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int4",
+                        torch.device("cpu"), torch.float32, TorchAttention)
     if bits == 6:
         assert isinstance(model.lm_head, Q6KLinear)
     else:
@@ -196,8 +198,8 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     torch.testing.assert_close(table, stored, rtol=0, atol=tol)
     ids = torch.tensor([[0, 17, VOCAB - 1], [5, 5, 160]])
     torch.testing.assert_close(model.embed_tokens(ids), table[ids], rtol=0, atol=0)
-    int8 = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int8", torch.device("cpu"),
-                       torch.float32, TorchAttention, path)
+    int8 = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int8",
+                       torch.device("cpu"), torch.float32, TorchAttention)
     # the int8 variant: int8 but for Q6_K, which it serves as stored
     assert isinstance(int8.lm_head, Q6KLinear if bits == 6 else Int8Linear)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, this head
@@ -210,8 +212,8 @@ def test_int4_of_a_file_stored_wider_is_4_bits_throughout(tmp_path) -> None:
     requantised to 4 bits, the odd Q5_0 layer held as its 5-bit codes."""
     path = write_quantised_gguf(tmp_path / "q8.gguf", {"ffn_up": Q.Q5_0}, Q.Q8_0)
     folder = resolve_model(str(path))
-    model = build_model(folder, ModelConfig.from_hf(load_config(folder)), "int4", torch.device("cpu"),
-                        torch.float32, TorchAttention, path)
+    model = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int4",
+                        torch.device("cpu"), torch.float32, TorchAttention)
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert all(isinstance(m, Int4Linear) for m in layers if m is not model.lm_head)
     assert {m.bits for m in layers if isinstance(m, Int4Linear)} == {4, 5}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem import LLM
-from tandem.models import host_memory
-from tandem.models.host_memory import huge_empty, move_to_huge_pages, on_huge_pages
+from tandem.models.quantization import host_memory
+from tandem.models.quantization.host_memory import huge_empty, move_to_huge_pages, on_huge_pages
 from test_gguf_serving import GREEDY, Q4_K_M, _prompts, write_quantised_gguf
 
 pytestmark = pytest.mark.skipif(not host_memory.thp_available(), reason="no transparent huge pages here")

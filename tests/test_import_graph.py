@@ -29,12 +29,6 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
-# Circles that work now under way removes; this list only shrinks (empty it, never add to it).
-CIRCLES_BEING_REMOVED = [
-    {"tandem.models.decode_plan", "tandem.models.gemma3", "tandem.models.llama"},
-]
-
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -118,11 +112,9 @@ def test_no_two_folders_import_each_other():
 
 def test_no_modules_import_each_other_round_a_loop():
     circles = _circles(EDGES)
-    new = [c for c in circles if c not in CIRCLES_BEING_REMOVED]
-    detail = ["  " + ", ".join(f"{a} -> {b}" for a, b in sorted(EDGES) if a in c and b in c) for c in new]
-    assert not new, "modules that import each other round a loop:\n" + "\n".join(detail)
-    gone = [sorted(c) for c in CIRCLES_BEING_REMOVED if c not in circles]
-    assert not gone, f"no longer circles, take them off CIRCLES_BEING_REMOVED: {gone}"
+    detail = ["  " + ", ".join(f"{a} -> {b}" for a, b in sorted(EDGES) if a in c and b in c)
+              for c in circles]
+    assert not circles, "modules that import each other round a loop:\n" + "\n".join(detail)
 
 
 def test_circles_are_found():

@@ -13,8 +13,8 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.executor.device import resolve_kv_cache_dtype
 from tandem.executor.kv_transfer import ShmConnector
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

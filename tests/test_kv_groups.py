@@ -123,8 +123,8 @@ def test_gemma3_serves_a_request_the_plain_layout_could_not_hold(tiny_model_dirs
     import torch
     from conftest import hf_greedy
     from tandem import LLM, SamplingParams
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config
 
     path = tiny_model_dirs["gemma3"]
     per_token = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32)

@@ -18,8 +18,8 @@ from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import KVPoolFullError, PDConnector
 from tandem.executor.kv_transfer import KVPayload, ShmConnector
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 BS = 8
 MAX_NEW = 8

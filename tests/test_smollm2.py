@@ -13,7 +13,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def smollm():
-    from tandem.models.loader import resolve_model
+    from tandem.models.loader.model_files import resolve_model
     path = str(resolve_model("smollm2-135m"))
     llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=64 << 20)
     tok = llm.tokenizer
@@ -40,8 +40,8 @@ def test_batched_greedy_matches_hf(smollm):
 
 def test_chunked_and_preempted_greedy_matches_hf(smollm):
     _, path, prompts, ref = smollm
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config
     import torch
     per_block = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32) * 16
     llm = LLM(path, dtype="float32", quantization="fp32", kv_cache_memory=per_block * 12,

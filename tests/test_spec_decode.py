@@ -21,8 +21,8 @@ import torch
 import conftest
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig, load_yaml
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 KINDS = ["llama", "qwen2", "qwen3", "gemma3"]
 MAX_NEW = 24

@@ -16,7 +16,7 @@ PROPOSERS = {"ngram": {"method": "ngram"}, "self-int4": {"method": "draft", "mod
 
 @pytest.fixture(scope="module")
 def off():
-    from tandem.models.loader import resolve_model
+    from tandem.models.loader.model_files import resolve_model
     path = str(resolve_model("smollm2-135m"))
     sets = load_prompt_sets()
     chats = [[{"role": "user", "content": p}] for p in sets["grounded"][:3] + sets["chat"][:2]]

@@ -14,8 +14,8 @@ import torch
 from structured_fixture import with_tokenizer
 from tandem import LLM, SamplingParams
 from tandem.core.sampling_params import StructuredOutputsParams
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "n": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},

@@ -52,7 +52,7 @@ def _new_llm(model: str, **options):
 
 def _hf_greedy(model: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
     import torch
-    from tandem.models.hf_reference import hf_model
+    from tandem.models.loader.hf_reference import hf_model
     model = hf_model(model, torch.float32).to(device)
     model.generation_config.eos_token_id = None
     outs = []
@@ -70,8 +70,8 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
     in fp32 (a GGUF's weights dequantised on both sides)."""
     import torch
     from tandem import SamplingParams
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config, resolve_model
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config, resolve_model
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 200))] for _ in range(n)]
     shared = [rng.randrange(vocab) for _ in range(64)]
@@ -200,8 +200,8 @@ def main(args: argparse.Namespace) -> dict:
     if args.tiny:
         args.model = _tiny_model(Path(tmp.name) / "tiny-main")
         args.kv_cache_memory, args.decode_prompt, args.decode_steps = 64 << 20, 16, 4
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config, resolve_model
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config, resolve_model
     model_dir = str(resolve_model(args.model))
     vocab = ModelConfig.from_hf(load_config(model_dir)).vocab_size
     report: dict = {"environment": _environment(args)}

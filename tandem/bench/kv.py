@@ -36,8 +36,8 @@ def main(args: argparse.Namespace) -> dict:
 
     from tandem import LLM, SamplingParams
     from tandem.bench.report import mib
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config, resolve_model
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config, resolve_model
 
     if args.prompt_len < 1 or args.output_len < 1:
         raise ValueError("--prompt-len and --output-len must be at least 1")

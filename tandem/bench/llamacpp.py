@@ -94,7 +94,7 @@ def compare(args: argparse.Namespace) -> dict:
     rotating by one each round; each figure keeps its best."""
     from tandem.bench.measure import in_subprocess
     from tandem.bench.quantization import RunPrecision
-    from tandem.models.loader import gguf_source
+    from tandem.models.loader.model_files import gguf_source
     gguf = gguf_source(args.model)
     if gguf is None:
         raise ValueError(f"--model {args.model!r}: llama.cpp needs a .gguf file (or an alias of one)")

@@ -57,9 +57,9 @@ def measure(args: argparse.Namespace) -> dict:
     from tandem.config import EngineConfig, cache_root
     from tandem.executor.attention import TorchAttention
     from tandem.executor.device import resolve_device, resolve_dtype
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config, resolve_model
-    from tandem.models.variants import build_variants
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config, resolve_model
+    from tandem.models.loader.variants import build_variants
 
     config = EngineConfig.from_kwargs(**given(args, ENGINE_OPTIONS))
     if args.phase == "resolve":
@@ -100,7 +100,7 @@ def main(args: argparse.Namespace) -> dict:
         print(json.dumps(report))
         return report
     from tandem.bench.report import mib
-    from tandem.models.loader import gguf_source
+    from tandem.models.loader.model_files import gguf_source
     source = gguf_source(args.model)  # an alias's file is located (and assembled) before measuring
     with tempfile.TemporaryDirectory(prefix="tandem-bench-load-") as tmp:
         cache = args.cache or tmp  # the children's cache only: this process's stays as it was

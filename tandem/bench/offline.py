@@ -85,7 +85,7 @@ def run_hf(args, requests) -> dict:
     from tqdm import tqdm
 
     from tandem.executor.device import resolve_device, resolve_dtype
-    from tandem.models.hf_reference import hf_model
+    from tandem.models.loader.hf_reference import hf_model
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.hf_dtype or args.dtype, device)
     model = hf_model(args.model, dtype).to(device)
@@ -206,8 +206,8 @@ def main(args: argparse.Namespace) -> dict:
             with open(args.json_path, "w") as f:
                 json.dump(report, f, indent=2)
         return report
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import load_config, resolve_model
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import load_config, resolve_model
     vocab = ModelConfig.from_hf(load_config(resolve_model(args.model))).vocab_size
     requests = make_requests(args, vocab)
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")}}

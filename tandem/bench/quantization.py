@@ -24,17 +24,17 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     from tandem import LLM, SamplingParams
     from tandem.executor.attention import resolve_attention_backend
     from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-    from tandem.models.builder import resolve_precision
-    from tandem.models.llama import ModelConfig
-    from tandem.models.loader import gguf_source, load_config, resolve_model
-    from tandem.models.variants import auto_precision
+    from tandem.models.loader.builder import resolve_precision
+    from tandem.models.config import ModelConfig
+    from tandem.models.loader.model_files import gguf_source, load_config, resolve_model, weight_source
+    from tandem.models.loader.variants import auto_precision
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # KV for the largest batch (in the KV dtype the engine will choose, with a block of slack per
     # request), not a share of the machine: peak RSS then shows the weights, not an untouched pool.
     device = resolve_device(args.device)
     if precision == "auto":  # named: the KV dtype and the report follow it
-        precision = auto_precision(resolve_model(args.model), gguf_source(args.model), args.dtype,
-                                   resolve_dtype(args.dtype, device))
+        source = weight_source(resolve_model(args.model), gguf_source(args.model))
+        precision = auto_precision(source, args.dtype, resolve_dtype(args.dtype, device))
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype,
                                       resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2],
                                       device, resolve_attention_backend("auto", device))

@@ -28,7 +28,7 @@ FALLBACK_TOKENIZER = "smollm2-135m"
 @functools.lru_cache(maxsize=4)
 def _tokenizer(name: str | None, model: str):
     """--tokenizer, else the --model value when it resolves locally, else smollm2-135m."""
-    from tandem.models.loader import load_tokenizer, resolve_model
+    from tandem.models.loader.model_files import load_tokenizer, resolve_model
     if name is None:
         try:
             folder, name = resolve_model(model), model

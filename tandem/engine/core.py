@@ -31,8 +31,8 @@ from tandem.engine.tokenizer import get_tokenizer
 from tandem.executor.base import Executor
 from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.kv_transfer.handoff import KVHandoff
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config, resolve_model
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config, resolve_model
 
 log = logging.getLogger(__name__)
 ExecutorFactory = Callable[[EngineConfig, Any, GrammarCompiler], Executor]

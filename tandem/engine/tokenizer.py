@@ -11,7 +11,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from tandem.models.loader import load_config, load_tokenizer, resolve_model
+from tandem.models.loader.model_files import load_config, load_tokenizer, resolve_model
 from tandem.models.tokenizer_record import folder_files
 
 JINJA_CHARS = "{}\n"  # a value holding any of these is a template, else a file path (vLLM's rule)

@@ -11,7 +11,7 @@ import torch
 from tandem.config import CacheConfig
 from tandem.core.kv_groups import KVGroups, plain_groups
 from tandem.executor.device import default_kv_cache_memory
-from tandem.models.llama import ModelConfig
+from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

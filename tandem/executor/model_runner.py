@@ -28,10 +28,10 @@ from tandem.executor.sampler import Sampler
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
 from tandem.kernels import cpu_fused_ops
-from tandem.models.batch_invariant import check_supported
-from tandem.models.llama import ModelConfig
-from tandem.models.loader import load_config
-from tandem.models.variants import build_draft, build_variants
+from tandem.models.config import ModelConfig
+from tandem.models.layers.batch_invariant import check_supported
+from tandem.models.loader.model_files import load_config
+from tandem.models.loader.variants import build_draft, build_variants
 
 
 def kv_layout(cfg: ModelConfig, device: torch.device, own_draft_kv: bool) -> KVGroups:
@@ -64,8 +64,7 @@ class ModelRunner:
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
         spec = config.speculative_config
         draft = None if spec is None or spec.method != "draft" else build_draft(
-            self.variants, spec.self_draft, spec.model, model.model, model_dir, cfg, self.device,
-            TorchAttention)
+            self.variants, spec.self_draft, spec.model, model_dir, cfg, self.device, TorchAttention)
         own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
         groups = kv_layout(cfg, self.device, own_draft_kv)
         self.kv_group_windows = groups.windows

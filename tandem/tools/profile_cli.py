@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace) -> CostModel:
     from tqdm import tqdm
     from tandem.config import EngineConfig
     from tandem.executor.model_runner import ModelRunner
-    from tandem.models.loader import resolve_model
+    from tandem.models.loader.model_files import resolve_model
     config = EngineConfig.from_kwargs(**given(args, ENGINE_OPTIONS))
     runner = ModelRunner(config, resolve_model(args.model))
     driver = Driver(runner, runner.model_config.vocab_size, args.repeats)

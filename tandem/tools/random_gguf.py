@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from tandem.models.loader import gguf_source
+    from tandem.models.loader.model_files import gguf_source
     source = gguf_source(args.tokenizer_from)
     if source is None:
         raise FileNotFoundError(f"--tokenizer-from {args.tokenizer_from!r}: not a model alias or .gguf file")

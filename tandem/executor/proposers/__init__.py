@@ -14,7 +14,7 @@ from tandem.executor.input_batch import CachedRequestState, InputBuilder
 from tandem.executor.kv_cache import KVCache
 from tandem.executor.proposers.draft_model import DraftModelProposer, SelfDraftProposer
 from tandem.executor.proposers.ngram import NgramProposer
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.architectures.llama import LlamaForCausalLM
 
 
 class Proposer(Protocol):

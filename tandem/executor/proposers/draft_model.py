@@ -27,7 +27,7 @@ from tandem.core.outputs import SchedulerOutput
 from tandem.executor.device import to_device
 from tandem.executor.input_batch import CachedRequestState, InputBuilder, block_table
 from tandem.executor.sampler import argmax
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.architectures.llama import LlamaForCausalLM
 
 
 class SelfDraftProposer:

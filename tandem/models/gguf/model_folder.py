@@ -1,7 +1,7 @@
 """The Hugging Face folder a llama.cpp GGUF file describes, without its weights: config.json,
-generation_config.json and the tokenizer files, written once into the cache (`loader.resolve_model`).
+generation_config.json and the tokenizer files, written once into the cache (`loader/model_files.resolve_model`).
 
-The weights stay in the GGUF and are read from it tensor by tensor (`gguf_weights.py`), so the
+The weights stay in the GGUF and are read from it tensor by tensor (`gguf/weights.py`), so the
 cache holds kilobytes of metadata beside the tokenizer, never a float copy of the model.
 """
 from __future__ import annotations
@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tandem.models.gguf_file import GGUFFile
+from tandem.models.gguf.file import GGUFFile
 from tandem.models.tokenizer_record import write_record
 
 # Bump when the folder's contents change so stale cached folders are not reused.
 FOLDER_VERSION = 3
-TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # the class AutoTokenizer picks for the folder (tokenizer_record.py)
+TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # the class AutoTokenizer picks for the folder (models/tokenizer_record.py)
 
 # GGUF `general.architecture` -> (HF model_type, HF architecture class).
 SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {

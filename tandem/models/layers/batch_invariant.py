@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_invariant_gemm
-from tandem.models.layers import Gate, Linear
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.layers.activation import Gate
+from tandem.models.layers.linear import Linear
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -50,7 +50,7 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
                          "and TANDEM_NO_NATIVE must not be 1")
 
 
-def make_batch_invariant(model: LlamaForCausalLM) -> None:
+def make_batch_invariant(model: nn.Module) -> None:
     """Replace every float Linear of a loaded model, and a tied LM head, by an InvariantLinear
     (before any oneDNN packing: the plain weights are read here)."""
     check_supported(model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)

@@ -1,6 +1,6 @@
 """A GGUF file's tensors under their Hugging Face names, read one at a time from the file.
 
-A tensor's bytes are read (`gguf_file.py`) and decoded when the builder asks for it (floats in
+A tensor's bytes are read (`gguf/file.py`) and decoded when the builder asks for it (floats in
 the Hugging Face layout, a large one a chunk of rows at a time, or a 4-bit format's own int4
 codes), so loading holds the serving weights plus one tensor's buffers, never the file and a
 float copy of it. Layout differences are undone here: llama.cpp permutes the rows of llama q/k
@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tandem.models.gguf_config import SUPPORTED_ARCHS
-from tandem.models.gguf_file import GGUFFile, TensorInfo
-from tandem.models.gguf_quants import INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows, q6k_rows, q8_0_rows
-from tandem.models.quantization import KQuantScales
+from tandem.models.gguf.file import GGUFFile, TensorInfo
+from tandem.models.gguf.model_folder import SUPPORTED_ARCHS
+from tandem.models.gguf.quants import (
+    INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows, q6k_rows, q8_0_rows,
+)
+from tandem.models.quantization.int4 import KQuantScales
 
 # codes [N, K] uint8, then scales, zeros [N, K // 32] fp32, or a K-quant's factors and None (Int4Linear's arguments)
 Int4Codes = tuple[torch.Tensor, torch.Tensor | KQuantScales, torch.Tensor | None]

@@ -1,19 +1,4 @@
-"""Weight-only quantised linear layers: int8 with one symmetric scale per output channel, int4
-in groups along the input axis with a scale and a zero point.
-
-On a CPU with AVX512-VNNI or AVX2, with bf16 or fp32 activations, both run on
-`kernels/cpu_quant_gemm.cpp` instead: the activations are quantised to int8 in blocks of 32
-(W8A8 / W4A8, as llama.cpp's Q8_0 / Q4_1 dot products), 1.9-7x faster than torch's kernels at
-every batch size measured on AVX2 (torch's CPU kernels round activations to bf16 and dequantise every
-weight); a gate_up layer's activation-and-mul runs in that kernel's epilogue (`forward_gated`),
-which saves a pass over the intermediate activations. The tests that compare a quantised engine
-with transformers token for token take the weight-only reference path.
-
-Elsewhere both run on torch's own kernels where this device, dtype and shape are accepted
-(`torch._weight_int8pack_mm`; `torch._weight_int4pack_mm_for_cpu` on CPU,
-`torch._weight_int4pack_mm` on CUDA sm80+ with bf16) and otherwise on the reference path:
-dequantise, then `F.linear`. Whether a kernel takes a shape is found by calling it once when
-the layer is built (the ops' constraints differ between torch versions), never assumed.
+"""int4 weights in groups along the input axis, with a scale and a zero point.
 
 int4 codes q in [0, 15] mean w = (q - 8) * scale + zero, the convention of both int4 kernels;
 a GGUF Q4_1 block (w = d * q + m) is scale = d, zero = m + 8 d, and Q4_0 (w = d (q - 8)) is
@@ -27,104 +12,18 @@ import logging
 from typing import NamedTuple
 
 import torch
-from torch import nn
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_quant_gemm
-from tandem.models.layers import Gate
+from tandem.models.quantization import base
+from tandem.models.quantization.base import (
+    IntegerKernelLayer, block_tiles, int8_act_forward, kernel_accepts, kernel_dtype,
+)
 
 log = logging.getLogger(__name__)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP = 32
-
-
-class IntegerKernelLayer(nn.Module):
-    """What the layers the integer-activation kernel runs share: `gemm_weights`, their tables as
-    the kernel's view (built once), and `int8_act`, whether the kernel runs them."""
-
-    gemm_weights: list | None
-    int8_act: bool
-
-    def _int8_act(self, x2d: torch.Tensor, gate: int) -> torch.Tensor:
-        """x2d [M, K] contiguous through the kernel; gate 0, or a Gate its epilogue applies."""
-        return cpu_quant_gemm().gemm(x2d, self.gemm_weights, gate)
-
-    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return int8_act_gated(self, x, gate)
-
-
-class Int8Linear(IntegerKernelLayer):
-    """y = x (q * s)^T + b, q int8 [N, K], s [N]: one scale per output channel; or s [N, K // 32]
-    fp16, one per block of 32 inputs (a GGUF Q8_0 tensor as stored), on the integer kernel only.
-    On the integer kernel's path `qweight` is packed in place (an int8 tensor passed in becomes
-    the kernel's layout)."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        ext = int8_act_kernel(qweight.device, dtype, *qweight.shape)
-        self.int8_act, self.blocked = ext is not None, scales.dim() == 2
-        if self.blocked and not self.int8_act:
-            raise ValueError(f"int8: scales per block of 32 (GGUF Q8_0) are read by the integer kernel only, "
-                             f"not for [{self.out_features}, {self.in_features}] {dtype} on {qweight.device}")
-        if self.int8_act:  # tiles of q + 128 (see cpu_quant_gemm.cpp), fp32 scales or fp16 d tiles
-            self.register_buffer("qweight", ext.pack_int8_(qweight.to(torch.int8).contiguous()))
-            self.register_buffer("scales", block_tiles(scales) if self.blocked else scales.float().contiguous())
-            self.gemm_weights = [ext.int8_weight(self.qweight, self.scales, self.in_features)]  # the kernel's view
-            self.use_kernel = False
-            return
-        self.kernel_dtype = _kernel_dtype(qweight.device, dtype)
-        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(self.kernel_dtype).contiguous())
-        self.use_kernel = _kernel_accepts(self._kernel, self.in_features, self.kernel_dtype, qweight.device, "int8")
-        if not self.use_kernel:  # the reference path dequantises in the activation dtype
-            self.scales = scales.to(dtype).contiguous()
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> "Int8Linear":
-        qweight, scales = quantize_int8(weight)
-        return cls(qweight, scales, bias, dtype)
-
-    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x2d.to(self.kernel_dtype), self.qweight, self.scales).to(x2d.dtype)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.int8_act:
-            return self.rows(torch.arange(self.out_features), dtype)
-        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` of W, dequantised as `dequantize` does (a Q8_0 block's d q as the gguf
-        package computes it): an embedding lookup in this table."""
-        if not self.int8_act:
-            return (self.qweight[ids].float() * self.scales.float()[ids, None]).to(dtype)
-        b = self._buffers
-        return cpu_quant_gemm().int8_rows(ids, b["qweight"], b["scales"], self.in_features).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_act:
-            return int8_act_forward(self, x)
-        if not self.use_kernel:
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
-        y = self._kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-class QuantEmbedding(nn.Module):
-    """An embedding read from a quantised table (Int8Linear, Q6KLinear, or Int4Linear of a file's
-    own 4- or 5-bit codes): a quantised variant's tied LM head serves as its embedding too, so the
-    vocabulary is held once, quantised, not again in floats."""
-
-    def __init__(self, table: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.table, self.dtype = table, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        shape = ids.shape
-        return self.table.rows(ids.reshape(-1), self.dtype).reshape(*shape, self.table.in_features)
 
 
 class KQuantScales(NamedTuple):
@@ -173,7 +72,7 @@ class Int4Linear(IntegerKernelLayer):
         if self.group_size * groups != self.in_features:
             raise ValueError(f"int4: {groups} groups do not divide K={self.in_features}")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        ext = int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
+        ext = base.int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
         self.int8_act = ext is not None
         if self.int8_act:
             self.register_buffer("qpacked", ext.pack_int4(codes))
@@ -192,12 +91,12 @@ class Int4Linear(IntegerKernelLayer):
             return
         if k_quant is not None:
             scales, zeros = k_quant.scales_zeros()
-        self.kernel_dtype = _kernel_dtype(codes.device, dtype)
+        self.kernel_dtype = kernel_dtype(codes.device, dtype)
         # [K // g, N, 2] in the kernel's dtype: the layout (and dtype) both kernels read.
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
         self.register_buffer("scales_zeros", scales_zeros.to(self.kernel_dtype))
         self.packed = _pack_int4(codes, dtype) if bits == 4 else None  # torch's kernels take 4 bits
-        if self.packed is not None and not _kernel_accepts(self._kernel, self.in_features, self.kernel_dtype,
+        if self.packed is not None and not kernel_accepts(self._kernel, self.in_features, self.kernel_dtype,
                                                            codes.device, "int4"):
             self.packed = None
         if self.packed is None:  # the reference path dequantises in the activation dtype
@@ -318,72 +217,6 @@ class Int4Linear(IntegerKernelLayer):
         return y if self.bias is None else y + self.bias
 
 
-class RowParts(IntegerKernelLayer):
-    """A fused layer (qkv, gate_up) whose row parts are served in different formats (a Q4_K_M
-    file's Q4_K q and k beside its Q6_K v). Where every part is on the integer kernel without a
-    bias, one call runs them all (one parallel region, the output written once; as two calls and
-    a cat, a ~1B's qkv took 200 us against 148 for a single format's 7% fewer bytes); else each
-    part runs on its own kernel and the outputs are joined."""
-
-    def __init__(self, parts: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-        self.register_buffer("bias", None)  # the parts hold theirs
-        self.int8_act = all(getattr(p, "int8_act", False) and p.bias is None for p in parts)
-        self.gemm_weights = [w for p in parts for w in p.gemm_weights] if self.int8_act else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_act:
-            return int8_act_forward(self, x)
-        return torch.cat([part(x) for part in self.parts], -1)
-
-    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return gate(self(x))  # the kernel takes a gate for one weight only
-
-
-def block_tiles(v: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Per-block values [N, blocks] as the integer kernel's [N/16, blocks, 16] tiles."""
-    return v.to(dtype).reshape(-1, 16, v.shape[1]).transpose(1, 2).contiguous()
-
-
-def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A quantised layer (Int8Linear, Int4Linear, Q6KLinear, RowParts of them) on the
-    integer-activation kernel; a 2-D contiguous x (the model's flattened batch) goes in as it is:
-    at batch 1 each extra view is a visible cost. The bias is read from `_buffers`: as an
-    attribute it costs ~1 us (nn.Module finds it in __getattr__, after Python has built an
-    AttributeError). The layers' tables reach the kernel as `gemm_weights`, built once: read as
-    buffers they cost ~5 us a call, more than the call into the kernel itself."""
-    x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.in_features).contiguous()
-    y = layer._int8_act(x2d, 0)
-    if x.dim() != 2:
-        y = y.reshape(*x.shape[:-1], layer.out_features)
-    bias = layer._buffers["bias"]
-    return y if bias is None else y + bias
-
-
-def int8_act_gated(layer: nn.Module, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-    """act(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
-    the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
-    if layer.int8_act and layer._buffers["bias"] is None and x.dim() == 2 and layer.out_features % 32 == 0:
-        return layer._int8_act(x.contiguous(), gate)
-    return gate(layer(x))
-
-
-def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel: q = round(w / s), s = max|w| / 127 (fp32 scales). A chunk
-    of rows at a time: an LM head of 262k rows would otherwise hold several fp32 temporaries."""
-    qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-    for start in range(0, weight.shape[0], rows_per_chunk):
-        w = weight[start:start + rows_per_chunk].float()
-        s = (torch.linalg.vector_norm(w, float("inf"), dim=1) / 127).clamp(min=1e-12)  # max |w|, one pass
-        qweight[start:start + rows_per_chunk] = (w / s[:, None]).round_().clamp_(-127, 127)
-        scales[start:start + rows_per_chunk] = s
-    return qweight, scales
-
-
 def quantize_int4(weight: torch.Tensor, group_size: int, bits: int = 4,
                   rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per group of `group_size` inputs (as GGUF Q4_1; Q5_1 with bits=5): codes [N, K],
@@ -419,23 +252,7 @@ def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 def int4_concatenates(device: torch.device, dtype: torch.dtype, rows: list[int], k: int) -> bool:
     """Whether int4 parts of these row counts (of k inputs), each packed as it is read, join
     into one layer (Int4Linear.concat): on the integer kernel, 16 rows a tile."""
-    return int8_act_kernel(device, dtype, sum(rows), k) is not None and all(r % 16 == 0 for r in rows)
-
-
-def int8_act_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
-    """The integer-activation kernel module where it serves an [n, k] layer (CPU with
-    AVX2 or AVX512-VNNI, bf16 or fp32 activations, n % 16 == 0, k % 32 == 0), else None."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or n % 16 or k % 32:
-        return None
-    ext = cpu_quant_gemm()
-    return ext if ext is not None and ext.supported() else None
-
-
-def _kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """What torch's int8 / int4 weight kernels compute in: on CPU bf16 whatever the activations
-    (their fp32 path is scalar, 20-100x slower per row; the activations are rounded on the way
-    in and the output widened back), elsewhere the activation dtype."""
-    return torch.bfloat16 if device.type == "cpu" else dtype
+    return base.int8_act_kernel(device, dtype, sum(rows), k) is not None and all(r % 16 == 0 for r in rows)
 
 
 def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -453,13 +270,3 @@ def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as e:  # an op missing in this torch, or a shape it rejects
         log.debug("int4 pack rejected %s: %s", tuple(codes.shape), e)
     return None
-
-
-def _kernel_accepts(kernel, in_features: int, dtype: torch.dtype, device: torch.device, what: str) -> bool:
-    """Call the kernel once on a one-row input: the only reliable test of the op's constraints."""
-    try:
-        kernel(torch.zeros(1, in_features, dtype=dtype, device=device))
-        return True
-    except (RuntimeError, AttributeError, NotImplementedError) as e:
-        log.debug("%s kernel rejected K=%d %s on %s: %s", what, in_features, dtype, device, e)
-        return False

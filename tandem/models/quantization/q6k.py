@@ -14,16 +14,16 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels import cpu_quant_gemm
-from tandem.models import quantization
-from tandem.models.host_memory import huge_empty
-from tandem.models.quantization import IntegerKernelLayer, block_tiles, int8_act_forward
+from tandem.models.quantization import base
+from tandem.models.quantization.base import IntegerKernelLayer, block_tiles, int8_act_forward
+from tandem.models.quantization.host_memory import huge_empty
 
 QK_K = 256  # inputs per Q6_K block (one d), in sub-blocks of 16 (one sc each)
 
 
 def q6k_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):
     """The kernel module where it serves an [n, k] Q6_K layer, else None."""
-    return quantization.int8_act_kernel(device, dtype, n, k) if k % QK_K == 0 else None
+    return base.int8_act_kernel(device, dtype, n, k) if k % QK_K == 0 else None
 
 
 class Q6KLinear(IntegerKernelLayer):

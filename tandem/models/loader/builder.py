@@ -27,24 +27,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tandem.models.batch_invariant import make_batch_invariant
+from tandem.models.architectures.gemma3 import Gemma3ForCausalLM
+from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
+from tandem.models.config import ModelConfig
 from tandem.models.decode_plan import DecodePlan
-from tandem.models.gemma3 import Gemma3ForCausalLM
-from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.host_memory import move_to_huge_pages, trim_heap
-from tandem.models.layers import Linear, RotaryEmbedding
-from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
-from tandem.models.loader import FolderWeights, weight_source
-from tandem.models import quantization
-from tandem.models.q6k_linear import Q6KLinear
-from tandem.models.quantization import Int4Linear, Int8Linear, QuantEmbedding, RowParts
-from tandem.models.stored_layers import LayerFormat, served_as, stored_layer
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.layers.batch_invariant import make_batch_invariant
+from tandem.models.layers.linear import Linear
+from tandem.models.layers.rotary_embedding import RotaryEmbedding
+from tandem.models.loader.folder_weights import FolderWeights
+from tandem.models.loader.model_files import load_config
+from tandem.models.loader.stored_layers import LayerFormat, served_as, stored_layer
+from tandem.models.quantization import base
+from tandem.models.quantization.embedding import QuantEmbedding
+from tandem.models.quantization.host_memory import move_to_huge_pages, trim_heap
+from tandem.models.quantization.int4 import Int4Linear
+from tandem.models.quantization.int8 import Int8Linear
+from tandem.models.quantization.q6k import Q6KLinear
+from tandem.models.quantization.row_parts import RowParts
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +81,15 @@ def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.d
     return precision, "float", {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
-def stored_precision(model_dir: Path, gguf_path: Path | None, hf_config: dict) -> str | None:
+def stored_precision(source: GGUFWeights | FolderWeights) -> str | None:
     """The precision the weights are stored in (what `quantization: auto` serves): a GGUF's by
     the type holding most of its decoder-layer weights (`_STORED_AS`; a tie goes to the wider
     type, which loses nothing), a folder's by its config's dtype; None for fp32 weights (the
     engine's float dtype serves them)."""
-    if gguf_path is None:
+    if isinstance(source, FolderWeights):
+        hf_config = load_config(source.path)
         return _FOLDER_DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype"))
-    return _gguf_stored(GGUFWeights(gguf_path))
+    return _gguf_stored(source)
 
 
 def _gguf_stored(weights: GGUFWeights) -> str | None:
@@ -96,26 +102,25 @@ def _gguf_stored(weights: GGUFWeights) -> str | None:
     return max(sizes, key=lambda kind: (sizes[kind], wider.index(kind))) if sizes else None
 
 
-def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.device, dtype: torch.dtype,
-                attention: AttentionFactory, gguf_path: Path | None = None,
-                deterministic: bool = False) -> LlamaForCausalLM:
-    """weights: "float" (the activation dtype) or one of QUANTIZED, read from `gguf_path` when
-    given, else from the folder's safetensors. deterministic: float GEMMs on the batch-invariant
-    kernel (models/batch_invariant.py) instead of oneDNN's packing."""
+def build_model(source: GGUFWeights | FolderWeights, cfg: ModelConfig, weights: str, device: torch.device,
+                dtype: torch.dtype, attention: AttentionFactory, deterministic: bool = False) -> LlamaForCausalLM:
+    """weights: "float" (the activation dtype) or one of QUANTIZED, read from `source` (a GGUF,
+    or a folder's safetensors: `weight_source`, opened once per load and shared by its variants).
+    deterministic: float GEMMs on the batch-invariant kernel (layers/batch_invariant.py) instead
+    of oneDNN's packing."""
     if weights != "float" and weights not in QUANTIZED:
         raise ValueError(f"unknown weight format {weights!r}")
     with torch.device(device):
         model = (Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM)(cfg, attention)
     _retype(model, dtype)
     model.eval()
-    source = weight_source(model_dir, gguf_path)
     consumed: set[str] = set()
-    # On CPU each quantised table is on huge pages (host_memory.py) as soon as it is built: made
-    # there, or moved (loading then holds one table twice at most).
+    # On CPU each quantised table is on huge pages (quantization/host_memory.py) as soon as it is
+    # built: made there, or moved (loading then holds one table twice at most).
     if weights in QUANTIZED:
         native = 0
         # int4 of a file mostly in 4-5 bit blocks keeps its wider tensors wide (see the docstring)
-        keep_wide = weights == "int4" and gguf_path is not None and _gguf_stored(source) == "int4"
+        keep_wide = weights == "int4" and isinstance(source, GGUFWeights) and _gguf_stored(source) == "int4"
         for name, module in list(model.named_modules()):
             if isinstance(module, Linear) and module is not model.lm_head:
                 parent, _, attr = name.rpartition(".")
@@ -127,7 +132,7 @@ def build_model(model_dir: Path, cfg: ModelConfig, weights: str, device: torch.d
                 move_to_huge_pages(_tensors(quantised))
         if native:
             log.info("%s from %s: %d of the linear layers' tensors are served as the file stores them",
-                     weights, getattr(source, "path", model_dir), native)
+                     weights, source.path, native)
         consumed |= _quantise_vocab(model, source, weights, dtype)
         move_to_huge_pages(_tensors(model.lm_head, model.embed_tokens))
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
@@ -187,7 +192,7 @@ def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, d
     int4 variant, on the integer kernel (nothing requantised; 4-6 bit codes are also fewer bytes
     a step than int8), else int8 per channel."""
     fmt = served_as(source, name, weights, dtype, device)
-    if fmt == LayerFormat.INT4 and not quantization.int8_act_kernel(device, dtype, *source.shape(name)):
+    if fmt == LayerFormat.INT4 and not base.int8_act_kernel(device, dtype, *source.shape(name)):
         fmt = LayerFormat.INT8  # an embedding reads its rows from the integer kernel's tiles only
     return stored_layer(fmt, source, [name], None, dtype, device)[0]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.models.loader import gguf_source, iter_weights, resolve_model
+from tandem.models.loader.model_files import gguf_source, iter_weights, resolve_model
 
 
 def hf_model(model: str, dtype: torch.dtype = torch.float32):

@@ -17,11 +17,14 @@ from pathlib import Path
 import torch
 
 from tandem.config import QuantizationConfig
-from tandem.models.builder import (
+from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
+from tandem.models.config import ModelConfig
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.loader.builder import (
     FLOAT_NAMES, QUANTIZED, build_model, resolve_precision, stored_precision, weight_bytes,
 )
-from tandem.models.llama import AttentionFactory, LlamaForCausalLM, ModelConfig
-from tandem.models.loader import gguf_source, load_config, load_tokenizer, resolve_model
+from tandem.models.loader.folder_weights import FolderWeights
+from tandem.models.loader.model_files import gguf_source, load_config, load_tokenizer, resolve_model, weight_source
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +36,14 @@ class ModelVariants:
     models: dict[str, LlamaForCausalLM] = field(default_factory=dict)
     weight_bytes: dict[str, int] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # precision -> why it was not built
+    # the weights every variant was read from, opened once (a self-draft reads them too)
+    source: GGUFWeights | FolderWeights | None = None
 
 
-def auto_precision(model_dir: Path, gguf_path: Path | None, config_dtype: str, dtype: torch.dtype) -> str:
+def auto_precision(source: GGUFWeights | FolderWeights, config_dtype: str, dtype: torch.dtype) -> str:
     """What `quantization: auto` serves: the precision the weights are stored in; for float
     weights a dtype asked for (`config_dtype` not auto) wins, and fp32 weights take `dtype`."""
-    stored = stored_precision(model_dir, gguf_path, load_config(model_dir))
+    stored = stored_precision(source)
     if stored is None or (stored not in QUANTIZED and config_dtype != "auto"):
         return FLOAT_NAMES[dtype]
     return stored
@@ -49,20 +54,20 @@ def build_variants(quant: QuantizationConfig, model_name: str, dtype_name: str, 
                    attention: AttentionFactory, deterministic: bool = False) -> ModelVariants:
     """`model_name`, `dtype_name`: as the engine was given them; `dtype`: that dtype resolved
     for the device (the executor's choice)."""
-    gguf_path = gguf_source(model_name)
+    source = weight_source(model_dir, gguf_source(model_name))
     default = quant.quantization
     if default in (None, "auto"):
-        default = auto_precision(model_dir, gguf_path, dtype_name, dtype)
+        default = auto_precision(source, dtype_name, dtype)
     if dtype_name == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
-    variants = ModelVariants(default, dtype)
+    variants = ModelVariants(default, dtype, source=source)
     for name in quant.precisions(default):
         _, weights, variant_dtype = resolve_precision(name, dtype, device)
         try:
             if variant_dtype != dtype:
                 raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
                                  "variants share one KV pool")
-            model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_path,
+            model = build_model(source, cfg, weights, device, dtype, attention,
                                 deterministic=deterministic)
         except (ValueError, RuntimeError) as e:
             if quant.precision_fallback in (None, name):  # nothing could serve its requests
@@ -78,7 +83,7 @@ def build_variants(quant: QuantizationConfig, model_name: str, dtype_name: str, 
     return variants
 
 
-def build_draft(variants: ModelVariants, precision: str | None, name: str, engine_model: str, model_dir: Path,
+def build_draft(variants: ModelVariants, precision: str | None, name: str, model_dir: Path,
                 cfg: ModelConfig, device: torch.device, attention: AttentionFactory) -> LlamaForCausalLM:
     """A speculative draft: the target at `precision` (a self-draft: a variant the engine already
     holds, or a new one built in the engine's dtype), or else the model `name` sharing the
@@ -95,7 +100,7 @@ def build_draft(variants: ModelVariants, precision: str | None, name: str, engin
                          f"{variants.dtype}: a self-draft reads the target's KV, so it shares its dtype "
                          f"(use self:int4 or self:int8, whose activations are the engine's)")
     try:
-        model = build_model(model_dir, cfg, weights, device, dtype, attention, gguf_source(engine_model))
+        model = build_model(variants.source, cfg, weights, device, dtype, attention)
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"speculative model self:{precision} cannot be built here: {e}") from e
     variants.weight_bytes[f"draft:{precision}"] = weight_bytes(model)
@@ -116,7 +121,8 @@ def _external_draft(variants: ModelVariants, name: str, model_dir: Path, cfg: Mo
     if (ours is None) != (theirs is None) or (ours is not None and ours.get_vocab() != theirs.get_vocab()):
         raise ValueError(f"speculative model {name!r} has another tokenizer than the target's: "
                          "a draft must share the target's tokenizer")
-    model = build_model(draft_dir, draft_cfg, "float", device, variants.dtype, attention, gguf_source(name))
+    model = build_model(weight_source(draft_dir, gguf_source(name)), draft_cfg, "float", device, variants.dtype,
+                        attention)
     variants.weight_bytes[f"draft:{name}"] = weight_bytes(model)
     log.info("weights of draft %s (%d layers): %.1f MiB", name, draft_cfg.num_layers, weight_bytes(model) / 2**20)
     return model

