@@ -165,7 +165,7 @@ class AdaptiveK:
         if len(self._samples.get((bucket, False), ())) < self.min_samples:
             return 0  # plain steps first: they cost nothing extra (the new-bucket rule)
         plain, spec = self.rate(num_decodes, False), self.rate(num_decodes, True)
-        drafting = spec is not None and spec >= self.min_gain * plain
+        drafting = spec is not None and plain is not None and spec >= self.min_gain * plain
         every = self.probe_every
         if self._num_verifies < self.explore_verifies:  # the acceptance is mostly the prior's yet
             every //= 8

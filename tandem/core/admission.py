@@ -67,9 +67,10 @@ class Admission(Preemption):
                 lookahead = 0  # the drafts are what gives way
             if need > free:
                 return False
-            block_ids = kv.allocate_slots(req, num_new + lookahead, computed_blocks)
-            if block_ids is None:
+            allocated = kv.allocate_slots(req, num_new + lookahead, computed_blocks)
+            if allocated is None:
                 return False
+            block_ids = allocated
             if req.num_cached_tokens < 0:
                 kv.record_prefix_query(req, num_hit)
                 req.num_cached_tokens = num_hit
@@ -89,6 +90,7 @@ class Admission(Preemption):
 
     def _prefix_ready(self, req: Request) -> bool:
         src = req.prefill_after
+        assert src is not None  # called only for a request that waits on another's prefill
         # A first output token means the prompt ran and its blocks are in the prefix cache.
         if src.status.finished or src.num_output_tokens > 0:
             req.prefill_after = None

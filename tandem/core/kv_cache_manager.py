@@ -117,7 +117,9 @@ class KVCacheManager:
 
     def newest_cached_hashes(self, limit: int) -> list[int]:
         """The hashes of up to `limit` cached blocks, newest first (the pool keeps caching order)."""
-        return list(itertools.islice(reversed(self.pool.cached_hashes), limit))
+        # A dict's keys are reversible; typeshed's KeysView does not say so.
+        hashes = reversed(self.pool.cached_hashes)  # type: ignore[call-overload]
+        return list(itertools.islice(hashes, limit))
 
     @property
     def usage(self) -> float:

@@ -55,7 +55,7 @@ class StructuredOutputsParams:
             # Canonical text, in the schema's own key order (which the output follows).
             text = json.dumps(json.loads(self.json) if isinstance(self.json, str) else self.json)
         elif kind == "choice":
-            text = json.dumps(list(self.choice))
+            text = json.dumps(list(self.choice or ()))
         else:
             text = "" if kind == "json_object" else getattr(self, kind)
         return kind, text

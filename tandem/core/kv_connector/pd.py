@@ -115,7 +115,8 @@ class PDConnector(KVConnectorScheduler):
         fresh = [set(f) for f in res.fresh]
         written = sorted({i for f in fresh for i in f if i < num_blocks})
         null = self.coordinator.null_block
-        ids = [row[i].block_id if i in f else null.block_id
+        # A block listed fresh is a real one, never the None of a window's gap.
+        ids = [row[i].block_id if i in f else null.block_id  # type: ignore[union-attr]
                for i in written for row, f in zip(res.blocks, fresh)]
         return written, ids
 
