@@ -17,11 +17,6 @@ class RMSNorm(nn.Module):
         # from _parameters: as an attribute, found only after an AttributeError (~1 us)
         return rms_norm(x, self._parameters["weight"], self.eps)
 
-    def add_forward(self, x: torch.Tensor,
-                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x, its norm): the residual add and this norm in one native pass."""
-        return add_rms_norm(x, residual, self._parameters["weight"], self.eps)
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The native kernel's norm where it serves x, else PyTorch's in transformers' op order

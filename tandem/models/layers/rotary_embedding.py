@@ -7,7 +7,6 @@ import math
 import torch
 from torch import nn
 
-from tandem.models.layers.layernorm import fused_ops_for
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -79,14 +78,6 @@ class StepRope:
     def __init__(self, positions: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> None:
         self.positions, self.table, self.dtype = positions, table, dtype
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def rotate_qk_(self, qkv: torch.Tensor, heads: int, head_dim: int) -> bool:
-        """Rotate the first `heads` heads (q then k) of each qkv row in place; False: not here."""
-        ext = fused_ops_for(qkv)
-        if ext is None:
-            return False
-        ext.rope_(qkv, self.positions, self.table, heads, head_dim)
-        return True
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]."""
