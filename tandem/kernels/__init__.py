@@ -167,7 +167,7 @@ def unit_source(unit: str) -> bytes:
     return ("\n".join(parts) + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n").encode()
 
 
-_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.M)
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
 
 
 def kernel_source(name: str) -> str:
