@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension
@@ -24,6 +25,14 @@ def test_the_build_folder_is_keyed_by_source_flags_and_toolchain_not_by_path(tmp
     assert kernels.build_dir("k.cpp", text, root, key.replace(torch.__version__, "0.0"))[0] != build  # torch
     assert kernels.build_dir("k.cpp", b"int y;\n", root, key)[0] != build  # source
 
+
+def test_a_kernels_per_isa_files_are_part_of_its_units_source():
+    """A kernel's `#include "file"` lines are expanded into its unit's text: the hash naming the
+    build covers those files, and the build folder needs no file but the unit."""
+    text = kernels.unit_source("cpu_kernels").decode()
+    assert '#include "' not in text
+    for part in ("cpu_quant_gemm_avx512.h", "cpu_quant_gemm_avx2.h"):
+        assert Path(kernels.__file__).with_name(part).read_text() in text
 
 def test_a_built_kernel_is_imported_without_torchs_build(monkeypatch):
     """What `tandem prepare` built, a server start imports: torch's `load` (ninja, whose build file

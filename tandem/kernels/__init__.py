@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import sysconfig
@@ -162,8 +163,19 @@ def unit_source(unit: str) -> bytes:
     kernel's code is in its own namespace, tandem_<kernel>, with a bind function)."""
     kernels, _ = UNITS[unit]
     binds = "".join(f'  tandem_{k}::bind(m.def_submodule("{k}"));\n' for k in kernels)
-    parts = [Path(__file__).with_name(f"{k}.cpp").read_text() for k in kernels]
+    parts = [kernel_source(f"{k}.cpp") for k in kernels]
     return ("\n".join(parts) + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n").encode()
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
+
+
+def kernel_source(name: str) -> str:
+    """Kernel file `name` with each `#include "file"` line (its per-ISA parts, beside it) replaced
+    by that file's text, as the preprocessor would: the unit built from it is then one file, and
+    the hash naming its build covers every file it is made of."""
+    text = Path(__file__).with_name(name).read_text()
+    return _INCLUDE.sub(lambda m: kernel_source(m.group(1)), text)
 
 
 def _build_spec(unit: str) -> tuple[bytes, Path, list[str], str]:
