@@ -192,8 +192,9 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's tokens, in whole blocks (flat entries, see
         the module's docstring). At least one token is always left to compute, so the step
-        still produces logits."""
-        if not self.enable_caching:
+        still produces logits. No hit for a request that asks for prompt logprobs: every
+        prompt position must run for its logits."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         limit = req.num_tokens - 1
         if self.max_prefix_tokens is not None:

@@ -80,6 +80,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token's
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -120,6 +122,11 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                                       for t, b in self.logit_bias.items()):
+            bad("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
