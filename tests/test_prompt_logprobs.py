@@ -23,8 +23,9 @@ def hf_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [2048, 8])
 def test_prompt_logprobs_equal_teacher_forced(tiny_model_dirs, chunk):
     path = tiny_model_dirs["llama"]
-    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=chunk, block_size=8)
-    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1))  # its blocks now cached: a hit would skip them
+    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=chunk,
+              block_size=8)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1))  # cached now: a hit would skip them
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logit_bias={0: 50.0})
     outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):

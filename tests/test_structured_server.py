@@ -130,7 +130,7 @@ def test_tool_choice_none_ignores_tools_and_user_is_accepted(server):
     ({"tools": TOOLS}, "tool_choice 'auto'.*needs a tool-call parser"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto'"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool calls force their own output schema"),
-    ({"logit_bias": {"1": 5}}, "unsupported field `logit_bias`"),
+    ({"use_beam_search": True}, "unsupported field `use_beam_search`: beam search"),
     ({"tool_choice": "required"}, "tool_choice needs `tools`"),
 
     ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}}, "unsupported field `structured_outputs.whitespace_pattern`"),

@@ -170,7 +170,7 @@ class ModelRunner:
                       s.token_ids[s.prompt_len:], generators[s.req_id], s.eos_token_id, s.spec_token_ids)
             for s in rows], self.device)
         for s, (token_ids, lps) in zip(rows, verified):
-            if s.params.prompt_logprobs is not None and len(s.token_ids) == s.prompt_len:  # the first token
+            if s.params.prompt_logprobs is not None and len(s.token_ids) == s.prompt_len:
                 out.prompt_logprobs[s.req_id] = self.prompt_logprobs.take(s.req_id)
             s.token_ids.extend(token_ids)
             if grammar is not None:

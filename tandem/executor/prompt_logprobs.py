@@ -27,14 +27,15 @@ class PromptLogprobs:
     def take(self, req_id: str) -> list[Entry] | None:
         return self.pending.pop(req_id, None)
 
-    def add_step(self, states: list[CachedRequestState], counts: np.ndarray, query_start_loc: np.ndarray,
+    def add_step(self, states: list[CachedRequestState], counts: np.ndarray,
+                 query_start_loc: np.ndarray,
                  logits_of: Callable[[int, int], torch.Tensor]) -> None:
         """The entries of the step's prompt positions. Position p predicts token p + 1, so the
         rows are those of positions up to the prompt's second-to-last; `logits_of(a, b)` gives
         the logits of rows a to b of the step's flattened batch."""
         for i, s in enumerate(states):
             k = s.params.prompt_logprobs
-            if k is None or len(s.token_ids) > s.prompt_len:  # a recompute after output: already sent
+            if k is None or len(s.token_ids) > s.prompt_len:  # a recompute after output: sent
                 continue
             first = s.num_computed_tokens
             last = min(first + int(counts[i]), s.prompt_len - 1)
@@ -49,7 +50,8 @@ class PromptLogprobs:
             for a in range(first, last, ROWS_PER_SLICE):
                 b = min(a + ROWS_PER_SLICE, last)
                 lps = logits_of(start + a - first, start + b - first)
-                entries += _entries(lps.to(torch.float32).log_softmax(dim=-1), s.token_ids[a + 1:b + 1], k)
+                lps = lps.to(torch.float32).log_softmax(dim=-1)
+                entries += _entries(lps, s.token_ids[a + 1:b + 1], k)
 
 
 def _entries(lps: torch.Tensor, targets: list[int], k: int) -> list[Entry]:

@@ -86,7 +86,7 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None  # [B] fp32
     repetition_penalties: torch.Tensor | None  # [B] fp32
     min_tokens_blocked: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) set to -inf
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases) added
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases)
     num_logprobs: list[int | None]  # per row, params.logprobs
     max_num_logprobs: int | None  # None when no row asked
 
@@ -160,7 +160,8 @@ def _min_tokens_blocked(rows: list[SamplingRow], vocab_size: int, device: torch.
 def _logit_bias(params: list[SamplingParams], device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(row indices, token ids, biases) of the rows' logit_bias entries; None if no row has any."""
-    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+               for t, b in p.logit_bias.items()]
     if not entries:
         return None
     rows, ids, biases = zip(*entries)

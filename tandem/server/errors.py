@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.server.protocol import NO_EFFECT_FIELDS
+from tandem.server.protocol import REFUSED
 
 
 class APIError(Exception):
@@ -31,9 +31,10 @@ async def validation_error(_: Request, e: RequestValidationError) -> JSONRespons
     first = e.errors()[0] if e.errors() else {}
     where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
     if first.get("type") == "extra_forbidden":
-        return error_response(400, f"unsupported field `{where}`: this server does not implement it (a field "
-                              f"it cannot honour is refused, not ignored; accepted without effect: "
-                              f"{', '.join(NO_EFFECT_FIELDS)})", param=where)
+        why = REFUSED.get(where or "", "this server does not implement it")
+        return error_response(400, f"unsupported field `{where}`: {why} (a field this server "
+                              "cannot honour is refused, not ignored: docs/api_fields.md)",
+                              param=where)
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return error_response(400, f"{where or 'body'}: {message}", param=where)
 

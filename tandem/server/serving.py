@@ -37,11 +37,29 @@ def check_admission(state: ServingState, model: str | None, n: int) -> None:
                        headers={"Retry-After": "1"})
 
 
-def encode(state: ServingState, prompt: str | list[int]) -> list[int]:
+def encode(state: ServingState, prompt: str | list[int], add_special_tokens: bool = True,
+           truncate: int | None = None) -> list[int]:
+    """The prompt's token ids, by the engine's rules; `truncate` (vLLM's truncate_prompt_tokens):
+    only its last k tokens, -1 for the context's length."""
     try:
-        return state.facts.tokenize(prompt)
+        if isinstance(prompt, str) and not add_special_tokens:
+            if state.facts.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            prompt = state.facts.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = state.facts.tokenize(prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="prompt") from None
+    if truncate is None:
+        return ids
+    if truncate == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1",
+                       param="truncate_prompt_tokens")
+    return ids[-(state.facts.max_model_len if truncate == -1 else truncate):]
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
 def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
