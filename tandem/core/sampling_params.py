@@ -6,26 +6,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
     """One constraint on the output (vLLM's names): a JSON Schema, any JSON object, a regex,
-    a choice among strings, or a grammar (EBNF / llama.cpp's GBNF, rule `root`). Only its shape is checked
-    here; the grammar engine (executor/grammar_compiler.py) compiles it and names what is wrong."""
+    a choice among strings, a grammar (EBNF / llama.cpp's GBNF, rule `root`), or an xgrammar
+    structural tag (JSON text: free text, then tagged parts, such as tool calls, by a schema).
+    Only its shape is checked here; the grammar engine (executor/grammar_compiler.py) compiles
+    it and names what is wrong."""
 
     json: str | dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in KINDS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, "
-                             f"grammar; got {', '.join(given) or 'none'}")
+                             f"grammar, structural_tag; got {', '.join(given) or 'none'}")
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
@@ -35,17 +41,17 @@ class StructuredOutputsParams:
             raise ValueError("the JSON schema must be an object (or its JSON text)")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("choice must be a non-empty list of non-empty strings")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string")
 
     @property
     def kind(self) -> str:
-        """json | json_object | regex | choice | grammar (the metrics label)."""
+        """json | json_object | regex | choice | grammar | structural_tag (the metrics label)."""
         if self.json_object:
             return "json_object"
-        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+        return next(n for n in KINDS if getattr(self, n) is not None)
 
     @property
     def key(self) -> tuple[str, str]:

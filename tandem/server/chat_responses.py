@@ -1,12 +1,14 @@
-"""The chat API's response bodies and stream chunks, built from RequestOutputs."""
+"""The chat API's response bodies and stream chunks, built from RequestOutputs: the text, or
+with tools the text and the calls the family parser reads from it (streamed as each call
+completes, as vLLM's tool-call deltas)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server.responses import (Sent, Tokens, chat_logprobs, latency_split, news,
                                      prompt_logprobs, usage)
-from tandem.server.tool_calls import ToolCallPlan, parse_tool_calls
+from tandem.server.tool_calls import ToolCallPlan, openai_call
 
 
 @dataclass(slots=True)
@@ -20,26 +22,32 @@ class ChatFormat:
     continuous_usage: bool = False
 
 
-def _tool_calls(c: CompletionOutput, tools: ToolCallPlan | None) -> list[dict] | None:
-    """The choice's tool calls, when it asked for them and its output ended whole."""
-    if tools is None or c.finish_reason != "stop":
-        return None
-    return parse_tool_calls(tools, c.text)
+@dataclass(slots=True)
+class ChatSent(Sent):
+    """Per choice, how much of its text, how many of its calls and of its tokens' logprobs the
+    stream has sent (a token whose text is held back sends its logprob with the next chunk)."""
+
+    content: dict[int, int] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, int] = field(default_factory=dict)
 
 
-def _message(c: CompletionOutput, tools: ToolCallPlan | None) -> tuple[dict, str | None]:
-    """(message, finish_reason): tool calls replace the content; an output cut short by
-    max_tokens stays text, with finish_reason "length"."""
-    calls = _tool_calls(c, tools)
-    if calls is None:
+def _message(c: CompletionOutput, fmt: ChatFormat) -> tuple[dict, str | None]:
+    """(message, finish_reason): with tools, the calls read from the text (finish_reason
+    "tool_calls"), and the text around them as content."""
+    if fmt.tools is None:
         return {"role": "assistant", "content": c.text}, c.finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    got = fmt.tools.parser.extract(c.text, final=True)
+    if not got.calls:
+        return {"role": "assistant", "content": got.content}, c.finish_reason
+    return {"role": "assistant", "content": got.content or None,
+            "tool_calls": [openai_call(call) for call in got.calls]}, "tool_calls"
 
 
 def chat_body(rid: str, model: str, created: int, out: RequestOutput, fmt: ChatFormat) -> dict:
     choices = []
     for c in out.outputs:
-        message, finish_reason = _message(c, fmt.tools)
+        message, finish_reason = _message(c, fmt)
         choices.append({
             "index": c.index, "message": message,
             "logprobs": chat_logprobs(fmt.tokens, c.logprobs or []) if fmt.logprobs else None,
@@ -52,25 +60,35 @@ def chat_body(rid: str, model: str, created: int, out: RequestOutput, fmt: ChatF
     return body
 
 
-def chat_chunk(rid: str, model: str, created: int, out: RequestOutput, sent: Sent,
+def _delta(c: CompletionOutput, fmt: ChatFormat, sent: ChatSent) -> dict:
+    """What the choice's stream has not sent yet: its new text, and its calls that completed."""
+    if fmt.tools is None:
+        return {"content": c.delta_text}
+    got = fmt.tools.parser.extract(c.text, final=c.finished)
+    done, calls = sent.content.get(c.index, 0), sent.calls.get(c.index, 0)
+    sent.content[c.index], sent.calls[c.index] = len(got.content), len(got.calls)
+    delta = {"content": got.content[done:]} if len(got.content) > done else {}
+    if len(got.calls) > calls:
+        delta["tool_calls"] = [{"index": calls + j, **openai_call(call)}
+                               for j, call in enumerate(got.calls[calls:])]
+    return delta
+
+
+def chat_chunk(rid: str, model: str, created: int, out: RequestOutput, sent: ChatSent,
                fmt: ChatFormat) -> dict | None:
     choices = []
     for c in news(out, sent):
-        delta, finish_reason = {"content": c.delta_text}, c.finish_reason if c.finished else None
+        delta = _delta(c, fmt, sent)
+        finish = None
+        if c.finished:
+            finish = "tool_calls" if sent.calls.get(c.index) else c.finish_reason
+        elif not delta:
+            continue
         lps = None
         if fmt.logprobs and c.logprobs is not None:
-            lps = chat_logprobs(fmt.tokens, c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
-        if fmt.tools is not None:
-            # Tool calls go out whole when the choice ends (their arguments must parse first);
-            # an output cut short goes out as its text.
-            if not c.finished:
-                continue
-            message, finish_reason = _message(c, fmt.tools)
-            calls = message.get("tool_calls")
-            delta = ({"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]}
-                     if finish_reason == "tool_calls" else {"content": c.text})
-        choices.append({"index": c.index, "delta": delta, "logprobs": lps,
-                        "finish_reason": finish_reason})
+            lps = chat_logprobs(fmt.tokens, c.logprobs[sent.logprobs.get(c.index, 0):])
+            sent.logprobs[c.index] = len(c.logprobs)
+        choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish})
     if not choices:
         return None
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

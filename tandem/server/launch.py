@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from tandem.config import EngineConfig, load_yaml
 from tandem.flags import kv_cache_dtype_argument, renamed, size_type
+from tandem.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerConfig
@@ -148,6 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster; default: none, a standalone server whose P/D routes answer 409)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model's tool-call format (default: from its chat template; generic if "
+                        "it has none)")
     p.add_argument("--engine-niceness", type=int, default=0,
                    help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few cores "
                         "the API process then runs as soon as it wakes")
@@ -205,7 +209,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             raise ValueError(f"unknown server option {key!r} in {args.config}")
         setattr(server, key, value)
     for key in ("api_key", "max_waiting", "request_log", "request_log_text", "allowed_origins", "max_body_bytes",
-                "role", "elastic"):
+                "role", "elastic", "tool_call_parser"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
     return engine_config, server

@@ -17,6 +17,8 @@ from tandem.server.limits import (INT64_MAX, MAX_MESSAGES, MAX_STOP_TOKEN_IDS, M
 from tandem.server.protocol_parts import (Base, ChatMessage, NamedToolChoice, ResponseFormat,
                                           StructuredOutputsField, Tool, doc, hint,
                                           output_constraint, response_format_constraint)
+from tandem.server.tool_parsers import tool_parser
+from tandem.server.tool_parsers.base import ToolParser
 
 REFUSED = {  # fields clients send that would change the output and are not implemented
     "suffix": "fill-in-the-middle needs a model trained for it and its own prompt format",
@@ -180,14 +182,21 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Literal["low", "medium", "high"] | None = hint(
         None, "OpenAI's models' answer length; these models have no such switch")
 
-    def chat_prompt(self, tokenizer) -> str:
-        """The prompt text, with the tools the request may call (none under tool_choice "none")."""
-        tools = self.tools if self.tool_choice != "none" else None
+    def chat_prompt(self, tokenizer, family: ToolParser | None = None) -> str:
+        """The prompt text, with the tools the request may call (none under tool_choice "none"),
+        as the served tool-call format shows them (`family`; default: the template's own)."""
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt false")
+        tools = self.tools if self.tool_choice != "none" else None
         kwargs = template_kwargs(tokenizer, self.chat_template_kwargs, self.reasoning_effort)
-        return render_chat(tokenizer, self.messages, tools, self.add_generation_prompt, kwargs,
-                           self.continue_final_message)
+        return render_chat(tokenizer, family, self.messages, tools, self.forced_tool(),
+                           self.add_generation_prompt, kwargs, self.continue_final_message)
+
+    def forced_tool(self) -> str | None:
+        """None (tool_choice auto: the output may answer), "required", or the function named."""
+        if self.tool_choice in (None, "auto", "none", "required"):
+            return self.tool_choice if self.tool_choice == "required" else None
+        return self.tool_choice.function.name
 
 
 def template_kwargs(tokenizer, kwargs: dict[str, Any] | None, effort: str | None
@@ -206,13 +215,17 @@ def template_kwargs(tokenizer, kwargs: dict[str, Any] | None, effort: str | None
     return kwargs
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None,
-                add_generation_prompt: bool, chat_template_kwargs: dict[str, Any] | None,
+def render_chat(tokenizer, family: ToolParser | None, messages: list[ChatMessage],
+                tools: list[Tool] | None, forced: str | None, add_generation_prompt: bool,
+                chat_template_kwargs: dict[str, Any] | None,
                 continue_final_message: bool = False) -> str:
-    """A request's conversation through the one chat prompt (engine/chat.py); ValueError."""
-    return apply_chat_template(tokenizer, [m.template_dict() for m in messages],
-                               [t.model_dump() for t in tools] if tools else None,
-                               add_generation_prompt, chat_template_kwargs, continue_final_message)
+    """A request's conversation through the one chat prompt (engine/chat.py), its tools and
+    tool turns as the tool-call format shows them; ValueError."""
+    family = family or tool_parser(None, tokenizer)
+    shown, tools = family.prompt([m.template_dict() for m in messages],
+                                 [t.model_dump() for t in tools] if tools else None, forced)
+    return apply_chat_template(tokenizer, shown, tools, add_generation_prompt, chat_template_kwargs,
+                               continue_final_message)
 
 
 class TokenizeRequest(Base):
@@ -226,8 +239,8 @@ class TokenizeRequest(Base):
     add_special_tokens: bool = True
 
     def chat_prompt(self, tokenizer) -> str:
-        return render_chat(tokenizer, self.messages or [], self.tools, self.add_generation_prompt,
-                           self.chat_template_kwargs)
+        return render_chat(tokenizer, None, self.messages or [], self.tools, None,
+                           self.add_generation_prompt, self.chat_template_kwargs)
 
 
 class DetokenizeRequest(Base):

@@ -2,6 +2,7 @@
 translated to them): the strict base model, hints, chat messages, tools and output constraints."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,11 +88,14 @@ class ChatMessage(Base):
     reasoning_content: str | None = None  # an assistant turn's reasoning (templates may show it)
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it (tool fields only where given)."""
+        """The message as chat templates read it (tool fields only where given; a call's
+        arguments as an object, as templates show them, where its JSON text parses)."""
         d: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            d["tool_calls"] = [_arguments_parsed(c) for c in self.tool_calls]
         return d
 
     def text(self) -> str:
@@ -100,6 +104,17 @@ class ChatMessage(Base):
         if any(p.type != "text" for p in self.content):
             raise ValueError("only text content parts are supported")
         return "".join(p.text or "" for p in self.content)
+
+
+def _arguments_parsed(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class FunctionDefinition(Base):

@@ -33,6 +33,7 @@ class ServerConfig:
     role: str | None = None  # a cluster's instance: colocated | prefill | decode; None: standalone
     elastic: bool = False  # may be switched between prefill and decode by the router
     model_aliases: tuple[str, ...] = ()  # further names accepted as `model` (--served-model-name A B ...)
+    tool_call_parser: str | None = None  # hermes, llama3_json, mistral, generic; None: by template
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

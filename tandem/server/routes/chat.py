@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the conversation through the one chat prompt (engine/chat.py),
-tool calls by forced schema (tool_calls.py), whole or streamed."""
+tool calls read by the served family's parser (tool_calls.py), whole or streamed."""
 from __future__ import annotations
 
 import time
@@ -12,18 +12,21 @@ from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.engine.output_processor import RequestOutput
 from tandem.server import responses as R
 from tandem.server import serving as S
-from tandem.server.chat_responses import ChatFormat, chat_body, chat_chunk
+from tandem.server.chat_responses import ChatFormat, ChatSent, chat_body, chat_chunk
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.state import serving_state
 from tandem.server.tool_calls import ToolCallPlan, plan_tool_calls
+from tandem.server.tool_parsers import tool_parser
+from tandem.server.tool_parsers.base import ToolParser
 
 router = APIRouter()
 
 
-def tool_plan(req: ChatCompletionRequest, so: StructuredOutputsParams | None) -> ToolCallPlan | None:
+def tool_plan(req: ChatCompletionRequest, so: StructuredOutputsParams | None,
+              family: ToolParser) -> ToolCallPlan | None:
     try:
-        tools = plan_tool_calls(req)
+        tools = plan_tool_calls(req, family)
     except ValueError as e:
         raise APIError(400, str(e), param="tool_choice") from None
     if tools is not None and so is not None:
@@ -47,10 +50,11 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     check_request(req)
     S.check_admission(state, req.model, req.n)
     so = S.constraint_of(req)
-    tools = tool_plan(req, so)
     tokenizer = state.facts.tokenizer
+    family = tool_parser(state.config.tool_call_parser, tokenizer)
+    tools = tool_plan(req, so, family)
     try:
-        text = req.chat_prompt(tokenizer)
+        text = req.chat_prompt(tokenizer, family)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     ids = S.encode(state, text, req.add_special_tokens, req.truncate_prompt_tokens)
@@ -59,6 +63,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     if tools is not None:
         so = tools.constraint
     params = S.sampling_params(state, req, len(ids), max_tokens, logprobs, so)
+    if tools is not None and not tools.parser.skip_special_tokens:
+        params.skip_special_tokens = False  # the calls' marker is a special token
     how = S.choose(state, req, request)  # before the compile: a refused precision costs nothing
     await S.compile_constraint(state, so, "tool_calls" if tools is not None else None)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
@@ -83,7 +89,7 @@ async def chat_chunks(req: ChatCompletionRequest, rid: str, model: str, created:
         first["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": 0,
                           "total_tokens": prompt_len}
     yield first
-    final, sent = None, R.Sent()
+    final, sent = None, ChatSent()
     async for out in gen:
         final = out
         chunk = chat_chunk(rid, model, created, out, sent, fmt)
