@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server.responses import (Sent, Tokens, chat_logprobs, latency_split, news,
                                      prompt_logprobs, usage)
-from tandem.server.tool_calls import ToolCallPlan, openai_call
+from tandem.server.tool_calls import ToolCallPlan, openai_call, read_output
 
 
 @dataclass(slots=True)
@@ -35,9 +35,7 @@ class ChatSent(Sent):
 def _message(c: CompletionOutput, fmt: ChatFormat) -> tuple[dict, str | None]:
     """(message, finish_reason): with tools, the calls read from the text (finish_reason
     "tool_calls"), and the text around them as content."""
-    if fmt.tools is None:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    got = fmt.tools.parser.extract(c.text, final=True)
+    got = read_output(c.text, fmt.tools, final=True)
     if not got.calls:
         return {"role": "assistant", "content": got.content}, c.finish_reason
     return {"role": "assistant", "content": got.content or None,
@@ -64,7 +62,7 @@ def _delta(c: CompletionOutput, fmt: ChatFormat, sent: ChatSent) -> dict:
     """What the choice's stream has not sent yet: its new text, and its calls that completed."""
     if fmt.tools is None:
         return {"content": c.delta_text}
-    got = fmt.tools.parser.extract(c.text, final=c.finished)
+    got = read_output(c.text, fmt.tools, c.finished)
     done, calls = sent.content.get(c.index, 0), sent.calls.get(c.index, 0)
     sent.content[c.index], sent.calls[c.index] = len(got.content), len(got.calls)
     delta = {"content": got.content[done:]} if len(got.content) > done else {}

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.engine.output_processor import RequestOutput
 from tandem.server import responses as R
+from tandem.server.auth import presented_key
 from tandem.server.errors import APIError
 from tandem.server.precision import key_priority, request_precision, split_model
 from tandem.server.protocol import SamplingFields
@@ -99,7 +100,7 @@ def sampling_params(state: ServingState, req: SamplingFields, prompt_len: int, m
 def choose(state: ServingState, req: SamplingFields, request: Request) -> Choice:
     """(priority, precision): the request's own, else its API key's class; 400 if not served."""
     config = state.config
-    priority = req.priority_level or key_priority(request.headers.get("authorization"), config.api_key_classes)
+    priority = req.priority_level or key_priority(presented_key(request), config.api_key_classes)
     try:
         return priority, request_precision(req.precision, split_model(req.model, config.served_model_names)[1],
                                            state.facts.precisions)

@@ -5,12 +5,13 @@ business, not every handler's."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from tandem.engine.core_messages import CompileGrammar
+from tandem.server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import StructuredOutputsParams
@@ -34,6 +35,9 @@ class ServerConfig:
     elastic: bool = False  # may be switched between prefill and decode by the router
     model_aliases: tuple[str, ...] = ()  # further names accepted as `model` (--served-model-name A B ...)
     tool_call_parser: str | None = None  # hermes, llama3_json, mistral, generic; None: by template
+    responses_max_count: int = 1000  # /v1/responses kept for previous_response_id, at most
+    responses_max_bytes: int = 64 << 20  # and their size at most
+    responses_ttl_s: float = 3600.0  # each kept this long
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -66,6 +70,12 @@ class ServingState:
     config: ServerConfig
     metrics: ServerMetrics
     facts: EngineFacts
+    responses: ResponseStore = field(init=False)  # the Responses API's, within the config's bounds
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.responses = ResponseStore(c.responses_max_count, c.responses_max_bytes,
+                                       c.responses_ttl_s)
 
 
 def serving_state(request: Request) -> ServingState:

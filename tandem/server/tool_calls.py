@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.tool_parsers.base import ToolCall, ToolParser
+from tandem.server.tool_parsers.base import Extracted, ToolCall, ToolParser
 from tandem.server.tool_parsers.generic import GenericToolParser
 
 
@@ -42,6 +42,11 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
         family = GenericToolParser()
         constraint = family.constraint(tools, choice, req.parallel_tool_calls)
     return ToolCallPlan(family, constraint)
+
+
+def read_output(text: str, plan: ToolCallPlan | None, final: bool) -> Extracted:
+    """The output's text and the calls in it (as far as a stream may tell, unless final)."""
+    return plan.parser.extract(text, final) if plan is not None else Extracted(text)
 
 
 def openai_call(call: ToolCall) -> dict:

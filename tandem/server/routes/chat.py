@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
@@ -44,8 +45,18 @@ def check_request(req: ChatCompletionRequest) -> None:
                        param="prompt_logprobs")
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request on its way: the engine's stream of it, and how to read its output."""
+
+    gen: AsyncIterator[RequestOutput]
+    tools: ToolCallPlan | None
+    prompt_len: int
+
+
+async def start_chat(req: ChatCompletionRequest, request: Request, rid: str) -> ChatRun:
+    """Admission, the prompt, the tool-call plan and sampling params, the constraint compiled,
+    and the request queued. The Messages and Responses APIs come through here too."""
     state = serving_state(request)
     check_request(req)
     S.check_admission(state, req.model, req.n)
@@ -67,14 +78,20 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         params.skip_special_tokens = False  # the calls' marker is a special token
     how = S.choose(state, req, request)  # before the compile: a refused precision costs nothing
     await S.compile_constraint(state, so, "tool_calls" if tools is not None else None)
+    return ChatRun(S.generate(state, ids, params, how, rid), tools, len(ids))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+    state = serving_state(request)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
-    gen = S.generate(state, ids, params, how, rid)
-    fmt = ChatFormat(R.Tokens(tokenizer, req.return_tokens_as_token_ids), req.logprobs, tools,
-                     req.prompt_logprobs, S.continuous_usage(req))
+    run = await start_chat(req, request, rid)
+    fmt = ChatFormat(R.Tokens(state.facts.tokenizer, req.return_tokens_as_token_ids), req.logprobs,
+                     run.tools, req.prompt_logprobs, S.continuous_usage(req))
     if not req.stream:
-        out = (await S.collect(request, [gen]))[0]
+        out = (await S.collect(request, [run.gen]))[0]
         return chat_body(rid, model, created, out, fmt)
-    return S.sse(chat_chunks(req, rid, model, created, gen, fmt, len(ids)))
+    return S.sse(chat_chunks(req, rid, model, created, run.gen, fmt, run.prompt_len))
 
 
 async def chat_chunks(req: ChatCompletionRequest, rid: str, model: str, created: int,
