@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
+from tandem.server.reasoning_parser import ThinkParser
 from tandem.server.responses import (Sent, Tokens, chat_logprobs, latency_split, news,
                                      prompt_logprobs, usage)
 from tandem.server.tool_calls import ToolCallPlan, openai_call, read_output
@@ -18,6 +19,7 @@ class ChatFormat:
     tokens: Tokens
     logprobs: bool
     tools: ToolCallPlan | None = None
+    think: ThinkParser | None = None
     prompt_logprobs: int | None = None
     continuous_usage: bool = False
 
@@ -28,18 +30,23 @@ class ChatSent(Sent):
     stream has sent (a token whose text is held back sends its logprob with the next chunk)."""
 
     content: dict[int, int] = field(default_factory=dict)
+    reasoning: dict[int, int] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, int] = field(default_factory=dict)
 
 
 def _message(c: CompletionOutput, fmt: ChatFormat) -> tuple[dict, str | None]:
-    """(message, finish_reason): with tools, the calls read from the text (finish_reason
-    "tool_calls"), and the text around them as content."""
-    got = read_output(c.text, fmt.tools, final=True)
+    """(message, finish_reason): a reasoning model's reasoning as reasoning_content; with
+    tools, the calls read from the text (finish_reason "tool_calls"), and the text around
+    them as content."""
+    got = read_output(c.text, fmt.tools, True, fmt.think)
+    message = {"role": "assistant", "content": got.content}
+    if fmt.think is not None:
+        message["reasoning_content"] = got.reasoning or None
     if not got.calls:
-        return {"role": "assistant", "content": got.content}, c.finish_reason
-    return {"role": "assistant", "content": got.content or None,
-            "tool_calls": [openai_call(call) for call in got.calls]}, "tool_calls"
+        return message, c.finish_reason
+    message["content"] = got.content or None
+    return {**message, "tool_calls": [openai_call(call) for call in got.calls]}, "tool_calls"
 
 
 def chat_body(rid: str, model: str, created: int, out: RequestOutput, fmt: ChatFormat) -> dict:
@@ -59,13 +66,18 @@ def chat_body(rid: str, model: str, created: int, out: RequestOutput, fmt: ChatF
 
 
 def _delta(c: CompletionOutput, fmt: ChatFormat, sent: ChatSent) -> dict:
-    """What the choice's stream has not sent yet: its new text, and its calls that completed."""
-    if fmt.tools is None:
+    """What the choice's stream has not sent yet: its new reasoning and text, and its calls
+    that completed."""
+    if fmt.tools is None and fmt.think is None:
         return {"content": c.delta_text}
-    got = read_output(c.text, fmt.tools, c.finished)
+    got = read_output(c.text, fmt.tools, c.finished, fmt.think)
     done, calls = sent.content.get(c.index, 0), sent.calls.get(c.index, 0)
+    thought = sent.reasoning.get(c.index, 0)
     sent.content[c.index], sent.calls[c.index] = len(got.content), len(got.calls)
-    delta = {"content": got.content[done:]} if len(got.content) > done else {}
+    sent.reasoning[c.index] = len(got.reasoning)
+    delta = {"reasoning_content": got.reasoning[thought:]} if len(got.reasoning) > thought else {}
+    if len(got.content) > done:
+        delta["content"] = got.content[done:]
     if len(got.calls) > calls:
         delta["tool_calls"] = [{"index": calls + j, **openai_call(call)}
                                for j, call in enumerate(got.calls[calls:])]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from tandem.config import EngineConfig, load_yaml
 from tandem.flags import kv_cache_dtype_argument, renamed, size_type
+from tandem.server.reasoning_parser import REASONING_PARSERS
 from tandem.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -149,6 +150,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=["colocated", "prefill", "decode"], default=None,
                    help="role in a cluster's model group (tandem cluster; default: none, a standalone server whose P/D routes answer 409)")
     p.add_argument("--elastic", action="store_true", default=None, help="the router may switch this role")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="reasoning as reasoning_content: <think>...</think> (default: a template "
+                        "that writes <think>)")
+    p.add_argument("--reasoning-budget", type=int, choices=[-1, 0], default=None,
+                   help="-1: unlimited (default); 0: thinking off, by the chat template's switch")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool-call format (default: from its chat template; generic if "
                         "it has none)")
@@ -209,7 +215,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             raise ValueError(f"unknown server option {key!r} in {args.config}")
         setattr(server, key, value)
     for key in ("api_key", "max_waiting", "request_log", "request_log_text", "allowed_origins", "max_body_bytes",
-                "role", "elastic", "tool_call_parser"):
+                "role", "elastic", "tool_call_parser", "reasoning_parser", "reasoning_budget"):
         if getattr(args, key) is not None:
             setattr(server, key, getattr(args, key))
     return engine_config, server

@@ -35,6 +35,8 @@ class ServerConfig:
     elastic: bool = False  # may be switched between prefill and decode by the router
     model_aliases: tuple[str, ...] = ()  # further names accepted as `model` (--served-model-name A B ...)
     tool_call_parser: str | None = None  # hermes, llama3_json, mistral, generic; None: by template
+    reasoning_parser: str | None = None  # deepseek_r1 or qwen3 (<think>); None: by template
+    reasoning_budget: int = -1  # -1: unlimited; 0: thinking off (the template's switch)
     responses_max_count: int = 1000  # /v1/responses kept for previous_response_id, at most
     responses_max_bytes: int = 64 << 20  # and their size at most
     responses_ttl_s: float = 3600.0  # each kept this long

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.reasoning_parser import ThinkParser
 from tandem.server.tool_parsers.base import Extracted, ToolCall, ToolParser
 from tandem.server.tool_parsers.generic import GenericToolParser
 
@@ -44,9 +45,14 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
     return ToolCallPlan(family, constraint)
 
 
-def read_output(text: str, plan: ToolCallPlan | None, final: bool) -> Extracted:
-    """The output's text and the calls in it (as far as a stream may tell, unless final)."""
-    return plan.parser.extract(text, final) if plan is not None else Extracted(text)
+def read_output(text: str, plan: ToolCallPlan | None, final: bool,
+                think: ThinkParser | None = None) -> Extracted:
+    """The output's reasoning, its answer's text and the calls in it (as far as a stream may
+    tell, unless final)."""
+    reasoning, text = think.split(text, final) if think is not None else ("", text)
+    got = plan.parser.extract(text, final) if plan is not None else Extracted(text)
+    got.reasoning = reasoning
+    return got
 
 
 def openai_call(call: ToolCall) -> dict:

@@ -16,6 +16,7 @@ from tandem.server import serving as S
 from tandem.server.chat_responses import ChatFormat, ChatSent, chat_body, chat_chunk
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
 from tandem.server.state import serving_state
 from tandem.server.tool_calls import ToolCallPlan, plan_tool_calls
 from tandem.server.tool_parsers import tool_parser
@@ -51,6 +52,7 @@ class ChatRun:
 
     gen: AsyncIterator[RequestOutput]
     tools: ToolCallPlan | None
+    think: ThinkParser | None  # a reasoning model's
     prompt_len: int
 
 
@@ -64,6 +66,8 @@ async def start_chat(req: ChatCompletionRequest, request: Request, rid: str) -> 
     tokenizer = state.facts.tokenizer
     family = tool_parser(state.config.tool_call_parser, tokenizer)
     tools = tool_plan(req, so, family)
+    if state.config.reasoning_budget == 0:  # thinking off: the template's switch
+        req = req.model_copy(update={"reasoning_effort": "none"})
     try:
         text = req.chat_prompt(tokenizer, family)
     except ValueError as e:
@@ -78,7 +82,8 @@ async def start_chat(req: ChatCompletionRequest, request: Request, rid: str) -> 
         params.skip_special_tokens = False  # the calls' marker is a special token
     how = S.choose(state, req, request)  # before the compile: a refused precision costs nothing
     await S.compile_constraint(state, so, "tool_calls" if tools is not None else None)
-    return ChatRun(S.generate(state, ids, params, how, rid), tools, len(ids))
+    think = reasoning_parser(state.config.reasoning_parser, tokenizer, text)
+    return ChatRun(S.generate(state, ids, params, how, rid), tools, think, len(ids))
 
 
 @router.post("/v1/chat/completions")
@@ -87,7 +92,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
     run = await start_chat(req, request, rid)
     fmt = ChatFormat(R.Tokens(state.facts.tokenizer, req.return_tokens_as_token_ids), req.logprobs,
-                     run.tools, req.prompt_logprobs, S.continuous_usage(req))
+                     run.tools, run.think, req.prompt_logprobs, S.continuous_usage(req))
     if not req.stream:
         out = (await S.collect(request, [run.gen]))[0]
         return chat_body(rid, model, created, out, fmt)

@@ -69,10 +69,15 @@ def _stop(c: CompletionOutput, called: bool) -> dict:
     return {"stop_reason": reason, "stop_sequence": sequence}
 
 
+def _thinking(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def message_body(rid: str, model: str, out: RequestOutput, run: ChatRun) -> dict:
     c = out.outputs[0]
-    got = read_output(c.text, run.tools, final=True)
-    content = ([{"type": "text", "text": got.content}] if got.content else [])
+    got = read_output(c.text, run.tools, True, run.think)
+    content = [_thinking(got.reasoning)] if got.reasoning else []
+    content += [{"type": "text", "text": got.content}] if got.content else []
     content += [_tool_use(name, args) for name, args in got.calls]
     return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
             **_stop(c, bool(got.calls)),
@@ -84,37 +89,44 @@ def _event(name: str, data: dict) -> str:
 
 
 async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
-    """message_start; per block content_block_start, its deltas, content_block_stop (a text
-    block as the text comes, a tool_use block as each call completes); message_delta with the
-    stop_reason and usage; message_stop. An error after the start is an `error` event."""
+    """message_start; per block content_block_start, its deltas, content_block_stop (thinking
+    and text blocks as their text comes, a tool_use block as each call completes);
+    message_delta with the stop_reason and usage; message_stop. An error after the start is an
+    `error` event."""
     yield _event("message_start", {"message": {
         "id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": run.prompt_len, "output_tokens": 0}}})
-    index, text_open, sent, calls, c = 0, False, 0, 0, None
+    index, open_, sent, thought, calls, c = 0, None, 0, 0, 0, None
     try:
         async for out in run.gen:
             c = out.outputs[0]
-            got = read_output(c.text, run.tools, c.finished)
-            if len(got.content) > sent:
-                if not text_open:
-                    block = {"type": "text", "text": ""}
+            got = read_output(c.text, run.tools, c.finished, run.think)
+            blocks = (("thinking", got.reasoning, thought), ("text", got.content, sent))
+            for kind, text, done in blocks:
+                if len(text) <= done:
+                    continue
+                if open_ != kind:
+                    if open_ is not None:
+                        yield _event("content_block_stop", {"index": index})
+                        index += 1
+                    block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
                     yield _event("content_block_start", {"index": index, "content_block": block})
-                    text_open = True
-                delta = {"type": "text_delta", "text": got.content[sent:]}
+                    open_ = kind
+                delta = {"type": f"{kind}_delta", kind: text[done:]}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
-                sent = len(got.content)
+            thought, sent = len(got.reasoning), len(got.content)
             for name, args in got.calls[calls:]:
-                if text_open:
+                if open_ is not None:
                     yield _event("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
+                    index, open_ = index + 1, None
                 block = _tool_use(name, args, {})
                 yield _event("content_block_start", {"index": index, "content_block": block})
                 delta = {"type": "input_json_delta", "partial_json": json.dumps(args)}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
                 yield _event("content_block_stop", {"index": index})
                 index, calls = index + 1, calls + 1
-        if text_open:
+        if open_ is not None:
             yield _event("content_block_stop", {"index": index})
         yield _event("message_delta", {"delta": _stop(c, calls > 0),
                                        "usage": {"output_tokens": len(c.token_ids)}})

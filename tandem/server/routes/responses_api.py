@@ -84,8 +84,16 @@ class Answer:
             turn = {"role": "assistant", "content": text or None}
             if calls:
                 turn["tool_calls"] = calls
+            thought = [p["text"] for i in items if i["type"] == "reasoning" for p in i["content"]]
+            if thought:
+                turn["reasoning_content"] = "".join(thought)
             self.state.responses.put(self.key, body, [*self.history, *messages, turn])
         return body
+
+
+def reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+            "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def function_call(name: str, arguments: dict, status: str = "completed") -> dict:
@@ -114,8 +122,9 @@ async def create_response(req: ResponsesRequest, request: Request):
         return StreamingResponse(events(answer, run), media_type="text/event-stream")
     out = (await S.collect(request, [run.gen]))[0]
     c = out.outputs[0]
-    got = read_output(c.text, run.tools, final=True)
-    items = [answer.message(got.content, "completed", c)] if got.content or not got.calls else []
+    got = read_output(c.text, run.tools, True, run.think)
+    items = [reasoning_item(got.reasoning)] if got.reasoning else []
+    items += [answer.message(got.content, "completed", c)] if got.content or not got.calls else []
     items += [function_call(name, args) for name, args in got.calls]
     return answer.finish(out, items, req.messages())
 
@@ -137,7 +146,8 @@ async def delete_response(response_id: str, request: Request):
 
 async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
     """response.created / in_progress; per item output_item.added, its parts and deltas,
-    output_item.done (the message as its text comes, each function call as it completes);
+    output_item.done (reasoning when it ends, the message as its text comes, each function
+    call as it completes);
     response.completed (or incomplete) with the whole response. An error: an `error` event."""
     seq = iter(range(1 << 62))
 
@@ -151,7 +161,12 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
     try:
         async for out in run.gen:
             c = out.outputs[0]
-            got = read_output(c.text, run.tools, c.finished)
+            got = read_output(c.text, run.tools, c.finished, run.think)
+            if got.reasoning and not items and (got.content or got.calls or c.finished):
+                item = reasoning_item(got.reasoning)
+                for line in _reasoning_events(event, item):
+                    yield line
+                items.append(item)
             if len(got.content) > len(text):
                 where = {"output_index": len(items)}
                 if message is None:
@@ -189,6 +204,16 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
     except (APIError, RuntimeError) as e:
         message_ = e.message if isinstance(e, APIError) else str(e)
         yield event("error", code=None, message=message_, param=None)
+
+
+def _reasoning_events(event, item: dict) -> list[str]:
+    """A reasoning item, whole once the reasoning has ended."""
+    where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+    text = item["content"][0]["text"]
+    return [event("response.output_item.added", output_index=0, item={**item, "content": []}),
+            event("response.reasoning_text.delta", **where, delta=text),
+            event("response.reasoning_text.done", **where, text=text),
+            event("response.output_item.done", output_index=0, item=item)]
 
 
 def _message_done(event, answer: Answer, message: dict, text: str, items: list[dict],

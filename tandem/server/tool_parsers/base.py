@@ -16,6 +16,7 @@ ToolCall = tuple[str, dict[str, Any]]  # (function name, arguments)
 class Extracted:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""  # a reasoning model's, before the answer (reasoning_parser.py)
 
 
 def call_of(value: Any, arguments_key: str = "arguments") -> ToolCall | None:
