@@ -1,7 +1,8 @@
 """Request fields that need a model, through a live server on a tiny random Llama (fp32, a real
 tokenizer): `echo` with `logprobs` and `max_tokens: 0` (what lm-eval-harness sends) gives the
 prompt's teacher-forced logprobs, `prompt_logprobs`, `best_of`, `logit_bias`,
-`stream_options.continuous_usage_stats` and `return_tokens_as_token_ids`."""
+`stream_options.continuous_usage_stats` and `return_tokens_as_token_ids`; and the `vllm:`
+metrics."""
 from __future__ import annotations
 
 import json
@@ -110,3 +111,20 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(server, path, body):
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert all("usage" in c for c in chunks) and counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chunks[-2]["usage"]
+
+
+def test_vllm_named_metrics_beside_tandems(server):
+    """What vLLM dashboards scrape, with Tandem's values."""
+    url, _ = server
+    post(url, "/v1/completions", prompt="abc", max_tokens=2)
+    text = httpx.get(url + "/metrics").text
+    series = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line and not line.startswith("#"))
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "e2e_request_latency_seconds_count", "time_to_first_token_seconds_count"):
+        tandem = {k: v for k, v in series.items() if k.startswith(f"tandem:{name}{{")}
+        vllm = {k.replace("tandem:", "vllm:", 1): v for k, v in tandem.items()}
+        assert tandem and all(series.get(k) == v for k, v in vllm.items()), name
+    assert float(series['vllm:generation_tokens_total{model_name="tiny"}']) >= 2
+    assert 'vllm:gpu_cache_usage_perc{model_name="tiny"}' in series
