@@ -4,7 +4,8 @@ tools, calls a tool and then answers with its result; a family parser, Hermes fr
 Hermes-style chat template, reads the calls the model writes in its own format), and the
 anthropic client's Messages API (text, stop sequences, tool use, count_tokens, x-api-key), and
 the openai client's Responses API (text, typed stream events, function tools over
-previous_response_id, structured output, a stored response readable by its own key only)."""
+previous_response_id, structured output, a stored response readable by its own key only), and
+an openai-agents agent loop calling a function tool and answering with its result."""
 from __future__ import annotations
 
 import json
@@ -218,3 +219,25 @@ def test_responses_structured_output_store_and_keys(url, generic):
     generic.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError):
         generic.responses.retrieve(made.id)
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_loop_calls_a_tool_and_answers_with_its_result(url, api):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY)
+    model = (agents.OpenAIChatCompletionsModel if api == "chat_completions"
+             else agents.OpenAIResponsesModel)(model=MODEL, openai_client=client)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return "Sunny, 21 C"
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                    max_tokens=60)
+    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.",
+                         model=model, tools=[get_weather], model_settings=settings)
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    assert calls == ["Paris"] and "Sunny" in result.final_output
