@@ -235,8 +235,8 @@ def test_openai_agents_loop_calls_a_tool_and_answers_with_its_result(url, api):
         """The current weather in a city."""
         calls.append(city)
         return "Sunny, 21 C"
-    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
-                                    max_tokens=60)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                    temperature=0, max_tokens=60)
     agent = agents.Agent(name="weather", instructions="Answer questions about the weather.",
                          model=model, tools=[get_weather], model_settings=settings)
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
