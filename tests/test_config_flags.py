@@ -70,6 +70,12 @@ SERVER_SAMPLES = {
     "allowed_origins": ["http://a"],
     "role": "prefill",
     "elastic": True,
+    "tool_call_parser": "hermes",
+    "reasoning_parser": "qwen3",
+    "reasoning_budget": 0,
+    "responses_max_count": 5,
+    "responses_max_bytes": 1 << 20,
+    "responses_ttl_s": 60.0,
 }
 # Flags named as an engine option with another meaning in their command, not the engine's:
 # seeds of random prompts or traffic, lists of precisions compared, a client's or a payload's

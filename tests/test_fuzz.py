@@ -36,7 +36,8 @@ def test_openapi_describes_the_real_request_models(server):
     assert schemas["StructuredOutputsField"]["properties"]["json"]  # the alias, as clients send it
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 2048
     posts = {p for p, ops in doc["paths"].items() if "post" in ops}
-    assert posts == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tandem/role",
+    assert posts == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                     "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/tandem/role",
                      "/tandem/kv_group", "/tandem/prefill", "/tandem/decode", "/tandem/migrate"}
     assert all("requestBody" in doc["paths"][p]["post"] for p in posts)
 

@@ -147,6 +147,16 @@ def test_min_tokens_blocks_eos_and_stop_tokens(device, ignore_eos):
     assert out.sampled_token_ids == [2 if ignore_eos else 4, 2]
 
 
+def test_logit_bias_steers_greedy_and_random_rows_but_not_logprobs(device):
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]], device=device).repeat(3, 1)
+    out = sample(logits, [row(device, temperature=0.0, logit_bias={3: 4.0}, logprobs=0),
+                          row(device, temperature=0.9, seed=0, logit_bias={0: 100.0, 1: -100.0}),
+                          row(device, temperature=0.0)])
+    assert out.sampled_token_ids == [3, 0, 1]  # biases add to the logits; the third row has none
+    # logprobs are of the raw logits (vLLM's default), before the bias
+    assert out.logprobs[0][0][1] == pytest.approx(logits[0].log_softmax(-1)[3].item(), abs=1e-5)
+
+
 def test_logprobs_are_raw_log_softmax(device):
     logits = randn(3, 40, seed=5, device=device)
     rows = [row(device, temperature=0.0, logprobs=3), row(device, temperature=0.0),

@@ -117,8 +117,9 @@ def test_tokenize_alone_follows_add_generation_prompt_tools_and_kwargs():
     assert count(messages=messages, tools=tools, add_generation_prompt=False) == tok.encode(
         "tools: get_weather\nuser: hi there\n")
     assert count(prompt="hi there") == [6, 7]
-    unread = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"colour": "red"}})
-    assert unread.status_code == 400 and "does not read colour" in unread.json()["error"]["message"]
+    # a variable the template does not read is accepted, and has no effect
+    assert count(messages=messages, chat_template_kwargs={"colour": "red"}) == tok.encode(
+        "user: hi there\nassistant:")
     reserved = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"tokenize": True}})
     assert reserved.status_code == 400 and "cannot be set" in reserved.json()["error"]["message"]
     assert client.post("/tokenize", json={}).status_code == 400

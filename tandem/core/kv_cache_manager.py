@@ -48,9 +48,10 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[PerGroup, int]:
         """Longest cached prefix of the request's tokens, in whole blocks: each KV group's blocks,
         and the tokens they hold. At least one token is always left to compute, so the step
-        still produces logits."""
+        still produces logits. No hit for a request that asks for prompt logprobs: every
+        prompt position must run for its logits."""
         c = self.coordinator
-        if not c.enable_caching:
+        if not c.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return (), 0
         limit = req.num_tokens - 1
         if c.max_prefix_tokens is not None:

@@ -62,6 +62,9 @@ class ModelRunnerOutput:
     # Per request with logprobs asked: one list per sampled token of (token_id, logprob) pairs,
     # the sampled token first, then the top alternatives.
     logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    # Per request with prompt logprobs asked, with its first sampled token: one list per prompt
+    # token after the first, (token_id, logprob) then the top alternatives.
+    prompt_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds the step took on the executor
     structured_output_time: float = 0.0  # of which filling and applying grammar bitmasks
     propose_time: float = 0.0  # of which proposing the next step's drafts (charged to that step)
@@ -81,3 +84,4 @@ class EngineCoreOutput:
     # Speculative decoding this step: drafts verified and accepted (request log figures)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None  # with the first token, if asked

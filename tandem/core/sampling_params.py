@@ -6,26 +6,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
     """One constraint on the output (vLLM's names): a JSON Schema, any JSON object, a regex,
-    a choice among strings, or a grammar (EBNF / llama.cpp's GBNF, rule `root`). Only its shape is checked
-    here; the grammar engine (executor/grammar_compiler.py) compiles it and names what is wrong."""
+    a choice among strings, a grammar (EBNF / llama.cpp's GBNF, rule `root`), or an xgrammar
+    structural tag (JSON text: free text, then tagged parts, such as tool calls, by a schema).
+    Only its shape is checked here; the grammar engine (executor/grammar_compiler.py) compiles
+    it and names what is wrong."""
 
     json: str | dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in KINDS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, "
-                             f"grammar; got {', '.join(given) or 'none'}")
+                             f"grammar, structural_tag; got {', '.join(given) or 'none'}")
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
@@ -35,17 +41,17 @@ class StructuredOutputsParams:
             raise ValueError("the JSON schema must be an object (or its JSON text)")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("choice must be a non-empty list of non-empty strings")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string")
 
     @property
     def kind(self) -> str:
-        """json | json_object | regex | choice | grammar (the metrics label)."""
+        """json | json_object | regex | choice | grammar | structural_tag (the metrics label)."""
         if self.json_object:
             return "json_object"
-        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+        return next(n for n in KINDS if getattr(self, n) is not None)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -80,6 +86,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token's
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -120,6 +128,11 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                                       for t, b in self.logit_bias.items()):
+            bad("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -259,6 +259,7 @@ class Scheduler(Admission):
             outputs.append(EngineCoreOutput(
                 req_id, new_ids, lps[:len(new_ids)] if lps else None,
                 req.finish_reason, req.stop_reason, num_drafts, num_accepted,
+                result.prompt_logprobs.get(req_id),
             ))
             if req.status.finished:
                 finished = True

@@ -11,13 +11,16 @@ from typing import Any
 NO_TEMPLATE = "this model has no chat template: send a plain prompt (text or token ids), not messages"
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None,
                         add_generation_prompt: bool = True,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                        chat_template_kwargs: dict[str, Any] | None = None,
+                        continue_final_message: bool = False) -> str:
     """The prompt text. `messages` as chat templates read them (role, content, and tool fields
     where given); `tools` in OpenAI's form, rendered by templates that know tools; extra template
-    variables in `chat_template_kwargs`, each of which the template must read (a variable it
-    never reads would be silently ignored, so it is refused). ValueError for a bad conversation."""
+    variables in `chat_template_kwargs` (one the template does not read has no effect);
+    `continue_final_message`: the text ends inside the last message, for the output to go on
+    with it. ValueError for a bad conversation."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if not isinstance(template, str) or not template:
         raise ValueError(NO_TEMPLATE)
@@ -25,16 +28,20 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], tools: l
     reserved = sorted(extra.keys() & _own_parameters(tokenizer))
     if reserved:
         raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there")
-    unread = sorted(extra.keys() - _template_variables(template))
-    if unread:
-        raise ValueError(f"chat_template_kwargs: this model's chat template does not read {', '.join(unread)}")
     if tools:
         extra["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **extra)
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **extra)
     except Exception as e:  # the template's own checks (roles, alternation, ...) raise anything
         raise ValueError(f"messages: {e}") from None
+
+
+def template_variables(tokenizer: Any) -> frozenset[str]:
+    """The variables the tokenizer's chat template reads (none without a template)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return _template_variables(template) if isinstance(template, str) else frozenset()
 
 
 def _own_parameters(tokenizer: Any) -> set[str]:

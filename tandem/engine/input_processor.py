@@ -51,6 +51,8 @@ class InputProcessor:
         classified by length. `precision`: the variant asked for; None: the class's, else the default."""
         token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids)
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias))
         variant = self.precisions.choose(precision, priority)
         if priority is None:
             priority = classify(len(token_ids), params.max_tokens,

@@ -49,6 +49,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    # Asked for: one entry per prompt token after the first, as CompletionOutput.logprobs
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
     priority: int = 2
     precision: str | None = None  # the model variant that served it
 
@@ -127,6 +129,8 @@ class OutputProcessor:
                 m.num_spec_steps += 1
                 m.num_draft_tokens += co.num_draft_tokens
                 m.num_accepted_tokens += co.num_accepted_tokens
+            if co.prompt_logprobs is not None:
+                parent.prompt_logprobs = co.prompt_logprobs
             core_done = co.finish_reason is not None
             new_ids, new_lps = co.new_token_ids, co.new_logprobs
             text_ids = new_ids

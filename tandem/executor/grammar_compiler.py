@@ -86,6 +86,8 @@ class GrammarCompiler:
                 grammar = compiler.compile_json_schema(text or '{"type": "object"}', **_JSON_LAYOUT)
             elif kind == "regex":
                 grammar = compiler.compile_regex(text)
+            elif kind == "structural_tag":
+                grammar = compiler.compile_structural_tag(text)
             elif kind == "choice":
                 grammar = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
             else:

@@ -22,6 +22,7 @@ from tandem.executor.grammar_compiler import GrammarCompiler
 from tandem.executor.input_batch import CachedRequestState, InputBatch, InputBuilder
 from tandem.executor.kv_cache import KVCache
 from tandem.executor.kv_transfer.host_tier import HostTierWorker
+from tandem.executor.prompt_logprobs import PromptLogprobs
 from tandem.executor.proposers import build_proposer
 from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow
 from tandem.executor.sampler import Sampler
@@ -86,6 +87,7 @@ class ModelRunner:
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = RejectionSampler(Sampler())
         self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
+        self.prompt_logprobs = PromptLogprobs()
         builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim,
                                run.deterministic, groups)
         self.input_batch = InputBatch(builder, self.variants.default)
@@ -139,6 +141,7 @@ class ModelRunner:
             self.structured_output.update(sched)
         if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
             self.proposer.forget(sched.finished_req_ids | sched.preempted_req_ids)
+        self.prompt_logprobs.forget(sched.finished_req_ids)
 
     def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
         """Forward, logits and sampling of the step's requests that run on `model`."""
@@ -152,6 +155,10 @@ class ModelRunner:
         logits = None if graph is None else graph.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if logits is None:
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if any(s.params.prompt_logprobs is not None for s in states):
+            every_row = logits  # a graph computed every row's logits; else from the hidden rows
+            self.prompt_logprobs.add_step(states, counts, inputs.query_start_loc, lambda a, b: (
+                every_row[a:b] if every_row is not None else model.compute_logits(hidden[a:b])))
         if logits_rows:
             if logits is None:  # indices are ascending and distinct: as many as rows means every row
                 logits = model.compute_logits(hidden if len(logits_index) == len(hidden) else hidden[logits_index])
@@ -172,6 +179,8 @@ class ModelRunner:
                       s.token_ids[s.prompt_len:], generators[s.req_id], s.eos_token_id, s.spec_token_ids)
             for s in rows], self.device)
         for s, (token_ids, lps) in zip(rows, verified):
+            if s.params.prompt_logprobs is not None and len(s.token_ids) == s.prompt_len:
+                out.prompt_logprobs[s.req_id] = self.prompt_logprobs.take(s.req_id)
             s.token_ids.extend(token_ids)
             if grammar is not None:
                 for token_id in token_ids:

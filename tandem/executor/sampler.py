@@ -1,5 +1,5 @@
-"""Turns one step's logits into token ids with vLLM's semantics: min_tokens, penalties, greedy or
-temperature / top-k / top-p / min-p sampling, and logprobs of the raw logits."""
+"""Turns one step's logits into token ids with vLLM's semantics: min_tokens, logit_bias, penalties,
+greedy or temperature / top-k / top-p / min-p sampling, and logprobs of the raw logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,6 +86,7 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None  # [B] fp32
     repetition_penalties: torch.Tensor | None  # [B] fp32
     min_tokens_blocked: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) set to -inf
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases)
     num_logprobs: list[int | None]  # per row, params.logprobs
     max_num_logprobs: int | None  # None when no row asked
 
@@ -129,11 +130,12 @@ class SamplingMetadata:
             repetition = floats([p.repetition_penalty for p in params])
 
         min_tokens_blocked = _min_tokens_blocked(rows, vocab_size, device)
+        logit_bias = _logit_bias(params, device)
         num_logprobs = [p.logprobs for p in params]
         max_num_logprobs = max((k for k in num_logprobs if k is not None), default=None)
         return cls(all_greedy, temperature, greedy_mask, top_k, max_top_k, top_p, min_p, generators,
                    no_penalties, prompt_ids, output_ids, presence, frequency, repetition,
-                   min_tokens_blocked, num_logprobs, max_num_logprobs)
+                   min_tokens_blocked, logit_bias, num_logprobs, max_num_logprobs)
 
 
 def _min_tokens_blocked(rows: list[SamplingRow], vocab_size: int, device: torch.device
@@ -153,6 +155,19 @@ def _min_tokens_blocked(rows: list[SamplingRow], vocab_size: int, device: torch.
         return None
     return (to_device(torch.tensor(blocked_rows, dtype=torch.long), device),
             to_device(torch.tensor(blocked_ids, dtype=torch.long), device))
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row indices, token ids, biases) of the rows' logit_bias entries; None if no row has any."""
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+               for t, b in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, ids, biases = zip(*entries)
+    return (to_device(torch.tensor(rows, dtype=torch.long), device),
+            to_device(torch.tensor(ids, dtype=torch.long), device),
+            to_device(torch.tensor(biases, dtype=torch.float32), device))
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -208,7 +223,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
-        plain_argmax = md.no_penalties and md.min_tokens_blocked is None and md.max_num_logprobs is None
+        plain_argmax = (md.no_penalties and md.min_tokens_blocked is None and md.logit_bias is None
+                        and md.max_num_logprobs is None)
         if md.all_greedy and plain_argmax:
             return SamplerOutput(argmax(logits).tolist(), None)
 
@@ -218,6 +234,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.min_tokens_blocked is not None:
             logits[md.min_tokens_blocked] = _NEG_INF
+        if md.logit_bias is not None:
+            rows, ids, biases = md.logit_bias
+            logits.index_put_((rows, ids), biases, accumulate=True)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 

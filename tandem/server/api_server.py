@@ -15,11 +15,13 @@ from tandem.server.metrics import ServerMetrics
 from tandem.server.middleware import BodySizeLimit
 from tandem.server.pd_routes import add_pd_routes
 from tandem.server.precision import check_key_classes
-from tandem.server.routes import chat, completions, health, models, tokenize
+from tandem.server.routes import (chat, completions, health, messages, models, responses_api,
+                                  tokenize)
 from tandem.server.state import ServerConfig, ServingState, engine_facts
 
 __all__ = ["ServerConfig", "build_app"]
-ROUTERS = (completions.router, chat.router, tokenize.router, models.router, health.router)
+ROUTERS = (completions.router, chat.router, messages.router, responses_api.router, tokenize.router,
+           models.router, health.router)
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -34,7 +36,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.middleware("http")(require_api_key)  # added late: runs early
     if config.allowed_origins:  # outermost: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"])
+                           allow_headers=["authorization", "x-api-key", "content-type"])
     add_cluster_routes(app, llm, config, metrics)
     add_server_dashboard(app, metrics.registry, config.model_name)
     return app

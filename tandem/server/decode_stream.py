@@ -42,7 +42,8 @@ class DecodeLegs:
     async def stream(self, gen: AsyncIterator[RequestOutput], rid: str, prompt: list[int],
                      usage: bool) -> AsyncIterator[str]:
         move = self._moves[rid] = asyncio.get_running_loop().create_future()
-        created, final, finish_sent, nxt, sent = int(time.time()), None, set(), None, 0
+        created, final, chunks_sent, nxt, sent = int(time.time()), None, R.Sent(), None, 0
+        fmt = R.CompletionFormat(1, R.Tokens(self.llm.tokenizer), None)
         try:
             while True:
                 nxt = asyncio.ensure_future(anext(gen))
@@ -50,8 +51,7 @@ class DecodeLegs:
                 if not nxt.done():  # asked to move
                     break
                 final = nxt.result()
-                chunk = R.completion_chunk(rid, self.model, created, 0, 1, final, finish_sent, False,
-                                           self.llm.tokenizer)
+                chunk = R.completion_chunk(rid, self.model, created, 0, final, chunks_sent, fmt)
                 if chunk:  # with the leg's token count (the router weighs what a move would free) and the
                     # ids of the tokens out since the last chunk (it resumes a failed leg from them)
                     ids = final.outputs[0].token_ids

@@ -1,5 +1,6 @@
-"""OpenAI-shaped errors: `APIError` raised by handlers, and the app's exception handlers that
-turn it, a body that fails validation and Starlette's own HTTP errors into one error body."""
+"""OpenAI-shaped errors (Anthropic-shaped under /v1/messages): `APIError` raised by handlers,
+and the app's exception handlers that turn it, a body that fails validation and Starlette's own
+HTTP errors into one error body."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -7,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.server.protocol import NO_EFFECT_FIELDS
+from tandem.server import anthropic_protocol, protocol, responses_protocol
 
 
 class APIError(Exception):
@@ -18,29 +19,43 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+                   headers: dict | None = None, path: str = "") -> JSONResponse:
+    """The error body the API at `path` gives: OpenAI's, or Anthropic's under /v1/messages."""
+    if path.startswith(ANTHROPIC_PATHS):
+        body = {"type": "error", "error": {"type": type_, "message": message}}
+    else:
+        body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def api_error(_: Request, e: APIError) -> JSONResponse:
-    return error_response(e.status, e.message, e.type, e.param, e.headers)
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 
-async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    first = e.errors()[0] if e.errors() else {}
+async def api_error(request: Request, e: APIError) -> JSONResponse:
+    return error_response(e.status, e.message, e.type, e.param, e.headers, request.url.path)
+
+
+async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    path = request.url.path
+    # the deepest: of a union's branches, the one that came closest names the problem
+    first = max(e.errors(), key=lambda err: len(err.get("loc", ())), default={})
     where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
     if first.get("type") == "extra_forbidden":
-        return error_response(400, f"unsupported field `{where}`: this server does not implement it (a field "
-                              f"it cannot honour is refused, not ignored; accepted without effect: "
-                              f"{', '.join(NO_EFFECT_FIELDS)})", param=where)
+        api = anthropic_protocol if path.startswith(ANTHROPIC_PATHS) else \
+            responses_protocol if path.startswith("/v1/responses") else protocol
+        refused = api.REFUSED
+        why = refused.get(where or "", "this server does not implement it")
+        return error_response(400, f"unsupported field `{where}`: {why} (a field this server "
+                              "cannot honour is refused, not ignored: docs/api_fields.md)",
+                              param=where, path=path)
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    return error_response(400, f"{where or 'body'}: {message}", param=where)
+    return error_response(400, f"{where or 'body'}: {message}", param=where, path=path)
 
 
-async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     return error_response(e.status_code, str(e.detail),
-                          "not_found_error" if e.status_code == 404 else "invalid_request_error")
+                          "not_found_error" if e.status_code == 404 else "invalid_request_error",
+                          path=request.url.path)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -17,6 +17,7 @@ MAX_STOP_CHARS = 512  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 2048  # chat messages
 MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_CHOICES = 1024  # strings of a `choice` constraint
 MAX_CONSTRAINT_CHARS = 1 << 20  # a regex, a grammar, a choice, a JSON schema's text (compiling has a timeout)
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema (objects and arrays)
@@ -24,6 +25,7 @@ MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema (objects and arrays)
 LIMITS_HELP = (f"Request limits (a 400 naming the field past them): n <= max_n (16), prompt + max_tokens <= "
                f"max_model_len, {MAX_STOP} stop strings of {MAX_STOP_CHARS} characters, {MAX_STOP_TOKEN_IDS} "
                f"stop_token_ids, logprobs / top_logprobs <= 20, {MAX_MESSAGES} messages, {MAX_TOOLS} tools, "
+               f"{MAX_LOGIT_BIAS} logit_bias entries, "
                f"{MAX_PROMPTS} prompts per batch, {MAX_CHOICES} choice strings, {MAX_CONSTRAINT_CHARS} characters "
                f"of regex / grammar / JSON schema, schema nesting {MAX_SCHEMA_DEPTH}; the body: "
                f"--max-request-bytes (413).")
@@ -79,3 +81,5 @@ Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], AfterV
 Schema = Annotated[dict[str, Any], AfterValidator(check_schema)]
 SchemaOrText = Annotated[dict[str, Any] | ConstraintText, AfterValidator(check_schema)]
 Choices = Annotated[list[ConstraintText], Field(max_length=MAX_CHOICES)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                      Field(max_length=MAX_LOGIT_BIAS)]

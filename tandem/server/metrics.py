@@ -1,5 +1,6 @@
-"""Prometheus metrics and the per-request JSON-lines log, fed from AsyncLLM's receiver thread
-with each step's outputs and the engine core's stats."""
+"""Prometheus metrics (Tandem's, and vLLM's names for those dashboards read: vllm_metrics.py)
+and the per-request JSON-lines log, fed from AsyncLLM's receiver thread with each step's
+outputs and the engine core's stats."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from tandem.config.request_class import LEVELS
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.output_processor import RequestOutput
+from tandem.server.vllm_metrics import VllmNames
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _COMPILE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -138,7 +140,11 @@ class ServerMetrics:
             "(json, json_object, regex, choice, grammar, tool_calls).", lbl + ["kind"], registry=r)
         self.grammar_compile = Histogram("tandem:grammar_compile_time_seconds", "Grammar compile time (cache misses).",
                                          lbl + ["kind"], buckets=_COMPILE, registry=r)
-        self.registry.register(_EngineCollector(llm, model))
+        engine = _EngineCollector(llm, model)
+        self.registry.register(engine)
+        self.registry.register(VllmNames([
+            engine, self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
+            self.decode, self.prompt_tokens, self.generation_tokens, self.finished]))
         self._last_token: dict[str, float] = {}
         self._log_path = Path(request_log) if request_log else None
         self._log_lock = threading.Lock()

@@ -1,14 +1,18 @@
-"""OpenAI-shaped response bodies and stream chunks built from RequestOutputs."""
+"""OpenAI-shaped response pieces built from RequestOutputs: SSE events, usage, logprobs (of the
+output, of the prompt, and both under completions' `echo`), and the completions API's bodies and
+stream chunks. The chat API's are in chat_responses.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server.metrics import request_timings
-from tandem.server.tool_calls import ToolCallPlan, parse_tool_calls
-
 
 SSE_DONE = "data: [DONE]\n\n"
+# A token and its logprob (None: the prompt's first token), then the top alternatives
+Entry = list[tuple[int, float | None]]
 
 
 def sse_event(obj: dict) -> str:
@@ -44,120 +48,133 @@ def _logprob(lp: float) -> float:
     return max(lp, -9999.0)
 
 
-def _token_str(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+@dataclass(slots=True)
+class Tokens:
+    """How logprobs name tokens: their text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
+
+    tokenizer: Any
+    as_ids: bool = False
+
+    def __call__(self, token_id: int) -> str:
+        if self.as_ids or self.tokenizer is None:
+            return f"token_id:{token_id}" if self.as_ids else str(token_id)
+        return self.tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, entries: list[list[tuple[int, float]]], offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
+def completion_logprobs(tokens: Tokens, entries: list[Entry], offset: int) -> dict:
+    texts, lps, tops, offsets = [], [], [], []
     for entry in entries:
-        text = _token_str(tokenizer, entry[0][0])
-        tokens.append(text)
-        token_lps.append(_logprob(entry[0][1]))
-        tops.append({_token_str(tokenizer, t): _logprob(lp) for t, lp in entry[1:]} or None)
+        text, lp = tokens(entry[0][0]), entry[0][1]
+        texts.append(text)
+        lps.append(None if lp is None else _logprob(lp))
+        tops.append(None if lp is None else {tokens(t): _logprob(v) for t, v in entry[1:]} or None)
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, entries: list[list[tuple[int, float]]]) -> dict:
+def chat_logprobs(tokens: Tokens, entries: list[Entry]) -> dict:
     def item(t: int, lp: float) -> dict:
-        s = _token_str(tokenizer, t)
+        s = tokens(t)
         return {"token": s, "logprob": _logprob(lp), "bytes": list(s.encode())}
     return {"content": [{**item(*e[0]), "top_logprobs": [item(t, lp) for t, lp in e[1:]]} for e in entries]}
 
 
-def _choice_index(prompt_index: int, n: int, c: CompletionOutput) -> int:
-    return prompt_index * n + c.index
+def prompt_logprobs(tokens: Tokens, out: RequestOutput, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {id: {logprob, rank,
+    decoded_token}} for it and its k alternatives (its rank when it is one of them)."""
+    result: list[dict | None] = [None]
+    for entry in out.prompt_logprobs or []:
+        top = entry[1:1 + k]
+        ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+        result.append({str(t): {"logprob": _logprob(lp), "rank": ranks.get(t),
+                                "decoded_token": tokens(t)} for t, lp in [entry[0], *top]})
+    return result
 
 
-def completion_body(rid: str, model: str, created: int, outs: list[RequestOutput], n: int,
-                    want_logprobs: bool, tokenizer) -> dict:
+@dataclass(slots=True)
+class CompletionFormat:
+    """What a completions request asks of its answer's shape."""
+
+    n: int
+    tokens: Tokens
+    logprobs: int | None  # alternatives per token; None: no logprobs
+    echo: list[str] | None = None  # the prompts' texts, to go before the outputs
+    prompt_logprobs: int | None = None
+    continuous_usage: bool = False
+
+    def echo_entries(self, out: RequestOutput) -> list[Entry]:
+        """The prompt's tokens as logprobs entries, cut to the request's alternatives."""
+        k = self.logprobs or 0
+        return [[(out.prompt_token_ids[0], None)]] + [e[:1 + k] for e in out.prompt_logprobs or []]
+
+
+def _choice(i: int, out: RequestOutput, c: CompletionOutput, fmt: CompletionFormat, text: str,
+            entries: list[Entry] | None, offset: int, first: bool) -> dict:
+    """A choice, or its stream chunk: `text` from `offset` in the output; `first`: the choice's
+    first (where an echoed prompt and the prompt's logprobs go)."""
+    choice = {"index": i * fmt.n + c.index, "text": text, "logprobs": None}
+    if fmt.echo is not None:
+        if first:
+            choice["text"] = fmt.echo[i] + text
+            if fmt.logprobs is not None:
+                entries = fmt.echo_entries(out) + (entries or [])
+        else:
+            offset += len(fmt.echo[i])
+    if fmt.logprobs is not None and entries is not None:
+        choice["logprobs"] = completion_logprobs(fmt.tokens, entries, 0 if first else offset)
+    if fmt.prompt_logprobs is not None and first:
+        choice["prompt_logprobs"] = prompt_logprobs(fmt.tokens, out, fmt.prompt_logprobs)
+    return choice
+
+
+def completion_body(rid: str, model: str, created: int, outs: list[RequestOutput],
+                    fmt: CompletionFormat) -> dict:
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
-            choices.append({
-                "index": _choice_index(i, n, c), "text": c.text,
-                "logprobs": completion_logprobs(tokenizer, c.logprobs or [], 0) if want_logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            })
+            choice = _choice(i, out, c, fmt, c.text, c.logprobs or [], 0, True)
+            choices.append({**choice, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(outs), "metrics": latency_split(outs)}
 
 
-def _tool_calls(c: CompletionOutput, tools: ToolCallPlan | None) -> list[dict] | None:
-    """The choice's tool calls, when it asked for them and its output ended whole."""
-    if tools is None or c.finish_reason != "stop":
-        return None
-    return parse_tool_calls(tools, c.text)
+@dataclass(slots=True)
+class Sent:
+    """Of one request's stream: the choices that had a chunk, and those whose finish went out."""
+
+    started: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
 
 
-def _message(c: CompletionOutput, tools: ToolCallPlan | None) -> tuple[dict, str | None]:
-    """(message, finish_reason): tool calls replace the content; an output cut short by
-    max_tokens stays text, with finish_reason "length"."""
-    calls = _tool_calls(c, tools)
-    if calls is None:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-
-
-def chat_body(rid: str, model: str, created: int, out: RequestOutput, want_logprobs: bool, tokenizer,
-              tools: ToolCallPlan | None = None) -> dict:
-    choices = []
-    for c in out.outputs:
-        message, finish_reason = _message(c, tools)
-        choices.append({
-            "index": c.index, "message": message,
-            "logprobs": chat_logprobs(tokenizer, c.logprobs or []) if want_logprobs else None,
-            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-        })
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage([out]), "metrics": latency_split([out])}
-
-
-def _news(out: RequestOutput, finish_sent: set[int]) -> list[CompletionOutput]:
+def news(out: RequestOutput, sent: Sent) -> list[CompletionOutput]:
     """Choices with new text, or a finish not reported yet (siblings finish at different steps)."""
-    news = []
+    found = []
     for c in out.outputs:
-        if c.delta_token_ids or c.delta_text or (c.finished and c.index not in finish_sent):
+        if c.delta_token_ids or c.delta_text or (c.finished and c.index not in sent.finished):
             if c.finished:
-                finish_sent.add(c.index)
-            news.append(c)
-    return news
+                sent.finished.add(c.index)
+            found.append(c)
+    return found
 
 
-def completion_chunk(rid: str, model: str, created: int, prompt_index: int, n: int, out: RequestOutput,
-                     finish_sent: set[int], want_logprobs: bool, tokenizer) -> dict | None:
+def completion_chunk(rid: str, model: str, created: int, prompt_index: int, out: RequestOutput,
+                     sent: Sent, fmt: CompletionFormat) -> dict | None:
     choices = []
-    for c in _news(out, finish_sent):
-        lps = None
-        if want_logprobs and c.logprobs is not None:
-            lps = completion_logprobs(tokenizer, c.logprobs[len(c.logprobs) - len(c.delta_token_ids):],
-                                      len(c.text) - len(c.delta_text))
-        choices.append({"index": _choice_index(prompt_index, n, c), "text": c.delta_text, "logprobs": lps,
-                        "finish_reason": c.finish_reason if c.finished else None})
+    for c in news(out, sent):
+        entries = None
+        if c.logprobs is not None:
+            entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+        first = c.index not in sent.started
+        sent.started.add(c.index)
+        offset = len(c.text) - len(c.delta_text)
+        choice = _choice(prompt_index, out, c, fmt, c.delta_text, entries, offset, first)
+        choices.append({**choice, "finish_reason": c.finish_reason if c.finished else None})
     if not choices:
         return None
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-
-
-def chat_chunk(rid: str, model: str, created: int, out: RequestOutput, finish_sent: set[int],
-               want_logprobs: bool, tokenizer, tools: ToolCallPlan | None = None) -> dict | None:
-    choices = []
-    for c in _news(out, finish_sent):
-        delta, finish_reason = {"content": c.delta_text}, c.finish_reason if c.finished else None
-        lps = None
-        if want_logprobs and c.logprobs is not None:
-            lps = chat_logprobs(tokenizer, c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
-        if tools is not None:
-            # Tool calls go out whole when the choice ends (their arguments must parse first);
-            # an output cut short goes out as its text.
-            if not c.finished:
-                continue
-            message, finish_reason = _message(c, tools)
-            delta = ({"tool_calls": [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]}
-                     if finish_reason == "tool_calls" else {"content": c.text})
-        choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason})
-    if not choices:
-        return None
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if fmt.continuous_usage:
+        chunk["usage"] = usage([out])
+    return chunk

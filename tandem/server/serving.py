@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.engine.output_processor import RequestOutput
 from tandem.server import responses as R
+from tandem.server.auth import presented_key
 from tandem.server.errors import APIError
 from tandem.server.precision import key_priority, request_precision, split_model
 from tandem.server.protocol import SamplingFields
@@ -37,11 +38,29 @@ def check_admission(state: ServingState, model: str | None, n: int) -> None:
                        headers={"Retry-After": "1"})
 
 
-def encode(state: ServingState, prompt: str | list[int]) -> list[int]:
+def encode(state: ServingState, prompt: str | list[int], add_special_tokens: bool = True,
+           truncate: int | None = None) -> list[int]:
+    """The prompt's token ids, by the engine's rules; `truncate` (vLLM's truncate_prompt_tokens):
+    only its last k tokens, -1 for the context's length."""
     try:
-        return state.facts.tokenize(prompt)
+        if isinstance(prompt, str) and not add_special_tokens:
+            if state.facts.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            prompt = state.facts.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = state.facts.tokenize(prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="prompt") from None
+    if truncate is None:
+        return ids
+    if truncate == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1",
+                       param="truncate_prompt_tokens")
+    return ids[-(state.facts.max_model_len if truncate == -1 else truncate):]
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
 def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
@@ -81,7 +100,7 @@ def sampling_params(state: ServingState, req: SamplingFields, prompt_len: int, m
 def choose(state: ServingState, req: SamplingFields, request: Request) -> Choice:
     """(priority, precision): the request's own, else its API key's class; 400 if not served."""
     config = state.config
-    priority = req.priority_level or key_priority(request.headers.get("authorization"), config.api_key_classes)
+    priority = req.priority_level or key_priority(presented_key(request), config.api_key_classes)
     try:
         return priority, request_precision(req.precision, split_model(req.model, config.served_model_names)[1],
                                            state.facts.precisions)

@@ -5,7 +5,7 @@ business, not every handler's."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -13,6 +13,9 @@ from fastapi import Request
 from tandem.config import InstanceRole
 from tandem.config.option import option
 from tandem.engine.core_messages import CompileGrammar
+from tandem.server.reasoning_parser import REASONING_PARSERS
+from tandem.server.response_store import ResponseStore
+from tandem.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import StructuredOutputsParams
@@ -49,6 +52,18 @@ class ServerConfig:
         None, "role in a cluster's model group (tandem cluster)",
         none="none, a standalone server whose P/D routes answer 409")
     elastic: bool = option(False, "the router may switch this instance's role")
+    tool_call_parser: str | None = option(
+        None, "the model's tool-call format", choices=TOOL_CALL_PARSERS,
+        none="from its chat template; generic if it has none")
+    reasoning_parser: str | None = option(
+        None, "reasoning as reasoning_content: <think>...</think>", choices=REASONING_PARSERS,
+        none="a chat template that writes <think>")
+    reasoning_budget: int = option(
+        -1, "-1: unlimited; 0: thinking off, by the chat template's switch", choices=(-1, 0))
+    responses_max_count: int = option(
+        1000, "/v1/responses kept for previous_response_id, at most", unit="responses")
+    responses_max_bytes: int = option(64 << 20, "the kept responses' size, at most", unit="bytes")
+    responses_ttl_s: float = option(3600.0, "how long a response is kept", unit="seconds")
 
     def __post_init__(self) -> None:
         if self.role is not None:
@@ -85,6 +100,12 @@ class ServingState:
     config: ServerConfig
     metrics: ServerMetrics
     facts: EngineFacts
+    responses: ResponseStore = field(init=False)  # the Responses API's, within the config's bounds
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.responses = ResponseStore(c.responses_max_count, c.responses_max_bytes,
+                                       c.responses_ttl_s)
 
 
 def serving_state(request: Request) -> ServingState:

@@ -1,10 +1,8 @@
-"""Tool calls by forced schema: with `tool_choice` "required" or a named function, the output is
-constrained to JSON of the tools' arguments and read back as OpenAI `tool_calls`.
-
-`tool_choice: "none"` ignores `tools`. `"auto"` (the default when tools are given) would need a
-parser for the model family's own tool-call format, and no served model has one here
-(SmolLM2-Instruct's chat template defines none), so it is refused with the options that work.
-"""
+"""Tool calls: how a chat request's output becomes OpenAI `tool_calls`. The served model's
+family parser (tool_parsers/) reads them from the output, and a constraint keeps each call's
+arguments to its tool's schema: with `tool_choice` "auto" (the default with tools) the output
+may answer or call, with "required" it calls at least one tool, with a named function that
+one. `tool_choice: "none"` ignores `tools`."""
 from __future__ import annotations
 
 import json
@@ -13,53 +11,51 @@ from dataclasses import dataclass
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import ChatCompletionRequest
-
-AUTO_REFUSED = ("tool_choice 'auto' (the default when `tools` are given) needs a tool-call parser for the "
-                "model's own tool format, and this server has none for this model; use tool_choice "
-                "'required' or {\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then "
-                "forced to the tools' argument schema), or 'none'")
+from tandem.server.reasoning_parser import ThinkParser
+from tandem.server.tool_parsers.base import Extracted, ToolCall, ToolParser
+from tandem.server.tool_parsers.generic import GenericToolParser
 
 
 @dataclass(slots=True)
 class ToolCallPlan:
-    """How a request's output becomes tool calls: one named function (the output is its
-    arguments), or a list of {name, parameters} over all tools ("required")."""
-
-    constraint: StructuredOutputsParams
-    function: str | None  # the named function; None for "required"
+    parser: ToolParser  # reads the calls from the output
+    constraint: StructuredOutputsParams | None  # None: the calls are parsed, not constrained
 
 
-def plan_tool_calls(req: ChatCompletionRequest) -> ToolCallPlan | None:
-    """None when the request calls no tools; ValueError (a 400) for a choice we cannot serve."""
+def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallPlan | None:
+    """None when the request calls no tools; ValueError (a 400) for a choice that cannot be."""
     if req.tool_choice == "none":
         return None
     if not req.tools:
         if req.tool_choice is not None:  # OpenAI refuses it too: there is nothing to call
             raise ValueError("tool_choice needs `tools`: this request gives none")
         return None
-    if req.tool_choice in (None, "auto"):
-        raise ValueError(AUTO_REFUSED)
-    tools = {t.function.name: t.function for t in req.tools}
-    if req.tool_choice == "required":
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": f.parameters},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for name, f in tools.items()]}}
-        if not req.parallel_tool_calls:
-            calls["maxItems"] = 1
-        return ToolCallPlan(StructuredOutputsParams(json=calls), None)
-    name = req.tool_choice.function.name
-    if name not in tools:
-        raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({', '.join(tools)})")
-    return ToolCallPlan(StructuredOutputsParams(json=tools[name].parameters), name)
+    tools = [t.model_dump() for t in req.tools]
+    choice = req.tool_choice if req.tool_choice in (None, "required") else None
+    if req.tool_choice not in (None, "auto", "required"):
+        choice = req.tool_choice.function.name
+        names = [t.function.name for t in req.tools]
+        if choice not in names:
+            raise ValueError(f"tool_choice names function {choice!r}, which is not in tools "
+                             f"({', '.join(names)})")
+    constraint = family.constraint(tools, choice, req.parallel_tool_calls)
+    if constraint is None and choice is not None:  # forced where the family cannot be: as JSON
+        family = GenericToolParser()
+        constraint = family.constraint(tools, choice, req.parallel_tool_calls)
+    return ToolCallPlan(family, constraint)
 
 
-def parse_tool_calls(plan: ToolCallPlan, text: str) -> list[dict] | None:
-    """OpenAI tool_calls from a finished output, or None if it does not parse (cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = [(plan.function, value)] if plan.function is not None else [(c["name"], c["parameters"]) for c in value]
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args)}} for name, args in calls]
+def read_output(text: str, plan: ToolCallPlan | None, final: bool,
+                think: ThinkParser | None = None) -> Extracted:
+    """The output's reasoning, its answer's text and the calls in it (as far as a stream may
+    tell, unless final)."""
+    reasoning, text = think.split(text, final) if think is not None else ("", text)
+    got = plan.parser.extract(text, final) if plan is not None else Extracted(text)
+    got.reasoning = reasoning
+    return got
+
+
+def openai_call(call: ToolCall) -> dict:
+    name, arguments = call
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}

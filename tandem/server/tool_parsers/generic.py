@@ -1,0 +1,113 @@
+"""Tool calls for a model whose chat template knows no tool-call format (llama.cpp's generic
+format): the tools are described in the system prompt and the output is constrained to JSON,
+{"tool_calls": [{"name": ..., "arguments": {...}}]} to call them or {"response": "..."} to
+answer. A template that cannot show earlier calls and their results gets them in words: the
+assistant's "I called get_weather with {...}.", then a user turn "get_weather returned: ..."."""
+from __future__ import annotations
+
+import json
+import re
+from json.decoder import scanstring
+
+from tandem.core.sampling_params import StructuredOutputsParams
+from tandem.server.tool_parsers.base import Extracted, ToolParser, call_of, chosen
+
+RESPONSE = '{"response": "'  # how the constrained answer starts (JSON laid out as json.dumps)
+_CUT_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9a-fA-F]{0,3})?)$")  # an escape cut short
+PROMPT = ("You can call these tools:\n{tools}\n\nAnswer with a JSON object: "
+          '{{"tool_calls": [{{"name": <the tool\'s name>, "arguments": <its arguments>}}]}} '
+          "to call tools{answer}.")
+ANSWER = ', or {"response": <your answer>} to answer'
+
+
+class GenericToolParser(ToolParser):
+    name = "generic"
+
+    def __init__(self, renders_tools: bool = False, renders_calls: bool = False) -> None:
+        self.renders_tools = renders_tools  # the template shows `tools` itself
+        self.renders_calls = renders_calls  # and earlier calls and their results
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        if text.startswith(RESPONSE):
+            return Extracted(_json_string(text[len(RESPONSE):]))
+        if not final:
+            return Extracted()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return Extracted(text)
+        items = value.get("tool_calls") if isinstance(value, dict) else None
+        calls = [call_of(c) for c in items] if isinstance(items, list) and items else [None]
+        return Extracted("", calls) if all(calls) else Extracted(text)
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None, choice: str | None
+               ) -> tuple[list[dict], list[dict] | None]:
+        if not self.renders_calls:
+            messages = calls_as_text(messages)
+        if tools is None or self.renders_tools:
+            return messages, tools
+        described = json.dumps(chosen(tools, choice))
+        text = PROMPT.format(tools=described, answer="" if choice else ANSWER)
+        if messages and messages[0]["role"] == "system":
+            first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+            return [first, *messages[1:]], None
+        return [{"role": "system", "content": text}, *messages], None
+
+    def constraint(self, tools: list[dict], choice: str | None, parallel: bool
+                   ) -> StructuredOutputsParams:
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            _object({"name": {"const": f["name"]}, "arguments": f.get("parameters") or {}})
+            for f in chosen(tools, choice)]}}
+        if not parallel:
+            calls["maxItems"] = 1
+        schema = _object({"tool_calls": calls})
+        if choice is None:
+            schema = {"anyOf": [schema, _object({"response": {"type": "string"}})]}
+        return StructuredOutputsParams(json=schema)
+
+
+def _object(properties: dict) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False}
+
+
+def _json_string(body: str) -> str:
+    """The text of a JSON string (its opening quote already read), whole or as far as it has
+    come: an escape cut short waits for the rest."""
+    try:
+        return scanstring(body, 0)[0]
+    except ValueError:
+        pass
+    cut = _CUT_ESCAPE.search(body)
+    if cut is not None:
+        body = body[:cut.start(1)]
+    try:
+        text = scanstring(body + '"', 0)[0]
+    except ValueError:
+        return ""
+    return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text  # half a surrogate pair
+
+
+def calls_as_text(messages: list[dict]) -> list[dict]:
+    """Earlier calls as the assistant's words, their results as user turns (consecutive ones
+    merged, for templates that want turns to alternate). Plain words, not the JSON: a small
+    model shown its JSON call repeats it instead of answering with the result."""
+    out: list[dict] = []
+    names: dict[str, str] = {}  # call id -> function name
+    for m in messages:
+        if m.get("tool_calls"):
+            said = []
+            for c in m["tool_calls"]:
+                names[c.get("id")] = c["function"]["name"]
+                said.append(f"I called {c['function']['name']} with "
+                            f"{json.dumps(c['function'].get('arguments'))}.")
+            said = [m["content"], *said] if m.get("content") else said
+            m = {"role": m["role"], "content": " ".join(said)}
+        elif m["role"] == "tool":
+            result = f"{names.get(m.get('tool_call_id'), 'The tool')} returned: {m['content']}"
+            if out and out[-1].get("from_tool"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + result}
+                continue
+            m = {"role": "user", "content": result, "from_tool": True}
+        out.append(m)
+    return [{k: v for k, v in m.items() if k != "from_tool"} for m in out]
