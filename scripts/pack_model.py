@@ -8,6 +8,7 @@ model's (3-bit on top of Q4_1): tandem and transformers both load this same fold
 equality between them is a fair test, and step times (same shapes and dtype) are the model's,
 but its text is worse than the original's.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -33,7 +34,9 @@ def _pack_matrix(w: np.ndarray, bits: int) -> dict[str, np.ndarray]:
     return {"planes": planes, "lo": lo.astype(np.float16), "step": step.astype(np.float16)}
 
 
-def _unpack_matrix(planes: np.ndarray, lo: np.ndarray, step: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _unpack_matrix(
+    planes: np.ndarray, lo: np.ndarray, step: np.ndarray, shape: tuple[int, ...]
+) -> np.ndarray:
     n = int(np.prod(shape))
     codes = sum(np.unpackbits(planes[k], count=n).astype(np.uint8) << k for k in range(len(planes)))
     groups = lo.astype(np.float32) + step.astype(np.float32) * codes.reshape(-1, GROUP)
@@ -47,7 +50,9 @@ def pack(src: Path, dst: Path) -> None:
         for name, t in load_file(file).items():
             w = t.float().numpy()
             if w.ndim == 2 and w.shape[1] % GROUP == 0:
-                for key, a in _pack_matrix(w, EMBED_BITS if "embed_tokens" in name else BITS).items():
+                for key, a in _pack_matrix(
+                    w, EMBED_BITS if "embed_tokens" in name else BITS
+                ).items():
                     arrays[f"{name}|{key}"] = a
                 arrays[f"{name}|shape"] = np.array(w.shape)
             else:
@@ -70,8 +75,11 @@ def unpack(src: Path, dst: Path) -> None:
             tensors[name] = torch.from_numpy(data[f"{name}|raw"].astype(np.float32))
         else:
             shape = tuple(int(x) for x in data[f"{name}|shape"])
-            tensors[name] = torch.from_numpy(_unpack_matrix(data[f"{name}|planes"], data[f"{name}|lo"],
-                                                            data[f"{name}|step"], shape))
+            tensors[name] = torch.from_numpy(
+                _unpack_matrix(
+                    data[f"{name}|planes"], data[f"{name}|lo"], data[f"{name}|step"], shape
+                )
+            )
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for name in COPIED:
         if (src / name).is_file():

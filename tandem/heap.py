@@ -1,4 +1,5 @@
 """A serving process's startup heap and the garbage collector."""
+
 from __future__ import annotations
 
 import gc
@@ -18,5 +19,9 @@ def freeze_startup_heap(process: str) -> int:
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
-    log.debug("%s: %d startup objects frozen out of the garbage collector's full collections", process, frozen)
+    log.debug(
+        "%s: %d startup objects frozen out of the garbage collector's full collections",
+        process,
+        frozen,
+    )
     return frozen

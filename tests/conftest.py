@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints written as Hugging Face folders."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,9 @@ from hypothesis import settings
 # every process it starts that does not choose its own, gets its share of the cores as torch
 # threads, so the workers' thread pools do not oversubscribe the cores and spin against each other.
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     _threads = str(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
     os.environ.setdefault("OMP_NUM_THREADS", _threads)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -26,17 +29,36 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.3,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def _tiny_config(kind: str):
     import transformers as tf
+
     if kind == "llama":
-        return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
+        return tf.LlamaConfig(
+            **TINY,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if kind == "qwen2":
         return tf.Qwen2Config(**TINY, tie_word_embeddings=False)
     if kind == "qwen3":
@@ -44,32 +66,44 @@ def _tiny_config(kind: str):
     if kind == "mistral":
         return tf.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
     if kind == "gemma3":  # a window shorter than most prompts; both RoPE bases; scaled global RoPE
-        return tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=64, sliding_window=12,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                   query_pre_attn_scalar=48, final_logit_softcapping=10.0, tie_word_embeddings=False,
-                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                       "rope_theta": 100000.0},
-                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+        return tf.Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            head_dim=64,
+            sliding_window=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=48,
+            final_logit_softcapping=10.0,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        )
     raise ValueError(kind)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
-    return {kind: write_tiny_model(_tiny_config(kind), tmp_path_factory.mktemp(f"tiny-{kind}"))
-            for kind in ("llama", "qwen2", "qwen3", "mistral", "gemma3")}
+    return {
+        kind: write_tiny_model(_tiny_config(kind), tmp_path_factory.mktemp(f"tiny-{kind}"))
+        for kind in ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+    }
 
 
 def write_tiny_model(config, path) -> str:
     """A random model of this transformers config saved at `path` (seed 0); a Qwen2's qkv biases
     random too, so the bias path is really exercised."""
     import transformers as tf
+
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if config.model_type == "qwen2":
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.3)
-    if config.model_type == "gemma3_text":  # Gemma's norms start at w = 0 (a scale of 1 + w): make them matter
+    if (
+        config.model_type == "gemma3_text"
+    ):  # Gemma's norms start at w = 0 (a scale of 1 + w): make them matter
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 torch.nn.init.normal_(param, std=0.3)
@@ -81,15 +115,21 @@ def hf_greedy(model: str, prompts: list[list[int]], max_new_tokens: int) -> list
     """Reference: Hugging Face generate, one prompt at a time, fp32, greedy; `model` a --model
     value (a GGUF's weights dequantised, as tandem reads them)."""
     from tandem.models.loader.hf_reference import hf_model
+
     model = hf_model(model, torch.float32)
     model.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other
     outs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 

@@ -1,4 +1,5 @@
 """A fake of the engine surface the generate routes use, for testing a route module alone."""
+
 from __future__ import annotations
 
 from tandem.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
@@ -22,6 +23,13 @@ class FakeLLM:
             if not prompt_ids:
                 raise ValueError(EMPTY)
             out = CompletionOutput(0, "ok", [6], "length", delta_text="ok", delta_token_ids=[6])
-            yield RequestOutput(request_id, None, prompt_ids, [out], RequestMetrics(0.0, 0.1, 0.2, 0.2, 0.3),
-                                finished=True)
+            yield RequestOutput(
+                request_id,
+                None,
+                prompt_ids,
+                [out],
+                RequestMetrics(0.0, 0.1, 0.2, 0.2, 0.3),
+                finished=True,
+            )
+
         return stream()

@@ -22,10 +22,11 @@ accepted prefix and keeps the longest run that matches, as the real verifier doe
 scheduler must then roll back to exactly the tokens kept (the next step's num_computed_tokens
 is checked), and every block in the prefix index must hold exactly the tokens it is indexed by.
 """
+
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -34,9 +35,9 @@ from tandem.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tandem.core.kv_cache_coordinator import cdiv
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.preemption import PreemptionCosts
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_planner import Speculation
 
@@ -85,26 +86,47 @@ class Clock:
         return self.t
 
 
-def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=None, num_host_blocks=0, enable_caching=True, clock=None,
-               **cfg_kw) -> Scheduler:
+def make_sched(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=None,
+    num_host_blocks=0,
+    enable_caching=True,
+    clock=None,
+    **cfg_kw,
+) -> Scheduler:
     """Anything else goes to SchedulerConfig (scheduling_policy, preemption_mode, ...),
     PreemptionCosts (swap_cost_per_token, ...) or Speculation (num_speculative_tokens, ...),
     whose defaults apply where it is not given."""
-    kv = KVCacheManager(num_blocks, block_size=block_size, enable_caching=enable_caching,
-                        num_host_blocks=num_host_blocks)
+    kv = KVCacheManager(
+        num_blocks,
+        block_size=block_size,
+        enable_caching=enable_caching,
+        num_host_blocks=num_host_blocks,
+    )
     max_model_len = max_model_len or min(128, num_blocks * block_size)
     costs = {k: cfg_kw.pop(k) for k in PreemptionCosts.__dataclass_fields__ if k in cfg_kw}
     spec = {k: cfg_kw.pop(k) for k in Speculation.__dataclass_fields__ if k in cfg_kw}
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          **cfg_kw)
-    return Scheduler(cfg, kv, clock or Clock(), max_model_len, PreemptionCosts(**costs),
-                     Speculation(**spec))
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **cfg_kw
+    )
+    return Scheduler(
+        cfg, kv, clock or Clock(), max_model_len, PreemptionCosts(**costs), Speculation(**spec)
+    )
 
 
 def make_req(rid, tokens, max_tokens=4, *, eos=None, priority=2, arrival=0.0, **kw) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), eos_token_id=eos,
-                   priority=priority, arrival_time=arrival, **kw)
+    return Request(
+        rid,
+        list(tokens),
+        SamplingParams(max_tokens=max_tokens),
+        eos_token_id=eos,
+        priority=priority,
+        arrival_time=arrival,
+        **kw,
+    )
 
 
 # =====================================================================================
@@ -127,14 +149,20 @@ def prompts(draw, max_len):
 # Fake executor with a host tier
 # =====================================================================================
 
+
 class FakeExecutor:
     """Mirrors block tables, positions, token lists and block *contents* (device and host)
     from the SchedulerOutputs alone, checks them against the scheduler, and samples fake
     tokens. With strict_preemption, a request preempted in a step may not be scheduled in
     that same step at all (not even re-admitted as a new request)."""
 
-    def __init__(self, sched: Scheduler, sample: Sampler = fake_token_from_sequence,
-                 strict_preemption: bool = False, propose: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        sched: Scheduler,
+        sample: Sampler = fake_token_from_sequence,
+        strict_preemption: bool = False,
+        propose: Proposer | None = None,
+    ) -> None:
         self.s = sched
         self.bs = sched.kv.block_size
         self.sample = sample
@@ -180,13 +208,18 @@ class FakeExecutor:
         victims = [rid for rid in self.tables if rid in out.preempted_req_ids]
         k = 0
         while k < len(pairs):
-            match = next((rid for rid in victims
-                          if [d for d, _ in pairs[k:k + len(self.tables[rid])]] == self.tables[rid]),
-                         None)
+            match = next(
+                (
+                    rid
+                    for rid in victims
+                    if [d for d, _ in pairs[k : k + len(self.tables[rid])]] == self.tables[rid]
+                ),
+                None,
+            )
             assert match is not None, f"swap-out pairs {pairs[k:]} match no preempted table"
             victims.remove(match)
-            hosts = [h for _, h in pairs[k:k + len(self.tables[match])]]
-            for d, h in pairs[k:k + len(self.tables[match])]:
+            hosts = [h for _, h in pairs[k : k + len(self.tables[match])]]
+            for d, h in pairs[k : k + len(self.tables[match])]:
                 assert h not in held, f"host block {h} still held by a swapped request"
                 self.host[h] = list(self.dev.setdefault(d, [None] * bs))
             self.out_on_host[match] = (hosts, self.pos[match])
@@ -211,7 +244,7 @@ class FakeExecutor:
             if r.req_id in self.out_on_host:
                 hosts, computed = self.out_on_host.pop(r.req_id)
                 assert r.num_computed_tokens == computed, "swapped-in request lost progress"
-                expected_in += list(zip(hosts, r.block_ids[:len(hosts)]))
+                expected_in += list(zip(hosts, r.block_ids[: len(hosts)]))
                 self.num_swap_ins += 1
             # prefix hits and swapped-in blocks must already hold the request's tokens
             self._check_content(r.req_id, r.num_computed_tokens, "resume")
@@ -226,7 +259,9 @@ class FakeExecutor:
         for rid, n in out.num_scheduled_tokens.items():
             table, toks, p0 = self.tables[rid], self.tokens[rid], self.pos[rid]
             drafts = out.spec.draft_token_ids.get(rid, [])
-            assert not drafts or p0 + n == len(toks) + len(drafts), "drafts not after the next position"
+            assert not drafts or p0 + n == len(toks) + len(drafts), (
+                "drafts not after the next position"
+            )
             seq = toks + drafts
             assert p0 + n <= len(seq)
             for p in range(p0, p0 + n):
@@ -238,15 +273,20 @@ class FakeExecutor:
             # The scheduler may not know yet the token the step before sampled (async
             # scheduling), but it counts it, and the one this step samples, as placeholders.
             samples = n > 0 and self.pos[rid] == len(seq)
-            assert toks[:req.num_tokens] == req.all_token_ids, "executor and scheduler disagree on tokens"
+            assert toks[: req.num_tokens] == req.all_token_ids, (
+                "executor and scheduler disagree on tokens"
+            )
             assert len(toks) + samples == req.num_tokens_with_placeholders
             assert self.pos[rid] == req.num_computed_tokens
             assert table == s.kv.block_ids(req), "executor block table diverged"
             assert len(table) * bs >= req.num_computed_tokens
             if samples:
                 sampled[rid] = [self.sample(rid, toks)]
-                while len(sampled[rid]) <= len(drafts) and drafts[len(sampled[rid]) - 1] == sampled[rid][-1]:
-                    sampled[rid].append(self.sample(rid, toks + drafts[:len(sampled[rid])]))
+                while (
+                    len(sampled[rid]) <= len(drafts)
+                    and drafts[len(sampled[rid]) - 1] == sampled[rid][-1]
+                ):
+                    sampled[rid].append(self.sample(rid, toks + drafts[: len(sampled[rid])]))
                 toks.extend(sampled[rid])
                 if drafts:  # the rejected drafts' slots are written again later
                     self.pos[rid] = len(toks) - 1
@@ -269,13 +309,16 @@ class FakeExecutor:
         # the prefix index holds verified KV only: each cached block holds its tokens
         for b in s.kv.pool.blocks:
             if b.block_hash is not None:
-                assert tuple(self.dev.get(b.block_id, ())) == b.token_ids, f"cached block {b.block_id} holds other KV"
+                assert tuple(self.dev.get(b.block_id, ())) == b.token_ids, (
+                    f"cached block {b.block_id} holds other KV"
+                )
         return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=proposals)
 
 
 # =====================================================================================
 # Invariants
 # =====================================================================================
+
 
 def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     """Queues, levels, device block ownership and ref counts, the pool's free lists, and
@@ -294,14 +337,25 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
     assert len(s.running) <= cfg.max_num_seqs
     # A verify step holds slots for its drafts; rejected ones stay allocated. Under async
     # scheduling a verify step may still be in flight behind a later step that drafts nothing.
-    spec = s.spec_stats.num_drafts or unverified or (s._step is not None and s._step.out.spec.draft_token_ids)
+    spec = (
+        s.spec_stats.num_drafts
+        or unverified
+        or (s._step is not None and s._step.out.spec.draft_token_ids)
+    )
     # + a draft model's lookahead slots
     slack = (MAX_DRAFTS + 1 if spec else 0) + s.planner.max_lookahead
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and not r.swapped
-        assert cdiv(r.num_computed_tokens, kv.block_size) <= len(kv.block_ids(r)) \
+        assert (
+            cdiv(r.num_computed_tokens, kv.block_size)
+            <= len(kv.block_ids(r))
             <= cdiv(r.num_computed_tokens + slack, kv.block_size)
-        assert 0 < r.num_computed_tokens <= r.num_tokens_with_placeholders + unverified.get(r.request_id, 0)
+        )
+        assert (
+            0
+            < r.num_computed_tokens
+            <= r.num_tokens_with_placeholders + unverified.get(r.request_id, 0)
+        )
         assert r.num_output_placeholders <= 2  # the step in flight's and the one just scheduled
     for level in (1, 2, 3):
         for r in s.waiting.queues[level]:
@@ -314,8 +368,11 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
         if r.swapped:
             assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens > 0
             (hosts,) = host.req_to_host_blocks[r.request_id]
-            assert cdiv(r.num_computed_tokens, kv.block_size) <= len(hosts) \
+            assert (
+                cdiv(r.num_computed_tokens, kv.block_size)
+                <= len(hosts)
                 <= cdiv(r.num_computed_tokens + slack, kv.block_size)
+            )
         else:
             assert r.num_computed_tokens == 0
     # device: ref counts are the number of running requests holding each block
@@ -362,6 +419,7 @@ def l2_has_work(s: Scheduler) -> bool:
 # Driver
 # =====================================================================================
 
+
 class Driver:
     """Runs schedule -> execute -> update, checking every step.
 
@@ -370,10 +428,18 @@ class Driver:
     allowed and counted in readmitted_same_step. max_steps: run()'s bound on progress.
     """
 
-    def __init__(self, sched: Scheduler, clock: Clock | None = None, tick: float = 0.0, *,
-                 sample: Sampler = fake_token_from_sequence, strict_preemption: bool = False,
-                 max_steps: int = 5_000, propose: Proposer | None = None,
-                 step_seconds: Callable[[SchedulerOutput], float] = bandwidth_bound) -> None:
+    def __init__(
+        self,
+        sched: Scheduler,
+        clock: Clock | None = None,
+        tick: float = 0.0,
+        *,
+        sample: Sampler = fake_token_from_sequence,
+        strict_preemption: bool = False,
+        max_steps: int = 5_000,
+        propose: Proposer | None = None,
+        step_seconds: Callable[[SchedulerOutput], float] = bandwidth_bound,
+    ) -> None:
         self.s = sched
         self.step_seconds = step_seconds  # what a step "took", for the speculation policy
         self.ex = FakeExecutor(sched, sample, strict_preemption, propose)
@@ -387,7 +453,9 @@ class Driver:
         self.level_of: dict[str, int] = {}
         self.readmitted_same_step = 0  # preempted and admitted again within one schedule()
         self.preempted_in_flight = 0  # preempted while a token of theirs was in flight (async)
-        self.not_handed_back: list[SchedulerOutput] = []  # scheduled, update_from_output not yet called
+        self.not_handed_back: list[
+            SchedulerOutput
+        ] = []  # scheduled, update_from_output not yet called
 
     def add(self, req: Request) -> Request:
         self.s.add_request(req)
@@ -413,7 +481,9 @@ class Driver:
             assert l1 <= l1_limit(s), f"L1 took {l1} tokens of {s.config.max_num_batched_tokens}"
         for rid in out.preempted_req_ids:
             req = s.requests[rid]
-            self.preempted_in_flight += req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0
+            self.preempted_in_flight += (
+                req.status == RequestStatus.PREEMPTED and req.num_output_placeholders > 0
+            )
             if req.status == RequestStatus.RUNNING and not self.strict_preemption:
                 self.readmitted_same_step += 1  # preempted and re-admitted in one step
                 continue
@@ -435,10 +505,16 @@ class Driver:
     def top_up(self, out: SchedulerOutput) -> None:
         """Scheduler.top_up between schedule() and the step's start: admissions only."""
         s = self.s
-        n_pre, preempted, tokens = s.num_preemptions, set(out.preempted_req_ids), dict(out.num_scheduled_tokens)
+        n_pre, preempted, tokens = (
+            s.num_preemptions,
+            set(out.preempted_req_ids),
+            dict(out.num_scheduled_tokens),
+        )
         s.top_up(out)
         assert s.num_preemptions == n_pre and out.preempted_req_ids == preempted
-        assert all(out.num_scheduled_tokens[rid] == n for rid, n in tokens.items()), "top_up changed a scheduled request"
+        assert all(out.num_scheduled_tokens[rid] == n for rid, n in tokens.items()), (
+            "top_up changed a scheduled request"
+        )
         assert 0 <= out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
         assert len(s.running) <= s.config.max_num_seqs

@@ -1,4 +1,5 @@
 """Run a real `tandem serve` app (uvicorn on loopback) in a background thread for tests."""
+
 from __future__ import annotations
 
 import socket

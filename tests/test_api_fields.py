@@ -3,22 +3,32 @@ accepted on each endpoint that declares it, a refused field is a 400 naming it a
 implemented field reaches the engine as it should, and docs/api_fields.md is the table the
 request models give. What needs a model (logprobs, echo, best_of, ...) is in
 test_api_fields_server.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from test_server_routes import client_for, word_tokenizer
+
 from tandem.server import api_fields
 from tandem.server.routes import chat, completions
 
 HI = [{"role": "user", "content": "hi"}]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-HINTS = {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
-         "safety_identifier": "s", "prompt_cache_key": "k", "spaces_between_special_tokens": False,
-         "guided_decoding_backend": "xgrammar", "stream_options": {"include_obfuscation": False},
-         "modalities": ["text"], "verbosity": "low"}
+HINTS = {
+    "user": "u",
+    "metadata": {"a": "b"},
+    "store": False,
+    "service_tier": "auto",
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "spaces_between_special_tokens": False,
+    "guided_decoding_backend": "xgrammar",
+    "stream_options": {"include_obfuscation": False},
+    "modalities": ["text"],
+    "verbosity": "low",
+}
 CHAT_ONLY = ("modalities", "verbosity")
 
 
@@ -53,19 +63,35 @@ def test_hints_are_accepted_and_change_nothing(name):
         assert asked == plain
 
 
-@pytest.mark.parametrize("path,body", [(COMPLETIONS, {"suffix": "x"}), (CHAT, {"echo": True}),
-                                       (CHAT, {"modalities": ["audio"]}),
-                                       (COMPLETIONS, {"not_a_field": 1})])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (COMPLETIONS, {"suffix": "x"}),
+        (CHAT, {"echo": True}),
+        (CHAT, {"modalities": ["audio"]}),
+        (COMPLETIONS, {"not_a_field": 1}),
+    ],
+)
 def test_what_would_change_the_output_and_is_not_implemented_is_a_400_naming_it(path, body):
     r, _ = post(path, **body)
     assert r.status_code == 400 and list(body)[0] in r.json()["error"]["param"], r.text
 
 
 def test_sampling_fields_reach_the_engine():
-    r, (_, params) = post(CHAT, logit_bias={"7": 5, "8": -100}, max_completion_tokens=4, top_k=3,
-                          min_p=0.1, repetition_penalty=1.1, min_tokens=1, ignore_eos=True,
-                          stop_token_ids=[6], include_stop_str_in_output=True,
-                          skip_special_tokens=False, prompt_logprobs=2)
+    r, (_, params) = post(
+        CHAT,
+        logit_bias={"7": 5, "8": -100},
+        max_completion_tokens=4,
+        top_k=3,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        min_tokens=1,
+        ignore_eos=True,
+        stop_token_ids=[6],
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        prompt_logprobs=2,
+    )
     assert r.status_code == 200, r.text
     assert params.logit_bias == {7: 5.0, 8: -100.0} and params.prompt_logprobs == 2
     assert (params.max_tokens, params.top_k, params.min_p) == (4, 3, 0.1)
@@ -77,14 +103,17 @@ def test_sampling_fields_reach_the_engine():
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 3, "best_of": 2}, "best_of"),
-    ({"best_of": 2, "stream": True}, "best_of"),
-    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ],
+)
 def test_completions_combinations_that_cannot_be_served_are_400s(body, param):
     r, _ = post(COMPLETIONS, **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -99,10 +128,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens():
 
 def test_add_special_tokens():
     from tokenizers import processors
+
     client, state = client_for(completions.router)
     tok = word_tokenizer()  # with a "BOS" for the test: id 3 first
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="tools $A", special_tokens=[("tools", 3)])
+        single="tools $A", special_tokens=[("tools", 3)]
+    )
     state.facts.tokenizer = tok
     state.facts.tokenize = lambda p: tok.encode(p) if isinstance(p, str) else list(p)
     client.post(COMPLETIONS, json={"prompt": "hi there"})
@@ -113,8 +144,9 @@ def test_add_special_tokens():
 
 def test_continue_final_message_and_chat_template_kwargs():
     turn = HI + [{"role": "assistant", "content": "hi there"}]
-    r, (ids, _) = post(CHAT, messages=turn, continue_final_message=True,
-                       add_generation_prompt=False)
+    r, (ids, _) = post(
+        CHAT, messages=turn, continue_final_message=True, add_generation_prompt=False
+    )
     assert r.status_code == 200 and ids == word_tokenizer().encode("user: hi\nassistant: hi there")
     both, _ = post(CHAT, messages=turn, continue_final_message=True)
     assert both.status_code == 400
@@ -123,14 +155,17 @@ def test_continue_final_message_and_chat_template_kwargs():
     assert r.status_code == 200 and ids == word_tokenizer().encode("user: hi\nassistant:")
 
 
-@pytest.mark.parametrize("effort,shown", [("high", "style: True"), ("none", "style: False"),
-                                          (None, "")])
+@pytest.mark.parametrize(
+    "effort,shown", [("high", "style: True"), ("none", "style: False"), (None, "")]
+)
 def test_reasoning_effort_is_the_templates_thinking_switch(effort, shown):
     client, state = client_for(chat.router)
     tok = word_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-                         "{% if enable_thinking is defined %}style: {{ enable_thinking }}"
-                         "{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if enable_thinking is defined %}style: {{ enable_thinking }}"
+        "{% endif %}"
+    )
     state.facts.tokenizer = tok
     r = client.post(CHAT, json={"messages": HI, "reasoning_effort": effort})
     assert r.status_code == 200, r.text

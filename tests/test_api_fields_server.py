@@ -3,16 +3,17 @@ tokenizer): `echo` with `logprobs` and `max_tokens: 0` (what lm-eval-harness sen
 prompt's teacher-forced logprobs, `prompt_logprobs`, `best_of`, `logit_bias`,
 `stream_options.continuous_usage_stats` and `return_tokens_as_token_ids`; and the `vllm:`
 metrics."""
+
 from __future__ import annotations
 
 import json
 
 import httpx
 import pytest
-
 from server_fixture import running_server
 from structured_fixture import with_tokenizer
 from test_prompt_logprobs import hf_logprobs
+
 from tandem.config import EngineConfig
 from tandem.server.api_server import ServerConfig
 
@@ -35,8 +36,12 @@ def post(url: str, path: str, **body) -> dict:
 
 
 def stream(url: str, path: str, **body) -> list[dict]:
-    with httpx.stream("POST", url + path, json={"model": MODEL, "temperature": 0, "stream": True,
-                                                **body}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        url + path,
+        json={"model": MODEL, "temperature": 0, "stream": True, **body},
+        timeout=60,
+    ) as r:
         assert r.status_code == 200, r.read()
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
@@ -55,8 +60,9 @@ def test_echo_with_max_tokens_0_is_the_prompts_teacher_forced_logprobs(server):
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for i, token in enumerate(prompt[1:], 1):
             assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, token].item(), abs=1e-4)
-            assert max(lp["top_logprobs"][i].values()) == pytest.approx(ref[i - 1].max().item(),
-                                                                      abs=1e-4)
+            assert max(lp["top_logprobs"][i].values()) == pytest.approx(
+                ref[i - 1].max().item(), abs=1e-4
+            )
         assert "".join(lp["tokens"]) == choice["text"]
 
 
@@ -72,8 +78,10 @@ def test_echo_streamed_equals_whole(server):
     assert tokens == whole["logprobs"]["tokens"] and offsets == whole["logprobs"]["text_offset"]
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "abc def"}),
-                                       ("/v1/chat/completions", {"messages": HI})])
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/completions", {"prompt": "abc def"}), ("/v1/chat/completions", {"messages": HI})],
+)
 def test_prompt_logprobs(server, path, body):
     url, _ = server
     out = post(url, path, max_tokens=1, prompt_logprobs=2, **body)
@@ -96,18 +104,34 @@ def test_best_of_answers_the_n_of_highest_cumulative_logprob(server):
 
 def test_logit_bias_and_tokens_as_ids(server):
     url, _ = server
-    out = post(url, "/v1/chat/completions", messages=HI, max_tokens=3, logit_bias={"77": 100},
-               logprobs=True, return_tokens_as_token_ids=True, ignore_eos=True)
+    out = post(
+        url,
+        "/v1/chat/completions",
+        messages=HI,
+        max_tokens=3,
+        logit_bias={"77": 100},
+        logprobs=True,
+        return_tokens_as_token_ids=True,
+        ignore_eos=True,
+    )
     tokens = [t["token"] for t in out["choices"][0]["logprobs"]["content"]]
     assert tokens == ["token_id:77"] * 3
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "abc"}),
-                                       ("/v1/chat/completions", {"messages": HI})])
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/completions", {"prompt": "abc"}), ("/v1/chat/completions", {"messages": HI})],
+)
 def test_continuous_usage_stats_put_usage_in_every_chunk(server, path, body):
     url, _ = server
-    chunks = stream(url, path, max_tokens=5, ignore_eos=True, **body,
-                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = stream(
+        url,
+        path,
+        max_tokens=5,
+        ignore_eos=True,
+        **body,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert all("usage" in c for c in chunks) and counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chunks[-2]["usage"]
@@ -118,11 +142,19 @@ def test_vllm_named_metrics_beside_tandems(server):
     url, _ = server
     post(url, "/v1/completions", prompt="abc", max_tokens=2)
     text = httpx.get(url + "/metrics").text
-    series = dict(line.rsplit(" ", 1) for line in text.splitlines()
-                  if line and not line.startswith("#"))
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
-                 "e2e_request_latency_seconds_count", "time_to_first_token_seconds_count"):
+    series = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "e2e_request_latency_seconds_count",
+        "time_to_first_token_seconds_count",
+    ):
         tandem = {k: v for k, v in series.items() if k.startswith(f"tandem:{name}{{")}
         vllm = {k.replace("tandem:", "vllm:", 1): v for k, v in tandem.items()}
         assert tandem and all(series.get(k) == v for k, v in vllm.items()), name

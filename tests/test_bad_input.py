@@ -1,4 +1,5 @@
 """Bad input gets a clear error that names the problem, and running requests are unaffected."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,20 +11,25 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    return LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+    return LLM(
+        tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 20, max_model_len=128
+    )
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(top_k=-3), "top_k"),
-    (dict(n=0), "n must"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(presence_penalty=5.0), "presence_penalty"),
-    (dict(logprobs=99), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=-3), "top_k"),
+        (dict(n=0), "n must"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(presence_penalty=5.0), "presence_penalty"),
+        (dict(logprobs=99), "logprobs"),
+    ],
+)
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -62,10 +68,13 @@ def test_generate_rejects_batch_without_running_any(llm):
     assert llm.engine.core.kv_manager.num_free_blocks == llm.engine.core.executor.num_kv_blocks
 
 
-@pytest.mark.parametrize("model,match", [
-    ("/no/such/model", "no/such/model"),
-    ("not-an-alias", "not-an-alias"),
-])
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        ("/no/such/model", "no/such/model"),
+        ("not-an-alias", "not-an-alias"),
+    ],
+)
 def test_unknown_model(model, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         LLM(model)
@@ -82,5 +91,6 @@ def test_engine_options_validated(tiny_model_dirs):
 
 def test_cli_reports_errors_without_traceback(capsys):
     from tandem.cli import main
+
     assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 2
     assert "error:" in capsys.readouterr().err

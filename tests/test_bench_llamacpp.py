@@ -1,5 +1,6 @@
 """`tandem bench llamacpp`: llama-batched-bench's table parsed from a captured run, its command
 built to match Tandem's decode steps, and a missing binary refused in words."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,12 @@ import psutil
 import pytest
 
 from tandem.bench import llamacpp
-from tandem.bench.llamacpp import batched_bench_command, llama_cpp_tool, parse_batched_bench, run_llama
+from tandem.bench.llamacpp import (
+    batched_bench_command,
+    llama_cpp_tool,
+    parse_batched_bench,
+    run_llama,
+)
 from tandem.bench.measure import in_subprocess
 
 # Captured SAMPLE_PLACEHOLDER
@@ -30,7 +36,9 @@ llama_perf_context_print:        load time =     123.45 ms
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"batch_sizes": "1,16", "prompt_len": 128, "output_len": 128, "num_threads": 2, **kw})
+    return argparse.Namespace(
+        **{"batch_sizes": "1,16", "prompt_len": 128, "output_len": 128, "num_threads": 2, **kw}
+    )
 
 
 def test_parses_the_table_by_its_header_names():
@@ -48,7 +56,14 @@ def test_no_table_is_an_error_in_words():
 def test_command_decodes_the_same_steps_as_tandem():
     cmd = batched_bench_command(Path("/bin/llama-batched-bench"), Path("m.gguf"), _args())
     flags = dict(zip(cmd[1::2], cmd[2::2]))
-    assert flags == {"-m": "m.gguf", "-c": str(16 * 256), "-npp": "128", "-ntg": "127", "-npl": "1,16", "-t": "2"}
+    assert flags == {
+        "-m": "m.gguf",
+        "-c": str(16 * 256),
+        "-npp": "128",
+        "-ntg": "127",
+        "-npl": "1,16",
+        "-t": "2",
+    }
 
 
 def test_run_llama_reads_s_tg_and_misses_no_batch(tmp_path):
@@ -66,12 +81,22 @@ def test_run_llama_reads_s_tg_and_misses_no_batch(tmp_path):
 
 def test_missing_binary_is_refused_in_words(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="llama-batched-bench is not on PATH.*--llama-batched-bench PATH"):
+    with pytest.raises(
+        FileNotFoundError, match="llama-batched-bench is not on PATH.*--llama-batched-bench PATH"
+    ):
         llama_cpp_tool("llama-batched-bench", None)
     with pytest.raises(FileNotFoundError, match="not an executable file"):
         llama_cpp_tool("llama-batched-bench", str(tmp_path / "missing"))
-    args = _args(model="smollm2-135m", quantization="int4", dtype="auto", repeats=1, kv_cache_memory=None,
-                 seed=0, llama_batched_bench=None, json_path=None)
+    args = _args(
+        model="smollm2-135m",
+        quantization="int4",
+        dtype="auto",
+        repeats=1,
+        kv_cache_memory=None,
+        seed=0,
+        llama_batched_bench=None,
+        json_path=None,
+    )
     with pytest.raises(FileNotFoundError, match="not on PATH"):
         llamacpp.main(args)
 
@@ -96,11 +121,13 @@ def _sleep(seconds, requests):
 
 def test_a_side_given_up_on_stops_its_process():
     """Ctrl-C (or any error) while waiting on a side leaves no benchmark process running on."""
+
     def spawned():
         return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
 
     def interrupt(*_):
         raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     started = time.monotonic()
@@ -117,6 +144,7 @@ def test_a_side_given_up_on_stops_its_process():
 def test_auto_is_the_precision_the_file_stores(monkeypatch):
     """`--quantization auto` measures the precision `tandem serve` would pick, and names it."""
     from tandem.bench import quantization
+
     seen = {}
 
     class Stop(Exception):
@@ -125,10 +153,20 @@ def test_auto_is_the_precision_the_file_stores(monkeypatch):
     def fake_llm(model, **kw):
         seen.update(kw)
         raise Stop
+
     monkeypatch.setattr("tandem.LLM", fake_llm)
-    args = argparse.Namespace(model="smollm2-135m", dtype="auto", kv_cache_dtype="auto", device="cpu", batch_sizes="1",
-                              prompt_len=8,
-                              output_len=4, kv_cache_memory=None, num_threads=1, seed=0)
+    args = argparse.Namespace(
+        model="smollm2-135m",
+        dtype="auto",
+        kv_cache_dtype="auto",
+        device="cpu",
+        batch_sizes="1",
+        prompt_len=8,
+        output_len=4,
+        kv_cache_memory=None,
+        num_threads=1,
+        seed=0,
+    )
     with pytest.raises(Stop):
         quantization.run_precision(args, "auto", False)
     assert seen["quantization"] == "int4"
@@ -142,20 +180,40 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
 
     def fake_tandem(fn, args, requests):
         order.append(fn.precision)
-        return {"decode_tok_s": {1: next(runs)}, "peak_rss_mb": 100.0, "precision": "int4",
-                "kv_cache_dtype": "bfloat16"}
+        return {
+            "decode_tok_s": {1: next(runs)},
+            "peak_rss_mb": 100.0,
+            "precision": "int4",
+            "kv_cache_dtype": "bfloat16",
+        }
 
     def fake_llama(command, batches):
         order.append("llama")
         return {1: 20.0}
+
     monkeypatch.setattr("tandem.bench.measure.in_subprocess", fake_tandem)
     monkeypatch.setattr(llamacpp, "run_llama", fake_llama)
     monkeypatch.setattr(llamacpp, "llama_cpp_tool", lambda name, path: Path("/bin/true"))
-    monkeypatch.setattr("tandem.models.loader.model_files.gguf_source", lambda model: tmp_path / "m.gguf")
-    report = llamacpp.compare(_args(quantization="auto,int4", repeats=2, batch_sizes="1", model="m",
-                                    llama_batched_bench=None, dtype="auto", kv_cache_dtype="auto", kv_cache_memory=None, seed=0))
+    monkeypatch.setattr(
+        "tandem.models.loader.model_files.gguf_source", lambda model: tmp_path / "m.gguf"
+    )
+    report = llamacpp.compare(
+        _args(
+            quantization="auto,int4",
+            repeats=2,
+            batch_sizes="1",
+            model="m",
+            llama_batched_bench=None,
+            dtype="auto",
+            kv_cache_dtype="auto",
+            kv_cache_memory=None,
+            seed=0,
+        )
+    )
     assert order == ["auto", "int4", "llama", "int4", "llama", "auto"]
-    assert report["decode_tok_s"]["auto (int4)"] == {1: 10.0} and report["decode_tok_s"]["int4"] == {1: 30.0}
+    assert report["decode_tok_s"]["auto (int4)"] == {1: 10.0} and report["decode_tok_s"][
+        "int4"
+    ] == {1: 30.0}
     assert report["ratio"]["int4"] == {1: 1.5}
     llamacpp.print_table(report)
     out = capsys.readouterr().out

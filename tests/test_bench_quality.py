@@ -1,5 +1,6 @@
 """`tandem bench quality`'s perplexity is the model's: on tiny random models (Gemma 3 with its KV
 groups among them) it equals transformers' on the same tokens and weights, fp32."""
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ def test_perplexity_equals_transformers(kind, tiny_model_dirs):
     ours = perplexity(runner, runner.variants.default, tokens, window=20)
     model, nll, count = hf_model(path, torch.float32), 0.0, 0
     for start in range(0, len(tokens) - 1, 20):
-        chunk = torch.tensor([tokens[start:start + 20]])
+        chunk = torch.tensor([tokens[start : start + 20]])
         with torch.inference_mode():
             logp = torch.log_softmax(model(chunk).logits[0, :-1].float(), -1)
         nll -= logp.gather(1, chunk[0, 1:, None]).sum().item()

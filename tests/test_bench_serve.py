@@ -1,5 +1,6 @@
 """`tandem bench serve` against a tiny fake OpenAI-compatible streaming server (FastAPI on
 127.0.0.1, in a background thread), plus prompt synthesis and trace parsing."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,6 @@ import socket
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
@@ -19,9 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.bench import serve
 from tandem.bench.traces import trace_workload
-from tandem.workload.traces import read_azure, read_mooncake, resolve_trace
 from tandem.bench.workloads import PromptSynth, arrivals
-
+from tandem.workload.traces import read_azure, read_mooncake, resolve_trace
 
 # ---- fake server -------------------------------------------------------------------------------
 DEFAULTS = dict(chunk_delay=0.002, tokens_per_chunk=1, fail_every=0, slow_every=0, slow_delay=0.25)
@@ -57,12 +56,23 @@ async def _handle(request: Request, chat: bool):
             for i in range(0, total, step):
                 await asyncio.sleep(CFG["chunk_delay"])
                 text = " tok" * min(step, total - i)
-                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                choice = (
+                    {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                )
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
-            final = {"choices": [], "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": total,
-                                              "total_tokens": len(prompt.split()) + total},
-                     "metrics": {"queue_time": queue, "prefill_time": CFG["chunk_delay"],
-                                 "decode_time": CFG["chunk_delay"] * (total - 1)}}
+            final = {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(prompt.split()),
+                    "completion_tokens": total,
+                    "total_tokens": len(prompt.split()) + total,
+                },
+                "metrics": {
+                    "queue_time": queue,
+                    "prefill_time": CFG["chunk_delay"],
+                    "decode_time": CFG["chunk_delay"] * (total - 1),
+                },
+            }
             yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -84,11 +94,20 @@ async def chat_completions(request: Request):
 @pytest.fixture(scope="module")
 def server_url():
     import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -109,22 +128,49 @@ def fresh_server_state():
 def bench_args(url: str, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    return p.parse_args(["--base-url", url, "--quiet", "--num-prompts", "8", "--input-len", "16",
-                         "--output-len", "6", *extra])
+    return p.parse_args(
+        [
+            "--base-url",
+            url,
+            "--quiet",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "16",
+            "--output-len",
+            "6",
+            *extra,
+        ]
+    )
 
 
 # ---- load tests against the fake server -------------------------------------------------------------
 def test_random_workload_at_fixed_concurrency(server_url):
     CFG["tokens_per_chunk"] = 2  # the ITL note must explain chunks carrying >1 token
-    out = serve.main(bench_args(server_url, "--num-prompts", "12", "--max-concurrency", "4",
-                                "--range-ratio", "0.5", "--output-len", "8"))
+    out = serve.main(
+        bench_args(
+            server_url,
+            "--num-prompts",
+            "12",
+            "--max-concurrency",
+            "4",
+            "--range-ratio",
+            "0.5",
+            "--output-len",
+            "8",
+        )
+    )
     s = out["results"]["summary"]
     assert (s["total"], s["completed"], s["failed"]) == (12, 12, 0)
     assert 1 <= STATE["max_inflight"] <= 4
     reqs = out["results"]["requests"]
     assert s["total_output_tokens"] == sum(r["requested_output"] for r in reqs)
     for r in reqs:
-        assert r["success"] and 0 < r["ttft"] <= r["e2e"] and r["output_tokens"] == r["requested_output"]
+        assert (
+            r["success"]
+            and 0 < r["ttft"] <= r["e2e"]
+            and r["output_tokens"] == r["requested_output"]
+        )
     for body in STATE["bodies"]:
         assert body["stream"] and body["ignore_eos"] and body["temperature"] == 0
         assert body["stream_options"] == {"include_usage": True} and 4 <= body["max_tokens"] <= 12
@@ -146,7 +192,10 @@ def test_failures_counted_with_status(server_url):
     s = out["results"]["summary"]
     assert (s["completed"], s["failed"]) == (8, 4)
     assert s["failures_by_status"] == {"500": 2, "429": 2}
-    assert all(e["error"].startswith(f"HTTP {e['status']}") and "fake failure" in e["error"] for e in s["errors"])
+    assert all(
+        e["error"].startswith(f"HTTP {e['status']}") and "fake failure" in e["error"]
+        for e in s["errors"]
+    )
 
 
 def test_request_timeout_is_a_failure(server_url):
@@ -161,7 +210,9 @@ def test_goodput_and_queueing_share(server_url):
     # every second request waits 600 ms "in the queue"; the others' TTFT has 400 ms of slack
     # under the SLO, for a loaded machine
     CFG.update(slow_every=2, slow_delay=0.6)
-    out = serve.main(bench_args(server_url, "--max-concurrency", "4", "--goodput", "ttft:400", "e2el:5000"))
+    out = serve.main(
+        bench_args(server_url, "--max-concurrency", "4", "--goodput", "ttft:400", "e2el:5000")
+    )
     s = out["results"]["summary"]
     g = s["goodput"]
     assert s["completed"] == 8 and g["requests"] == 4 and g["share"] == 0.5
@@ -172,19 +223,62 @@ def test_goodput_and_queueing_share(server_url):
 
 def test_json_and_plots(server_url, tmp_path):
     path, plots = tmp_path / "bench.json", tmp_path / "plots"
-    serve.main(bench_args(server_url, "--request-rate", "200", "--burstiness", "0.5", "--save-result",
-                          "--result-dir", str(tmp_path), "--result-filename", path.name, "--plot", str(plots),
-                          "--metric-percentiles", "50,99.9", "--goodput", "ttft:1000"))
+    serve.main(
+        bench_args(
+            server_url,
+            "--request-rate",
+            "200",
+            "--burstiness",
+            "0.5",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            path.name,
+            "--plot",
+            str(plots),
+            "--metric-percentiles",
+            "50,99.9",
+            "--goodput",
+            "ttft:1000",
+        )
+    )
     data = json.loads(path.read_text())
     assert {"config", "workload", "results", "plots"} <= data.keys()
     assert data["config"]["request_rate"] == 200
-    assert {"base_url", "summary", "per_class", "requests", "server_counters", "prefix_ideal"} == data["results"].keys()
+    assert {
+        "base_url",
+        "summary",
+        "per_class",
+        "requests",
+        "server_counters",
+        "prefix_ideal",
+    } == data["results"].keys()
     # the fake server serves no tandem /metrics nor /tandem/state
     assert data["results"]["server_counters"] is None and data["results"]["prefix_ideal"] is None
-    assert {"completed", "failed", "duration_s", "request_throughput", "input_throughput", "output_throughput",
-            "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "goodput", "latency_split",
-            "failures_by_status"} <= data["results"]["summary"].keys()
-    assert set(data["results"]["summary"]["ttft_ms"]) == {"mean", "p50", "p90", "p95", "p99", "p99.9"}
+    assert {
+        "completed",
+        "failed",
+        "duration_s",
+        "request_throughput",
+        "input_throughput",
+        "output_throughput",
+        "ttft_ms",
+        "itl_ms",
+        "tpot_ms",
+        "e2e_ms",
+        "goodput",
+        "latency_split",
+        "failures_by_status",
+    } <= data["results"]["summary"].keys()
+    assert set(data["results"]["summary"]["ttft_ms"]) == {
+        "mean",
+        "p50",
+        "p90",
+        "p95",
+        "p99",
+        "p99.9",
+    }
     assert {"name", "description", "prompt_tokens", "tokenizer"} <= data["workload"].keys()
     for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png", "inflight.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -203,9 +297,28 @@ def test_compare_same_server_gives_ratios_near_one(server_url):
 
 
 def test_mixed_workload_per_class_with_priority_over_chat(server_url):
-    out = serve.main(bench_args(server_url, "--dataset-name", "mixed", "--num-prompts", "20", "--long-fraction",
-                                "0.1", "--long-input-len", "300", "--long-output-len", "12", "--short-input-len",
-                                "10", "--short-output-len", "3", "--priority-by-class", "--endpoint", "chat"))
+    out = serve.main(
+        bench_args(
+            server_url,
+            "--dataset-name",
+            "mixed",
+            "--num-prompts",
+            "20",
+            "--long-fraction",
+            "0.1",
+            "--long-input-len",
+            "300",
+            "--long-output-len",
+            "12",
+            "--short-input-len",
+            "10",
+            "--short-output-len",
+            "3",
+            "--priority-by-class",
+            "--endpoint",
+            "chat",
+        )
+    )
     per = out["results"]["per_class"]
     assert (per["long"]["completed"], per["short"]["completed"]) == (2, 18)
     assert per["long"]["total_output_tokens"] == 24 and per["short"]["ttft_ms"]["p99"] is not None
@@ -248,8 +361,21 @@ def trace_args(kind: str, *extra: str) -> argparse.Namespace:
 def test_azure_window_and_scaling(synth):
     rows, skipped = read_azure(resolve_trace("azure"))
     assert len(rows) > 19000 and not skipped and rows[0].arrival == 0
-    args = trace_args("azure", "--window-start", "60", "--window-seconds", "30", "--time-scale", "0.1",
-                      "--length-scale", "0.05", "--max-requests", "20", "--max-output-len", "4")
+    args = trace_args(
+        "azure",
+        "--window-start",
+        "60",
+        "--window-seconds",
+        "30",
+        "--time-scale",
+        "0.1",
+        "--length-scale",
+        "0.05",
+        "--max-requests",
+        "20",
+        "--max-output-len",
+        "4",
+    )
     reqs, desc = trace_workload(args, synth)
     raw = [r for r in rows if 60 <= r.arrival < 90][:20]
     assert len(reqs) == len(raw) > 0 and reqs[0].arrival == 0
@@ -263,30 +389,43 @@ def test_azure_window_and_scaling(synth):
 
 
 def test_mooncake_prompts_share_real_prefixes(synth):
-    args = trace_args("mooncake", "--max-requests", "40", "--length-scale", "0.03125", "--time-scale", "0.5")
+    args = trace_args(
+        "mooncake", "--max-requests", "40", "--length-scale", "0.03125", "--time-scale", "0.5"
+    )
     rows, _ = read_mooncake(resolve_trace("mooncake"))
     reqs, desc = trace_workload(args, synth)
     block = desc["scaling"]["block_tokens"]
     assert block == 16 and len(reqs) == 40
     assert reqs[-1].arrival == pytest.approx(rows[39].arrival * 0.5)
     enc = [synth.encode(q.prompt) for q in reqs]
-    assert all(len(e) == q.input_len == max(1, round(r.input_len / 32)) for e, q, r in zip(enc, reqs, rows))
+    assert all(
+        len(e) == q.input_len == max(1, round(r.input_len / 32)) for e, q, r in zip(enc, reqs, rows)
+    )
     shared = 0
     for i, j in itertools.combinations(range(40), 2):
         a, b = rows[i].hash_ids, rows[j].hash_ids
         k = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         n = min(k * block, len(enc[i]), len(enc[j]))
         assert enc[i][:n] == enc[j][:n]
-        if k < min(len(a), len(b)) and len(enc[i]) >= (k + 1) * block and len(enc[j]) >= (k + 1) * block:
-            assert enc[i][:(k + 1) * block] != enc[j][:(k + 1) * block]
+        if (
+            k < min(len(a), len(b))
+            and len(enc[i]) >= (k + 1) * block
+            and len(enc[j]) >= (k + 1) * block
+        ):
+            assert enc[i][: (k + 1) * block] != enc[j][: (k + 1) * block]
         shared += n > 0
     assert shared > 0
 
 
 def test_malformed_trace_lines(tmp_path, synth):
     good = {"timestamp": 0, "input_length": 40, "output_length": 3, "hash_ids": [0]}
-    lines = [json.dumps(good), "{not json", json.dumps({**good, "timestamp": 500}),
-             json.dumps({"timestamp": 1, "input_length": 5}), '{"timestamp": 900, "input_len']
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({**good, "timestamp": 500}),
+        json.dumps({"timestamp": 1, "input_length": 5}),
+        '{"timestamp": 900, "input_len',
+    ]
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(lines) + "\n")
     rows, skipped = read_mooncake(path)
@@ -298,10 +437,13 @@ def test_malformed_trace_lines(tmp_path, synth):
         trace_workload(trace_args("mooncake", "--trace", str(path), "--strict"), synth)
 
     csv_path = tmp_path / "azure.csv"
-    csv_path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
-                        "2023-11-16 18:15:47.0,abc,3\n2023-11-16 18:15:48.5,10,5\n2023-11-16 18:1")
+    csv_path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:47.0,abc,3\n2023-11-16 18:15:48.5,10,5\n2023-11-16 18:1"
+    )
     rows, skipped = read_azure(csv_path)
-    assert [r.arrival for r in rows] == pytest.approx([0, 1.81941]) and [s["line"] for s in skipped] == [3, 5]
+    assert [r.arrival for r in rows] == pytest.approx([0, 1.81941]) and [
+        s["line"] for s in skipped
+    ] == [3, 5]
     with pytest.raises(ValueError, match=r"azure\.csv:3: "):
         read_azure(csv_path, strict=True)
-

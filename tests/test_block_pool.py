@@ -2,6 +2,7 @@
 
 Torch-free by intent: only `tandem.core.*` is used (see test_core_import_is_torch_free).
 """
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tandem.core.block_pool import BlockPool, hash_block
@@ -52,6 +54,7 @@ def check_pool(pool: BlockPool) -> None:
 # =====================================================================================
 # BlockPool unit tests
 # =====================================================================================
+
 
 def test_new_pool_is_all_free():
     pool = BlockPool(5)
@@ -238,13 +241,17 @@ def test_hash_block_is_deterministic_across_processes():
     and every hash chained on it differ from process to process."""
     # Load the module from its file so the child skips tandem/__init__ (and its torch import).
     import tandem.core.block_pool as bp
-    code = ("import sys, importlib.util as u; s = u.spec_from_file_location('bp', %r); "
-            "m = sys.modules['bp'] = u.module_from_spec(s); s.loader.exec_module(m); "
-            "h = m.hash_block; "
-            "print(h(h(None, (1, 2, 3)), (4, 5, 6)))" % bp.__file__)
+
+    code = (
+        "import sys, importlib.util as u; s = u.spec_from_file_location('bp', %r); "
+        "m = sys.modules['bp'] = u.module_from_spec(s); s.loader.exec_module(m); "
+        "h = m.hash_block; "
+        "print(h(h(None, (1, 2, 3)), (4, 5, 6)))" % bp.__file__
+    )
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       check=True).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
         for _ in range(3)
     }
     assert len(outs) == 1, f"hash_block differs across processes: {outs}"
@@ -253,16 +260,20 @@ def test_hash_block_is_deterministic_across_processes():
 def test_core_import_is_torch_free():
     """tandem.core claims to be torch-free (shared with the simulator), but importing any
     tandem.core module runs tandem/__init__.py, which imports tandem.engine.llm -> torch."""
-    code = ("import sys; import tandem.core.scheduler, tandem.core.kv_cache_manager; "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    code = (
+        "import sys; import tandem.core.scheduler, tandem.core.kv_cache_manager; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "False", "importing tandem.core.* imports torch"
 
 
 # =====================================================================================
 # BlockPool state machine
 # =====================================================================================
+
 
 class BlockPoolMachine(RuleBasedStateMachine):
     """Model: owner references (lists of block ids), the evictable LRU order, the set of
@@ -328,8 +339,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self._release(self.live_owners[k % len(self.live_owners)])
 
     @precondition(lambda self: any(self.live_owners))
-    @rule(k=st.integers(0, 50), pos=st.integers(0, 11), parent=st.sampled_from([None, 1, 2]),
-          toks=st.lists(st.integers(0, 2), min_size=1, max_size=2).map(tuple))
+    @rule(
+        k=st.integers(0, 50),
+        pos=st.integers(0, 11),
+        parent=st.sampled_from([None, 1, 2]),
+        toks=st.lists(st.integers(0, 2), min_size=1, max_size=2).map(tuple),
+    )
     def cache(self, k, pos, parent, toks):
         owners = [o for o in self.live_owners if o]
         owner = owners[k % len(owners)]
@@ -386,14 +401,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
         check_pool(self.pool)
 
 
-BlockPoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
-                                              deadline=None)
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 
 
 # =====================================================================================
 # KVCacheManager
 # =====================================================================================
+
 
 def run_prefill(kv: KVCacheManager, req: Request) -> list[int]:
     """Admit a request the way the scheduler does, compute all its tokens, index them."""

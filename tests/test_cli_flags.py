@@ -1,4 +1,5 @@
 """vLLM's flag names and units, on every command."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,13 @@ def _vars(argv: list[str]) -> dict:
 
 
 def test_speculative_config_is_json(capsys):
-    args = PARSER.parse_args(["serve", "--speculative-config",
-                              '{"method": "draft", "model": "self:int4", '
-                              '"num_speculative_tokens": 5}'])
+    args = PARSER.parse_args(
+        [
+            "serve",
+            "--speculative-config",
+            '{"method": "draft", "model": "self:int4", "num_speculative_tokens": 5}',
+        ]
+    )
     spec = build_configs(args)[0].speculative_config
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft", "self:int4", 5)
     for bad in ("{not json", "[1, 2]"):
@@ -53,7 +58,11 @@ def test_serve_takes_the_model_as_a_positional_and_a_seed():
 
 
 def test_goodput_is_milliseconds_in_every_command():
-    assert parse_goodput(["ttft:500", "tpot:100", "e2el:10000"]) == {"ttft": 0.5, "tpot": 0.1, "e2e": 10.0}
+    assert parse_goodput(["ttft:500", "tpot:100", "e2el:10000"]) == {
+        "ttft": 0.5,
+        "tpot": 0.1,
+        "e2e": 10.0,
+    }
     for bad in (["ttft=500"], ["itl:5"], ["ttft:-1"]):
         with pytest.raises(ValueError, match="--goodput"):
             parse_goodput(bad)
@@ -65,8 +74,19 @@ def test_goodput_is_milliseconds_in_every_command():
 
 
 def test_bench_serve_result_file(tmp_path):
-    args = PARSER.parse_args(["bench", "serve", "--save-result", "--result-dir", str(tmp_path),
-                              "--max-concurrency", "4", "--dataset-name", "mixed"])
+    args = PARSER.parse_args(
+        [
+            "bench",
+            "serve",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--max-concurrency",
+            "4",
+            "--dataset-name",
+            "mixed",
+        ]
+    )
     path = bench_serve.result_path(args)
     assert path.parent == tmp_path and path.name.startswith("tandem-mixed-infqps-4conc-")
     args = PARSER.parse_args(["bench", "serve", "--save-result", "--result-filename", "r.json"])
@@ -74,13 +94,24 @@ def test_bench_serve_result_file(tmp_path):
     assert bench_serve.result_path(PARSER.parse_args(["bench", "serve"])) is None
     with pytest.raises(ValueError, match="need --save-result"):
         bench_serve.result_path(PARSER.parse_args(["bench", "serve", "--result-dir", "d"]))
-    for flags, match in ((["--percentile-metrics", "ttft,p99"], "--percentile-metrics"),
-                         (["--metric-percentiles", "50,101"], "--metric-percentiles")):
+    for flags, match in (
+        (["--percentile-metrics", "ttft,p99"], "--percentile-metrics"),
+        (["--metric-percentiles", "50,101"], "--metric-percentiles"),
+    ):
         with pytest.raises(ValueError, match=match):
             bench_serve._report_options(PARSER.parse_args(["bench", "serve", *flags]))
-    assert bench_serve._report_options(PARSER.parse_args(
-        ["bench", "serve", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9"])) == \
-        (("ttft", "e2el"), (50.0, 99.9))
+    assert bench_serve._report_options(
+        PARSER.parse_args(
+            [
+                "bench",
+                "serve",
+                "--percentile-metrics",
+                "ttft,e2el",
+                "--metric-percentiles",
+                "50,99.9",
+            ]
+        )
+    ) == (("ttft", "e2el"), (50.0, 99.9))
 
 
 def test_every_flag_has_help():
@@ -99,8 +130,14 @@ def test_every_flag_has_help():
 
 
 def test_bench_offline_takes_speculative_config():
-    args = PARSER.parse_args(["bench", "offline", "--speculative-config",
-                              '{"method": "ngram", "num_speculative_tokens": 3}'])
+    args = PARSER.parse_args(
+        [
+            "bench",
+            "offline",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3}',
+        ]
+    )
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert PARSER.parse_args(["bench", "offline"]).speculative_config is None
     assert _vars(["bench", "offline", "--kv-cache-memory", "64MiB"])["kv_cache_memory"] == 64 << 20
@@ -118,7 +155,11 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_from_a_share_of_memory():
     half = default_kv_cache_memory(cpu, 0.5)
     assert 0.4 < half / psutil.virtual_memory().available < 0.6  # what was available a moment ago
     assert default_kv_cache_memory(cpu) <= 2 << 30  # unset: a quarter, at most 2 GiB
-    for bad in (dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.5),
-                dict(gpu_memory_utilization=-0.1), dict(gpu_memory_utilization=0.5, kv_cache_memory=1 << 20)):
+    for bad in (
+        dict(gpu_memory_utilization=0),
+        dict(gpu_memory_utilization=1.5),
+        dict(gpu_memory_utilization=-0.1),
+        dict(gpu_memory_utilization=0.5, kv_cache_memory=1 << 20),
+    ):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineConfig.from_kwargs(**bad)

@@ -2,6 +2,7 @@
 instance is SIGKILLed under streaming load. The router marks it unhealthy within seconds; every
 request completes or ends with a clear error (none hangs, none silently vanishes); later
 requests go to the survivor."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,8 @@ import time
 
 import httpx
 import pytest
-
 from cluster_fixture import serving
+
 from tandem.cluster.config import parse_cluster_config
 from tandem.cluster.launch.local_backend import LocalBackend
 from tandem.cluster.router.app import build_router
@@ -24,8 +25,13 @@ MAX_TOKENS = 600
 
 async def one(client: httpx.AsyncClient, url: str, i: int, started: list) -> tuple[str, int, str]:
     """(outcome, chunks received, error text): ok only with every token and [DONE]."""
-    body = {"model": "tiny", "prompt": [i + 1, 2, 3, 4], "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": [i + 1, 2, 3, 4],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
     chunks, error = 0, ""
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -54,10 +60,20 @@ DETECT_WITHIN_S = 10.0
 
 
 def test_kill_instance_under_load(tiny_model_dirs, tmp_path):
-    cfg = parse_cluster_config({
-        "models": [{"name": "tiny", "model": tiny_model_dirs["llama"], "instances": 2,
-                    "engine": {"dtype": "float32", "kv_cache_memory": 8 << 20}}],
-        "router": {"poll_interval_s": 0.3}, "log_dir": str(tmp_path)})
+    cfg = parse_cluster_config(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "model": tiny_model_dirs["llama"],
+                    "instances": 2,
+                    "engine": {"dtype": "float32", "kv_cache_memory": 8 << 20},
+                }
+            ],
+            "router": {"poll_interval_s": 0.3},
+            "log_dir": str(tmp_path),
+        }
+    )
     backend = LocalBackend(cfg)
     instances = backend.start(timeout=300)
     try:
@@ -68,13 +84,19 @@ def test_kill_instance_under_load(tiny_model_dirs, tmp_path):
             async def run():
                 started: list[int] = []
                 async with httpx.AsyncClient(timeout=httpx.Timeout(60)) as c:
-                    tasks = [asyncio.create_task(asyncio.wait_for(one(c, url, i, started), 90)) for i in range(12)]
+                    tasks = [
+                        asyncio.create_task(asyncio.wait_for(one(c, url, i, started), 90))
+                        for i in range(12)
+                    ]
                     while len(started) < 12 and not all(t.done() for t in tasks):
                         await asyncio.sleep(0.02)
                     victim = max(router.pool.instances.values(), key=lambda i: i.inflight)
                     os.kill(backend.procs[victim.id].pid, signal.SIGKILL)
                     killed = time.monotonic()
-                    while router.pool.instances[victim.id].state.healthy and time.monotonic() - killed < DETECT_WITHIN_S:
+                    while (
+                        router.pool.instances[victim.id].state.healthy
+                        and time.monotonic() - killed < DETECT_WITHIN_S
+                    ):
                         await asyncio.sleep(0.05)
                     detect = time.monotonic() - killed
                     results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -83,12 +105,18 @@ def test_kill_instance_under_load(tiny_model_dirs, tmp_path):
                     survivor = next(i for i in router.pool.instances.values() if i.id != victim.id)
                     while not survivor.state.healthy and time.monotonic() - killed < 30:
                         await asyncio.sleep(0.05)
-                    after = await asyncio.gather(*(asyncio.wait_for(one(c, url, 100 + i, []), 90) for i in range(4)))
+                    after = await asyncio.gather(
+                        *(asyncio.wait_for(one(c, url, 100 + i, []), 90) for i in range(4))
+                    )
                 return victim, detect, results, after
 
             victim, detect, results, after = asyncio.run(run())
-            assert detect < DETECT_WITHIN_S, f"still healthy {detect:.1f}s after its process was killed"
-            assert not [r for r in results if isinstance(r, BaseException)], results  # no hang, no crash
+            assert detect < DETECT_WITHIN_S, (
+                f"still healthy {detect:.1f}s after its process was killed"
+            )
+            assert not [r for r in results if isinstance(r, BaseException)], (
+                results
+            )  # no hang, no crash
             outcomes = [r[0] for r in results]
             assert "vanished" not in outcomes
             errors = [r[2] for r in results if r[0] == "error"]
@@ -97,7 +125,9 @@ def test_kill_instance_under_load(tiny_model_dirs, tmp_path):
             assert [a[0] for a in after] == ["ok"] * 4
             state = httpx.get(url + "/cluster/state", timeout=30).json()
             assert not state[victim.id]["healthy"]
-            print(f"killed {victim.id}: unhealthy after {detect:.2f}s; {outcomes.count('ok')} ok, "
-                  f"{len(errors)} clear errors")
+            print(
+                f"killed {victim.id}: unhealthy after {detect:.2f}s; {outcomes.count('ok')} ok, "
+                f"{len(errors)} clear errors"
+            )
     finally:
         backend.stop()

@@ -2,6 +2,7 @@
 instance each): an instance that dies is reported and restarted or left out as its group says;
 SIGTERM drains and stops every process the launcher started, and the launcher exits 0 only once
 they are gone (before issue 13, SIGTERM killed the launcher and left its instances running)."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,6 @@ import httpx
 import psutil
 import pytest
 import yaml
-
 from cluster_fixture import wait_for
 from server_fixture import free_port
 
@@ -51,17 +51,41 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     holding the shared build lock) would stall an instance's first request for 20 s or more."""
     tmp = tmp_path_factory.mktemp("cluster-up")
     engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
-    doc = {"log_dir": str(tmp / "logs"), "stop_timeout_s": 20, "router": {"poll_interval_s": 0.2},
-           "models": [{"name": "a", "model": tiny_model_dirs["llama"], "instances": 1, "engine": engine,
-                       "restart": True},
-                      {"name": "b", "model": tiny_model_dirs["llama"], "instances": 1, "engine": engine}]}
+    doc = {
+        "log_dir": str(tmp / "logs"),
+        "stop_timeout_s": 20,
+        "router": {"poll_interval_s": 0.2},
+        "models": [
+            {
+                "name": "a",
+                "model": tiny_model_dirs["llama"],
+                "instances": 1,
+                "engine": engine,
+                "restart": True,
+            },
+            {"name": "b", "model": tiny_model_dirs["llama"], "instances": 1, "engine": engine},
+        ],
+    }
     (tmp / "cluster.yaml").write_text(yaml.safe_dump(doc))
     log = tmp / "launcher.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "cluster", "up", "--config",
-                                 str(tmp / "cluster.yaml"), "--port", str(PORT)], cwd=tmp, stdout=out,
-                                stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_NO_NATIVE": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "cluster",
+                "up",
+                "--config",
+                str(tmp / "cluster.yaml"),
+                "--port",
+                str(PORT),
+            ],
+            cwd=tmp,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_NO_NATIVE": "1"},
+        )
     seen: set[psutil.Process] = set()
     try:
         assert wait_for(lambda: _healthy(proc, ["a-0", "b-0"]), 240), log.read_text()[-3000:]
@@ -96,8 +120,11 @@ def _healthy(proc: subprocess.Popen, ids: list[str]) -> bool:
 
 def _instance_proc(proc: subprocess.Popen, group: str) -> psutil.Process:
     """The launcher's child serving `group` (the instance's own children are below it)."""
-    (p,) = [p for p in _alive(psutil.Process(proc.pid).children())
-            if f"--served-model-name {group}" in " ".join(_cmdline(p))]
+    (p,) = [
+        p
+        for p in _alive(psutil.Process(proc.pid).children())
+        if f"--served-model-name {group}" in " ".join(_cmdline(p))
+    ]
     return p
 
 
@@ -116,17 +143,27 @@ def test_a_dead_instance_is_restarted_or_left_out(cluster):
     for group in ("a", "b"):
         _instance_proc(proc, group).kill()
     assert wait_for(lambda: not _state()["b-0"]["healthy"], 5)
-    assert wait_for(lambda: _healthy(proc, ["a-0"]) and _state()["a-0"]["url"] != before["a-0"]["url"], 120), \
-        log.read_text()[-3000:]
+    assert wait_for(
+        lambda: _healthy(proc, ["a-0"]) and _state()["a-0"]["url"] != before["a-0"]["url"], 120
+    ), log.read_text()[-3000:]
     # the router can see the new a-0 healthy before the launcher's own wait for it logs "is back"
-    assert wait_for(lambda: all(line in log.read_text() for line in ("left out (restart: false)", "instance a-0 is back")),
-                    30), log.read_text()[-3000:]
+    assert wait_for(
+        lambda: all(
+            line in log.read_text()
+            for line in ("left out (restart: false)", "instance a-0 is back")
+        ),
+        30,
+    ), log.read_text()[-3000:]
     text = log.read_text()
     assert "instance b-0 (b) died" in text and "instance a-0 (a) died" in text
     time.sleep(1.0)  # a few more polls: b stays out
     assert not _state()["b-0"]["healthy"]
-    r = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=30, trust_env=False,
-                   json={"model": "a", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
+    r = httpx.post(
+        f"http://127.0.0.1:{PORT}/v1/completions",
+        timeout=30,
+        trust_env=False,
+        json={"model": "a", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     seen.update(_descendants(proc.pid))  # the restarted instance too
 
@@ -139,7 +176,9 @@ def test_sigterm_stops_every_process_it_started(cluster):
     try:
         code = proc.wait(60)
     except subprocess.TimeoutExpired:
-        pytest.fail("tandem cluster up still running 60 s after SIGTERM:\n" + log.read_text()[-3000:])
+        pytest.fail(
+            "tandem cluster up still running 60 s after SIGTERM:\n" + log.read_text()[-3000:]
+        )
     left = _alive(seen)
     assert not left, f"left running: {[(p.pid, ' '.join(p.cmdline())) for p in left]}"
     assert code == 0, log.read_text()[-3000:]

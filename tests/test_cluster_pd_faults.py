@@ -4,6 +4,7 @@ another decode instance from the tokens the client has, and the stream is the on
 without the failure would give from those tokens; with no instance left to resume on, the
 stream ends with an error event, never a silent close. A decode instance that fails is not
 routed to again until a poll begun after the failure finds it healthy."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,11 +13,11 @@ import re
 
 import httpx
 import pytest
+from cluster_fixture import router_for, tiny_instance, wait_for, with_word_tokenizer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from cluster_fixture import router_for, tiny_instance, wait_for, with_word_tokenizer
 from server_fixture import serving
+
 from tandem.cluster.policy.routing import RoutingWeights
 from tandem.cluster.router.pool import Instance, InstancePool
 
@@ -41,16 +42,21 @@ def fake_decode(mode: dict, calls: list) -> FastAPI:
 
         async def legs():
             for i, t in enumerate(FAKE_TOKENS):
-                chunk = {"id": "x", "choices": [{"index": 0, "text": f" <{t}>", "finish_reason": None}]}
+                chunk = {
+                    "id": "x",
+                    "choices": [{"index": 0, "text": f" <{t}>", "finish_reason": None}],
+                }
                 yield f"data: {json.dumps({**chunk, 'num_tokens': i + 1, 'token_ids': [t]})}\n\n"
                 await asyncio.sleep(0.01)
             if mode["mode"] == "die":
                 raise RuntimeError("the decode instance died")
+
         return StreamingResponse(legs(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     def plain():
         return JSONResponse({"error": {"message": "down"}}, 503)
+
     return app
 
 
@@ -60,9 +66,12 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     fake decode instance. Yields (router url, Router, real decode url, mode, calls)."""
     model = with_word_tokenizer(tiny_model_dirs["llama"], tmp_path_factory.mktemp("words") / "m")
     mode, calls = {"mode": "refuse"}, []
-    with tiny_instance(model, role="prefill") as (u0, _, _), tiny_instance(model, role="decode") as (u1, _, _), \
-            serving(fake_decode(mode, calls)) as (u2, _), \
-            router_for([{"name": "tiny", "model": model, "urls": [u0, u1, u2]}]) as (url, router):
+    with (
+        tiny_instance(model, role="prefill") as (u0, _, _),
+        tiny_instance(model, role="decode") as (u1, _, _),
+        serving(fake_decode(mode, calls)) as (u2, _),
+        router_for([{"name": "tiny", "model": model, "urls": [u0, u1, u2]}]) as (url, router),
+    ):
         yield url, router, u1, mode, calls
 
 
@@ -71,7 +80,9 @@ def ids(text: str) -> list[int]:
 
 
 def stream(url: str, req: dict) -> tuple[list[int], list[dict], str]:
-    with httpx.stream("POST", url + "/v1/completions", json={**req, "stream": True}, timeout=60) as s:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**req, "stream": True}, timeout=60
+    ) as s:
         assert s.status_code == 200
         lines = [x for x in s.iter_lines() if x.startswith("data: ")]
         served = s.headers["x-tandem-instance"]
@@ -81,8 +92,17 @@ def stream(url: str, req: dict) -> tuple[list[int], list[dict], str]:
 
 
 def greedy(url: str, prompt: list[int], n: int) -> list[int]:
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     return ids(r.json()["choices"][0]["text"])
 
 
@@ -103,7 +123,9 @@ def test_a_failed_decode_leg_is_resumed_on_another_instance(cluster, how):
     if how == "refuse":  # nothing reached the client from it: as an unmoved run on the real one
         assert got == greedy(real, PROMPT, 12) and served == "tiny-url0+tiny-url1"
     else:  # its tokens reached the client: the real one goes on from them
-        assert got == first + FAKE_TOKENS + greedy(real, PROMPT + first + FAKE_TOKENS, 12 - 1 - len(FAKE_TOKENS))
+        assert got == first + FAKE_TOKENS + greedy(
+            real, PROMPT + first + FAKE_TOKENS, 12 - 1 - len(FAKE_TOKENS)
+        )
     assert (fake.failed_at > failed_at) == (how == "die")  # a dropped connection: marked failed
 
 
@@ -114,16 +136,23 @@ def test_with_no_instance_to_resume_on_the_stream_ends_with_an_error_event(clust
     real = router.pool.instances["tiny-url1"]
     real.state.draining = True
     try:
-        with httpx.stream("POST", url + "/v1/completions", json={**REQ, "stream": True}, timeout=60) as s:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**REQ, "stream": True}, timeout=60
+        ) as s:
             lines = [x for x in s.iter_lines() if x.startswith("data: ")]
         assert wait_for(lambda: router.pool.instances["tiny-url2"].state.healthy)
-        r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)  # not streamed: a 502 with the reason
+        r = httpx.post(
+            url + "/v1/completions", json=REQ, timeout=60
+        )  # not streamed: a 502 with the reason
     finally:
         real.state.draining = False
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]
     assert "no other decode instance can resume it" in error["message"] and error["code"] == 502
-    assert r.status_code == 502 and "no other decode instance can resume it" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 502
+        and "no other decode instance can resume it" in r.json()["error"]["message"]
+    )
 
 
 def test_a_poll_begun_before_a_failure_does_not_make_the_instance_healthy():
@@ -145,6 +174,7 @@ def test_a_poll_begun_before_a_failure_does_not_make_the_instance_healthy():
             assert not inst.state.healthy
             await pool.poll_once()  # begun after the failure: healthy again
             assert inst.state.healthy and inst.last_error is None
+
     asyncio.run(run())
 
 
@@ -171,4 +201,5 @@ def test_one_timed_out_poll_leaves_an_instance_healthy_two_in_a_row_or_a_refusal
                 await pool.poll_once()
                 seen.append(inst.state.healthy)
             return seen
+
     assert asyncio.run(run()) == [True, True, True, True, False, True, False]

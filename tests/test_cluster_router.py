@@ -1,5 +1,6 @@
 """The router over tiny in-process instances: routing by model, bad input, no healthy instance,
 prefix-aware and load-aware choices, retries when an instance goes away, aggregated metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +8,10 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster_fixture import router_for, tiny_cluster, tiny_instance, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import free_port
+
 from tandem.cluster.router.prefix import prefix_hashes
 
 
@@ -31,24 +32,43 @@ def test_models_routing_and_stream_passthrough(cluster):
     r = httpx.post(url + "/v1/completions", json=body([5, 6, 7], 6), timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     assert r.headers["x-tandem-instance"].startswith("tiny-")
-    with httpx.stream("POST", url + "/v1/completions", json=body([5, 6, 7], 6, stream=True), timeout=30) as s:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body([5, 6, 7], 6, stream=True), timeout=30
+    ) as s:
         lines = [x for x in s.iter_lines() if x.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) == 7
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("kwargs,status,text", [
-    (dict(json=body([1, 2], model="gpt-17")), 404, "does not exist"),
-    (dict(content=b"{nope"), 400, "invalid JSON"),
-    (dict(content=b"[" * 20000 + b"]" * 20000), 400, "invalid JSON"),  # nested past the parser: not a 500
-    (dict(content=b"x" * (1 << 17), headers={"content-type": "application/json"}), 413, "larger than"),
-    (dict(json=body([10 ** 9])), 400, "outside the vocabulary"),  # the instance's own 400, passed through
-])
+@pytest.mark.parametrize(
+    "kwargs,status,text",
+    [
+        (dict(json=body([1, 2], model="gpt-17")), 404, "does not exist"),
+        (dict(content=b"{nope"), 400, "invalid JSON"),
+        (
+            dict(content=b"[" * 20000 + b"]" * 20000),
+            400,
+            "invalid JSON",
+        ),  # nested past the parser: not a 500
+        (
+            dict(content=b"x" * (1 << 17), headers={"content-type": "application/json"}),
+            413,
+            "larger than",
+        ),
+        (
+            dict(json=body([10**9])),
+            400,
+            "outside the vocabulary",
+        ),  # the instance's own 400, passed through
+    ],
+)
 def test_bad_input(cluster, kwargs, status, text):
     r = httpx.post(cluster[0] + "/v1/completions", timeout=30, **kwargs)
     assert r.status_code == status, r.text
     assert text in r.json()["error"]["message"]
-    assert httpx.post(cluster[0] + "/v1/completions", json=body([1, 2]), timeout=30).status_code == 200
+    assert (
+        httpx.post(cluster[0] + "/v1/completions", json=body([1, 2]), timeout=30).status_code == 200
+    )
 
 
 def test_embeddings_to_a_chat_model_is_refused(cluster):
@@ -63,7 +83,9 @@ def test_prefix_aware_choice_follows_the_cache(cluster):
     for k, p in enumerate(prefixes):
         r = httpx.post(url + "/v1/completions", json=body(p + [k + 1], 2), timeout=30)
         first[k] = r.headers["x-tandem-instance"]
-    assert wait_for(lambda: sum(len(i.state.cached_prefixes) for i in router.pool.instances.values()) >= 18)
+    assert wait_for(
+        lambda: sum(len(i.state.cached_prefixes) for i in router.pool.instances.values()) >= 18
+    )
     for k, p in enumerate(prefixes):
         r = httpx.post(url + "/v1/completions", json=body(p + [k + 100, 3], 2), timeout=30)
         assert r.headers["x-tandem-instance"] == first[k]
@@ -75,9 +97,11 @@ def test_load_aware_burst_spreads(cluster):
 
     async def burst():
         async with httpx.AsyncClient(timeout=60) as c:
-            rs = await asyncio.gather(*(c.post(url + "/v1/completions", json=body([400 + i] * 40, 30))
-                                        for i in range(6)))
+            rs = await asyncio.gather(
+                *(c.post(url + "/v1/completions", json=body([400 + i] * 40, 30)) for i in range(6))
+            )
         return [r.headers["x-tandem-instance"] for r in rs if r.status_code == 200]
+
     used = asyncio.run(burst())
     assert len(used) == 6 and len(set(used)) == 3
 
@@ -90,7 +114,9 @@ def test_aggregated_metrics(cluster):
     assert sum(s.value for s in routed if s.name.endswith("_total")) >= 1
     running = fams["tandem:num_requests_running"].samples
     assert sorted(s.labels["instance"] for s in running) == ["tiny-url0", "tiny-url1", "tiny-url2"]
-    healthy = {s.labels["instance"]: s.value for s in fams["tandem_router:instance_healthy"].samples}
+    healthy = {
+        s.labels["instance"]: s.value for s in fams["tandem_router:instance_healthy"].samples
+    }
     assert healthy == {"tiny-url0": 1.0, "tiny-url1": 1.0, "tiny-url2": 1.0}
 
 
@@ -113,10 +139,17 @@ def refused(url: str) -> bool:
 
 
 def test_instance_gone_retry_elsewhere_and_marked_unhealthy(tiny_model_dirs):
-    with tiny_instance(tiny_model_dirs["llama"]) as (u0, _, s0), tiny_instance(tiny_model_dirs["llama"]) as (u1, _, _):
-        with router_for([{"name": "tiny", "model": "x", "urls": [u0, u1]}], {"poll_interval_s": 30}) as (url, router):
+    with (
+        tiny_instance(tiny_model_dirs["llama"]) as (u0, _, s0),
+        tiny_instance(tiny_model_dirs["llama"]) as (u1, _, _),
+    ):
+        with router_for(
+            [{"name": "tiny", "model": "x", "urls": [u0, u1]}], {"poll_interval_s": 30}
+        ) as (url, router):
             p = list(range(1, 65))  # make the first instance the preferred one, then stop it
-            router.pool.instances["tiny-url0"].state.cached_prefixes = frozenset(prefix_hashes(p, 16))
+            router.pool.instances["tiny-url0"].state.cached_prefixes = frozenset(
+                prefix_hashes(p, 16)
+            )
             s0.should_exit = True
             assert wait_for(lambda: refused(u0))
             r = httpx.post(url + "/v1/completions", json=body(p + [1], 3), timeout=30)

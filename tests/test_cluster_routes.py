@@ -1,5 +1,6 @@
 """The router's and the embedding instance's route modules alone: an app holding just that
 router and a fake state, through a TestClient (no instances, no model)."""
+
 from __future__ import annotations
 
 import base64
@@ -40,11 +41,16 @@ def test_embedding_routes_alone():
     assert [d["embedding"] for d in out["data"]] == [[0.6000000238418579, 0.800000011920929]] * 2
     assert out["usage"]["prompt_tokens"] == 5
     b64 = client.post("/v1/embeddings", json={"input": [1, 2], "encoding_format": "base64"}).json()
-    assert np.allclose(np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4"), [0.6, 0.8])
-    for body, status, words in [({"input": ""}, 400, "must not be empty"), ({"input": [11]}, 400, "vocabulary"),
-                                ({"input": "x", "dimensions": 3}, 400, "dimensions"),
-                                ({"input": "x", "model": "other"}, 404, "does not exist"),
-                                ({"input": "x", "truncate": 4}, 400, "unsupported field `truncate`")]:
+    assert np.allclose(
+        np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4"), [0.6, 0.8]
+    )
+    for body, status, words in [
+        ({"input": ""}, 400, "must not be empty"),
+        ({"input": [11]}, 400, "vocabulary"),
+        ({"input": "x", "dimensions": 3}, 400, "dimensions"),
+        ({"input": "x", "model": "other"}, 404, "does not exist"),
+        ({"input": "x", "truncate": 4}, 400, "unsupported field `truncate`"),
+    ]:
         r = client.post("/v1/embeddings", json=body)
         assert r.status_code == status and words in r.json()["error"]["message"], r.text
     state = client.get("/tandem/state").json()
@@ -53,7 +59,10 @@ def test_embedding_routes_alone():
 
 
 class FakeRouter:
-    groups = {"tiny": SimpleNamespace(name="tiny", kind="chat"), "emb": SimpleNamespace(name="emb", kind="embedding")}
+    groups = {
+        "tiny": SimpleNamespace(name="tiny", kind="chat"),
+        "emb": SimpleNamespace(name="emb", kind="embedding"),
+    }
 
     def __init__(self, healthy: bool) -> None:
         self.healthy, self.routed = healthy, []
@@ -84,8 +93,16 @@ def test_router_routes_alone():
     assert client.post("/v1/chat/completions", json={}).json() == {"routed": "chat"}
     assert client.post("/v1/completions", json={}).json() == {"routed": "chat"}
     assert client.post("/v1/embeddings", json={}).json() == {"routed": "embedding"}
-    assert fake.routed == [("/v1/chat/completions", "chat"), ("/v1/completions", "chat"), ("/v1/embeddings", "embedding")]
-    assert {(m["id"], m["kind"]) for m in client.get("/v1/models").json()["data"]} == {("tiny", "chat"),
-                                                                                        ("emb", "embedding")}
-    assert client.get("/health").status_code == 200 and client.get("/cluster/state").json() == {"i0": {"healthy": True}}
+    assert fake.routed == [
+        ("/v1/chat/completions", "chat"),
+        ("/v1/completions", "chat"),
+        ("/v1/embeddings", "embedding"),
+    ]
+    assert {(m["id"], m["kind"]) for m in client.get("/v1/models").json()["data"]} == {
+        ("tiny", "chat"),
+        ("emb", "embedding"),
+    }
+    assert client.get("/health").status_code == 200 and client.get("/cluster/state").json() == {
+        "i0": {"healthy": True}
+    }
     assert router_client(healthy=False)[0].get("/health").status_code == 503

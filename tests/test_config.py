@@ -1,4 +1,5 @@
 """The YAML config with the mission's `serving:` shape maps onto engine and server options."""
+
 from __future__ import annotations
 
 import logging
@@ -61,21 +62,33 @@ def test_attention_backend_is_honoured_or_refused(monkeypatch):
     import torch
 
     from tandem.executor.attention import resolve_attention_backend
+
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
         EngineConfig.from_kwargs(attention_backend="flash")
     cpu = torch.device("cpu")
     assert resolve_attention_backend("auto", cpu) == "torch"  # the CPU keeps its native kernel
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="triton"):  # not installed, or on CPU outside the interpreter
+    with pytest.raises(
+        ValueError, match="triton"
+    ):  # not installed, or on CPU outside the interpreter
         resolve_attention_backend("triton", cpu)
 
 
-@pytest.mark.parametrize("section, error", [
-    ("quantization: {default: int3}", "unknown precision 'int3'"),
-    ("quantization: {default: int8, classes: {interactive: fp8}}", "class 'interactive': unknown precision 'fp8'"),
-    ("quantization: {default: int8, classes: {urgent: bf16}}", "'urgent' is not a request class"),
-    ("quantization: {default: int8, fallbak: bf16}", "unknown serving.quantization key"),
-])
+@pytest.mark.parametrize(
+    "section, error",
+    [
+        ("quantization: {default: int3}", "unknown precision 'int3'"),
+        (
+            "quantization: {default: int8, classes: {interactive: fp8}}",
+            "class 'interactive': unknown precision 'fp8'",
+        ),
+        (
+            "quantization: {default: int8, classes: {urgent: bf16}}",
+            "'urgent' is not a request class",
+        ),
+        ("quantization: {default: int8, fallbak: bf16}", "unknown serving.quantization key"),
+    ],
+)
 def test_bad_quantization_config_is_a_clear_error(tmp_path, section, error):
     path = tmp_path / "q.yaml"
     path.write_text(f"serving:\n  {section}\n")
@@ -85,34 +98,48 @@ def test_bad_quantization_config_is_a_clear_error(tmp_path, section, error):
 
 def test_quantization_classes_name_the_variants(tmp_path):
     path = tmp_path / "q.yaml"
-    path.write_text("serving:\n  quantization:\n    default: int8\n    fallback: bf16\n"
-                    "    classes: {interactive: bf16, standard: int8, background: int4}\n")
+    path.write_text(
+        "serving:\n  quantization:\n    default: int8\n    fallback: bf16\n"
+        "    classes: {interactive: bf16, standard: int8, background: int4}\n"
+    )
     engine = EngineConfig.from_kwargs(**load_yaml(path))
     quant = engine.quant_config
-    assert quant.precision_classes == {"interactive": "bf16", "standard": "int8",
-                                       "background": "int4"}
+    assert quant.precision_classes == {
+        "interactive": "bf16",
+        "standard": "int8",
+        "background": "int4",
+    }
     assert quant.precisions("bf16") == ["int8", "bf16", "int4"]
 
 
 def test_the_shipped_example_is_a_valid_serving_config(caplog):
     """examples/serving.yaml, which the README points to, loads with every key read."""
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[1] / "examples" / "serving.yaml"
     with caplog.at_level(logging.WARNING):
         engine = EngineConfig.from_kwargs(**load_yaml(path))
     assert "not supported" not in caplog.text
     cache = engine.cache_config
     assert (cache.kv_cache_memory, cache.swap_space) == (1 << 30, 512 << 20)
-    assert (engine.quant_config.quantization, engine.quant_config.precision_fallback,
-            engine.scheduler_config.scheduling_policy) == ("int8", "bf16", "multilevel")
-    assert engine.speculative_config.model == "self:int4" and engine.speculative_config.num_speculative_tokens == 4
+    assert (
+        engine.quant_config.quantization,
+        engine.quant_config.precision_fallback,
+        engine.scheduler_config.scheduling_policy,
+    ) == ("int8", "bf16", "multilevel")
+    assert (
+        engine.speculative_config.model == "self:int4"
+        and engine.speculative_config.num_speculative_tokens == 4
+    )
     assert load_yaml(path, section="server") == {"max_waiting": 256}
 
 
 def test_an_unknown_cache_key_is_refused_and_the_kv_dtype_goes_in_engine(tmp_path):
     path = tmp_path / "serving.yaml"
     path.write_text("serving:\n  cache: {enabled: true, kv_cache_dtype: bfloat16}\n")
-    with pytest.raises(ValueError, match="unknown serving.cache key.*kv_cache_dtype.*go in serving.engine"):
+    with pytest.raises(
+        ValueError, match="unknown serving.cache key.*kv_cache_dtype.*go in serving.engine"
+    ):
         load_yaml(path)
     path.write_text("serving:\n  engine: {kv_cache_dtype: bfloat16}\n")
     assert EngineConfig.from_kwargs(**load_yaml(path)).cache_config.kv_cache_dtype == "bfloat16"

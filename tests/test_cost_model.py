@@ -1,5 +1,6 @@
 """Cost model: the fit recovers known coefficients, the roofline is physically sane, profiles
 round-trip through JSON, and `tandem profile` measures a real (tiny) executor."""
+
 from __future__ import annotations
 
 import itertools
@@ -48,8 +49,12 @@ def test_fit_rejects_bad_samples():
 def test_measured_model_step_time_matches_the_linear_form():
     cm = measured(_samples(), kv_bytes_per_token=1000, kv_capacity_tokens=10_000)
     b = BatchShape(100, 100 * 100, 10, 10 * 200)
-    assert cm.step_time(b) == pytest.approx(TRUE[0] + 100 * TRUE[1] + 1e4 * TRUE[2] + 10 * TRUE[3] + 2000 * TRUE[4])
-    assert cm.decode_throughput(10, 200) == pytest.approx(10 / cm.step_time(BatchShape(0, 0, 10, 2000)))
+    assert cm.step_time(b) == pytest.approx(
+        TRUE[0] + 100 * TRUE[1] + 1e4 * TRUE[2] + 10 * TRUE[3] + 2000 * TRUE[4]
+    )
+    assert cm.decode_throughput(10, 200) == pytest.approx(
+        10 / cm.step_time(BatchShape(0, 0, 10, 2000))
+    )
     swap, recompute = cm.preemption_costs()
     assert swap == pytest.approx(2 * 1000 / cm.host_bandwidth)
     assert recompute == pytest.approx(1 / cm.prefill_throughput())
@@ -63,7 +68,9 @@ def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound():
     assert decode1 == pytest.approx(weights_time + h100.step_overhead, rel=0.02)
     prefill = BatchShape(2048, 2048 * 2048)
     lin = cm.terms["linear"]
-    assert lin["compute"][1] * 2048 > lin["memory"][0]  # GEMMs over 2k tokens outlast the weight read
+    assert (
+        lin["compute"][1] * 2048 > lin["memory"][0]
+    )  # GEMMs over 2k tokens outlast the weight read
     flops = 2 * shape.num_params * 2048 / (h100.peak_flops * h100.flops_efficiency)
     assert cm.step_time(prefill) > flops
     assert cm.prefill_throughput() > 20 * cm.decode_throughput(1, 1024)
@@ -79,8 +86,9 @@ def test_roofline_memory_and_parallelism():
         roofline("h100", "llama-3-70b")
     tp4 = roofline("h100", "llama-3-70b", tp=4)
     assert tp4.kv_capacity_tokens > 0
-    assert roofline("h200", "llama-3-8b").step_time(BatchShape(0, 0, 1, 1)) < roofline("h100", "llama-3-8b").step_time(
-        BatchShape(0, 0, 1, 1))
+    assert roofline("h200", "llama-3-8b").step_time(BatchShape(0, 0, 1, 1)) < roofline(
+        "h100", "llama-3-8b"
+    ).step_time(BatchShape(0, 0, 1, 1))
     with pytest.raises(ValueError, match="known"):
         roofline("tpu9", "llama-3-8b")
     with pytest.raises(ValueError, match="interconnect"):
@@ -93,9 +101,13 @@ def test_json_round_trip(tmp_path):
         path = tmp_path / f"{cm.kind}.json"
         cm.save(path)
         back = load_cost_model(str(path))
-        assert back == cm and back.step_time(BatchShape(64, 4096, 8, 800)) == cm.step_time(BatchShape(64, 4096, 8, 800))
+        assert back == cm and back.step_time(BatchShape(64, 4096, 8, 800)) == cm.step_time(
+            BatchShape(64, 4096, 8, 800)
+        )
     assert load_cost_model("h100:llama-3-8b") == roofline("h100", "llama-3-8b")
-    (tmp_path / "bad.json").write_text(json.dumps({"kind": "measured", "overhead": 0, "terms": {"x": {"compute": [1]}}}))
+    (tmp_path / "bad.json").write_text(
+        json.dumps({"kind": "measured", "overhead": 0, "terms": {"x": {"compute": [1]}}})
+    )
     for bad in (str(tmp_path / "bad.json"), str(tmp_path / "missing.json"), "h100", "h100:gpt-9"):
         with pytest.raises(ValueError):
             load_cost_model(bad)
@@ -105,28 +117,78 @@ def test_json_round_trip(tmp_path):
 
 def test_profile_quick_on_a_tiny_model(tiny_model_dirs, tmp_path, capsys):
     out = tmp_path / "tiny.json"
-    rc = cli(["profile", "--model", tiny_model_dirs["llama"], "--quick", "--repeats", "1", "--dtype", "float32",
-              "--num-threads", "1", "--kv-cache-memory", "2000000", "--out", str(out)])
+    rc = cli(
+        [
+            "profile",
+            "--model",
+            tiny_model_dirs["llama"],
+            "--quick",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--kv-cache-memory",
+            "2000000",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     cm = load_cost_model(str(out))
     assert cm.kind == "measured" and cm.kv_capacity_tokens > 0 and cm.info["device"] == "cpu"
     assert len(cm.info["samples"]) == 8 and cm.info["fit"]["median_rel_error"] >= 0
-    assert cm.step_time(BatchShape(0, 0, 4, 128)) > 0 and cm.info["prefill_table"] and cm.info["decode_table"]
+    assert (
+        cm.step_time(BatchShape(0, 0, 4, 128)) > 0
+        and cm.info["prefill_table"]
+        and cm.info["decode_table"]
+    )
     out_text = capsys.readouterr().out
     assert "fit over 8 steps" in out_text and "measured on: " in out_text
     m = cm.info["machine"]
-    assert m["cores_used"] == 1 and m["dtype"] == "float32" and m["torch"] and m["gpu"] is None and m["cpu_model"]
-    assert cli(["plan", "--profile", str(out), "--rate", "1", "--prompt-mean", "100", "--output-mean", "10"]) == 0
+    assert (
+        m["cores_used"] == 1
+        and m["dtype"] == "float32"
+        and m["torch"]
+        and m["gpu"] is None
+        and m["cpu_model"]
+    )
+    assert (
+        cli(
+            [
+                "plan",
+                "--profile",
+                str(out),
+                "--rate",
+                "1",
+                "--prompt-mean",
+                "100",
+                "--output-mean",
+                "10",
+            ]
+        )
+        == 0
+    )
     plan_out = capsys.readouterr().out
-    assert f"measured on: {m['cpu_model']}" in plan_out and "warning" not in plan_out  # made here: no warning
+    assert (
+        f"measured on: {m['cpu_model']}" in plan_out and "warning" not in plan_out
+    )  # made here: no warning
 
 
 def test_profile_roofline_and_bad_flags(tmp_path, capsys):
     out = tmp_path / "h100.json"
-    assert cli(["profile", "--roofline", "h100", "--model-shape", "llama-3-8b", "--out", str(out)]) == 0
+    assert (
+        cli(["profile", "--roofline", "h100", "--model-shape", "llama-3-8b", "--out", str(out)])
+        == 0
+    )
     assert load_cost_model(str(out)).kind == "roofline"
-    for argv in (["--roofline", "h100"], ["--roofline", "mi300", "--model-shape", "llama-3-8b"],
-                 ["--tp", "2"], ["--roofline", "h100", "--model-shape", "llama-3-8b", "--repeats", "0"]):
+    for argv in (
+        ["--roofline", "h100"],
+        ["--roofline", "mi300", "--model-shape", "llama-3-8b"],
+        ["--tp", "2"],
+        ["--roofline", "h100", "--model-shape", "llama-3-8b", "--repeats", "0"],
+    ):
         capsys.readouterr()
         assert cli(["profile", "--out", str(tmp_path / "x.json"), *argv]) == 2
         assert "error:" in capsys.readouterr().err

@@ -1,13 +1,18 @@
 """bf16 linears on oneDNN see few distinct row counts: a primitive (and its scratch memory) is
 cached per row count and never freed, so padding the rows bounds what a long-running server holds."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tandem.models.layers.linear import (
-    can_pack_cpu, cpu_packed_linear, pack_cpu_weight, padded_rows,
+    can_pack_cpu,
+    cpu_packed_linear,
+    pack_cpu_weight,
+    padded_rows,
 )
 
 
@@ -23,7 +28,9 @@ def test_few_sizes_up_to_a_full_step():
     assert len({padded_rows(m) for m in range(1, 2049)}) == 128
 
 
-@pytest.mark.skipif(not can_pack_cpu(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing here")
+@pytest.mark.skipif(
+    not can_pack_cpu(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing here"
+)
 def test_padded_linear_gives_the_rows_asked_for():
     torch.manual_seed(0)
     w = torch.randn(96, 64).bfloat16()

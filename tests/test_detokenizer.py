@@ -36,7 +36,9 @@ def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk_sizes=(1,)
 TRICKY = "aé ü世界😀🧑‍💻ñ\n\t👍🏽漢字€"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     text=st.text(st.one_of(st.sampled_from(TRICKY), st.characters(codec="utf-8")), max_size=24),
     prompt=st.sampled_from(["", "Hello", "日本"]),
@@ -72,7 +74,9 @@ def test_prompt_context_keeps_the_leading_space():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    model = Tokenizer(models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}, unk_token="<unk>"))
+    model = Tokenizer(
+        models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}, unk_token="<unk>")
+    )
     model.decoder = decoders.Metaspace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")
     with_prompt = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
@@ -100,8 +104,9 @@ def _spanning_stop(tokenizer, text: str, stop: str) -> list[int]:
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_spanning_two_tokens(tokenizer, include):
     ids = _spanning_stop(tokenizer, "Hello world, and more text", "lo wor")
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["zzz", "lo wor"],
-                                                               include_stop_str_in_output=include))
+    detok = IncrementalDetokenizer(
+        tokenizer, [], SamplingParams(stop=["zzz", "lo wor"], include_stop_str_in_output=include)
+    )
     deltas = [detok.update([t]) for t in ids]
     assert detok.stop_reason == "lo wor"
     assert "".join(deltas) == detok.output_text == ("Hello wor" if include else "Hel")
@@ -124,7 +129,9 @@ def test_possible_stop_prefix_is_held_then_released(tokenizer):
     assert detok.output_text == "one <END! <E" and detok.stop_reason is None
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     text=st.text(st.sampled_from("ab é世😀"), max_size=20),
     stop=st.text(st.sampled_from("ab é世😀"), min_size=1, max_size=3),
@@ -138,7 +145,7 @@ def test_stop_strings_match_a_plain_search(tokenizer, text, stop, include, chunk
     detok = IncrementalDetokenizer(tokenizer, [], params)
     deltas = stream(detok, ids, chunk_sizes)
     index = full.find(stop)
-    expected = full if index == -1 else full[:index + len(stop) if include else index]
+    expected = full if index == -1 else full[: index + len(stop) if include else index]
     assert "".join(deltas) == detok.output_text == expected
     assert detok.stop_reason == (None if index == -1 else stop)
 
@@ -149,7 +156,9 @@ def test_several_tokens_at_once_stop_at_the_token_that_completes_the_stop(tokeni
     ids = encode(tokenizer, "one two three four five six")
     params = SamplingParams(stop=[" three"])
     one_by_one = IncrementalDetokenizer(tokenizer, [], params)
-    used = next(i + 1 for i, t in enumerate(ids) if (one_by_one.update([t]), one_by_one.stop_reason)[1])
+    used = next(
+        i + 1 for i, t in enumerate(ids) if (one_by_one.update([t]), one_by_one.stop_reason)[1]
+    )
     at_once = IncrementalDetokenizer(tokenizer, [], params)
     at_once.update(ids)
     assert at_once.stop_token_count == used < len(ids)

@@ -3,6 +3,7 @@ the fence) name commands that exist, checked in a copy of the files a clone has,
 them: `make X` as `make -n X`, `tandem ...` through its argument parser, a Python block's imports
 imported. A command, flag or name that is gone fails; nothing loads a model or starts a server.
 The repository paths the pages name in code spans exist too."""
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNABLE = re.compile(r"<!-- runnable -->\n```(bash|python)\n(.*?)```", re.S)
-BLOCKS = [pytest.param(lang, block, id=f"{page.name}:{block.splitlines()[0][:50]}")
-          for page in PAGES for lang, block in RUNNABLE.findall(page.read_text())]
+BLOCKS = [
+    pytest.param(lang, block, id=f"{page.name}:{block.splitlines()[0][:50]}")
+    for page in PAGES
+    for lang, block in RUNNABLE.findall(page.read_text())
+]
 REPO_PATH = re.compile(r"`((?:tandem|tests|examples|scripts|profiles|docs)/[\w./-]*)`")
 
 # Run in the clone: parse each argv with the command line's own parser (--help exits 0).
@@ -42,8 +46,12 @@ for argv in json.loads(sys.argv[1]):
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """The files a commit would carry (tracked, or new and not ignored), in a folder alone."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, check=True, capture_output=True).stdout
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout
     dest = tmp_path_factory.mktemp("clone") / "tandem"
     for name in filter(None, files.decode().split("\0")):
         if (ROOT / name).is_file():
@@ -110,13 +118,16 @@ def test_runnable_block(lang, block, clone):
     check(lang, block, clone)
 
 
-@pytest.mark.parametrize("lang, block", [
-    ("bash", "make no-such-target"),
-    ("bash", ".venv/bin/tandem no-such-command"),
-    ("bash", ".venv/bin/tandem serve --no-such-flag 1"),
-    ("bash", "curl -s 127.0.0.1:8000/health"),
-    ("python", "from tandem import no_such_name"),
-])
+@pytest.mark.parametrize(
+    "lang, block",
+    [
+        ("bash", "make no-such-target"),
+        ("bash", ".venv/bin/tandem no-such-command"),
+        ("bash", ".venv/bin/tandem serve --no-such-flag 1"),
+        ("bash", "curl -s 127.0.0.1:8000/health"),
+        ("python", "from tandem import no_such_name"),
+    ],
+)
 def test_a_command_that_is_gone_fails(lang, block, clone):
     with pytest.raises(AssertionError):
         check(lang, block, clone)
@@ -136,14 +147,24 @@ def test_the_configuration_page_explains_every_flag_of_tandem_serve():
 
     from tandem.cli import build_parser
 
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "docs/hooks/config_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "config_reference", ROOT / "docs/hooks/config_reference.py"
+    )
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     page = hook.on_page_markdown((ROOT / "docs/configuration.md").read_text())
     assert hook.MARKER not in page and "### Scheduler" in page
-    rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\|.*?`(--[\w-]+)`.*\|([^|]*)\|$", page, re.M)}
+    rows = {
+        m.group(1): m.group(2).strip()
+        for m in re.finditer(r"^\|.*?`(--[\w-]+)`.*\|([^|]*)\|$", page, re.M)
+    }
     serve = build_parser(["serve"])._subparsers._group_actions[0].choices["serve"]
-    flags = {a.option_strings[0] for a in serve._actions
-             if a.option_strings and a.option_strings[0].startswith("--")} - {"--help"}
+    flags = {
+        a.option_strings[0]
+        for a in serve._actions
+        if a.option_strings and a.option_strings[0].startswith("--")
+    } - {"--help"}
     unexplained = sorted(f for f in flags if not rows.get(f))
-    assert not unexplained, f"tandem serve flags with no entry or no words on the page: {unexplained}"
+    assert not unexplained, (
+        f"tandem serve flags with no entry or no words on the page: {unexplained}"
+    )

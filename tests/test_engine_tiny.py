@@ -1,14 +1,15 @@
 """Greedy output equals Hugging Face transformers on tiny random Llama / Qwen2 / Qwen3 models,
 in every batching situation: mixed lengths, chunked prefill, preemption, prefix hits, n > 1,
 aborts and stops; with async scheduling (step N+1 scheduled while step N runs) and without."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-
 from conftest import hf_greedy
+
 from tandem import LLM, SamplingParams
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
@@ -27,8 +28,10 @@ def references(tiny_model_dirs):
     prompts = _prompts(1, 6, 3, 70)
     shared = _prompts(2, 1, 40, 40)[0]
     prefixed = [shared + p for p in _prompts(3, 3, 2, 9)]
-    return {kind: (prompts, hf_greedy(d, prompts, MAX_NEW), prefixed, hf_greedy(d, prefixed, MAX_NEW))
-            for kind, d in tiny_model_dirs.items()}
+    return {
+        kind: (prompts, hf_greedy(d, prompts, MAX_NEW), prefixed, hf_greedy(d, prefixed, MAX_NEW))
+        for kind, d in tiny_model_dirs.items()
+    }
 
 
 def _llm(path: str, **kw) -> LLM:
@@ -73,7 +76,12 @@ def test_mixed_batch_matches_hf(kind, async_scheduling, tiny_model_dirs, referen
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_prefill_matches_hf(kind, async_scheduling, tiny_model_dirs, references):
     prompts, ref, _, _ = references[kind]
-    llm = _llm(tiny_model_dirs[kind], max_num_batched_tokens=16, block_size=8, async_scheduling=async_scheduling)
+    llm = _llm(
+        tiny_model_dirs[kind],
+        max_num_batched_tokens=16,
+        block_size=8,
+        async_scheduling=async_scheduling,
+    )
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
 
@@ -83,13 +91,22 @@ def test_chunked_prefill_matches_hf(kind, async_scheduling, tiny_model_dirs, ref
 @pytest.mark.parametrize("kind", KINDS)
 def test_preemption_matches_hf(kind, mode, async_scheduling, tiny_model_dirs, references):
     prompts, ref, _, _ = references[kind]
-    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs[kind])).kv_bytes_per_token(torch.float32)
+    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs[kind])).kv_bytes_per_token(
+        torch.float32
+    )
     # Room for the longest request alone (~82 tokens), far less than all six at once. Gemma 3's
     # sliding layers free their blocks behind the window (KV groups): in chunks of 32 tokens, a
     # pool of 16 blocks' worth holds the longest request and still preempts.
     sliding = {"max_num_batched_tokens": 32} if kind == "gemma3" else {}
-    llm = _llm(tiny_model_dirs[kind], block_size=4, kv_cache_memory=per_token * 4 * (16 if sliding else 24),
-               enable_prefix_caching=False, preemption_mode=mode, async_scheduling=async_scheduling, **sliding)
+    llm = _llm(
+        tiny_model_dirs[kind],
+        block_size=4,
+        kv_cache_memory=per_token * 4 * (16 if sliding else 24),
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        async_scheduling=async_scheduling,
+        **sliding,
+    )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.core.scheduler.preemptions_by_mode[mode] > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -102,10 +119,18 @@ def test_multilevel_preemption_matches_hf(mode, async_scheduling, tiny_model_dir
     """Interactive requests arriving while the batch is full preempt standard/background
     ones; every request still gets exactly its single-request greedy tokens."""
     prompts, ref, _, _ = references["llama"]
-    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(torch.float32)
-    llm = _llm(tiny_model_dirs["llama"], block_size=4, kv_cache_memory=per_token * 4 * 30, max_num_seqs=3,
-               scheduling_policy="multilevel", preemption_mode=mode,
-               async_scheduling=async_scheduling)
+    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(
+        torch.float32
+    )
+    llm = _llm(
+        tiny_model_dirs["llama"],
+        block_size=4,
+        kv_cache_memory=per_token * 4 * 30,
+        max_num_seqs=3,
+        scheduling_policy="multilevel",
+        preemption_mode=mode,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.engine
     for i, p in enumerate(prompts[:3]):
         engine.add_request(p, GREEDY, request_id=f"bg{i}", priority=3 if i else 2)
@@ -174,10 +199,12 @@ def test_stops_drop_the_token_after_them(async_scheduling, tiny_model_dirs, refe
     stops = [SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[r[3]]) for r in ref]
     outs = llm.generate(prompts, stops)
     for out, r in zip(outs, ref):
-        assert out.outputs[0].token_ids == r[:r.index(r[3]) + 1]
+        assert out.outputs[0].token_ids == r[: r.index(r[3]) + 1]
         assert out.outputs[0].finish_reason == "stop"
     _assert_all_blocks_free(llm)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref  # and it serves on
+    assert [
+        o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)
+    ] == ref  # and it serves on
 
 
 def test_an_idle_wait_is_no_gap_when_a_step_for_nobody_was_left_in_flight(tiny_model_dirs):
@@ -185,9 +212,12 @@ def test_an_idle_wait_is_no_gap_when_a_step_for_nobody_was_left_in_flight(tiny_m
     step is still in flight when generate returns. The engine's wait for the next request is
     idle time, not a gap between steps (a gap is charged to the next step's cost in AdaptiveK)."""
     import time
+
     llm = _llm(tiny_model_dirs["llama"], async_scheduling=True)
     out = llm.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids
-    llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[out[3]]))
+    llm.generate(
+        [[4, 5, 6]], SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[out[3]])
+    )
     assert len(llm.engine.core.pipeline) == 1  # the step planned past the stop token
     time.sleep(0.5)
     llm.engine.core.stats.reset()
@@ -202,7 +232,11 @@ def test_seeded_sampling_reproducible_across_batches(tiny_model_dirs):
     other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     alone = llm.generate(prompts[0], seeded)[0].outputs[0].token_ids
     mixed = llm.generate(prompts, [other, other, seeded, other, other])
-    assert mixed[2].outputs[0].token_ids != [] and llm.generate(prompts[2], seeded)[0].outputs[0].token_ids == mixed[2].outputs[0].token_ids
+    assert (
+        mixed[2].outputs[0].token_ids != []
+        and llm.generate(prompts[2], seeded)[0].outputs[0].token_ids
+        == mixed[2].outputs[0].token_ids
+    )
     again = llm.generate([prompts[1], prompts[0]], [other, seeded])
     assert again[1].outputs[0].token_ids == alone
 
@@ -210,6 +244,7 @@ def test_seeded_sampling_reproducible_across_batches(tiny_model_dirs):
 def test_failed_step_drops_the_steps_planned_on_it():
     from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
     from tandem.engine.step_pipeline import StepPipeline
+
     ran = []
 
     def execute(sched):
@@ -245,6 +280,7 @@ class _RecordingCore:
 def _command_handler():
     from tandem.engine.core_messages import AbortRequests, EngineCoreRequest
     from tandem.engine.core_proc import EngineCoreProc
+
     proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the commands are fed by hand
     proc.core, proc._held, sent, inbox = _RecordingCore(), [], [], []
     proc._send = sent.append
@@ -253,6 +289,7 @@ def _command_handler():
         taken = list(inbox)
         inbox.clear()
         return taken
+
     proc._pending = pending
 
     def add(rid):
@@ -260,6 +297,7 @@ def _command_handler():
 
     def abort(rid):
         inbox.append(AbortRequests([rid]))
+
     return proc, add, abort
 
 
@@ -280,14 +318,18 @@ def test_on_add_runs_also_when_the_add_is_refused(tiny_model_dirs):
     """P/D commits received KV in on_add; a refused add must still let it run, or the
     reservation it holds is never released."""
     from tandem.engine.core_messages import EngineCoreRequest, ReleaseKV
+
     core = _llm(tiny_model_dirs["llama"]).engine.core
     seen = []
 
     class Hook:
         def on_add(self, request_id, kv_transfer, accepted):
             seen.append((request_id, kv_transfer, accepted))
+
     core.register_utilities({}, Hook().on_add)
-    with pytest.raises(ValueError, match="no engine-core utility answers ReleaseKV here"):  # no P/D offline
+    with pytest.raises(
+        ValueError, match="no engine-core utility answers ReleaseKV here"
+    ):  # no P/D offline
         core.utility(ReleaseKV("t"))
     variant = core.executor.variants.default
     req = EngineCoreRequest("r", [1, 2], [SamplingParams()], 0.0, 2, variant, kv_transfer={"t": 1})
@@ -305,6 +347,7 @@ def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs
     import json
 
     from tandem.bench import steps as bench_steps
+
     path = tmp_path / "steps.jsonl"
     llm = _llm(tiny_model_dirs["llama"], step_trace=str(path), max_num_batched_tokens=16)
     prompts = _prompts(3, 3, 20, 30)

@@ -1,4 +1,5 @@
 """The native fused CPU ops (kernels/cpu_fused_ops.cpp) give the PyTorch path's bits."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,13 +22,19 @@ def _norm(dim: int, dtype: torch.dtype) -> RMSNorm:
 
 def _torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     x32 = x.float()
-    return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+    return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(
+        x.dtype
+    )
 
 
 @DTYPES
 def test_rms_norm_and_add_rms_norm(dtype):
     torch.manual_seed(0)
-    norm, x, residual = _norm(576, dtype), torch.randn(7, 576).to(dtype), torch.randn(7, 576).to(dtype)
+    norm, x, residual = (
+        _norm(576, dtype),
+        torch.randn(7, 576).to(dtype),
+        torch.randn(7, 576).to(dtype),
+    )
     # fp32: the sum of squares is accumulated in another order than torch's mean: ulps only.
     tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(norm(x), _torch_norm(norm, x), **tol)
@@ -45,8 +52,14 @@ def test_rope_in_place_on_qkv(dtype):
     qkv = torch.randn(t, (nq + 2 * nkv) * hd).to(dtype)
     q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], -1)
     cos, sin = rotary.cos_sin[positions].chunk(2, -1)
-    cos, sin = torch.cat([cos, cos], -1).unsqueeze(1).to(dtype), torch.cat([sin, sin], -1).unsqueeze(1).to(dtype)
-    want_q, want_k = apply_rope(q.reshape(t, nq, hd), cos, sin), apply_rope(k.reshape(t, nkv, hd), cos, sin)
+    cos, sin = (
+        torch.cat([cos, cos], -1).unsqueeze(1).to(dtype),
+        torch.cat([sin, sin], -1).unsqueeze(1).to(dtype),
+    )
+    want_q, want_k = (
+        apply_rope(q.reshape(t, nq, hd), cos, sin),
+        apply_rope(k.reshape(t, nkv, hd), cos, sin),
+    )
     want_v = v.clone()
     rope = rotary(positions, dtype)
     ext.rope_(qkv, rope.positions, rope.table, nq + nkv, hd)

@@ -2,6 +2,7 @@
 layers hold the file's Q4_K and Q5_0 codes, fp32 serving equals transformers on the file's dequantised
 weights, and a precision the file cannot give is refused in words. Tiny random Llama files
 whose layers mix the types of a Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,9 +11,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy
 from gguf import GGMLQuantizationType as Q
 
-from conftest import hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.executor.attention import TorchAttention
 from tandem.models.config import ModelConfig
@@ -26,13 +27,27 @@ from tandem.models.quantization.q6k import Q6KLinear
 from tandem.models.quantization.row_parts import RowParts
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 320, 2, 4, 2
-Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
-          "ffn_gate": Q.Q5_0, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+Q4_K_M = {
+    "attn_q": Q.Q4_K,
+    "attn_k": Q.Q4_K,
+    "attn_v": Q.Q6_K,
+    "attn_output": Q.Q4_K,
+    "ffn_gate": Q.Q5_0,
+    "ffn_up": Q.Q4_K,
+    "ffn_down": Q.Q6_K,
+    "token_embd": Q.Q8_0,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # byte offset of each block's fp16 d (then dmin, where the format has one), and the size that
 # keeps weights small: |w| <= d * (largest scale code) * (largest quant)
-_SCALES = {Q.Q4_K: ((0, 2), 2e-4), Q.Q6_K: ((208,), 2e-5), Q.Q5_0: ((0,), 4e-3), Q.Q8_0: ((0,), 1e-3),
-           Q.Q4_0: ((0,), 4e-3), Q.Q8_1: ((0,), 1e-3)}
+_SCALES = {
+    Q.Q4_K: ((0, 2), 2e-4),
+    Q.Q6_K: ((208,), 2e-5),
+    Q.Q5_0: ((0,), 4e-3),
+    Q.Q8_0: ((0,), 1e-3),
+    Q.Q4_0: ((0,), 4e-3),
+    Q.Q8_1: ((0,), 1e-3),
+}
 
 
 def _blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -42,11 +57,13 @@ def _blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarr
     offsets, scale = _SCALES[kind]
     for at in offsets:
         d = (rng.uniform(0.5, 1.5, len(blocks)) * scale).astype(np.float16)
-        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+        blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
-def write_quantised_gguf(path: Path, kinds: dict[str, Q], default: Q = Q.Q4_K, seed: int = 0) -> Path:
+def write_quantised_gguf(
+    path: Path, kinds: dict[str, Q], default: Q = Q.Q4_K, seed: int = 0
+) -> Path:
     """A tiny tied-embedding Llama GGUF: each 2-D tensor random blocks of its kind (by llama.cpp
     name; F32 for plain float32), norms F32 around 1."""
     rng = np.random.default_rng(seed)
@@ -60,9 +77,16 @@ def write_quantised_gguf(path: Path, kinds: dict[str, Q], default: Q = Q.Q4_K, s
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     head_dim = HIDDEN // HEADS
-    shapes = {"token_embd": (VOCAB, HIDDEN), "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    shapes = {
+        "token_embd": (VOCAB, HIDDEN),
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * head_dim, HIDDEN),
+        "attn_v": (KV_HEADS * head_dim, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
     names = [("token_embd", "token_embd.weight"), ("output_norm", "output_norm.weight")]
     for i in range(LAYERS):
         parts = [*(part for part in shapes if part != "token_embd"), "attn_norm", "ffn_norm"]
@@ -94,13 +118,24 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 33)]
 
 
-@pytest.mark.parametrize("kinds, default, expected", [
-    ({**Q4_K_M, "ffn_gate": Q.Q4_K}, Q.Q4_K, "int4"),  # mostly Q4_K by size, as a large model's Q4_K_M
-    ({"token_embd": Q.Q8_0}, Q.Q8_0, "int8"),
-    ({"token_embd": Q.Q8_0}, Q.Q5_0, "int4"),  # 5-bit blocks: int4 holds their 5-bit codes
-    ({"token_embd": Q.Q8_0}, Q.Q6_K, "int8"),
-    ({"token_embd": Q.F32}, Q.F32, "fp32"),  # float weights: the engine's float dtype (fp32 asked here)
-])
+@pytest.mark.parametrize(
+    "kinds, default, expected",
+    [
+        (
+            {**Q4_K_M, "ffn_gate": Q.Q4_K},
+            Q.Q4_K,
+            "int4",
+        ),  # mostly Q4_K by size, as a large model's Q4_K_M
+        ({"token_embd": Q.Q8_0}, Q.Q8_0, "int8"),
+        ({"token_embd": Q.Q8_0}, Q.Q5_0, "int4"),  # 5-bit blocks: int4 holds their 5-bit codes
+        ({"token_embd": Q.Q8_0}, Q.Q6_K, "int8"),
+        (
+            {"token_embd": Q.F32},
+            Q.F32,
+            "fp32",
+        ),  # float weights: the engine's float dtype (fp32 asked here)
+    ],
+)
 def test_auto_serves_the_precision_the_file_stores(tmp_path, kinds, default, expected) -> None:
     path = write_quantised_gguf(tmp_path / "m.gguf", kinds, default)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)
@@ -118,20 +153,34 @@ def test_int4_layers_hold_the_files_q4_k_codes(q4_k_m, monkeypatch) -> None:
     monkeypatch.setattr(int4, "_pack_int4", lambda *args: None)
     monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     folder = resolve_model(q4_k_m)
-    model = build_model(GGUFWeights(Path(q4_k_m)), ModelConfig.from_hf(load_config(folder)), "int4",
-                        torch.device("cpu"), torch.float32, TorchAttention)
+    model = build_model(
+        GGUFWeights(Path(q4_k_m)),
+        ModelConfig.from_hf(load_config(folder)),
+        "int4",
+        torch.device("cpu"),
+        torch.float32,
+        TorchAttention,
+    )
     weights = GGUFWeights(Path(q4_k_m))
     o_proj = model.layers[0].self_attn.o_proj
     assert isinstance(o_proj, Int4Linear) and o_proj.bits == 4
-    torch.testing.assert_close(o_proj.dequantize(), weights.get("model.layers.0.self_attn.o_proj.weight"),
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        o_proj.dequantize(),
+        weights.get("model.layers.0.self_attn.o_proj.weight"),
+        rtol=1e-6,
+        atol=1e-7,
+    )
     gate_up = model.layers[0].mlp.gate_up_proj
-    file_gate_up = torch.cat([weights.get(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up")])
+    file_gate_up = torch.cat(
+        [weights.get(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up")]
+    )
     assert isinstance(gate_up, Int4Linear) and gate_up.bits == 5
     torch.testing.assert_close(gate_up.dequantize(), file_gate_up, rtol=1e-6, atol=1e-7)
     qkv = model.layers[1].self_attn.qkv_proj  # q, k Q4_K; v Q6_K
     assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [Int4Linear, Int8Linear]
-    file_qk = torch.cat([weights.get(f"model.layers.1.self_attn.{p}_proj.weight") for p in ("q", "k")])
+    file_qk = torch.cat(
+        [weights.get(f"model.layers.1.self_attn.{p}_proj.weight") for p in ("q", "k")]
+    )
     torch.testing.assert_close(qkv.parts[0].dequantize(), file_qk, rtol=1e-6, atol=1e-7)
     assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # Q6_K
     x = torch.randn(3, HIDDEN)
@@ -142,7 +191,9 @@ def _integer_kernel() -> bool:
     return base.int8_act_kernel(torch.device("cpu"), torch.float32, VOCAB, HIDDEN) is not None
 
 
-@pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: Q6_K / Q8_0 are int8 per channel there")
+@pytest.mark.skipif(
+    not _integer_kernel(), reason="no integer kernel here: Q6_K / Q8_0 are int8 per channel there"
+)
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("v_kind", [Q.Q6_K, Q.Q8_0])
 def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -> None:
@@ -153,8 +204,14 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
     alone."""
     path = str(write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "attn_v": v_kind}))
     folder = resolve_model(path)
-    model = build_model(GGUFWeights(Path(path)), ModelConfig.from_hf(load_config(folder)), weights,
-                        torch.device("cpu"), torch.float32, TorchAttention)
+    model = build_model(
+        GGUFWeights(Path(path)),
+        ModelConfig.from_hf(load_config(folder)),
+        weights,
+        torch.device("cpu"),
+        torch.float32,
+        TorchAttention,
+    )
     stored = GGUFWeights(Path(path))
     v_layer = Q6KLinear if v_kind == Q.Q6_K else Int8Linear
     for i in range(LAYERS):
@@ -164,10 +221,16 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
         qkv = model.layers[i].self_attn.qkv_proj
         qk = Int4Linear if weights == "int4" else Int8Linear
         assert isinstance(qkv, RowParts) and [type(p) for p in qkv.parts] == [qk, v_layer]
-        assert torch.equal(qkv.parts[1].dequantize(), stored.get(f"model.layers.{i}.self_attn.v_proj.weight"))
-        x = torch.randn(9, HIDDEN)  # one call over the parts gives their outputs joined, at one and several reads
+        assert torch.equal(
+            qkv.parts[1].dequantize(), stored.get(f"model.layers.{i}.self_attn.v_proj.weight")
+        )
+        x = torch.randn(
+            9, HIDDEN
+        )  # one call over the parts gives their outputs joined, at one and several reads
         for rows in (x[:1], x, x.bfloat16()):
-            assert qkv.int8_act and torch.equal(qkv(rows), torch.cat([p(rows) for p in qkv.parts], -1))
+            assert qkv.int8_act and torch.equal(
+                qkv(rows), torch.cat([p(rows) for p in qkv.parts], -1)
+            )
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.blocked
     assert torch.equal(model.lm_head.dequantize(), stored.get("model.embed_tokens.weight"))
     llm = LLM(path, dtype="float32", quantization=weights, kv_cache_memory=1 << 22)
@@ -175,7 +238,10 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
     assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
 
 
-@pytest.mark.skipif(not _integer_kernel(), reason="no integer kernel here: the vocabulary is int8 on the other paths")
+@pytest.mark.skipif(
+    not _integer_kernel(),
+    reason="no integer kernel here: the vocabulary is int8 on the other paths",
+)
 @pytest.mark.parametrize("kind,bits", [(Q.Q4_K, 4), (Q.Q5_0, 5), (Q.Q6_K, 6)])
 def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits) -> None:
     """A file whose (tied) vocabulary is in 4- or 5-bit blocks (int4) or Q6_K (int4 and int8)
@@ -184,8 +250,14 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     rows are the head's rows exactly."""
     path = write_quantised_gguf(tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
     folder = resolve_model(str(path))
-    model = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int4",
-                        torch.device("cpu"), torch.float32, TorchAttention)
+    model = build_model(
+        GGUFWeights(path),
+        ModelConfig.from_hf(load_config(folder)),
+        "int4",
+        torch.device("cpu"),
+        torch.float32,
+        TorchAttention,
+    )
     if bits == 6:
         assert isinstance(model.lm_head, Q6KLinear)
     else:
@@ -194,12 +266,18 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     # the int4 tiles hold d and m in fp16: a Q4_K block's d * scale and dmin * min round to it
     # (Q5_0's d is fp16 already; Q6_K keeps its own d and sc)
     stored = GGUFWeights(path).get("model.embed_tokens.weight")
-    tol = 2 ** -11 * float(stored.abs().max()) if kind == Q.Q4_K else 0
+    tol = 2**-11 * float(stored.abs().max()) if kind == Q.Q4_K else 0
     torch.testing.assert_close(table, stored, rtol=0, atol=tol)
     ids = torch.tensor([[0, 17, VOCAB - 1], [5, 5, 160]])
     torch.testing.assert_close(model.embed_tokens(ids), table[ids], rtol=0, atol=0)
-    int8 = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int8",
-                       torch.device("cpu"), torch.float32, TorchAttention)
+    int8 = build_model(
+        GGUFWeights(path),
+        ModelConfig.from_hf(load_config(folder)),
+        "int8",
+        torch.device("cpu"),
+        torch.float32,
+        TorchAttention,
+    )
     # the int8 variant: int8 but for Q6_K, which it serves as stored
     assert isinstance(int8.lm_head, Q6KLinear if bits == 6 else Int8Linear)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, this head
@@ -212,12 +290,20 @@ def test_int4_of_a_file_stored_wider_is_4_bits_throughout(tmp_path) -> None:
     requantised to 4 bits, the odd Q5_0 layer held as its 5-bit codes."""
     path = write_quantised_gguf(tmp_path / "q8.gguf", {"ffn_up": Q.Q5_0}, Q.Q8_0)
     folder = resolve_model(str(path))
-    model = build_model(GGUFWeights(path), ModelConfig.from_hf(load_config(folder)), "int4",
-                        torch.device("cpu"), torch.float32, TorchAttention)
+    model = build_model(
+        GGUFWeights(path),
+        ModelConfig.from_hf(load_config(folder)),
+        "int4",
+        torch.device("cpu"),
+        torch.float32,
+        TorchAttention,
+    )
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert all(isinstance(m, Int4Linear) for m in layers if m is not model.lm_head)
     assert {m.bits for m in layers if isinstance(m, Int4Linear)} == {4, 5}
-    assert model.layers[0].mlp.gate_up_proj.bits == 5 and model.layers[0].self_attn.qkv_proj.bits == 4
+    assert (
+        model.layers[0].mlp.gate_up_proj.bits == 5 and model.layers[0].self_attn.qkv_proj.bits == 4
+    )
 
 
 def test_fp32_serving_equals_transformers_on_the_dequantised_file(q4_k_m) -> None:
@@ -228,16 +314,28 @@ def test_fp32_serving_equals_transformers_on_the_dequantised_file(q4_k_m) -> Non
 
 
 def test_a_precision_the_file_cannot_give_is_refused_in_words(tmp_path) -> None:
-    path = write_quantised_gguf(tmp_path / "odd.gguf", {"ffn_down": Q.Q8_1, "token_embd": Q.Q8_0}, Q.Q4_0)
-    with pytest.raises(ValueError, match=r"precision int4 cannot be built here: .*odd.gguf: tensor "
-                                         r"'blk.0.ffn_down.weight': GGUF type Q8_1 cannot be decoded"):
+    path = write_quantised_gguf(
+        tmp_path / "odd.gguf", {"ffn_down": Q.Q8_1, "token_embd": Q.Q8_0}, Q.Q4_0
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"precision int4 cannot be built here: .*odd.gguf: tensor "
+        r"'blk.0.ffn_down.weight': GGUF type Q8_1 cannot be decoded",
+    ):
         LLM(str(path), dtype="float32", quantization="int4", kv_cache_memory=1 << 22)
 
 
 def test_rows_of_a_permuted_q_are_the_tensors_rows(q4_k_m) -> None:
     """A layer is requantised by row slices: a q/k slice is un-permuted in whole heads, any bounds."""
     weights = GGUFWeights(Path(q4_k_m))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ):
         whole = weights.get(name)
         for start, stop in ((0, 512), (10, 100), (64, 128), (100, 1000)):
-            assert torch.equal(weights.rows(name, start, stop), whole[start:stop]), (name, start, stop)
+            assert torch.equal(weights.rows(name, start, stop), whole[start:stop]), (
+                name,
+                start,
+                stop,
+            )

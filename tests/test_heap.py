@@ -2,6 +2,7 @@
 collector's full collections, and startup garbage is collected first, not frozen for good. In
 a fresh interpreter: in the test process another thread's collection can be under way (its
 finalizers let this thread run), and gc.collect() then returns at once."""
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,11 @@ assert not any(o is alive for o in tracked) and any(o is later for o in tracked)
 
 
 def test_garbage_is_collected_then_what_lives_is_frozen():
-    env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).resolve().parents[1])}  # this tree's code
-    run = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=60, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(tandem.__file__).resolve().parents[1]),
+    }  # this tree's code
+    run = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, timeout=60, env=env
+    )
     assert run.returncode == 0, run.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Quantised tables on huge pages: a move keeps every value and every alias, frees the old memory,
 and leaves alone a storage that something it was not given also views; a model built so serves
 the same tokens as one on ordinary pages."""
+
 from __future__ import annotations
 
 import gc
@@ -10,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_gguf_serving import GREEDY, Q4_K_M, _prompts, write_quantised_gguf
 
 from tandem import LLM
 from tandem.models.quantization import host_memory
 from tandem.models.quantization.host_memory import huge_empty, move_to_huge_pages, on_huge_pages
-from test_gguf_serving import GREEDY, Q4_K_M, _prompts, write_quantised_gguf
 
-pytestmark = pytest.mark.skipif(not host_memory.thp_available(), reason="no transparent huge pages here")
+pytestmark = pytest.mark.skipif(
+    not host_memory.thp_available(), reason="no transparent huge pages here"
+)
 HUGE = host_memory.HUGE_PAGE
 
 
@@ -67,7 +70,10 @@ def test_a_model_on_huge_pages_serves_the_same_tokens(tmp_path, monkeypatch) -> 
     del plain, model
     monkeypatch.setattr(host_memory, "HUGE_PAGE", 4096)
     huge = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
-    tables = [b for name, b in huge.engine.core.executor.model.named_buffers()
-              if b is not None and b.nbytes >= 4096 and not name.startswith("rotary")]  # not a table
+    tables = [
+        b
+        for name, b in huge.engine.core.executor.model.named_buffers()
+        if b is not None and b.nbytes >= 4096 and not name.startswith("rotary")
+    ]  # not a table
     assert tables and all(on_huge_pages(b) for b in tables)
     assert [o.outputs[0].token_ids for o in huge.generate(_prompts(), GREEDY)] == want

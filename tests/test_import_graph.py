@@ -2,6 +2,7 @@
 a layer above its own, no two folders import each other, and no modules import each other round
 a loop. Every import counts, at module level, inside a function or under TYPE_CHECKING (a lazy
 import is still a dependency)."""
+
 from __future__ import annotations
 
 import ast
@@ -29,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -50,7 +52,7 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
@@ -91,29 +93,38 @@ def _circles(edges: set[tuple[str, str]]) -> list[set[str]]:
 
 
 def test_every_unit_has_a_layer():
-    units = {_unit(m) for edge in EDGES for m in edge} | {_unit(_module_name(f)) for f in PACKAGE.rglob("*.py")}
-    assert units <= set(RANK), f"add {sorted(units - set(RANK))} to LAYERS and to docs/architecture.md"
+    units = {_unit(m) for edge in EDGES for m in edge} | {
+        _unit(_module_name(f)) for f in PACKAGE.rglob("*.py")
+    }
+    assert units <= set(RANK), (
+        f"add {sorted(units - set(RANK))} to LAYERS and to docs/architecture.md"
+    )
 
 
 def test_no_import_points_to_a_layer_above():
-    upward = sorted((a, b) for a, b in EDGES
-                    if RANK.get(_unit(b), -1) > RANK.get(_unit(a), -1))
-    assert not upward, "imports into a layer above:\n" + "\n".join(f"  {a} -> {b}" for a, b in upward)
+    upward = sorted((a, b) for a, b in EDGES if RANK.get(_unit(b), -1) > RANK.get(_unit(a), -1))
+    assert not upward, "imports into a layer above:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in upward
+    )
 
 
 def test_no_two_folders_import_each_other():
     between = {(_unit(a), _unit(b)) for a, b in EDGES if _unit(a) != _unit(b)}
     mutual = sorted((a, b) for a, b in between if (b, a) in between and a < b)
-    detail = [f"  {a} <-> {b}: " + ", ".join(sorted(f"{x} -> {y}" for x, y in EDGES
-                                                    if {_unit(x), _unit(y)} == {a, b}))
-              for a, b in mutual]
+    detail = [
+        f"  {a} <-> {b}: "
+        + ", ".join(sorted(f"{x} -> {y}" for x, y in EDGES if {_unit(x), _unit(y)} == {a, b}))
+        for a, b in mutual
+    ]
     assert not mutual, "folders that import each other:\n" + "\n".join(detail)
 
 
 def test_no_modules_import_each_other_round_a_loop():
     circles = _circles(EDGES)
-    detail = ["  " + ", ".join(f"{a} -> {b}" for a, b in sorted(EDGES) if a in c and b in c)
-              for c in circles]
+    detail = [
+        "  " + ", ".join(f"{a} -> {b}" for a, b in sorted(EDGES) if a in c and b in c)
+        for c in circles
+    ]
     assert not circles, "modules that import each other round a loop:\n" + "\n".join(detail)
 
 
@@ -124,12 +135,21 @@ def test_circles_are_found():
     assert _circles(edges) == [{"a", "b", "c"}]
 
 
-@pytest.mark.parametrize("source, expect", [
-    ("import tandem.models.llama\n", {"tandem.models.llama"}),
-    ("def f():\n    from tandem.executor import attention\n", {"tandem.executor", "tandem.executor.attention"}),
-    ("from ..core.request import Request\n", {"tandem.core.request", "tandem.core.request.Request"}),
-    ("from . import cluster\n", {"tandem.sim", "tandem.sim.cluster"}),
-])
+@pytest.mark.parametrize(
+    "source, expect",
+    [
+        ("import tandem.models.llama\n", {"tandem.models.llama"}),
+        (
+            "def f():\n    from tandem.executor import attention\n",
+            {"tandem.executor", "tandem.executor.attention"},
+        ),
+        (
+            "from ..core.request import Request\n",
+            {"tandem.core.request", "tandem.core.request.Request"},
+        ),
+        ("from . import cluster\n", {"tandem.sim", "tandem.sim.cluster"}),
+    ],
+)
 def test_imports_are_found(tmp_path, monkeypatch, source, expect):
     """The parser itself: absolute, function-level and relative imports are all seen."""
     folder = tmp_path / "tandem" / "sim"

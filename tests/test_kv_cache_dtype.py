@@ -3,12 +3,22 @@ picks and what is refused; and greedy tokens under batching, chunked prefill, pr
 and recompute), prefix hits, n-gram speculation and P/D equal a single-request run with the
 same KV dtype. The tiny Llama (head_dim 16) attends through the SDPA buckets, the tiny Gemma 3
 (head_dim 64, sliding windows) through the native decode kernel."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_kv_transfer import (
+    MAX_NEW as PD_NEW,
+)
+from test_kv_transfer import (
+    _prompts,
+    assert_no_blocks_held,
+    decode,
+    greedy,
+    prefill,
+)
 
-from test_kv_transfer import MAX_NEW as PD_NEW, _prompts, assert_no_blocks_held, decode, greedy, prefill
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.executor.device import resolve_kv_cache_dtype
@@ -21,55 +31,86 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 MAX_NEW = 10
 
 
-@pytest.mark.parametrize("name,dtype_name,dtype,device,backend,expect", [
-    ("auto", "auto", F32, CPU, "torch", BF16),  # fp32 chosen for speed on a CPU without AVX-512
-    ("auto", "auto", BF16, CPU, "torch", BF16),
-    ("auto", "float32", F32, CPU, "torch", F32),  # fp32 asked for: the cache follows
-    ("auto", "auto", F32, CPU, "triton", F32),  # the Triton kernels read the activations' dtype
-    ("auto", "auto", BF16, CUDA, "triton", BF16),
-    ("bfloat16", "float32", F32, CPU, "torch", BF16),
-    ("float16", "auto", F32, CPU, "torch", F16),
-    ("float32", "auto", F32, CPU, "torch", F32),
-    ("float16", "float16", F16, CUDA, "triton", F16),
-])
+@pytest.mark.parametrize(
+    "name,dtype_name,dtype,device,backend,expect",
+    [
+        ("auto", "auto", F32, CPU, "torch", BF16),  # fp32 chosen for speed on a CPU without AVX-512
+        ("auto", "auto", BF16, CPU, "torch", BF16),
+        ("auto", "float32", F32, CPU, "torch", F32),  # fp32 asked for: the cache follows
+        ("auto", "auto", F32, CPU, "triton", F32),  # the Triton kernels read the activations' dtype
+        ("auto", "auto", BF16, CUDA, "triton", BF16),
+        ("bfloat16", "float32", F32, CPU, "torch", BF16),
+        ("float16", "auto", F32, CPU, "torch", F16),
+        ("float32", "auto", F32, CPU, "torch", F32),
+        ("float16", "float16", F16, CUDA, "triton", F16),
+    ],
+)
 def test_which_kv_dtype(name, dtype_name, dtype, device, backend, expect):
     assert resolve_kv_cache_dtype(name, dtype_name, dtype, device, backend) == expect
 
 
-@pytest.mark.parametrize("name,dtype,device,backend,message", [
-    ("float32", BF16, CPU, "torch", "the cache holds the activations' dtype, or bfloat16 / float16 under float32"),
-    ("bfloat16", F16, CUDA, "triton", "the cache holds the activations' dtype"),
-    ("bfloat16", F32, CPU, "triton", "runs on the CPU attention only"),
-    ("float16", F32, CUDA, "torch", "runs on the CPU attention only"),
-])
+@pytest.mark.parametrize(
+    "name,dtype,device,backend,message",
+    [
+        (
+            "float32",
+            BF16,
+            CPU,
+            "torch",
+            "the cache holds the activations' dtype, or bfloat16 / float16 under float32",
+        ),
+        ("bfloat16", F16, CUDA, "triton", "the cache holds the activations' dtype"),
+        ("bfloat16", F32, CPU, "triton", "runs on the CPU attention only"),
+        ("float16", F32, CUDA, "torch", "runs on the CPU attention only"),
+    ],
+)
 def test_what_cannot_be_built_is_refused_in_words(name, dtype, device, backend, message):
     with pytest.raises(ValueError, match=message):
         resolve_kv_cache_dtype(name, "auto", dtype, device, backend)
 
 
 def test_an_unknown_kv_dtype_is_refused():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"
+    ):
         EngineConfig.from_kwargs(kv_cache_dtype="fp8")
 
 
 def _llm(path: str, **kw) -> LLM:
-    return LLM(path, **{"dtype": "float32", "kv_cache_dtype": "bfloat16", "kv_cache_memory": 1 << 22,
-                        "block_size": 8, **kw})
+    return LLM(
+        path,
+        **{
+            "dtype": "float32",
+            "kv_cache_dtype": "bfloat16",
+            "kv_cache_memory": 1 << 22,
+            "block_size": 8,
+            **kw,
+        },
+    )
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def model(request, tiny_model_dirs):
     """A tiny model and each prompt's tokens run alone on a bf16 KV cache."""
     path = tiny_model_dirs[request.param]
-    prompts = _prompts(11) + [_prompts(12)[-1] + p for p in _prompts(13)[:3]]  # the last three share 40 tokens
+    prompts = _prompts(11) + [
+        _prompts(12)[-1] + p for p in _prompts(13)[:3]
+    ]  # the last three share 40 tokens
     llm = _llm(path)
-    return path, prompts, [llm.generate([p], greedy(MAX_NEW))[0].outputs[0].token_ids for p in prompts]
+    return (
+        path,
+        prompts,
+        [llm.generate([p], greedy(MAX_NEW))[0].outputs[0].token_ids for p in prompts],
+    )
 
 
 def test_the_cache_is_bf16_and_holds_twice_the_blocks(model):
     path, _, _ = model
     narrow, wide = _llm(path).engine, _llm(path, kv_cache_dtype="float32").engine
-    assert narrow.core.executor.kv.kv_cache.dtype == BF16 and narrow.info().kv_cache_dtype == "bfloat16"
+    assert (
+        narrow.core.executor.kv.kv_cache.dtype == BF16
+        and narrow.info().kv_cache_dtype == "bfloat16"
+    )
     assert narrow.info().dtype == "float32"
     assert narrow.info().kv_bytes_per_token * 2 == wide.info().kv_bytes_per_token
     assert narrow.core.executor.num_kv_blocks >= 2 * wide.core.executor.num_kv_blocks - 1
@@ -80,8 +121,10 @@ def test_the_rounding_shows_in_the_logprobs(model):
     compare runs that really read a bf16 cache."""
     path, prompts, _ = model
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
-    narrow, wide = (_llm(path, kv_cache_dtype=kv).generate(prompts[1:2], params)[0].outputs[0].logprobs
-                    for kv in ("bfloat16", "float32"))
+    narrow, wide = (
+        _llm(path, kv_cache_dtype=kv).generate(prompts[1:2], params)[0].outputs[0].logprobs
+        for kv in ("bfloat16", "float32")
+    )
     assert narrow != wide
 
 
@@ -89,19 +132,41 @@ def test_the_rounding_shows_in_the_logprobs(model):
 def test_greedy_tokens_equal_a_single_request_run(model, scenario):
     path, prompts, alone = model
     per_token = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(BF16)
-    kw = {"chunked": {"max_num_batched_tokens": 16},
-          # room for the longest request (~60 tokens) and not for all at once
-          "swap": {"kv_cache_memory": per_token * 8 * 12, "preemption_mode": "swap", "enable_prefix_caching": False,
-                   "max_num_batched_tokens": 32},
-          "recompute": {"kv_cache_memory": per_token * 8 * 12, "preemption_mode": "recompute",
-                        "enable_prefix_caching": False, "max_num_batched_tokens": 32},
-          # a fixed k: AdaptiveK turns speculation off on models this small
-          "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                           "prompt_lookup_min": 1, "adaptive": False}},
-          }.get(scenario, {})
+    kw = {
+        "chunked": {"max_num_batched_tokens": 16},
+        # room for the longest request (~60 tokens) and not for all at once
+        "swap": {
+            "kv_cache_memory": per_token * 8 * 12,
+            "preemption_mode": "swap",
+            "enable_prefix_caching": False,
+            "max_num_batched_tokens": 32,
+        },
+        "recompute": {
+            "kv_cache_memory": per_token * 8 * 12,
+            "preemption_mode": "recompute",
+            "enable_prefix_caching": False,
+            "max_num_batched_tokens": 32,
+        },
+        # a fixed k: AdaptiveK turns speculation off on models this small
+        "ngram": {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+                "adaptive": False,
+            }
+        },
+    }.get(scenario, {})
     llm = _llm(path, **kw)
-    split = len(prompts) - 2 if scenario == "prefix" else len(prompts)  # the last two after the first sharer
-    outs = [o for part in (prompts[:split], prompts[split:]) if part for o in llm.generate(part, greedy(MAX_NEW))]
+    split = (
+        len(prompts) - 2 if scenario == "prefix" else len(prompts)
+    )  # the last two after the first sharer
+    outs = [
+        o
+        for part in (prompts[:split], prompts[split:])
+        if part
+        for o in llm.generate(part, greedy(MAX_NEW))
+    ]
     assert [o.outputs[0].token_ids for o in outs] == alone
     core = llm.engine.core
     if scenario in ("swap", "recompute"):
@@ -109,7 +174,9 @@ def test_greedy_tokens_equal_a_single_request_run(model, scenario):
     if scenario == "prefix":
         assert core.kv_manager.stats.hits >= 2 * 40  # the shared 40 tokens came from the cache
     if scenario == "ngram":
-        assert llm.engine.step_counters().spec.num_draft_tokens > 0  # drafts were verified on the bf16 cache
+        assert (
+            llm.engine.step_counters().spec.num_draft_tokens > 0
+        )  # drafts were verified on the bf16 cache
     assert core.kv_manager.num_free_blocks == core.executor.num_kv_blocks
 
 

@@ -1,8 +1,10 @@
 """KV groups: sliding-window layers' blocks behind the window go back to the pool while the
 full-attention layers keep theirs; accounting, prefix hits, swap and freeing stay exact."""
+
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.core.kv_cache_coordinator import cdiv
 from tandem.core.kv_cache_manager import KVCacheManager
@@ -21,8 +23,12 @@ def test_gemma3_270m_layers_make_one_full_and_five_sliding_groups_of_three():
     windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
     groups = kv_groups(windows)
     assert groups.layers_per_group == 3 and groups.windows == (512,) * 5 + (None,)
-    assert sorted(groups.layer_slots) == [(k, j) for k in range(6) for j in range(3)]  # one slot each
-    assert all(groups.windows[k] == windows[layer] for layer, (k, _) in enumerate(groups.layer_slots))
+    assert sorted(groups.layer_slots) == [
+        (k, j) for k in range(6) for j in range(3)
+    ]  # one slot each
+    assert all(
+        groups.windows[k] == windows[layer] for layer, (k, _) in enumerate(groups.layer_slots)
+    )
 
 
 def test_one_kind_of_attention_is_the_plain_layout():
@@ -43,16 +49,27 @@ def _check(kv: KVCacheManager, reqs: dict[str, Request]) -> None:
             for i, b in enumerate(m.req_to_blocks[rid]):
                 if i >= m.live_from(req.num_computed_tokens):
                     assert b is not null and b.ref_cnt >= 1
-    owned = {b.block_id for m in managers for blocks in m.req_to_blocks.values() for b in blocks
-             if b is not null}
+    owned = {
+        b.block_id
+        for m in managers
+        for blocks in m.req_to_blocks.values()
+        for b in blocks
+        if b is not null
+    }
     assert len(owned) + kv.num_free_blocks <= kv.num_blocks
 
 
 @settings(max_examples=60, deadline=None)
-@given(windows=st.sampled_from([(6, 6, None), (5, None), (9,), (None, 7, 7, None)]),
-       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
-       chunk=st.integers(1, 16), swap_at=st.integers(0, 30), shared=st.integers(0, 20))
-def test_allocation_frees_behind_windows_and_accounts_exactly(windows, lengths, chunk, swap_at, shared):
+@given(
+    windows=st.sampled_from([(6, 6, None), (5, None), (9,), (None, 7, 7, None)]),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    chunk=st.integers(1, 16),
+    swap_at=st.integers(0, 30),
+    shared=st.integers(0, 20),
+)
+def test_allocation_frees_behind_windows_and_accounts_exactly(
+    windows, lengths, chunk, swap_at, shared
+):
     """Requests prefill in chunks and decode; each allocation takes exactly `blocks_needed`
     from the pool, the blocks behind a window are freed, a swap round trip keeps the layout,
     prefix hits hold every block a query after them reads, and nothing leaks."""
@@ -66,7 +83,7 @@ def test_allocation_frees_behind_windows_and_accounts_exactly(windows, lengths, 
         for m, blocks in zip(kv.coordinator.managers, hits):  # every hit a query at num_hit reads
             for i, b in enumerate(blocks):  # is the cached chunk
                 if i >= m.live_from(num_hit):
-                    assert b.token_ids == tuple(req.all_token_ids[i * BS:(i + 1) * BS])
+                    assert b.token_ids == tuple(req.all_token_ids[i * BS : (i + 1) * BS])
         first = min(chunk, req.num_tokens - num_hit)
         free = kv.num_free_blocks
         need = kv.blocks_needed(req, first, hits)
@@ -110,7 +127,9 @@ def test_a_long_request_holds_the_window_not_the_context():
         req.num_computed_tokens += 16
     kv.allocate_slots(req, 1)
     held = kv.num_blocks - kv.num_free_blocks
-    assert held == 26 + 5 * 3  # the full group's 26 blocks; 3 per sliding group (window 32 + the next token)
+    assert (
+        held == 26 + 5 * 3
+    )  # the full group's 26 blocks; 3 per sliding group (window 32 + the next token)
     assert held < 6 * 26 / 3
 
 
@@ -122,14 +141,21 @@ def test_gemma3_serves_a_request_the_plain_layout_could_not_hold(tiny_model_dirs
     decodes."""
     import torch
     from conftest import hf_greedy
+
     from tandem import LLM, SamplingParams
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config
 
     path = tiny_model_dirs["gemma3"]
     per_token = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32)
-    llm = LLM(path, dtype="float32", block_size=BS, kv_cache_memory=per_token * BS * 10,
-              max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = LLM(
+        path,
+        dtype="float32",
+        block_size=BS,
+        kv_cache_memory=per_token * BS * 10,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     core = llm.engine.core
     assert core.kv_manager.group_windows == (12, 12, None) and core.executor.num_kv_blocks == 30
     assert core.max_model_len >= 50 > 40
@@ -155,9 +181,21 @@ def test_bench_kv_reports_the_window_held_against_full_attention(tiny_model_dirs
     from tandem.bench.kv import main
 
     out = tmp_path / "kv.json"
-    report = main(argparse.Namespace(model=tiny_model_dirs["gemma3"], prompt_len=60, output_len=4,
-                                     max_num_batched_tokens=16, quantization="auto", dtype="float32", seed=0,
-                                     json_path=str(out)))
-    assert report["kv_groups"] == ["window 12", "window 12", "full"] and report["layers_per_group"] == 1
+    report = main(
+        argparse.Namespace(
+            model=tiny_model_dirs["gemma3"],
+            prompt_len=60,
+            output_len=4,
+            max_num_batched_tokens=16,
+            quantization="auto",
+            dtype="float32",
+            seed=0,
+            json_path=str(out),
+        )
+    )
+    assert (
+        report["kv_groups"] == ["window 12", "window 12", "full"]
+        and report["layers_per_group"] == 1
+    )
     assert 6 / 12 <= report["last_step_vs_full"] <= 8 / 12 and report["peak_vs_full"] <= 1.0
     assert json.loads(out.read_text()) == report

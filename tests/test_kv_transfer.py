@@ -1,6 +1,7 @@
 """KV transfer for P/D disaggregation: a prompt prefilled on one engine, its KV moved through a
 connector, and decoding continued on another engine gives the very tokens of a plain run;
 no block leaks on any path (finish, abort before admission, a failed import)."""
+
 from __future__ import annotations
 
 import random
@@ -11,9 +12,10 @@ from collections import Counter
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_block_pool import check_pool, make_req
+
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import KVPoolFullError, PDConnector
@@ -88,7 +90,9 @@ def reference(llama) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])  # Gemma 3: sliding windows shorter than most prompts
+@pytest.mark.parametrize(
+    "kind", ["llama", "gemma3"]
+)  # Gemma 3: sliding windows shorter than most prompts
 def test_pd_through_shm_matches_plain_run(kind, async_scheduling, tiny_model_dirs):
     model = tiny_model_dirs[kind]
     reference = plain_run(model)
@@ -135,8 +139,10 @@ def test_payload_bytes(llama):
 def test_bf16_and_empty_payloads_round_trip():
     conn = ShmConnector()
     kv = torch.randn(3, 2, 2, 4, 2, 8).to(torch.bfloat16)
-    for tid, payload in (("bf16", KVPayload(list(range(8)), 4, kv)),
-                         ("empty", KVPayload([], 4, kv[:, :, :0].contiguous()))):
+    for tid, payload in (
+        ("bf16", KVPayload(list(range(8)), 4, kv)),
+        ("empty", KVPayload([], 4, kv[:, :, :0].contiguous())),
+    ):
         conn.send(tid, payload)
         got, stats = conn.recv(tid, timeout=5)
         assert got.kv.dtype == torch.bfloat16 and torch.equal(got.kv, payload.kv)
@@ -188,7 +194,9 @@ def test_blocks_cached_on_the_decode_side_are_pinned_not_rewritten(llama, refere
     own = b.core.executor.read_kv_blocks([blk.block_id for blk in cached])
     assert own.shape[2] == 2
     first, payload = prefill(a, prompt, "p")
-    payload.kv[:, :, :2] = 0  # had decode overwritten its own blocks 0 and 1, the output would show it
+    payload.kv[:, :, :2] = (
+        0  # had decode overwritten its own blocks 0 and 1, the output would show it
+    )
     conn.send("t", payload)
     assert decode(b, prompt, first, conn, "t") == reference[-1]
     kept = [blk.block_id for blk in b.core.kv_connector.cached_prefix(prompt)[0][0][:2]]
@@ -220,7 +228,9 @@ def test_writes_wait_for_steps_in_flight(llama):
     """Async scheduling: a reserved block may have been freed by a request whose last step
     still runs and writes it, so the import writes only once the steps in flight are done."""
     from concurrent.futures import Future
+
     from tandem.executor.kv_transfer import KVHandoff
+
     a, b = _llm(llama).engine, _llm(llama).engine
     step = Future()
     handoff = KVHandoff(b.core.kv_connector, b.core.executor, lambda: [step])
@@ -237,8 +247,16 @@ def test_writes_wait_for_steps_in_flight(llama):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "release", "admit", "free"]),
-                          st.integers(0, 3), st.integers(0, 4)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["reserve", "commit", "release", "admit", "free"]),
+            st.integers(0, 3),
+            st.integers(0, 4),
+        ),
+        max_size=40,
+    )
+)
 def test_reservations_and_requests_never_leak(ops):
     """Any mix of reservations (pinned hits, fresh blocks, short commits, releases) and plain
     requests sharing prefixes keeps every block free or held exactly by its holders."""
@@ -284,7 +302,9 @@ def test_shm_timeout_and_no_file_left(tmp_path):
     with pytest.raises(TimeoutError):
         conn.recv("missing", timeout=0.05)
     conn.send("t", KVPayload([], 4, torch.zeros(1, 2, 0, 4, 1, 2)))
-    conn.recv("t", timeout=1)  # a receiver that drops the payload (a refused decode leg) still takes it
+    conn.recv(
+        "t", timeout=1
+    )  # a receiver that drops the payload (a refused decode leg) still takes it
     assert list(tmp_path.iterdir()) == []
 
 
@@ -294,9 +314,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pd_worker(rank: int, model_dir: str, prompts: list[list[int]], port: int, firsts, results) -> None:
+def _pd_worker(
+    rank: int, model_dir: str, prompts: list[list[int]], port: int, firsts, results
+) -> None:
     """Rank 0 prefills, rank 1 decodes; even prompts move over gloo, odd ones over shm."""
     from tandem.executor.kv_transfer import TorchDistConnector, init_kv_group
+
     init_kv_group(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo")
     connectors = (TorchDistConnector(peer=1 - rank), ShmConnector())
     engine = _llm(model_dir).engine

@@ -2,6 +2,7 @@
 client that disconnects is aborted; SIGTERM drains and exits 0 within --shutdown-timeout; a
 SIGKILLed engine core fails every stream at once and the server exits non-zero; a SIGKILLed
 API process leaves no engine-core process behind."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
-import tandem
 from server_fixture import free_port
 from structured_fixture import with_tokenizer
+
+import tandem
 
 LONG = {"prompt": "a b c", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 
@@ -30,11 +31,19 @@ def model_dir(tmp_path_factory):
     would finish before a client could leave), with a real tokenizer."""
     import torch
     import transformers as tf
-
     from conftest import TINY
+
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(**{**TINY, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
-                            "num_attention_heads": 8, "num_key_value_heads": 4})
+    cfg = tf.LlamaConfig(
+        **{
+            **TINY,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+        }
+    )
     path = tmp_path_factory.mktemp("wide")
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return with_tokenizer(str(path), tmp_path_factory.mktemp("tok") / "m")
@@ -43,14 +52,38 @@ def model_dir(tmp_path_factory):
 class Served:
     """A `tandem serve` subprocess of this tree's code."""
 
-    def __init__(self, model_dir: str, *flags: str, port: int | None = None, env: dict | None = None) -> None:
+    def __init__(
+        self, model_dir: str, *flags: str, port: int | None = None, env: dict | None = None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(tandem.__file__).resolve().parents[1])}
+        env = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": str(Path(tandem.__file__).resolve().parents[1]),
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", "--model", model_dir, "--port", str(self.port),
-             "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--num-threads", "1",
-             "--log-level", "warning", *flags], env=env)
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "serve",
+                "--model",
+                model_dir,
+                "--port",
+                str(self.port),
+                "--dtype",
+                "float32",
+                "--kv-cache-memory",
+                str(64 << 20),
+                "--num-threads",
+                "1",
+                "--log-level",
+                "warning",
+                *flags,
+            ],
+            env=env,
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             assert self.proc.poll() is None, f"tandem serve exited with {self.proc.returncode}"
@@ -65,8 +98,11 @@ class Served:
 
     def engine_pids(self) -> list[int]:
         """The engine-core process (multiprocessing's spawn; not its resource tracker)."""
-        return [c.pid for c in psutil.Process(self.proc.pid).children()
-                if "spawn_main" in " ".join(c.cmdline())]
+        return [
+            c.pid
+            for c in psutil.Process(self.proc.pid).children()
+            if "spawn_main" in " ".join(c.cmdline())
+        ]
 
     def running(self) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
@@ -84,7 +120,9 @@ def _stream(url: str, ended: list, started: threading.Event | None = None) -> No
     """A streaming completion; records (when it ended, how) once the stream closes."""
     how = "closed"
     try:
-        with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=30
+        ) as r:
             for line in r.iter_lines():
                 if started is not None and line.startswith("data: {"):
                     started.set()
@@ -128,7 +166,10 @@ def test_disconnect_then_sigterm_drains_and_exits_zero(model_dir):
         assert time.monotonic() - sent < 3.0  # gone within --shutdown-timeout
         for t in threads:
             t.join(5)
-        assert sorted(how for _, how in ended) == ["error", "error"]  # aborted with an error they saw
+        assert sorted(how for _, how in ended) == [
+            "error",
+            "error",
+        ]  # aborted with an error they saw
     finally:
         srv.close()
 
@@ -159,7 +200,12 @@ def test_request_metrics_cross_then_no_orphan_after_the_api_process_is_killed(mo
     srv = Served(model_dir)
     try:
         # what `tandem bench serve` reads for the front-end delay (§8.3): the usage chunk's split
-        body = {"prompt": "a b", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "a b",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         split = chunks[-1]["metrics"]

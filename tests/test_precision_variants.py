@@ -1,8 +1,8 @@
 """Several precision variants of one model in one engine: each request gets the tokens of its
 variant run alone; KV is never shared across variants; choice order, fallback and bad names."""
+
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -73,7 +73,9 @@ def test_choice_order_field_then_class_then_default(tiny_model_dirs):
     assert router.choose(None, 3) == "int4"  # class background
     assert router.choose("int8", 3) == "int8"  # the request's own choice wins
     assert router.choose(None, 1) == "bf16"  # interactive has no class entry: the default
-    with pytest.raises(ValueError, match=r"precision 'fp32' is not served here; served: bf16, int8, int4"):
+    with pytest.raises(
+        ValueError, match=r"precision 'fp32' is not served here; served: bf16, int8, int4"
+    ):
         llm.engine.add_request([1, 2, 3], GREEDY, precision="fp32")
     assert not llm.engine.has_unfinished_requests()
 
@@ -82,12 +84,27 @@ def test_unbuildable_variant_falls_back_with_a_count(tmp_path, caplog):
     """int4 cannot be built for a model whose hidden size no group size divides: its requests go
     to the fallback, with a log line and a counted fallback."""
     import transformers as tf
+
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    llm = _llm(str(tmp_path), quantization="int8", precision_fallback="bf16", precision_classes={"background": "int4"})
+    llm = _llm(
+        str(tmp_path),
+        quantization="int8",
+        precision_fallback="bf16",
+        precision_classes={"background": "int4"},
+    )
     assert "int4" in llm.engine.core.executor.variants.unavailable
     out = llm.generate([[1, 2, 3]], GREEDY)[0]  # no priority: the default
     assert out.precision == "int8"

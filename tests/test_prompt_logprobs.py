@@ -2,6 +2,7 @@
 token's logprob given the tokens before it equals Hugging Face's teacher-forced log-softmax in
 fp32, whether the prompt runs in one step or in chunks, after a prefix-cache hit would have
 skipped it, and with logit_bias on the sampled tokens (which must not touch them)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,12 +10,16 @@ import torch
 
 from tandem import LLM, SamplingParams
 
-PROMPTS = [[5, 9, 301, 44, 17, 250, 3, 3, 98, 411, 7, 120, 66, 2, 480, 31, 9, 5, 77, 200],
-           [12, 13, 14], [400]]
+PROMPTS = [
+    [5, 9, 301, 44, 17, 250, 3, 3, 98, 411, 7, 120, 66, 2, 480, 31, 9, 5, 77, 200],
+    [12, 13, 14],
+    [400],
+]
 
 
 def hf_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].log_softmax(-1)
@@ -23,8 +28,9 @@ def hf_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [2048, 8])
 def test_prompt_logprobs_equal_teacher_forced(tiny_model_dirs, chunk):
     path = tiny_model_dirs["llama"]
-    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=chunk,
-              block_size=8)
+    llm = LLM(
+        path, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=chunk, block_size=8
+    )
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1))  # cached now: a hit would skip them
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logit_bias={0: 50.0})
     outs = llm.generate(PROMPTS, params)

@@ -1,6 +1,7 @@
 """The integer-activation CPU kernel (kernels/cpu_quant_gemm.cpp) behind Int4Linear / Int8Linear:
 W4A8 / W8A8 against the weight-only dequantise-then-F.linear reference, its packed layouts
 against the weights they came from, batch independence, and where it is (not) used."""
+
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_quant_gemm
@@ -21,10 +23,10 @@ from tandem.models.quantization.int4 import Int4Linear, KQuantScales, int4_dequa
 from tandem.models.quantization.int8 import Int8Linear, quantize_int8
 from tandem.models.quantization.q6k import Q6KLinear
 
-from test_quantization import SMOLLM2_SHAPES, TINY_SHAPES
-
-pytestmark = pytest.mark.skipif(int8_act_kernel(torch.device("cpu"), torch.bfloat16, 16, 32) is None,
-                                reason="no AVX2 / AVX512-VNNI CPU or no compiler")
+pytestmark = pytest.mark.skipif(
+    int8_act_kernel(torch.device("cpu"), torch.bfloat16, 16, 32) is None,
+    reason="no AVX2 / AVX512-VNNI CPU or no compiler",
+)
 
 # The activations are rounded to int8 per 32 inputs: at most half a step (max|x| / 254) of each
 # block's largest input; with the output's bf16 rounding (2^-9 relative) the measured worst
@@ -37,8 +39,12 @@ def _layers(n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16):
     w, bias = torch.randn(n, k), torch.randn(n)
     codes, scales, zeros = quantize_int4(w, 32)
     q8, s8 = quantize_int8(w)
-    return (Int4Linear(codes, scales, zeros, bias, dtype), Int8Linear(q8.clone(), s8, bias, dtype),
-            (codes, scales, zeros), (q8, s8))
+    return (
+        Int4Linear(codes, scales, zeros, bias, dtype),
+        Int8Linear(q8.clone(), s8, bias, dtype),
+        (codes, scales, zeros),
+        (q8, s8),
+    )
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -51,7 +57,12 @@ def test_kernel_equals_weight_only_reference(shape, dtype):
     n, k = shape
     int4, int8, _, _ = _layers(n, k, n + k, dtype)
     assert int4.int8_act and int8.int8_act
-    for rows in (1, 5, 9, 37):  # AVX2's 4-row and AVX-512's 8-row reads: 9 as 5 + 4, 37 as 8 x 4 + 5
+    for rows in (
+        1,
+        5,
+        9,
+        37,
+    ):  # AVX2's 4-row and AVX-512's 8-row reads: 9 as 5 + 4, 37 as 8 x 4 + 5
         x = torch.randn(rows, k, dtype=dtype) * 3
         for layer in (int4, int8):
             ref = F.linear(x.float(), layer.dequantize(), layer.bias.float())
@@ -66,9 +77,15 @@ def test_packed_layouts_hold_the_weights():
     d = scales.half().float()
     m = (zeros - 8 * scales).half().float()
     exact = Int4Linear(codes, d, m + 8 * d, None, torch.bfloat16)
-    torch.testing.assert_close(exact.dequantize(), codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1),
-                               rtol=0, atol=1e-6)
-    torch.testing.assert_close(exact.dequantize(), int4_dequantize(codes, d, m + 8 * d), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        exact.dequantize(),
+        codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1),
+        rtol=0,
+        atol=1e-6,
+    )
+    torch.testing.assert_close(
+        exact.dequantize(), int4_dequantize(codes, d, m + 8 * d), rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -85,18 +102,24 @@ def test_five_bit_codes_equal_the_weight_only_reference(shape, dtype):
     layer = Int4Linear(codes, d, m + 8 * d, torch.randn(n), dtype, bits=5)
     assert layer.int8_act and layer.qhigh.numel() == n * k // 8
     expand = lambda t: t.repeat_interleave(32, 1)  # noqa: E731
-    torch.testing.assert_close(layer.dequantize(), codes.float() * expand(d) + expand(m), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        layer.dequantize(), codes.float() * expand(d) + expand(m), rtol=0, atol=1e-6
+    )
     for rows in (1, 5, 37):
         x = torch.randn(rows, k, dtype=dtype) * 3
         ref = F.linear(x.float(), layer.dequantize(), layer.bias.float())
         assert _rel_err(layer(x), ref) < TOL, rows
-        assert torch.equal(layer(x)[rows - 1], layer(x[rows - 1:])[0])
+        assert torch.equal(layer(x)[rows - 1], layer(x[rows - 1 :])[0])
     ones = torch.ones(n, k // 32)
-    top = Int4Linear(torch.full((n, k), 31, dtype=torch.uint8), ones, 8 * ones, None, dtype, bits=5)  # w = 31
+    top = Int4Linear(
+        torch.full((n, k), 31, dtype=torch.uint8), ones, 8 * ones, None, dtype, bits=5
+    )  # w = 31
     for sign in (1, -1):
         x = torch.full((4, k), sign * 0.5, dtype=dtype)  # every input quantises to +-127
-        rtol = 1e-5 if dtype == torch.float32 else 2 ** -8  # the output's own rounding
-        torch.testing.assert_close(top(x).float(), torch.full((4, n), sign * 15.5 * k), rtol=rtol, atol=0)
+        rtol = 1e-5 if dtype == torch.float32 else 2**-8  # the output's own rounding
+        torch.testing.assert_close(
+            top(x).float(), torch.full((4, n), sign * 15.5 * k), rtol=rtol, atol=0
+        )
     with pytest.raises(ValueError, match="a code above 15 in a layer of 4-bit codes"):
         Int4Linear(codes, scales, zeros, None, dtype)
 
@@ -104,9 +127,11 @@ def test_five_bit_codes_equal_the_weight_only_reference(shape, dtype):
 def _q6k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random Q6_K codes, scales (every int8, both signs) and small fp16 d, as a file holds them."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
-            torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8),
-            (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half())
+    return (
+        torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+        torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8),
+        (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half(),
+    )
 
 
 def _k_quant(n: int, k: int, seed: int, bits: int = 4) -> tuple[torch.Tensor, KQuantScales]:
@@ -115,21 +140,27 @@ def _k_quant(n: int, k: int, seed: int, bits: int = 4) -> tuple[torch.Tensor, KQ
     g = torch.Generator().manual_seed(seed)
     small = lambda cols: (torch.rand(n, cols, generator=g) * 1e-3 + 1e-4).half()  # noqa: E731
     six = lambda: torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)  # noqa: E731
-    return torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8), KQuantScales(small(k // 256), small(k // 256), six(), six())
+    return torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8), KQuantScales(
+        small(k // 256), small(k // 256), six(), six()
+    )
 
 
 def _k_quant_weights(codes: torch.Tensor, k_quant: KQuantScales) -> torch.Tensor:
     """d sc q - dmin m in gguf's fp32 order."""
     expand = lambda v: v.float().repeat_interleave(8, 1)  # noqa: E731
     per_input = lambda v: v.repeat_interleave(32, 1)  # noqa: E731
-    return per_input(expand(k_quant.d) * k_quant.sc.float()) * codes.float() - per_input(expand(k_quant.dmin) * k_quant.m.float())
+    return per_input(expand(k_quant.d) * k_quant.sc.float()) * codes.float() - per_input(
+        expand(k_quant.dmin) * k_quant.m.float()
+    )
 
 
 def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random Q8_0 codes (-128 among them: a file may hold it) and fp16 d per 32, as a file holds them."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
-            (torch.rand(n, k // 32, generator=g) * 1e-3 + 1e-4).half())
+    return (
+        torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
+        (torch.rand(n, k // 32, generator=g) * 1e-3 + 1e-4).half(),
+    )
 
 
 def _int8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -137,7 +168,9 @@ def _int8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     round(x * 127 / max|x|) (half to even), in fp32, then back to values q * max|x| / 127, fp64."""
     blocks = x.float().reshape(x.shape[0], -1, block)
     top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.full_like(top, 127) / top, torch.zeros_like(top))  # not 127 / top: reciprocal * 127
+    inv = torch.where(
+        top > 0, torch.full_like(top, 127) / top, torch.zeros_like(top)
+    )  # not 127 / top: reciprocal * 127
     q = torch.round(blocks * inv).clamp(-127, 127)
     return (q.double() * (top / 127).double()).reshape(x.shape)
 
@@ -153,7 +186,9 @@ def test_q6_k_blocks_as_stored(shape, dtype):
     n, k = shape
     codes, sc, d = _q6k(n, k, n + k)
     layer = Q6KLinear.from_codes(codes, sc, d, torch.randn(n), dtype)
-    w = (d.float().repeat_interleave(16, 1) * sc.float()).repeat_interleave(16, 1) * (codes.float() - 32)
+    w = (d.float().repeat_interleave(16, 1) * sc.float()).repeat_interleave(16, 1) * (
+        codes.float() - 32
+    )
     assert torch.equal(layer.dequantize(), w)
     ids = torch.tensor([0, 17, n - 1, 5, 5])
     assert torch.equal(layer.rows(ids, torch.float32), w[ids])
@@ -163,10 +198,10 @@ def test_q6_k_blocks_as_stored(shape, dtype):
         x = torch.randn(rows, k, dtype=dtype) * 3
         y = layer(x).double()
         exact = _int8_activations(x) @ w.double().t() + layer.bias.double()
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
+        tol = 1e-5 if dtype == torch.float32 else 2**-8  # fp32 sums, or the output's bf16 rounding
         torch.testing.assert_close(y, exact, rtol=tol, atol=tol * exact.abs().max().item())
         assert _rel_err(layer(x), F.linear(x.float(), w, layer.bias.float())) < TOL
-        assert all(torch.equal(layer(x)[i], layer(x[i:i + 1])[0]) for i in range(rows))
+        assert all(torch.equal(layer(x)[i], layer(x[i : i + 1])[0]) for i in range(rows))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -181,12 +216,17 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
     torch.manual_seed(9)
     w = torch.randn(n, k) / 64
     codes, sc, d = _q6k(n, k, 2)
-    layers = [Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
-              Int8Linear.from_float(w, None, dtype), Q6KLinear.from_codes(codes, sc, d, None, dtype),
-              Int8Linear(*_q8_0(n, k, 3), None, dtype), Int4Linear(*_k_quant(n, k, 4), None, None, dtype),
-              Int4Linear(*_k_quant(n, k, 5, bits=5), None, None, dtype, bits=5)]
+    layers = [
+        Int4Linear.from_float(w, None, dtype),
+        Int4Linear.from_float(w, None, dtype, bits=5),
+        Int8Linear.from_float(w, None, dtype),
+        Q6KLinear.from_codes(codes, sc, d, None, dtype),
+        Int8Linear(*_q8_0(n, k, 3), None, dtype),
+        Int4Linear(*_k_quant(n, k, 4), None, None, dtype),
+        Int4Linear(*_k_quant(n, k, 5, bits=5), None, None, dtype, bits=5),
+    ]
     assert all(layer.sc_m is not None for layer in layers[-2:])
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # fp32 sums, or the output's bf16 rounding
+    tol = 1e-5 if dtype == torch.float32 else 2**-8  # fp32 sums, or the output's bf16 rounding
     for layer in layers:
         weights = layer.dequantize().double()
         for rows in range(1, 10):
@@ -194,8 +234,13 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
                 x = x.to(dtype)
                 q4_k = getattr(layer, "sc_m", None) is not None and layer.qhigh is None
                 exact = _int8_activations(x, 256 if q4_k else 32) @ weights.t()
-                torch.testing.assert_close(layer(x).double(), exact, rtol=tol, atol=tol * exact.abs().max().item(),
-                                           msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}")
+                torch.testing.assert_close(
+                    layer(x).double(),
+                    exact,
+                    rtol=tol,
+                    atol=tol * exact.abs().max().item(),
+                    msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}",
+                )
 
 
 def test_q8_0_blocks_as_stored():
@@ -214,9 +259,15 @@ def test_q8_0_blocks_as_stored():
         layer.rows(torch.tensor([-1]), torch.float32)
     scales = torch.rand(n) + 0.5  # one fp32 scale per row (int8 from float weights)
     per_row = Int8Linear(q.clone(), scales, None, torch.float32)
-    assert not per_row.blocked and torch.equal(per_row.rows(ids, torch.float32), q[ids].float() * scales[ids, None])
-    low = Int8Linear(torch.full((n, k), -128, dtype=torch.int8), torch.ones(n, k // 32, dtype=torch.float16), None,
-                     torch.float32)
+    assert not per_row.blocked and torch.equal(
+        per_row.rows(ids, torch.float32), q[ids].float() * scales[ids, None]
+    )
+    low = Int8Linear(
+        torch.full((n, k), -128, dtype=torch.int8),
+        torch.ones(n, k // 32, dtype=torch.float16),
+        None,
+        torch.float32,
+    )
     for sign in (1, -1):
         x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
         torch.testing.assert_close(low(x), torch.full((4, n), -sign * 64.0 * k), rtol=1e-6, atol=0)
@@ -233,16 +284,26 @@ def test_q6_k_extremes_and_parts():
     rows at a time, or from parts, holds the tiles the whole one does; the fused SiLU-and-mul."""
     n, k = 32, 512
     for code, scale in ((63, 127), (0, -128), (63, -128)):
-        layer = Q6KLinear.from_codes(torch.full((n, k), code, dtype=torch.uint8), torch.full((n, k // 16), scale, dtype=torch.int8),
-                                     torch.ones(n, k // 256, dtype=torch.float16), None, torch.float32)
+        layer = Q6KLinear.from_codes(
+            torch.full((n, k), code, dtype=torch.uint8),
+            torch.full((n, k // 16), scale, dtype=torch.int8),
+            torch.ones(n, k // 256, dtype=torch.float16),
+            None,
+            torch.float32,
+        )
         for sign in (1, -1):
             x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
-            torch.testing.assert_close(layer(x), torch.full((4, n), sign * 0.5 * k * scale * (code - 32)), rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                layer(x),
+                torch.full((4, n), sign * 0.5 * k * scale * (code - 32)),
+                rtol=1e-6,
+                atol=0,
+            )
     codes, sc, d = _q6k(96, 512, 1)
     whole = Q6KLinear.from_codes(codes, sc, d, None, torch.float32)
     sliced = Q6KLinear(96, 512, None, torch.float32, torch.device("cpu"))
     for start in (64, 0, 32):
-        sliced.load(start, codes[start:start + 32], sc[start:start + 32], d[start:start + 32])
+        sliced.load(start, codes[start : start + 32], sc[start : start + 32], d[start : start + 32])
     for name in ("qpacked", "qtop", "sc", "d"):
         assert torch.equal(getattr(sliced, name), getattr(whole, name)), name
     with pytest.raises(ValueError, match="whole tiles of 16"):
@@ -252,7 +313,9 @@ def test_q6_k_extremes_and_parts():
     x = torch.randn(9, 512)
     fused = whole.forward_gated(x, Gate.SILU)
     torch.testing.assert_close(fused, silu_and_mul(whole(x)), rtol=1e-6, atol=1e-6)
-    assert all(torch.equal(fused[i], whole.forward_gated(x[i:i + 1], Gate.SILU)[0]) for i in range(9))
+    assert all(
+        torch.equal(fused[i], whole.forward_gated(x[i : i + 1], Gate.SILU)[0]) for i in range(9)
+    )
 
 
 def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
@@ -262,23 +325,38 @@ def test_a_layer_packed_part_by_part_equals_the_layer_packed_whole():
     parts = [quantize_int4(torch.randn(n, 128), 32) for n in (64, 32, 32)]
     bias = torch.randn(128)
     whole = Int4Linear(*(torch.cat([p[i] for p in parts]) for i in range(3)), bias, torch.float32)
-    joined = Int4Linear.concat([Int4Linear(*p, None, torch.float32) for p in parts], bias, torch.float32)
+    joined = Int4Linear.concat(
+        [Int4Linear(*p, None, torch.float32) for p in parts], bias, torch.float32
+    )
     for name in ("qpacked", "d", "m", "bias"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     x = torch.randn(5, 128)
     assert joined.out_features == 128 and torch.equal(joined(x), whole(x))
     with pytest.raises(ValueError, match="16 rows"):
-        Int4Linear.concat([Int4Linear(*quantize_int4(torch.randn(8, 128), 32), None, torch.float32)] * 2, None,
-                          torch.float32)
+        Int4Linear.concat(
+            [Int4Linear(*quantize_int4(torch.randn(8, 128), 32), None, torch.float32)] * 2,
+            None,
+            torch.float32,
+        )
     # 5-bit layers: a part of 4-bit codes joins as 5-bit codes; a layer of mixed widths is refused
     five = [quantize_int4(torch.randn(32, 128), 32, bits=5), parts[1]]
-    whole = Int4Linear(*(torch.cat([p[i] for p in five]) for i in range(3)), None, torch.float32, bits=5)
-    joined = Int4Linear.concat([Int4Linear(*p, None, torch.float32, bits=5) for p in five], None, torch.float32)
+    whole = Int4Linear(
+        *(torch.cat([p[i] for p in five]) for i in range(3)), None, torch.float32, bits=5
+    )
+    joined = Int4Linear.concat(
+        [Int4Linear(*p, None, torch.float32, bits=5) for p in five], None, torch.float32
+    )
     for name in ("qpacked", "qhigh", "d", "m"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     with pytest.raises(ValueError, match="one width"):
-        Int4Linear.concat([Int4Linear(*five[0], None, torch.float32, bits=5), Int4Linear(*parts[1], None, torch.float32)],
-                          None, torch.float32)
+        Int4Linear.concat(
+            [
+                Int4Linear(*five[0], None, torch.float32, bits=5),
+                Int4Linear(*parts[1], None, torch.float32),
+            ],
+            None,
+            torch.float32,
+        )
 
 
 @pytest.mark.parametrize("bits", [4, 5])
@@ -297,32 +375,63 @@ def test_k_quant_factors_as_stored(bits):
     assert torch.equal(layer.rows(ids, torch.float32), w[ids])
     x = torch.randn(9, k)
     exact = _int8_activations(x, 256 if bits == 4 else 32) @ w.double().t() + layer.bias.double()
-    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    torch.testing.assert_close(
+        layer(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item()
+    )
     top = (1 << bits) - 1
     ones = torch.ones(32, k // 256, dtype=torch.float16)
     full = torch.full((32, k // 32), 63, dtype=torch.uint8)
-    extreme = Int4Linear(torch.full((32, k), top, dtype=torch.uint8), KQuantScales(ones, ones, full, full), None, None,
-                         torch.float32, bits)
+    extreme = Int4Linear(
+        torch.full((32, k), top, dtype=torch.uint8),
+        KQuantScales(ones, ones, full, full),
+        None,
+        None,
+        torch.float32,
+        bits,
+    )
     for sign in (1, -1):
         full_x = torch.full((4, k), sign * 0.5)  # every input quantises to +-127
-        torch.testing.assert_close(extreme(full_x), torch.full((4, 32), sign * 0.5 * k * 63 * (top - 1)), rtol=1e-6, atol=0)
-    parts = [(codes[:64], KQuantScales(*(v[:64] for v in k_quant))), (codes[64:], KQuantScales(*(v[64:] for v in k_quant)))]
-    joined = Int4Linear.concat([Int4Linear(*p, None, None, torch.float32, bits) for p in parts], layer.bias, torch.float32)
+        torch.testing.assert_close(
+            extreme(full_x), torch.full((4, 32), sign * 0.5 * k * 63 * (top - 1)), rtol=1e-6, atol=0
+        )
+    parts = [
+        (codes[:64], KQuantScales(*(v[:64] for v in k_quant))),
+        (codes[64:], KQuantScales(*(v[64:] for v in k_quant))),
+    ]
+    joined = Int4Linear.concat(
+        [Int4Linear(*p, None, None, torch.float32, bits) for p in parts], layer.bias, torch.float32
+    )
     for name in ("qpacked", "qhigh", "d", "sc_m"):
         assert (getattr(joined, name) is None) == (bits == 4 and name == "qhigh"), name
-        assert getattr(joined, name) is None or torch.equal(getattr(joined, name), getattr(layer, name)), name
+        assert getattr(joined, name) is None or torch.equal(
+            getattr(joined, name), getattr(layer, name)
+        ), name
     assert torch.equal(joined(x), layer(x))
     plain = quantize_int4(torch.randn(32, k), 32, bits)
-    mixed = Int4Linear.concat([Int4Linear(*parts[0], None, None, torch.float32, bits), Int4Linear(*plain, None, torch.float32, bits)],
-                              None, torch.float32)
+    mixed = Int4Linear.concat(
+        [
+            Int4Linear(*parts[0], None, None, torch.float32, bits),
+            Int4Linear(*plain, None, torch.float32, bits),
+        ],
+        None,
+        torch.float32,
+    )
     assert mixed.sc_m is None and mixed.d.shape == (6, k // 32, 16)
     expand = lambda v: v.float().repeat_interleave(8, 1)  # noqa: E731
-    d16, m16 = ((expand(f) * v.float())[:64].half().float().repeat_interleave(32, 1)
-                for f, v in ((k_quant.d, k_quant.sc), (-k_quant.dmin.float(), k_quant.m)))
-    assert torch.equal(mixed.dequantize()[:64], codes[:64].float() * d16 + m16)  # d sc and -dmin m rounded to fp16
-    fused = layer.forward_gated(x, Gate.SILU)  # 9 rows: two reads, the second on the scales the first kept
+    d16, m16 = (
+        (expand(f) * v.float())[:64].half().float().repeat_interleave(32, 1)
+        for f, v in ((k_quant.d, k_quant.sc), (-k_quant.dmin.float(), k_quant.m))
+    )
+    assert torch.equal(
+        mixed.dequantize()[:64], codes[:64].float() * d16 + m16
+    )  # d sc and -dmin m rounded to fp16
+    fused = layer.forward_gated(
+        x, Gate.SILU
+    )  # 9 rows: two reads, the second on the scales the first kept
     torch.testing.assert_close(fused, silu_and_mul(layer(x)), rtol=1e-6, atol=1e-6)
-    assert all(torch.equal(fused[i], layer.forward_gated(x[i:i + 1], Gate.SILU)[0]) for i in range(9))
+    assert all(
+        torch.equal(fused[i], layer.forward_gated(x[i : i + 1], Gate.SILU)[0]) for i in range(9)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -331,12 +440,14 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
     x = torch.randn(11, 1536, dtype=dtype)
     for layer in (int4, int8):
         batched = layer(x)
-        assert all(torch.equal(batched[i], layer(x[i:i + 1])[0]) for i in range(11))
+        assert all(torch.equal(batched[i], layer(x[i : i + 1])[0]) for i in range(11))
         assert torch.equal(layer(x.reshape(1, 11, 1536))[0], batched)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(3072, 576), (256, 64)])  # SmolLM2's and the tiny models' gate_up
+@pytest.mark.parametrize(
+    "shape", [(3072, 576), (256, 64)]
+)  # SmolLM2's and the tiny models' gate_up
 @pytest.mark.parametrize("gate", list(Gate), ids=lambda g: g.name.lower())
 def test_fused_gate_equals_the_separate_ops(shape, dtype, gate):
     """The gate_up GEMM's epilogue rounds where GEMM -> act -> mul round, in torch's formulas; only
@@ -345,22 +456,35 @@ def test_fused_gate_equals_the_separate_ops(shape, dtype, gate):
     independent, at prefill sizes too."""
     n, k = shape
     torch.manual_seed(n)
-    w = torch.randn(n, k) / k ** 0.5
-    for layer in (Int4Linear.from_float(w, None, dtype), Int4Linear.from_float(w, None, dtype, bits=5),
-                  Int8Linear.from_float(w, None, dtype)):
+    w = torch.randn(n, k) / k**0.5
+    for layer in (
+        Int4Linear.from_float(w, None, dtype),
+        Int4Linear.from_float(w, None, dtype, bits=5),
+        Int8Linear.from_float(w, None, dtype),
+    ):
         x = torch.randn(9, k, dtype=dtype) * 3
         fused, separate = layer.forward_gated(x, gate), gate(layer(x))
-        assert layer.int8_act and torch.equal(fused, cpu_quant_gemm().gemm(x, layer.gemm_weights, gate))  # the epilogue's
+        assert layer.int8_act and torch.equal(
+            fused, cpu_quant_gemm().gemm(x, layer.gemm_weights, gate)
+        )  # the epilogue's
         assert fused.shape == (9, n // 2)
         if dtype == torch.bfloat16:
-            torch.testing.assert_close(fused.float(), separate.float(), rtol=2 ** -7, atol=1e-5)
+            torch.testing.assert_close(fused.float(), separate.float(), rtol=2**-7, atol=1e-5)
             assert (fused == separate).float().mean() > 0.99
         else:
             torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
-        assert all(torch.equal(fused[i], layer.forward_gated(x[i:i + 1], gate)[0]) for i in range(9))
-        many = torch.randn(2100, k, dtype=dtype)  # prefill-sized: a few tiles of gate, then of up, at a time
-        assert torch.equal(layer.forward_gated(many, gate)[-9:], layer.forward_gated(many[-9:], gate))
-    with_bias = Int4Linear.from_float(w, torch.randn(n), torch.bfloat16)  # not fused: the bias comes first
+        assert all(
+            torch.equal(fused[i], layer.forward_gated(x[i : i + 1], gate)[0]) for i in range(9)
+        )
+        many = torch.randn(
+            2100, k, dtype=dtype
+        )  # prefill-sized: a few tiles of gate, then of up, at a time
+        assert torch.equal(
+            layer.forward_gated(many, gate)[-9:], layer.forward_gated(many[-9:], gate)
+        )
+    with_bias = Int4Linear.from_float(
+        w, torch.randn(n), torch.bfloat16
+    )  # not fused: the bias comes first
     x = torch.randn(3, k, dtype=torch.bfloat16)
     assert torch.equal(with_bias.forward_gated(x, gate), gate(with_bias(x)))
 
@@ -393,14 +517,22 @@ def test_bf16_quantised_engine_is_batch_independent(tmp_path, precision):
     flip)."""
     import transformers as tf
     from conftest import TINY, write_tiny_model
-    config = tf.LlamaConfig(**{**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
-                            tie_word_embeddings=True)
+
+    config = tf.LlamaConfig(
+        **{**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+        tie_word_embeddings=True,
+    )
     path = write_tiny_model(config, tmp_path)
     rng = random.Random(8)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 22, quantization=precision, deterministic=True)
-    assert any(getattr(m, "int8_act", False) for m in llm.engine.core.executor.variants.models[precision].modules())
+    llm = LLM(
+        path, dtype="bfloat16", kv_cache_memory=1 << 22, quantization=precision, deterministic=True
+    )
+    assert any(
+        getattr(m, "int8_act", False)
+        for m in llm.engine.core.executor.variants.models[precision].modules()
+    )
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
@@ -412,11 +544,14 @@ def test_smollm2_int4_tiles_hold_the_gguf_q4_1_weights():
     dequantises to the gguf package's dequantisation (which the float variants load)."""
     from tandem.models.gguf.weights import GGUFWeights
     from tandem.models.loader.model_files import gguf_source
+
     weights = GGUFWeights(gguf_source("smollm2-135m"))
     for name in weights.names():
         codes = weights.int4(name)
         if codes is not None:
-            assert torch.equal(Int4Linear(*codes, None, torch.bfloat16).dequantize(), weights.get(name)), name
+            assert torch.equal(
+                Int4Linear(*codes, None, torch.bfloat16).dequantize(), weights.get(name)
+            ), name
 
 
 def test_the_build_is_the_one_asked_for():
@@ -429,7 +564,10 @@ def _avx512_build() -> bool:
     if os.environ.get("TANDEM_CPU_ISA") == "avx2" or not Path("/proc/cpuinfo").exists():
         return False
     text = Path("/proc/cpuinfo").read_text()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
     return {"avx512bw", "avx512_vnni", "avx512_bf16"} <= set(flags)
 
 
@@ -439,17 +577,37 @@ def test_the_avx2_build_passes_these_tests_too():
     """On an AVX-512 CPU the AVX2 build runs this file's kernel tests as well (built once into the
     shared cache): CI on either kind of machine checks the build an AVX2-only CPU serves with."""
     tests = "reference or five_bit or packed or batch or silu or fused_gate or unknown_gate or asked_for or q6_k or q8_0 or exact"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
-                          "-k", tests], env={**os.environ, "TANDEM_CPU_ISA": "avx2"}, capture_output=True, text=True,
-                         timeout=900, cwd=Path(__file__).parent)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            __file__,
+            "-k",
+            tests,
+        ],
+        env={**os.environ, "TANDEM_CPU_ISA": "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).parent,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[
+        -1000:
+    ]
 
 
 def test_k_quant_parts_of_odd_rows_join_as_factors():
     """A fused layer whose K-quant parts are not whole tiles of 16 (packed after joining) keeps
     the parts' own factors, as a layer packed part by part does."""
     from tandem.models.loader.stored_layers import _int4_linear
+
     k = 512
     parts = {"a": _k_quant(24, k, 7), "b": _k_quant(8, k, 8)}
 

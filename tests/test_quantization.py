@@ -1,6 +1,7 @@
 """Weight-only int8 / int4 layers against their dequantise-then-F.linear reference, GGUF Q4 codes
 against the gguf package's dequantisation, and quantised engines against transformers running
 the same dequantised weights."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import hf_greedy
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.models.gguf.quants import int4_rows
 from tandem.models.quantization import base
@@ -57,7 +58,11 @@ def test_quantized_linear_equals_reference(shape, dtype, torch_kernels):
     assert int8.use_kernel and int8(x).dtype == dtype and _rel_err(int8(x), ref8) < TOL
     codes, scales, zeros = quantize_int4(w, 32)
     int4 = Int4Linear(codes, scales, zeros, bias, dtype)
-    ref4 = F.linear(x.float(), int4_dequantize(codes, scales.bfloat16(), zeros.bfloat16()), bias.to(dtype).float())
+    ref4 = F.linear(
+        x.float(),
+        int4_dequantize(codes, scales.bfloat16(), zeros.bfloat16()),
+        bias.to(dtype).float(),
+    )
     assert int4.packed is not None and int4(x).dtype == dtype and _rel_err(int4(x), ref4) < TOL
 
 
@@ -77,16 +82,23 @@ def test_quantization_error_is_bounded():
 
 def test_rejected_kernel_falls_back_to_reference(monkeypatch, torch_kernels):
     """Where an op rejects a shape (or this torch lacks it) the layer runs dequantise-then-F.linear."""
+
     def reject(*args):
         raise RuntimeError("shape rejected")
+
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", reject)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", reject)
     torch.manual_seed(1)
     w, x = torch.randn(96, 64), torch.randn(3, 64, dtype=torch.bfloat16)
-    int4, int8 = Int4Linear.from_float(w, None, torch.bfloat16), Int8Linear.from_float(w, None, torch.bfloat16)
+    int4, int8 = (
+        Int4Linear.from_float(w, None, torch.bfloat16),
+        Int8Linear.from_float(w, None, torch.bfloat16),
+    )
     assert int4.packed is None and not int8.use_kernel
     codes, scales, zeros = quantize_int4(w, 32)
-    assert torch.equal(int4(x), F.linear(x, int4_dequantize(codes, scales.bfloat16(), zeros.bfloat16()).bfloat16()))
+    assert torch.equal(
+        int4(x), F.linear(x, int4_dequantize(codes, scales.bfloat16(), zeros.bfloat16()).bfloat16())
+    )
     assert torch.equal(int8(x), F.linear(x, int8.dequantize(torch.bfloat16)))
 
 
@@ -98,7 +110,9 @@ def test_gguf_q4_blocks_decode_to_gguf_dequantisation(kind):
     w = (rng.standard_normal((24, 96)) * rng.uniform(0.01, 3, (24, 1))).astype(np.float32)
     raw = quantize(w, kind)
     codes, scales, zeros = int4_rows(raw, kind)
-    ours = int4_dequantize(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
+    ours = int4_dequantize(
+        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros)
+    )
     assert codes.max() <= 15
     np.testing.assert_array_equal(ours.numpy(), dequantize(raw, kind).reshape(w.shape))
 
@@ -128,19 +142,27 @@ def _dequantised_copy(src: str, dst: Path, precision: str) -> str:
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_quantized_engine_matches_hf_on_dequantised_weights(tiny_model_dirs, tmp_path, kind, precision, monkeypatch):
+def test_quantized_engine_matches_hf_on_dequantised_weights(
+    tiny_model_dirs, tmp_path, kind, precision, monkeypatch
+):
     """fp32 activations: the quantised engine, batched, gives transformers' greedy tokens for
     the dequantised checkpoint (run one prompt at a time). The layers run their dequantise-then-
     F.linear path: the kernels round activations to bf16 (held to that path above)."""
+
     def reject(*args):
         raise RuntimeError("the reference path")
+
     monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", reject)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", reject)
     rng = random.Random(4)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(4)]
-    reference = hf_greedy(_dequantised_copy(tiny_model_dirs[kind], tmp_path / kind, precision), prompts, 10)
-    llm = LLM(tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, quantization=precision)
+    reference = hf_greedy(
+        _dequantised_copy(tiny_model_dirs[kind], tmp_path / kind, precision), prompts, 10
+    )
+    llm = LLM(
+        tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, quantization=precision
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == reference
 
@@ -151,6 +173,7 @@ def test_smollm2_int4_holds_the_gguf_q4_1_weights():
     to the gguf package's dequantisation, which the float variants load."""
     from tandem.models.gguf.weights import GGUFWeights
     from tandem.models.loader.model_files import gguf_source
+
     weights = GGUFWeights(gguf_source("smollm2-135m"))
     codes = {name: weights.int4(name) for name in weights.names()}
     codes = {name: c for name, c in codes.items() if c is not None}
@@ -167,7 +190,9 @@ def test_int8_embedding_rows_are_the_tables_dequantised_rows(int8_act):
     layer = Int8Linear.from_float(torch.randn(48, 64), None, torch.float32)
     if int8_act:
         q = layer.qweight.to(torch.int16) + 128
-        layer.qweight = q.to(torch.uint8).reshape(3, 16, 16, 4).permute(0, 2, 1, 3).contiguous().reshape(48, -1)
+        layer.qweight = (
+            q.to(torch.uint8).reshape(3, 16, 16, 4).permute(0, 2, 1, 3).contiguous().reshape(48, -1)
+        )
         layer.scales, layer.int8_act = layer.scales.float(), True
     ids = torch.tensor([[0, 17, 47], [5, 5, 31]])
     rows = QuantEmbedding(layer, torch.float32)(ids)

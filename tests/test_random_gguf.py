@@ -1,6 +1,7 @@
 """`tandem random-gguf`: the tiny shape writes a Llama GGUF with the default model's vocabulary
 that Tandem loads and generates from; the named shapes have the sizes they claim; a missing
 llama-quantize is refused in words before anything is written."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,14 @@ def test_tiny_file_has_the_shape_and_the_default_models_vocab(tiny_gguf):
     reader = GGUFReader(tiny_gguf)
     source = GGUFReader(gguf_source("smollm2-135m"))
     assert reader.fields["general.architecture"].contents() == "llama"
-    assert reader.fields["tokenizer.ggml.tokens"].contents() == source.fields["tokenizer.ggml.tokens"].contents()
+    assert (
+        reader.fields["tokenizer.ggml.tokens"].contents()
+        == source.fields["tokenizer.ggml.tokens"].contents()
+    )
     tensors = {t.name: t for t in reader.tensors}
-    assert [(name, dims) for name, dims in tensor_shapes(SHAPES["tiny"], 49152)] == \
-        [(t.name, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors]
+    assert [(name, dims) for name, dims in tensor_shapes(SHAPES["tiny"], 49152)] == [
+        (t.name, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors
+    ]
     q = np.asarray(tensors["blk.0.attn_q.weight"].data, np.float32)
     assert q.dtype == np.float32 and 0.015 < q.std() < 0.025
     assert np.all(np.asarray(tensors["blk.1.ffn_norm.weight"].data) == 1)
@@ -40,7 +45,9 @@ def test_tiny_file_has_the_shape_and_the_default_models_vocab(tiny_gguf):
 def test_tandem_loads_and_generates_from_it(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     llm = LLM(str(tiny_gguf), dtype="float32", kv_cache_memory=1 << 22)
-    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert len(out.token_ids) == 6 and all(0 <= t < 49152 for t in out.token_ids)
     assert isinstance(out.text, str)
 
@@ -54,8 +61,15 @@ def test_named_shapes_have_their_parameter_counts(shape, low, high):
 def test_quantize_without_llama_quantize_is_refused_before_writing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     out = tmp_path / "x.gguf"
-    args = argparse.Namespace(shape="tiny", out=out, dtype="F16", seed=0, tokenizer_from="smollm2-135m",
-                              quantize="Q4_K_M", llama_quantize=None)
+    args = argparse.Namespace(
+        shape="tiny",
+        out=out,
+        dtype="F16",
+        seed=0,
+        tokenizer_from="smollm2-135m",
+        quantize="Q4_K_M",
+        llama_quantize=None,
+    )
     with pytest.raises(FileNotFoundError, match="llama-quantize is not on PATH"):
         random_gguf.main(args)
     args.llama_quantize = str(tmp_path / "nowhere" / "llama-quantize")

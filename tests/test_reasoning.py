@@ -3,14 +3,15 @@ or in the prompt, as DeepSeek-R1's), whole and streamed a character at a time, c
 calls after it; through the chat (reasoning_content), Messages (thinking blocks) and Responses
 (reasoning items) routes over a fake engine that writes a reasoning model's output; and the
 reasoning budget 0 turning the template's thinking switch off."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from route_fixture import FakeLLM
 from test_server_routes import client_for, word_tokenizer
+
 from tandem.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
 from tandem.server.routes import chat, messages, responses_api
@@ -20,17 +21,22 @@ from tandem.server.tool_parsers.hermes import HermesToolParser
 QWEN3 = "<think>\nThe user greets.\n</think>\n\nHello!"
 R1 = "The user greets.\n</think>\n\nHello!"  # DeepSeek-R1: <think> ends the prompt
 CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+)
 
 
-@pytest.mark.parametrize("opened,text,reasoning,answer", [
-    (False, QWEN3, "The user greets.\n", "Hello!"),
-    (True, R1, "The user greets.\n", "Hello!"),
-    (False, "Hello!", "", "Hello!"),
-    (False, "<think>cut off", "cut off", ""),
-    (True, "cut off", "cut off", ""),
-])
+@pytest.mark.parametrize(
+    "opened,text,reasoning,answer",
+    [
+        (False, QWEN3, "The user greets.\n", "Hello!"),
+        (True, R1, "The user greets.\n", "Hello!"),
+        (False, "Hello!", "", "Hello!"),
+        (False, "<think>cut off", "cut off", ""),
+        (True, "cut off", "cut off", ""),
+    ],
+)
 def test_think_split_whole_and_streamed(opened, text, reasoning, answer):
     parser = ThinkParser(opened)
     assert parser.split(text, final=True) == (reasoning, answer)
@@ -69,10 +75,17 @@ class Writes(FakeLLM):
         async def stream():
             for i in range(1, len(self.text) + 1):
                 done = i == len(self.text)
-                out = CompletionOutput(0, self.text[:i], list(range(i)), "stop" if done else None,
-                                       delta_text=self.text[i - 1], delta_token_ids=[i - 1])
+                out = CompletionOutput(
+                    0,
+                    self.text[:i],
+                    list(range(i)),
+                    "stop" if done else None,
+                    delta_text=self.text[i - 1],
+                    delta_token_ids=[i - 1],
+                )
                 metrics = RequestMetrics(0.0, 0.1, 0.2, 0.2, 0.3)
                 yield RequestOutput(request_id, None, prompt_ids, [out], metrics, finished=done)
+
         return stream()
 
 
@@ -83,8 +96,11 @@ def served(router, text: str = QWEN3):
 
 
 def sse(r) -> list[dict]:
-    return [json.loads(line.split("data: ", 1)[1]) for line in r.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line.split("data: ", 1)[1])
+        for line in r.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def test_chat_reasoning_content_whole_and_streamed():
@@ -102,8 +118,10 @@ def test_messages_thinking_blocks_and_responses_reasoning_items():
     client, _ = served(messages.router)
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
     content = client.post("/v1/messages", json=body).json()["content"]
-    assert content == [{"type": "thinking", "thinking": "The user greets.\n", "signature": ""},
-                       {"type": "text", "text": "Hello!"}]
+    assert content == [
+        {"type": "thinking", "thinking": "The user greets.\n", "signature": ""},
+        {"type": "text", "text": "Hello!"},
+    ]
     client, _ = served(responses_api.router)
     output = client.post("/v1/responses", json={"input": "hi"}).json()["output"]
     assert output[0]["type"] == "reasoning"

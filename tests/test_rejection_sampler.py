@@ -1,6 +1,7 @@
 """Verification by sampling leaves the target's distribution unchanged: a chi-square test on a
 toy model (6 tokens, next-token logits a function of the previous token) with a deliberately
 poor draft, under temperature, top-k and a presence penalty."""
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,9 @@ def _target(logits_row: torch.Tensor, output: list[int]) -> torch.Tensor:
     row = logits_row.clone()
     for t in set(output):
         row[t] -= PARAMS.presence_penalty
-    row = apply_top_k_top_p((row / PARAMS.temperature)[None], torch.tensor([PARAMS.top_k]), PARAMS.top_k, None)
+    row = apply_top_k_top_p(
+        (row / PARAMS.temperature)[None], torch.tensor([PARAMS.top_k]), PARAMS.top_k, None
+    )
     return row.softmax(-1)[0]
 
 
@@ -38,12 +41,12 @@ def _generate_pairs(num: int, drafts: list[int]) -> torch.Tensor:
             break
         rows, logits = [], []
         for o in live:
-            d = drafts[:2 - len(o) - 1] if len(o) < 2 else []
+            d = drafts[: 2 - len(o) - 1] if len(o) < 2 else []
             rows.append(VerifyRow(PARAMS, [0], list(o), None, None, d))
             seq = [0] + o
             logits += [table[(seq + d[:j])[-1]] for j in range(len(d) + 1)]
         for o, (tokens, _) in zip(live, verify(torch.stack(logits), rows, torch.device("cpu"))):
-            o.extend(tokens[:2 - len(o)])
+            o.extend(tokens[: 2 - len(o)])
     return torch.tensor(outs)
 
 
@@ -80,9 +83,13 @@ def test_greedy_accepts_the_longest_matching_prefix_plus_a_bonus():
         logits[row, tok] = 5.0
     greedy = SamplingParams(temperature=0, logprobs=0)
     verify = RejectionSampler(Sampler())
-    [(tokens, lps)] = verify(logits, [VerifyRow(greedy, [], [], None, None, [2, 3, 5])], torch.device("cpu"))
+    [(tokens, lps)] = verify(
+        logits, [VerifyRow(greedy, [], [], None, None, [2, 3, 5])], torch.device("cpu")
+    )
     assert tokens == [2, 3, 1] and [lp[0][0] for lp in lps] == [2, 3, 1]
-    [(tokens, _)] = verify(logits, [VerifyRow(greedy, [], [], None, None, [2, 3, 1])], torch.device("cpu"))
+    [(tokens, _)] = verify(
+        logits, [VerifyRow(greedy, [], [], None, None, [2, 3, 1])], torch.device("cpu")
+    )
     assert tokens == [2, 3, 1, 4]
 
 
@@ -105,7 +112,11 @@ def test_a_seeded_stream_drops_the_rejected_positions_draws():
     logits, params = torch.randn(4, V), SamplingParams(temperature=1.0, seed=3, max_tokens=8)
     spec, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     verify = RejectionSampler(Sampler())
-    [(tokens, _)] = verify(logits, [VerifyRow(params, [], [], spec, None, [V, V, V])], torch.device("cpu"))
+    [(tokens, _)] = verify(
+        logits, [VerifyRow(params, [], [], spec, None, [V, V, V])], torch.device("cpu")
+    )
     assert len(tokens) == 1  # draft V is never a token: the first position rejects
-    [(alone, _)] = verify(logits[:1], [VerifyRow(params, [], [], plain, None, [])], torch.device("cpu"))
+    [(alone, _)] = verify(
+        logits[:1], [VerifyRow(params, [], [], plain, None, [])], torch.device("cpu")
+    )
     assert alone == tokens and torch.equal(spec.get_state(), plain.get_state())

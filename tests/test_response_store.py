@@ -1,5 +1,6 @@
 """The Responses API's store: bounded in count, bytes and time (oldest dropped first), and each
 response readable and deletable only with the key that created it."""
+
 from __future__ import annotations
 
 from tandem.server.response_store import ResponseStore

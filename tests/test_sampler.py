@@ -7,7 +7,12 @@ from hypothesis import strategies as st
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.sampler import (
-    Sampler, SamplingMetadata, SamplingRow, apply_penalties, argmax, make_generator,
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    apply_penalties,
+    argmax,
+    make_generator,
 )
 
 # Every test runs on the CPU, and on CUDA too where there is one.
@@ -22,7 +27,9 @@ def device(request) -> torch.device:
 
 def row(device, prompt=(), output=(), seed=None, eos=None, generator=None, **params) -> SamplingRow:
     gen = generator if generator is not None else make_generator(seed, device)
-    return SamplingRow(SamplingParams(max_tokens=100, **params), list(prompt), list(output), gen, eos)
+    return SamplingRow(
+        SamplingParams(max_tokens=100, **params), list(prompt), list(output), gen, eos
+    )
 
 
 def randn(*shape, seed: int, device) -> torch.Tensor:
@@ -44,7 +51,11 @@ def test_greedy_is_argmax_and_takes_the_fast_path(device):
 
 def test_bf16_logits_are_accepted(device):
     logits = randn(3, 50, seed=0, device=device).to(torch.bfloat16)
-    rows = [row(device, temperature=0.0), row(device, temperature=0.8, seed=1), row(device, temperature=0.0, logprobs=2)]
+    rows = [
+        row(device, temperature=0.0),
+        row(device, temperature=0.8, seed=1),
+        row(device, temperature=0.0, logprobs=2),
+    ]
     out = sample(logits, rows)
     assert out.sampled_token_ids[0] == logits[0].float().argmax().item()
     assert len(out.logprobs[2]) == 3
@@ -72,8 +83,12 @@ def test_min_p_filters_unlikely_tokens(device):
 
 def test_mixed_greedy_and_random_rows(device):
     logits = randn(4, 32, seed=3, device=device)
-    rows = [row(device, temperature=0.0), row(device, temperature=1.0, top_k=1, seed=0),
-            row(device, temperature=0.0, top_k=3), row(device)]
+    rows = [
+        row(device, temperature=0.0),
+        row(device, temperature=1.0, top_k=1, seed=0),
+        row(device, temperature=0.0, top_k=3),
+        row(device),
+    ]
     md = SamplingMetadata.build(rows, 32, device)
     assert md.greedy_mask.tolist() == [True, False, True, False]
     assert list(md.generators) == [1]  # greedy rows never consume their RNG
@@ -84,8 +99,12 @@ def test_mixed_greedy_and_random_rows(device):
 def test_temperature_shapes_the_distribution(device):
     base = torch.tensor([1.0, 0.5, 0.0, -1.0], device=device)
     n = 4000
-    generator = make_generator(1234, device)  # one seeded stream shared by all rows: independent draws
-    out = sample(base.repeat(n, 1), [row(device, temperature=0.5, generator=generator) for _ in range(n)])
+    generator = make_generator(
+        1234, device
+    )  # one seeded stream shared by all rows: independent draws
+    out = sample(
+        base.repeat(n, 1), [row(device, temperature=0.5, generator=generator) for _ in range(n)]
+    )
     freq = torch.bincount(torch.tensor(out.sampled_token_ids), minlength=4).float() / n
     expected = (base / 0.5).softmax(-1).cpu()
     assert (freq - expected).abs().max() < 0.03
@@ -101,14 +120,15 @@ def test_seeded_rows_do_not_depend_on_the_batch(device):
 
     def run(batch_size: int, index: int) -> list[int]:
         target = row(device, **params)
-        neighbours = [row(device, temperature=0.7, seed=100 + j if j % 2 else None)
-                      for j in range(batch_size)]
+        neighbours = [
+            row(device, temperature=0.7, seed=100 + j if j % 2 else None) for j in range(batch_size)
+        ]
         tokens = []
         for step_logits in steps:
             logits = torch.randn(batch_size, vocab)
             logits[index] = step_logits
             logits = logits.to(device)
-            rows = neighbours[:index] + [target] + neighbours[index + 1:]
+            rows = neighbours[:index] + [target] + neighbours[index + 1 :]
             tokens.append(sample(logits, rows).sampled_token_ids[index])
         return tokens
 
@@ -120,20 +140,32 @@ def test_seeded_rows_do_not_depend_on_the_batch(device):
 
 def test_penalties_match_hand_computation(device):
     logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, -2.0, 1.0]], device=device)
-    rows = [row(device, prompt=[0, 4], output=[2, 2, 3], repetition_penalty=2.0,
-                frequency_penalty=0.5, presence_penalty=0.25)]
+    rows = [
+        row(
+            device,
+            prompt=[0, 4],
+            output=[2, 2, 3],
+            repetition_penalty=2.0,
+            frequency_penalty=0.5,
+            presence_penalty=0.25,
+        )
+    ]
     md = SamplingMetadata.build(rows, 6, device)
     got = apply_penalties(logits.clone(), md)
     # token 0: prompt, positive -> 2/2; token 4: prompt, negative -> -2*2; token 1, 5: untouched;
     # token 2: output x2 -> 3/2 - 0.5*2 - 0.25; token 3: output x1 -> 0.5/2 - 0.5 - 0.25.
-    expected = torch.tensor([[1.0, -1.0, 1.5 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, -4.0, 1.0]], device=device)
+    expected = torch.tensor(
+        [[1.0, -1.0, 1.5 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, -4.0, 1.0]], device=device
+    )
     torch.testing.assert_close(got, expected)
 
 
 def test_penalties_apply_to_greedy_rows_only_where_asked(device):
     logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 4.0, 0.0]], device=device)
-    rows = [row(device, output=[0], temperature=0.0, presence_penalty=2.0),
-            row(device, output=[0], temperature=0.0)]
+    rows = [
+        row(device, output=[0], temperature=0.0, presence_penalty=2.0),
+        row(device, output=[0], temperature=0.0),
+    ]
     assert sample(logits, rows).sampled_token_ids == [1, 0]
 
 
@@ -141,17 +173,24 @@ def test_penalties_apply_to_greedy_rows_only_where_asked(device):
 def test_min_tokens_blocks_eos_and_stop_tokens(device, ignore_eos):
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 7.0]], device=device).repeat(2, 1)
     kwargs = dict(temperature=0.0, min_tokens=2, stop_token_ids=[3], ignore_eos=ignore_eos)
-    out = sample(logits, [row(device, output=[1], eos=2, **kwargs),
-                          row(device, output=[1, 1], eos=2, **kwargs)])
+    out = sample(
+        logits,
+        [row(device, output=[1], eos=2, **kwargs), row(device, output=[1, 1], eos=2, **kwargs)],
+    )
     # Row 0 still owes a token: stop token 3 is blocked, EOS too unless EOS does not stop it anyway.
     assert out.sampled_token_ids == [2 if ignore_eos else 4, 2]
 
 
 def test_logit_bias_steers_greedy_and_random_rows_but_not_logprobs(device):
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]], device=device).repeat(3, 1)
-    out = sample(logits, [row(device, temperature=0.0, logit_bias={3: 4.0}, logprobs=0),
-                          row(device, temperature=0.9, seed=0, logit_bias={0: 100.0, 1: -100.0}),
-                          row(device, temperature=0.0)])
+    out = sample(
+        logits,
+        [
+            row(device, temperature=0.0, logit_bias={3: 4.0}, logprobs=0),
+            row(device, temperature=0.9, seed=0, logit_bias={0: 100.0, 1: -100.0}),
+            row(device, temperature=0.0),
+        ],
+    )
     assert out.sampled_token_ids == [3, 0, 1]  # biases add to the logits; the third row has none
     # logprobs are of the raw logits (vLLM's default), before the bias
     assert out.logprobs[0][0][1] == pytest.approx(logits[0].log_softmax(-1)[3].item(), abs=1e-5)
@@ -159,8 +198,11 @@ def test_logit_bias_steers_greedy_and_random_rows_but_not_logprobs(device):
 
 def test_logprobs_are_raw_log_softmax(device):
     logits = randn(3, 40, seed=5, device=device)
-    rows = [row(device, temperature=0.0, logprobs=3), row(device, temperature=0.0),
-            row(device, temperature=0.7, seed=3, logprobs=0, presence_penalty=1.0, output=[1])]
+    rows = [
+        row(device, temperature=0.0, logprobs=3),
+        row(device, temperature=0.0),
+        row(device, temperature=0.7, seed=3, logprobs=0, presence_penalty=1.0, output=[1]),
+    ]
     out = sample(logits, rows)
     ref = logits.log_softmax(-1)
     assert [len(lp) for lp in out.logprobs] == [4, 0, 1]
@@ -178,7 +220,9 @@ def test_logprobs_none_when_no_row_asked(device):
     assert sample(torch.randn(2, 10, device=device), rows).logprobs is None
 
 
-def _allowed(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
+def _allowed(
+    logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+) -> set[int]:
     """Reference filter, slightly lenient at float boundaries (ties and rounding)."""
     scaled = [x / temperature for x in logits]
     order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
@@ -208,20 +252,34 @@ def _allowed(logits: list[float], temperature: float, top_k: int, top_p: float, 
     seed=st.integers(0, 2**31),
     device=st.sampled_from(DEVICES),
 )
-def test_sampled_tokens_lie_in_the_allowed_set(device, logits, temperature, top_k, top_p, min_p, seed):
+def test_sampled_tokens_lie_in_the_allowed_set(
+    device, logits, temperature, top_k, top_p, min_p, seed
+):
     logits = torch.tensor(logits).tolist()  # the reference sees the fp32 values the sampler sees
     n = 16
-    rows = [row(device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + i)
-            for i in range(n)]
+    rows = [
+        row(device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + i)
+        for i in range(n)
+    ]
     out = sample(torch.tensor([logits] * n, device=device), rows)
     assert set(out.sampled_token_ids) <= _allowed(logits, temperature, top_k, top_p, min_p)
 
 
-@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
-       st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["tie", "next", "nan", "-inf", "inf"])), max_size=6),
-       st.booleans(), st.integers(0, 2**16))
+@given(
+    st.integers(1, 5),
+    st.integers(1, 300),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from(["tie", "next", "nan", "-inf", "inf"])),
+        max_size=6,
+    ),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
 @settings(max_examples=60, deadline=None)
-def test_argmax_is_torchs_first_maximum_with_ties_nans_and_strides(rows, vocab, dtype, edits, transposed, seed):
+def test_argmax_is_torchs_first_maximum_with_ties_nans_and_strides(
+    rows, vocab, dtype, edits, transposed, seed
+):
     """The sampler's argmax (numpy's on CPU) picks torch's index: the first of tied maxima, the
     first NaN, a maximum just above another (the next float64: no rounding to a tie), in every
     float dtype logits come in, strided or not."""
@@ -229,8 +287,13 @@ def test_argmax_is_torchs_first_maximum_with_ties_nans_and_strides(rows, vocab, 
     for at, kind in edits:
         r, c = at % rows, (at // rows) % vocab
         top = x[r].max().double()
-        x[r, c] = {"tie": top, "next": torch.nextafter(top, torch.tensor(math.inf, dtype=torch.float64)),
-                   "nan": math.nan, "-inf": -math.inf, "inf": math.inf}[kind]
+        x[r, c] = {
+            "tie": top,
+            "next": torch.nextafter(top, torch.tensor(math.inf, dtype=torch.float64)),
+            "nan": math.nan,
+            "-inf": -math.inf,
+            "inf": math.inf,
+        }[kind]
     if transposed:
         x = x.t().contiguous().t()
     for device in DEVICES:

@@ -5,32 +5,49 @@ token for every scheduled request whose prefill has caught up (num_computed_toke
 num_tokens after schedule). Here the token is a deterministic function of the request id and
 its length (fake_token_from_length), so runs can be compared.
 """
+
 from __future__ import annotations
 
 import functools
 
 import pytest
-from hypothesis import event, given, settings, strategies as st
+import sched_harness
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
+from sched_harness import (
+    EOS,
+    MAX_DRAFTS,
+    DriverMachine,
+    check_state,
+    fake_propose,
+    fake_token_from_length,
+    make_req,
+    make_sched,
+    prompts,
+    sample_from_length,
+)
 
 from tandem.core.kv_cache_coordinator import cdiv
 from tandem.core.request import RequestStatus
 
-import sched_harness
-from sched_harness import (EOS, MAX_DRAFTS, DriverMachine, check_state, fake_propose, fake_token_from_length,
-                           make_req, make_sched, prompts, sample_from_length)
-
 # Tokens by (id, length); a preempted request must stay out for the rest of its step.
-Driver = functools.partial(sched_harness.Driver, sample=sample_from_length,
-                           strict_preemption=True, max_steps=10_000)
+Driver = functools.partial(
+    sched_harness.Driver, sample=sample_from_length, strict_preemption=True, max_steps=10_000
+)
 # Async scheduling: step N+1 is scheduled before step N's tokens are known.
-PipelinedDriver = functools.partial(sched_harness.PipelinedDriver, sample=sample_from_length,
-                                    strict_preemption=True, max_steps=10_000)
+PipelinedDriver = functools.partial(
+    sched_harness.PipelinedDriver,
+    sample=sample_from_length,
+    strict_preemption=True,
+    max_steps=10_000,
+)
 
 
 # =====================================================================================
 # add_request
 # =====================================================================================
+
 
 def test_add_request_rejects_empty_and_too_long_prompts():
     s = make_sched(max_model_len=16)
@@ -63,6 +80,7 @@ def test_id_can_be_reused_after_finishing():
 # =====================================================================================
 # budget, chunking, seq cap
 # =====================================================================================
+
 
 def test_long_prompt_is_chunked_across_steps():
     s = make_sched(max_num_batched_tokens=4, block_size=4)
@@ -100,7 +118,9 @@ def test_max_num_seqs_caps_running():
     for r in "abc":
         d.add(make_req(r, [1, 2, 3], max_tokens=3))
     out = d.step()
-    assert set(out.num_scheduled_tokens) == {"a", "b"} and [r.request_id for r in s.waiting] == ["c"]
+    assert set(out.num_scheduled_tokens) == {"a", "b"} and [r.request_id for r in s.waiting] == [
+        "c"
+    ]
     d.step()
     d.step()  # a and b finish here
     out = d.step()
@@ -151,6 +171,7 @@ def test_eos_stops_a_request():
 # =====================================================================================
 # preemption
 # =====================================================================================
+
 
 def test_preempts_most_recent_and_it_resumes_first():
     s = make_sched(num_blocks=4, block_size=4)
@@ -240,6 +261,7 @@ def test_output_is_the_same_with_and_without_preemption():
 # =====================================================================================
 # prefix cache, siblings
 # =====================================================================================
+
 
 def test_second_identical_prompt_hits_the_prefix_cache():
     s = make_sched(block_size=4)
@@ -339,6 +361,7 @@ def test_sibling_released_when_source_is_aborted():
 # abort
 # =====================================================================================
 
+
 def test_abort_waiting_and_running():
     s = make_sched(num_blocks=8, max_num_seqs=1, enable_caching=False)
     d = Driver(s)
@@ -395,15 +418,25 @@ class SchedulerMachine(DriverMachine):
 
     driver = Driver
 
-    @initialize(block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 24),
-                extra_blocks=st.integers(0, 6), budget=st.integers(1, 24),
-                max_num_seqs=st.integers(1, 6), caching=st.booleans())
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        max_model_len=st.integers(6, 24),
+        extra_blocks=st.integers(0, 6),
+        budget=st.integers(1, 24),
+        max_num_seqs=st.integers(1, 6),
+        caching=st.booleans(),
+    )
     def setup(self, block_size, max_model_len, extra_blocks, budget, max_num_seqs, caching):
         # The pool holds at least one full-length request, else a lone request can never run.
         num_blocks = cdiv(max_model_len, block_size) + extra_blocks
-        self.sched = make_sched(num_blocks=num_blocks, block_size=block_size,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                max_model_len=max_model_len, enable_caching=caching)
+        self.sched = make_sched(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_caching=caching,
+        )
         self.d = self.driver(self.sched)
         self.n = 0
 
@@ -451,8 +484,9 @@ class SchedulerMachine(DriverMachine):
         assert out.is_empty
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30,
-                                              deadline=None)
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None
+)
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
@@ -468,12 +502,15 @@ TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
 # Property: output independent of preemption and chunking
 # =====================================================================================
 
+
 @st.composite
 def workloads(draw):
     max_model_len = 24
     n = draw(st.integers(1, 8))
-    return [(draw(prompts(max_model_len)), draw(st.integers(1, 16)), draw(st.booleans()))
-            for _ in range(n)], max_model_len
+    return [
+        (draw(prompts(max_model_len)), draw(st.integers(1, 16)), draw(st.booleans()))
+        for _ in range(n)
+    ], max_model_len
 
 
 def run_workload(reqs, max_model_len, pipelined=False, propose=None, **cfg):
@@ -487,32 +524,69 @@ def run_workload(reqs, max_model_len, pipelined=False, propose=None, **cfg):
 
 
 @settings(max_examples=100, deadline=None)
-@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
-       st.integers(1, 6), st.booleans())
+@given(
+    workloads(),
+    st.sampled_from([1, 2, 4]),
+    st.integers(0, 4),
+    st.integers(1, 12),
+    st.integers(1, 6),
+    st.booleans(),
+)
 def test_outputs_independent_of_preemption_and_chunking(wl, bs, extra, budget, seqs, caching):
     reqs, max_model_len = wl
-    ref = run_workload(reqs, max_model_len, num_blocks=1000, block_size=bs,
-                       max_num_batched_tokens=10_000, max_num_seqs=100)
+    ref = run_workload(
+        reqs,
+        max_model_len,
+        num_blocks=1000,
+        block_size=bs,
+        max_num_batched_tokens=10_000,
+        max_num_seqs=100,
+    )
     assert ref[2] == 0
-    small = run_workload(reqs, max_model_len, num_blocks=cdiv(max_model_len, bs) + extra,
-                         block_size=bs, max_num_batched_tokens=budget, max_num_seqs=seqs,
-                         enable_caching=caching)
+    small = run_workload(
+        reqs,
+        max_model_len,
+        num_blocks=cdiv(max_model_len, bs) + extra,
+        block_size=bs,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seqs,
+        enable_caching=caching,
+    )
     event(f"preempted: {small[2] > 0}")
     assert small[0] == ref[0] and small[1] == ref[1]
 
 
 @settings(max_examples=100, deadline=None)
-@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
-       st.integers(1, 6), st.booleans())
+@given(
+    workloads(),
+    st.sampled_from([1, 2, 4]),
+    st.integers(0, 4),
+    st.integers(1, 12),
+    st.integers(1, 6),
+    st.booleans(),
+)
 def test_pipelined_outputs_match_serial(wl, bs, extra, budget, seqs, caching):
     """Async scheduling (optimistic placeholders, a step in flight while the next is
     scheduled) gives the same tokens and finish reasons, under preemption and chunking."""
     reqs, max_model_len = wl
-    ref = run_workload(reqs, max_model_len, num_blocks=1000, block_size=bs,
-                       max_num_batched_tokens=10_000, max_num_seqs=100)
-    small = run_workload(reqs, max_model_len, pipelined=True,
-                         num_blocks=cdiv(max_model_len, bs) + extra, block_size=bs,
-                         max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching)
+    ref = run_workload(
+        reqs,
+        max_model_len,
+        num_blocks=1000,
+        block_size=bs,
+        max_num_batched_tokens=10_000,
+        max_num_seqs=100,
+    )
+    small = run_workload(
+        reqs,
+        max_model_len,
+        pipelined=True,
+        num_blocks=cdiv(max_model_len, bs) + extra,
+        block_size=bs,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seqs,
+        enable_caching=caching,
+    )
     event(f"preempted: {small[2] > 0}")
     assert small[0] == ref[0] and small[1] == ref[1]
 
@@ -520,6 +594,7 @@ def test_pipelined_outputs_match_serial(wl, bs, extra, budget, seqs, caching):
 # =====================================================================================
 # Async scheduling: placeholders for tokens in flight
 # =====================================================================================
+
 
 def test_pipelined_never_schedules_past_max_tokens():
     s = make_sched()
@@ -576,6 +651,7 @@ def test_pool_smaller_than_one_full_request_is_rejected():
 # Speculative steps: drafts with random acceptance (sched_harness.fake_propose)
 # =====================================================================================
 
+
 class SpecSchedulerMachine(SchedulerMachine):
     """The state machine with a draft proposal after every token: no leaked or doubly owned
     block, rollback to exactly the accepted tokens, no draft in the prefix cache."""
@@ -589,7 +665,9 @@ class SpecSchedulerMachine(SchedulerMachine):
             event(f"drafts rejected: {self.d.ex.num_accepted < self.d.ex.num_drafts}")
 
 
-SpecSchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+SpecSchedulerMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=30, deadline=None
+)
 TestSpecSchedulerMachine = SpecSchedulerMachine.TestCase
 
 
@@ -602,21 +680,46 @@ TestPipelinedSpecSchedulerMachine = PipelinedSpecSchedulerMachine.TestCase
 
 
 @settings(max_examples=80, deadline=None)
-@given(workloads(), st.sampled_from([1, 2, 4]), st.integers(0, 4), st.integers(1, 12),
-       st.integers(1, 6), st.booleans(), st.booleans(), st.sampled_from([0, 2, 4]), st.booleans())
-def test_speculative_outputs_match_plain(wl, bs, extra, budget, seqs, caching, pipelined, k, lookahead):
+@given(
+    workloads(),
+    st.sampled_from([1, 2, 4]),
+    st.integers(0, 4),
+    st.integers(1, 12),
+    st.integers(1, 6),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([0, 2, 4]),
+    st.booleans(),
+)
+def test_speculative_outputs_match_plain(
+    wl, bs, extra, budget, seqs, caching, pipelined, k, lookahead
+):
     """Verify steps (drafts in the budget, rollback) give the tokens and finish reasons of
     plain decoding, under preemption, chunking, prefix hits and async scheduling. With
     lookahead (a draft model), draft KV written into the lookahead slots never shows in a
     request's verified positions nor in the prefix cache (the harness checks both)."""
     reqs, max_model_len = wl
-    ref = run_workload(reqs, max_model_len, num_blocks=1000, block_size=bs,
-                       max_num_batched_tokens=10_000, max_num_seqs=100)
-    spec = run_workload(reqs, max_model_len, pipelined=pipelined, propose=fake_propose,
-                        num_blocks=cdiv(max_model_len, bs) + extra, block_size=bs,
-                        max_num_batched_tokens=budget, max_num_seqs=seqs, enable_caching=caching,
-                        num_speculative_tokens=k,  # k > 0: AdaptiveK picks each step's cap
-                        num_lookahead_tokens=(k or MAX_DRAFTS) if lookahead else 0)
+    ref = run_workload(
+        reqs,
+        max_model_len,
+        num_blocks=1000,
+        block_size=bs,
+        max_num_batched_tokens=10_000,
+        max_num_seqs=100,
+    )
+    spec = run_workload(
+        reqs,
+        max_model_len,
+        pipelined=pipelined,
+        propose=fake_propose,
+        num_blocks=cdiv(max_model_len, bs) + extra,
+        block_size=bs,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seqs,
+        enable_caching=caching,
+        num_speculative_tokens=k,  # k > 0: AdaptiveK picks each step's cap
+        num_lookahead_tokens=(k or MAX_DRAFTS) if lookahead else 0,
+    )
     event(f"preempted: {spec[2] > 0}")
     assert spec[0] == ref[0] and spec[1] == ref[1]
 
@@ -655,8 +758,14 @@ def test_pipelined_verify_step_in_flight_behind_a_plain_step():
     2 ahead of its tokens and placeholders. That is right (the drafts are in flight); the
     harness's bound, which allowed the slack only once a verify step had come back or was the
     last one planned, was wrong. The bound now counts the drafts of the steps not handed back."""
-    s = make_sched(num_blocks=10, block_size=1, max_num_seqs=4, max_num_batched_tokens=4,
-                   max_model_len=6, enable_caching=False)
+    s = make_sched(
+        num_blocks=10,
+        block_size=1,
+        max_num_seqs=4,
+        max_num_batched_tokens=4,
+        max_model_len=6,
+        enable_caching=False,
+    )
     d = PipelinedDriver(s, propose=fake_propose)
     src = d.add(make_req("r1", [1], 4))
     for rid in ("r2", "r3"):
@@ -665,9 +774,14 @@ def test_pipelined_verify_step_in_flight_behind_a_plain_step():
     ahead = []
     while s.num_unfinished or d.in_flight is not None:
         d.step()  # check_state after schedule and update, with the drafts not handed back
-        ahead += [r.num_computed_tokens - r.num_tokens_with_placeholders for r in s.running
-                  if r.num_computed_tokens > r.num_tokens_with_placeholders]
-    assert ahead and s.spec_stats.num_drafts > 0  # the case arose: drafts in flight behind a plain step
+        ahead += [
+            r.num_computed_tokens - r.num_tokens_with_placeholders
+            for r in s.running
+            if r.num_computed_tokens > r.num_tokens_with_placeholders
+        ]
+    assert (
+        ahead and s.spec_stats.num_drafts > 0
+    )  # the case arose: drafts in flight behind a plain step
     assert all(d.finish[r] == "length" and len(d.tokens[r]) == 4 for r in ("r1", "r2", "r3", "r4"))
 
 
@@ -678,8 +792,9 @@ def test_speculation_off_by_choice_is_the_plain_step():
     reqs = [(list(range(1 + i, 6 + i)), 100, False) for i in range(8)]
     ref = run_workload(reqs, 128, num_blocks=1000, max_num_batched_tokens=10_000, max_num_seqs=100)
     s = make_sched(num_blocks=300, max_model_len=128, num_speculative_tokens=4)
-    d = PipelinedDriver(s, propose=fake_propose,
-                        step_seconds=lambda out: 0.03 if out.spec.drafting else 0.01)
+    d = PipelinedDriver(
+        s, propose=fake_propose, step_seconds=lambda out: 0.03 if out.spec.drafting else 0.01
+    )
     for i, (prompt, max_tokens, _) in enumerate(reqs):
         d.add(make_req(f"w{i}", prompt, max_tokens))
     d.run()

@@ -1,5 +1,6 @@
 """End to end through a live `tandem serve` with the official openai client, plus bad input,
 overload, API keys and KV blocks returned after client disconnects."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_fixture import running_server
+
 from tandem.config import EngineConfig
 from tandem.server.api_server import ServerConfig
 
@@ -42,10 +43,17 @@ def metric(url: str, name: str) -> float:
 def test_streaming_chat(client):
     """The streamed deltas make up the text the same greedy request gets unstreamed."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage, finish = "", None, None
     for chunk in stream:
         if chunk.usage:
@@ -59,25 +67,36 @@ def test_streaming_chat(client):
 
 
 def test_completion_n2_logprobs_usage(client):
-    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
-                                    temperature=0.8, seed=7, logprobs=3)
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=8,
+        n=2,
+        temperature=0.8,
+        seed=7,
+        logprobs=3,
+    )
     assert len(out.choices) == 2 and {c.index for c in out.choices} == {0, 1}
     for c in out.choices:
         assert len(c.logprobs.tokens) == 8 and len(c.logprobs.top_logprobs[0]) <= 4
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
     assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == 4
-    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
-                                      temperature=0.8, seed=7)
+    again = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded
 
 
 def test_stop_strings_and_greedy_matches_offline(client, server):
-    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    full = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0
+    )
     ids = server[1].tokenize("1, 2, 3, 4,")
     assert full.choices[0].text  # the reference text
     stop_at = full.choices[0].text.split(",")[1]
-    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
-                                        stop=[stop_at + ","])
+    stopped = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop_at + ","]
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == full.choices[0].text.split(stop_at + ",")[0]
     assert len(ids) > 0
@@ -86,7 +105,9 @@ def test_stop_strings_and_greedy_matches_offline(client, server):
 def test_stream_completion_text_equals_nonstream(client):
     kw = dict(model=MODEL, prompt="The ocean is", max_tokens=12, temperature=0)
     whole = client.completions.create(**kw).choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices
+    )
     assert streamed == whole
 
 
@@ -96,11 +117,20 @@ def test_models_tokenize_health_metrics(server):
     assert httpx.get(url + "/health").status_code == 200
     toks = httpx.post(url + "/tokenize", json={"prompt": "hello world"}).json()
     assert toks["count"] == len(toks["tokens"]) > 0
-    assert httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "hello world"
-    for name in ("tandem:time_to_first_token_seconds_count", "tandem:num_requests_running",
-                 "tandem:kv_cache_usage_perc", "tandem:prefix_cache_queries_total", "tandem:generation_tokens_total",
-                 "tandem:num_requests_waiting_by_level", "tandem:preemptions_by_mode_total",
-                 "tandem:request_queue_time_seconds_count"):
+    assert (
+        httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"]
+        == "hello world"
+    )
+    for name in (
+        "tandem:time_to_first_token_seconds_count",
+        "tandem:num_requests_running",
+        "tandem:kv_cache_usage_perc",
+        "tandem:prefix_cache_queries_total",
+        "tandem:generation_tokens_total",
+        "tandem:num_requests_waiting_by_level",
+        "tandem:preemptions_by_mode_total",
+        "tandem:request_queue_time_seconds_count",
+    ):
         metric(url, name)
 
 
@@ -116,7 +146,7 @@ BAD = [
     (dict(json={"model": MODEL, "prompt": "x", "temperature": -1}), 400),
     (dict(json={"model": MODEL, "prompt": "x", "top_p": 2}), 400),
     (dict(json={"model": MODEL, "prompt": ""}), 400),
-    (dict(json={"model": MODEL, "prompt": [10 ** 9]}), 400),
+    (dict(json={"model": MODEL, "prompt": [10**9]}), 400),
     (dict(content=b"x" * (5 << 20), headers={"content-type": "application/json"}), 413),
 ]
 
@@ -128,7 +158,9 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, kwargs, st
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
-    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}, timeout=30)
+    ok = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}, timeout=30
+    )
     assert ok.status_code == 200
 
 
@@ -144,8 +176,13 @@ def test_disconnects_return_every_block(server):
     url, llm, log = server
 
     async def one(i: int):
-        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 40, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"Story number {i}:",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with httpx.AsyncClient(timeout=60) as c:
             async with c.stream("POST", url + "/v1/completions", json=body) as r:
                 n = 0
@@ -158,36 +195,58 @@ def test_disconnects_return_every_block(server):
 
     async def run():
         return await asyncio.gather(*(one(i) for i in range(9)))
+
     results = asyncio.run(run())
     assert results.count("disconnected") == 3 and results.count("done") == 6
     deadline = time.time() + 10
     while time.time() < deadline:
-        if (metric(url, "tandem:kv_cache_free_blocks") == metric(url, "tandem:kv_cache_total_blocks")
-                and metric(url, "tandem:num_requests_running") == 0):
+        if (
+            metric(url, "tandem:kv_cache_free_blocks")
+            == metric(url, "tandem:kv_cache_total_blocks")
+            and metric(url, "tandem:num_requests_running") == 0
+        ):
             break
         time.sleep(0.1)
     assert metric(url, "tandem:kv_cache_free_blocks") == metric(url, "tandem:kv_cache_total_blocks")
     assert metric(url, "tandem:num_requests_waiting") == 0
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    assert {"arrival_time", "prompt_tokens", "output_tokens", "cached_prompt_tokens", "priority", "queue_time",
-            "ttft", "mean_itl", "e2e_latency", "finish_reason"} <= set(lines[-1])
+    assert {
+        "arrival_time",
+        "prompt_tokens",
+        "output_tokens",
+        "cached_prompt_tokens",
+        "priority",
+        "queue_time",
+        "ttft",
+        "mean_itl",
+        "e2e_latency",
+        "finish_reason",
+    } <= set(lines[-1])
     assert sum("abort" in x["finish_reason"] for x in lines) >= 3
 
 
 def test_overload_429_and_api_key(tiny_model_dirs):
-    engine = EngineConfig.from_kwargs(model=tiny_model_dirs["llama"], dtype="float32",
-                                      kv_cache_memory=1 << 22, max_num_seqs=1)
-    with running_server(engine, ServerConfig(model_name="tiny", api_key="sesame", max_waiting=2)) as (url, _):
+    engine = EngineConfig.from_kwargs(
+        model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=1
+    )
+    with running_server(
+        engine, ServerConfig(model_name="tiny", api_key="sesame", max_waiting=2)
+    ) as (url, _):
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401
         headers = {"Authorization": "Bearer sesame"}
 
         async def burst():
             async with httpx.AsyncClient(timeout=60, headers=headers) as c:
-                return await asyncio.gather(*(c.post(url + "/v1/completions", json=body) for _ in range(8)))
+                return await asyncio.gather(
+                    *(c.post(url + "/v1/completions", json=body) for _ in range(8))
+                )
+
         responses = asyncio.run(burst())
         codes = [r.status_code for r in responses]
         assert 429 in codes and 200 in codes
         limited = next(r for r in responses if r.status_code == 429)
-        assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
+        assert (
+            limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
+        )
         assert httpx.get(url + "/health").status_code == 200  # not behind the key

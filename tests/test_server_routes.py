@@ -1,6 +1,7 @@
 """Each route module alone: a FastAPI app holding just that router and a fake serving state
 (no engine, no model), called through a TestClient. The prompt rules are the engine's: a route
 passes the engine's ValueError on as a 400 with the engine's own message."""
+
 from __future__ import annotations
 
 import json
@@ -9,24 +10,27 @@ from types import SimpleNamespace
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
-
 from route_fixture import EMPTY, FakeLLM
+
 from tandem.config import QuantizationConfig
 from tandem.engine.precision import PrecisionRouter
 from tandem.server.errors import add_error_handlers
 from tandem.server.routes import chat, completions, health, models, tokenize
 from tandem.server.state import EngineFacts, ServerConfig, ServingState
 
-TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if style is defined %}style: {{ style }}\n{% endif %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if style is defined %}style: {{ style }}\n{% endif %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 WORDS = ["<unk>", "user", "assistant", "tools", "style", ":", "hi", "there", "terse", "get_weather"]
 
 
 def word_tokenizer():
     """A real Hugging Face tokenizer, one id per word of WORDS."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
@@ -46,10 +50,14 @@ def fake_tokenize(prompt):
 
 
 def client_for(router: APIRouter, llm=None, alive: bool = True) -> tuple[TestClient, ServingState]:
-    facts = EngineFacts(tokenizer=word_tokenizer(), tokenize=fake_tokenize, max_model_len=32,
-                        vocab_size=len(WORDS),
-                        precisions=PrecisionRouter(QuantizationConfig(), "fp32", {}),
-                        compile_grammar=None)
+    facts = EngineFacts(
+        tokenizer=word_tokenizer(),
+        tokenize=fake_tokenize,
+        max_model_len=32,
+        vocab_size=len(WORDS),
+        precisions=PrecisionRouter(QuantizationConfig(), "fp32", {}),
+        compile_grammar=None,
+    )
     llm = llm or FakeLLM()
     llm.alive = alive
     state = ServingState(llm, ServerConfig(model_name="m"), SimpleNamespace(registry=None), facts)
@@ -62,7 +70,9 @@ def client_for(router: APIRouter, llm=None, alive: bool = True) -> tuple[TestCli
 
 def test_completions_alone_passes_the_prompt_and_the_engines_refusal():
     client, state = client_for(completions.router)
-    r = client.post("/v1/completions", json={"model": "m", "prompt": [6, 7], "max_tokens": 3, "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"model": "m", "prompt": [6, 7], "max_tokens": 3, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "ok" and r.json()["usage"]["prompt_tokens"] == 2
     ids, params = state.llm.requests[-1]
@@ -78,8 +88,15 @@ def test_completions_alone_passes_the_prompt_and_the_engines_refusal():
 
 def test_completions_alone_streams_sse():
     client, _ = client_for(completions.router)
-    r = client.post("/v1/completions", json={"model": "m", "prompt": [6], "stream": True,
-                                             "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": [6],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -92,13 +109,25 @@ def test_chat_alone_renders_the_one_chat_prompt():
     assert client.post("/v1/chat/completions", json={"messages": messages}).status_code == 200
     ids, _ = state.llm.requests[-1]
     assert ids == word_tokenizer().encode("user: hi\nassistant:")
-    r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": {"style": "terse"},
-                                                  "add_generation_prompt": False})
-    assert r.status_code == 200 and state.llm.requests[-1][0] == word_tokenizer().encode("user: hi\nstyle: terse\n")
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages,
+            "chat_template_kwargs": {"style": "terse"},
+            "add_generation_prompt": False,
+        },
+    )
+    assert r.status_code == 200 and state.llm.requests[-1][0] == word_tokenizer().encode(
+        "user: hi\nstyle: terse\n"
+    )
     alone = client.post("/v1/chat/completions", json={"messages": messages, "top_logprobs": 2})
     assert alone.status_code == 400 and alone.json()["error"]["param"] == "top_logprobs"
-    many = client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 30})
-    assert many.status_code == 400 and "logprobs must be in [0, 20]" in many.json()["error"]["message"]
+    many = client.post(
+        "/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 30}
+    )
+    assert (
+        many.status_code == 400 and "logprobs must be in [0, 20]" in many.json()["error"]["message"]
+    )
 
 
 def test_tokenize_alone_follows_add_generation_prompt_tools_and_kwargs():
@@ -111,16 +140,21 @@ def test_tokenize_alone_follows_add_generation_prompt_tools_and_kwargs():
         assert r.status_code == 200, r.text
         assert r.json()["max_model_len"] == 32
         return r.json()["tokens"]
+
     assert count(messages=messages) == tok.encode("user: hi there\nassistant:")
     assert count(messages=messages, add_generation_prompt=False) == tok.encode("user: hi there\n")
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
     assert count(messages=messages, tools=tools, add_generation_prompt=False) == tok.encode(
-        "tools: get_weather\nuser: hi there\n")
+        "tools: get_weather\nuser: hi there\n"
+    )
     assert count(prompt="hi there") == [6, 7]
     # a variable the template does not read is accepted, and has no effect
     assert count(messages=messages, chat_template_kwargs={"colour": "red"}) == tok.encode(
-        "user: hi there\nassistant:")
-    reserved = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"tokenize": True}})
+        "user: hi there\nassistant:"
+    )
+    reserved = client.post(
+        "/tokenize", json={"messages": messages, "chat_template_kwargs": {"tokenize": True}}
+    )
     assert reserved.status_code == 400 and "cannot be set" in reserved.json()["error"]["message"]
     assert client.post("/tokenize", json={}).status_code == 400
 
@@ -141,4 +175,8 @@ def test_health_alone(alive, status):
 def test_models_alone():
     client, _ = client_for(models.router)
     data = client.get("/v1/models").json()["data"]
-    assert [d["id"] for d in data] == ["m"] and data[0]["max_model_len"] == 32 and data[0]["precision"] == "fp32"
+    assert (
+        [d["id"] for d in data] == ["m"]
+        and data[0]["max_model_len"] == 32
+        and data[0]["precision"] == "fp32"
+    )

@@ -1,6 +1,7 @@
 """The simulator: the real scheduler and KV pool on a virtual clock. Coalesced decode runs
 give exactly what stepping gives; no KV is leaked; P/D hands requests over; the elastic
 controller moves roles under a load shift; policies change outcomes as they should."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,21 @@ from tandem.sim.workload import mixed
 
 def cost_model(kv_tokens: int = 60000) -> CostModel:
     # 4 ms a step, 20 us per prompt token, 0.1 ms per decode, a little for attention.
-    return CostModel.from_json({
-        "kind": "measured", "overhead": 0.004,
-        "terms": {"step": {"compute": [0.0, 2e-5, 1e-9, 1e-4, 2e-8], "memory": [0.0] * 5}},
-        "kv_capacity_tokens": kv_tokens, "host_kv_capacity_tokens": kv_tokens // 4, "kv_bytes_per_token": 4096})
+    return CostModel.from_json(
+        {
+            "kind": "measured",
+            "overhead": 0.004,
+            "terms": {"step": {"compute": [0.0, 2e-5, 1e-9, 1e-4, 2e-8], "memory": [0.0] * 5}},
+            "kv_capacity_tokens": kv_tokens,
+            "host_kv_capacity_tokens": kv_tokens // 4,
+            "kv_bytes_per_token": 4096,
+        }
+    )
 
 
-def workload(n: int = 300, rate: float = 10.0, seed: int = 0, shared: bool = False) -> list[SimRequest]:
+def workload(
+    n: int = 300, rate: float = 10.0, seed: int = 0, shared: bool = False
+) -> list[SimRequest]:
     rng, t, out = random.Random(seed), 0.0, []
     for i in range(n):
         t += rng.expovariate(rate)
@@ -36,10 +45,15 @@ def workload(n: int = 300, rate: float = 10.0, seed: int = 0, shared: bool = Fal
     return out
 
 
-def simulate(cfg: ClusterConfig, reqs: list[SimRequest], engine: EngineConfig | None = None,
-             cost: CostModel | None = None) -> ClusterSim:
-    sim = ClusterSim(cost or cost_model(),
-                     engine or EngineConfig.from_kwargs(max_num_batched_tokens=2048), cfg)
+def simulate(
+    cfg: ClusterConfig,
+    reqs: list[SimRequest],
+    engine: EngineConfig | None = None,
+    cost: CostModel | None = None,
+) -> ClusterSim:
+    sim = ClusterSim(
+        cost or cost_model(), engine or EngineConfig.from_kwargs(max_num_batched_tokens=2048), cfg
+    )
     sim.run(reqs)
     return sim
 
@@ -53,15 +67,28 @@ def assert_clean(sim: ClusterSim) -> None:
         assert host.num_free_host_blocks + len(host._pending) == host.num_host_blocks
 
 
-@pytest.mark.parametrize("mode,policy,shared", [("colocated", "fcfs", False), ("colocated", "multilevel", True),
-                                                ("pd", "fcfs", True), ("elastic", "fcfs", False)])
+@pytest.mark.parametrize(
+    "mode,policy,shared",
+    [
+        ("colocated", "fcfs", False),
+        ("colocated", "multilevel", True),
+        ("pd", "fcfs", True),
+        ("elastic", "fcfs", False),
+    ],
+)
 def test_coalesced_decode_runs_match_stepping(mode, policy, shared):
     engine = EngineConfig.from_kwargs(max_num_batched_tokens=1024, scheduling_policy=policy)
     runs = []
     for coalesce in (False, True):
         reqs = workload(shared=shared)
-        cfg = ClusterConfig(3, mode, 1, coalesce=coalesce, controller_interval=1.0,
-                            elastic=ElasticConfig(cooldown_s=2.0, prefill_backlog_tokens=1000))
+        cfg = ClusterConfig(
+            3,
+            mode,
+            1,
+            coalesce=coalesce,
+            controller_interval=1.0,
+            elastic=ElasticConfig(cooldown_s=2.0, prefill_backlog_tokens=1000),
+        )
         sim = simulate(cfg, reqs, engine)
         assert_clean(sim)
         runs.append((sim, [r.record() for r in reqs]))
@@ -98,8 +125,13 @@ def test_prefix_aware_routing_follows_the_cache():
 def test_elastic_controller_moves_roles_under_a_load_shift():
     short = [SimRequest(i, i * 0.02, 30, 200) for i in range(300)]
     long = [SimRequest(300 + i, 8.0 + i * 0.01, 3000, 20) for i in range(200)]
-    cfg = ClusterConfig(4, "elastic", 2, controller_interval=0.5,
-                        elastic=ElasticConfig(cooldown_s=1.0, prefill_backlog_tokens=2000, decode_kv_usage=0.05))
+    cfg = ClusterConfig(
+        4,
+        "elastic",
+        2,
+        controller_interval=0.5,
+        elastic=ElasticConfig(cooldown_s=1.0, prefill_backlog_tokens=2000, decode_kv_usage=0.05),
+    )
     sim = simulate(cfg, short + long)
     assert_clean(sim)
     assert {role for _, _, role in sim.role_switches} == {"prefill", "decode"}, sim.role_switches
@@ -110,8 +142,11 @@ def test_multilevel_cuts_short_ttft_tail_on_a_long_short_mix():
     p99 = {}
     for policy in ("fcfs", "multilevel"):
         reqs, _ = mixed(400, 8.0, 0.1, (4000, 100), (30, 30), seed=1, priority_by_class=True)
-        simulate(ClusterConfig(1), reqs, EngineConfig.from_kwargs(max_num_batched_tokens=2048,
-                                                                  scheduling_policy=policy))
+        simulate(
+            ClusterConfig(1),
+            reqs,
+            EngineConfig.from_kwargs(max_num_batched_tokens=2048, scheduling_policy=policy),
+        )
         ttft = sorted(r.first_token - r.arrival for r in reqs if r.cls == "short")
         p99[policy] = ttft[int(0.99 * (len(ttft) - 1))]
     assert p99["multilevel"] < 0.75 * p99["fcfs"], p99
@@ -119,24 +154,48 @@ def test_multilevel_cuts_short_ttft_tail_on_a_long_short_mix():
 
 def test_simulate_cli_reports_and_rejects_bad_trace_lines(tmp_path, capsys):
     trace = tmp_path / "t.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
-                     "2023-11-16 18:15:47.00,oops,3\n2023-11-16 18:15:48.00,100,20\n")
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+        "2023-11-16 18:15:47.00,oops,3\n2023-11-16 18:15:48.00,100,20\n"
+    )
     profile = tmp_path / "p.json"
     cost_model().save(profile)
     json_out = tmp_path / "out.json"
-    assert cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--instances", "1,2",
-                     "--json", str(json_out)]) == 0
+    assert (
+        cli_main(
+            [
+                "simulate",
+                "--trace",
+                str(trace),
+                "--profile",
+                str(profile),
+                "--instances",
+                "1,2",
+                "--json",
+                str(json_out),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "skipped_lines\": 1" in out and "TTFT p50" in out
+    assert 'skipped_lines": 1' in out and "TTFT p50" in out
     assert cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--strict"]) == 2
     assert ":3:" in capsys.readouterr().err
-    assert cli_main(["simulate", "--trace", str(tmp_path / "missing.csv"), "--profile", str(profile)]) == 2
-    assert cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--mode", "pd"]) == 2
+    assert (
+        cli_main(["simulate", "--trace", str(tmp_path / "missing.csv"), "--profile", str(profile)])
+        == 2
+    )
+    assert (
+        cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--mode", "pd"])
+        == 2
+    )
 
 
 def test_policy_core_and_simulator_import_without_torch():
-    code = ("import sys, tandem.sim.cluster, tandem.cluster.policy.routing, tandem.cluster.policy.elastic, "
-            "tandem.tools.simulate_cli; assert 'torch' not in sys.modules")
+    code = (
+        "import sys, tandem.sim.cluster, tandem.cluster.policy.routing, tandem.cluster.policy.elastic, "
+        "tandem.tools.simulate_cli; assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -151,14 +210,32 @@ def test_frontend_delay_adds_to_each_isolated_requests_ttft_and_e2e():
 
 def test_simulate_refuses_speculative_decoding_in_words_and_runs_without(tmp_path, capsys):
     trace = tmp_path / "t.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
-                     "2023-11-16 18:15:48.00,100,20\n")
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+        "2023-11-16 18:15:48.00,100,20\n"
+    )
     profile, config = tmp_path / "p.json", tmp_path / "serving.yaml"
     cost_model().save(profile)
-    config.write_text("serving:\n  speculative_decoding: {draft_model: 'self:int4', verify_interval: 4}\n"
-                      "  scheduler: {max_num_seqs: 8}\n")
+    config.write_text(
+        "serving:\n  speculative_decoding: {draft_model: 'self:int4', verify_interval: 4}\n"
+        "  scheduler: {max_num_seqs: 8}\n"
+    )
     out = tmp_path / "out.json"
-    assert cli_main(["simulate", "--trace", str(trace), "--profile", str(profile), "--config", str(config),
-                     "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "simulate",
+                "--trace",
+                str(trace),
+                "--profile",
+                str(profile),
+                "--config",
+                str(config),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "serving.speculative_decoding is not simulated" in capsys.readouterr().err
     assert json.loads(out.read_text())["results"][0]["summary"]["completed"] == 2

@@ -2,11 +2,12 @@
 requests are preempted: clients that leave, malformed bodies and prefix churn, then none lost,
 none hung, every request accounted for, the KV pool whole once idle (the 20-minute soak is the
 benchmark: docs/benchmarks.md)."""
+
 from __future__ import annotations
 
 import pytest
-
 from structured_fixture import with_tokenizer
+
 from tandem.bench.soak import FAULT_WINDOW_S, Outcomes, count, report, run_soak
 from tandem.cli import build_parser
 
@@ -17,9 +18,23 @@ pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_short_soak_loses_nothing_and_gives_the_kv_back(tiny_model_dirs, tmp_path):
     model = with_tokenizer(tiny_model_dirs["llama"], tmp_path / "m")
     args = build_parser().parse_args(
-        ["bench", "soak", "--model", model, "--duration", "10", "--kv-cache-memory", str(1 << 18),
-         "--concurrency", "8", "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--num-threads",
-         "--serve-arg=1"])
+        [
+            "bench",
+            "soak",
+            "--model",
+            model,
+            "--duration",
+            "10",
+            "--kv-cache-memory",
+            str(1 << 18),
+            "--concurrency",
+            "8",
+            "--serve-arg=--dtype",
+            "--serve-arg=float32",
+            "--serve-arg=--num-threads",
+            "--serve-arg=1",
+        ]
+    )
     report = run_soak(args)
     checks = report["checks"]
     assert checks["none_lost"] and checks["none_hung"] and checks["all_accounted"], report
@@ -28,7 +43,11 @@ def test_short_soak_loses_nothing_and_gives_the_kv_back(tiny_model_dirs, tmp_pat
     assert report["answered"] > 0 and report["refused"] > 0 and report["left_on_purpose"] > 0
     assert report["preemptions"] > 0  # the pool was small enough
     assert report["prefix_cache_hit_share"] > 0
-    assert report["resources_warm"] and report["resources_end"] and report["itl_p99_last_s"] is not None
+    assert (
+        report["resources_warm"]
+        and report["resources_end"]
+        and report["itl_p99_last_s"] is not None
+    )
 
 
 def test_an_error_the_client_sees_is_answered_not_lost_and_must_come_from_the_fault():

@@ -1,5 +1,6 @@
 """StepGapTimer's accounting, with CUDA events stood in for by a hand-driven clock (the events
 need a GPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ class _ClockEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, later: "_ClockEvent") -> float:
+    def elapsed_time(self, later: _ClockEvent) -> float:
         return (later.t - self.t) * 1e3  # ms, as CUDA events answer
 
 

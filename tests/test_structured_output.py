@@ -1,6 +1,7 @@
 """Grammar-constrained decoding through the offline API on a tiny random model: every kind of
 constraint holds, greedy output is unchanged where it already satisfied the constraint, and the
 matchers survive async scheduling, preemption (swap and recompute), n > 1 and stop strings."""
+
 from __future__ import annotations
 
 import json
@@ -10,16 +11,23 @@ import re
 import jsonschema
 import pytest
 import torch
-
 from structured_fixture import with_tokenizer
+
 from tandem import LLM, SamplingParams
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
-SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "n": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "string"}}},
-          "required": ["a", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"enum": ["x", "y"]},
+        "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["a", "n"],
+    "additionalProperties": False,
+}
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
@@ -57,16 +65,22 @@ def _check(so: StructuredOutputsParams, text: str, finish: str) -> None:
         assert isinstance(json.loads(text), dict)
 
 
-KINDS = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json_object=True),
-         StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2,4}"), StructuredOutputsParams(choice=["yes", "no", "maybe"]),
-         StructuredOutputsParams(grammar='root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+')]
+KINDS = [
+    StructuredOutputsParams(json=SCHEMA),
+    StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2,4}"),
+    StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+    StructuredOutputsParams(grammar='root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+'),
+]
 
 
 @ASYNC
 def test_every_kind_of_constraint_holds(model_dir, async_scheduling):
     llm = _llm(model_dir, async_scheduling=async_scheduling)
     prompts = _prompts(4)
-    outs = llm.generate(prompts * len(KINDS), [_params(so, max_tokens=40) for so in KINDS for _ in prompts])
+    outs = llm.generate(
+        prompts * len(KINDS), [_params(so, max_tokens=40) for so in KINDS for _ in prompts]
+    )
     finished = 0
     for i, out in enumerate(outs):
         c = out.outputs[0]
@@ -76,28 +90,42 @@ def test_every_kind_of_constraint_holds(model_dir, async_scheduling):
 
 
 @ASYNC
-def test_greedy_output_unchanged_where_it_already_satisfied_the_constraint(model_dir, async_scheduling):
+def test_greedy_output_unchanged_where_it_already_satisfied_the_constraint(
+    model_dir, async_scheduling
+):
     llm = _llm(model_dir, async_scheduling=async_scheduling)
     prompts = _prompts(6, seed=3)
     plain = llm.generate(prompts, _params(None, max_tokens=12, ignore_eos=True))
     texts = [o.outputs[0].text for o in plain]
     assert all(len(o.outputs[0].token_ids) == 12 and 0 not in o.outputs[0].token_ids for o in plain)
     # Constraints built to accept the unconstrained text: the literal, or a choice including it.
-    cons = [StructuredOutputsParams(choice=[t, t[:-1] + "~" if t[-1] != "~" else t + "!"]) for t in texts]
+    cons = [
+        StructuredOutputsParams(choice=[t, t[:-1] + "~" if t[-1] != "~" else t + "!"])
+        for t in texts
+    ]
     outs = llm.generate(prompts, [_params(so, max_tokens=12, ignore_eos=True) for so in cons])
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
 @ASYNC
-@pytest.mark.parametrize("policy, mode", [("fcfs", "recompute"), ("fcfs", "swap"), ("multilevel", "auto")])
+@pytest.mark.parametrize(
+    "policy, mode", [("fcfs", "recompute"), ("fcfs", "swap"), ("multilevel", "auto")]
+)
 def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     prompts = _prompts(6, seed=11)
     sos = [KINDS[0], KINDS[2], KINDS[4]] * 2
     params = [_params(so, max_tokens=30) for so in sos]
     ref = [o.outputs[0].token_ids for o in _llm(model_dir).generate(prompts, params)]
     per_token = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32)
-    llm = _llm(model_dir, block_size=4, kv_cache_memory=per_token * 4 * 24, enable_prefix_caching=False,
-               preemption_mode=mode, scheduling_policy=policy, async_scheduling=async_scheduling)
+    llm = _llm(
+        model_dir,
+        block_size=4,
+        kv_cache_memory=per_token * 4 * 24,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        scheduling_policy=policy,
+        async_scheduling=async_scheduling,
+    )
     outs = llm.generate(prompts, params)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -108,8 +136,13 @@ def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
 def test_every_sampling_mode_in_one_batch(model_dir):
     llm = _llm(model_dir)
     so = KINDS[0]
-    modes = [dict(temperature=0.7, top_k=5), dict(temperature=1.0, min_p=0.2, seed=4), dict(repetition_penalty=1.3),
-             dict(frequency_penalty=1.0, presence_penalty=0.5), dict(temperature=0.9, top_p=0.5, logprobs=2)]
+    modes = [
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.0, min_p=0.2, seed=4),
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=1.0, presence_penalty=0.5),
+        dict(temperature=0.9, top_p=0.5, logprobs=2),
+    ]
     outs = llm.generate(_prompts(len(modes)), [_params(so, max_tokens=40, **m) for m in modes])
     for out in outs:
         _check(so, out.outputs[0].text, out.outputs[0].finish_reason)
@@ -118,9 +151,13 @@ def test_every_sampling_mode_in_one_batch(model_dir):
 
 @ASYNC
 def test_n_greater_than_one_with_sampling_and_chunked_prefill(model_dir, async_scheduling):
-    llm = _llm(model_dir, max_num_batched_tokens=16, block_size=8, async_scheduling=async_scheduling)
+    llm = _llm(
+        model_dir, max_num_batched_tokens=16, block_size=8, async_scheduling=async_scheduling
+    )
     so = KINDS[0]
-    outs = llm.generate(_prompts(3, seed=5), _params(so, n=4, temperature=1.0, top_p=0.9, seed=1, max_tokens=40))
+    outs = llm.generate(
+        _prompts(3, seed=5), _params(so, n=4, temperature=1.0, top_p=0.9, seed=1, max_tokens=40)
+    )
     for out in outs:
         assert len(out.outputs) == 4
         for c in out.outputs:
@@ -130,8 +167,12 @@ def test_n_greater_than_one_with_sampling_and_chunked_prefill(model_dir, async_s
 def test_stop_string_and_unsatisfiable_grammar(model_dir):
     llm = _llm(model_dir)
     # The grammar wants 50 digits, max_tokens allows fewer: ends by length, no crash.
-    long = llm.generate(_prompts(1), _params(StructuredOutputsParams(regex="[0-9]{50}"), max_tokens=5))[0]
-    assert long.outputs[0].finish_reason == "length" and re.fullmatch("[0-9]*", long.outputs[0].text)
+    long = llm.generate(
+        _prompts(1), _params(StructuredOutputsParams(regex="[0-9]{50}"), max_tokens=5)
+    )[0]
+    assert long.outputs[0].finish_reason == "length" and re.fullmatch(
+        "[0-9]*", long.outputs[0].text
+    )
     # A stop string ends a constrained request as it ends any other.
     so = StructuredOutputsParams(regex="abc[0-9]+")
     out = llm.generate(_prompts(1), _params(so, stop=["c"]))[0]
@@ -139,17 +180,34 @@ def test_stop_string_and_unsatisfiable_grammar(model_dir):
 
 
 # 40 objects of 50 enum fields each: over a second to compile, refused past a 0.2 s bound.
-HUGE = {"type": "object", "properties": {
-    f"p{i}": {"type": "object", "properties": {f"q{j}": {"enum": [f"v{k}" for k in range(50)]} for j in range(50)},
-              "required": [f"q{j}" for j in range(50)]} for i in range(40)}}
+HUGE = {
+    "type": "object",
+    "properties": {
+        f"p{i}": {
+            "type": "object",
+            "properties": {f"q{j}": {"enum": [f"v{k}" for k in range(50)]} for j in range(50)},
+            "required": [f"q{j}" for j in range(50)],
+        }
+        for i in range(40)
+    },
+}
 
 
-@pytest.mark.parametrize("so, words", [
-    (StructuredOutputsParams(json={"type": "nope"}), 'invalid json constraint: Unsupported type "nope"'),
-    (StructuredOutputsParams(regex="a(b"), "invalid regex constraint: .*parenthesis"),
-    (StructuredOutputsParams(grammar="root ::= ("), "invalid grammar constraint: EBNF parser error"),
-    (StructuredOutputsParams(json=HUGE), "did not compile within 0.2 s"),
-])
+@pytest.mark.parametrize(
+    "so, words",
+    [
+        (
+            StructuredOutputsParams(json={"type": "nope"}),
+            'invalid json constraint: Unsupported type "nope"',
+        ),
+        (StructuredOutputsParams(regex="a(b"), "invalid regex constraint: .*parenthesis"),
+        (
+            StructuredOutputsParams(grammar="root ::= ("),
+            "invalid grammar constraint: EBNF parser error",
+        ),
+        (StructuredOutputsParams(json=HUGE), "did not compile within 0.2 s"),
+    ],
+)
 def test_bad_constraints_are_refused_and_the_engine_keeps_serving(model_dir, so, words):
     llm = _llm(model_dir)
     llm.engine.core.grammar_compiler.timeout_s = 0.2
@@ -170,7 +228,10 @@ def test_structured_outputs_params_validation():
         StructuredOutputsParams(json="{nope")
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
-    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"b":1,  "a":2}').key
+    assert (
+        StructuredOutputsParams(json={"b": 1, "a": 2}).key
+        == StructuredOutputsParams(json='{"b":1,  "a":2}').key
+    )
 
 
 def test_compiled_grammars_are_cached_by_text(model_dir):
@@ -191,9 +252,13 @@ def test_step_trace_carries_the_masking_cost(model_dir, tmp_path, capsys):
     import argparse
 
     from tandem.bench import steps as bench_steps
+
     path = tmp_path / "steps.jsonl"
     llm = _llm(model_dir, step_trace=str(path))
-    llm.generate(_prompts(4), [_params(KINDS[0] if i % 2 else None, max_tokens=8, ignore_eos=True) for i in range(4)])
+    llm.generate(
+        _prompts(4),
+        [_params(KINDS[0] if i % 2 else None, max_tokens=8, ignore_eos=True) for i in range(4)],
+    )
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert all(0 < s["structured_output_seconds"] < s["seconds"] for s in lines)
     bench_steps.main(argparse.Namespace(trace=path))

@@ -4,6 +4,7 @@ types, out-of-range values: negative), and hostile raw bodies no schema describe
 nesting, bad UTF-8, duplicate keys, huge and negative numbers, long strings, truncated JSON).
 It counts the answers: the goal is no 5xx, none without an answer within --timeout, and the
 server serving afterwards. Only loopback targets."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-HUGE = [10 ** 400, -(10 ** 400), 2 ** 64, -(2 ** 63) - 1, 1e308, -1, 0, 2 ** 31]
+HUGE = [10**400, -(10**400), 2**64, -(2**63) - 1, 1e308, -1, 0, 2**31]
 LONG = "\u00e9" * 200_000
 
 
@@ -35,19 +36,28 @@ def hostile_raw(fields: list[str], rng: random.Random) -> tuple[bytes, str]:
     if kind == 0:
         return b'{"' + name.encode() + b'": "\xff\xfe\xc3\x28"}', "application/json"  # bad UTF-8
     if kind == 1:
-        return f'{{"{name}": 1, "{name}": "two", "{name}": [3]}}'.encode(), "application/json"  # duplicate keys
+        return (
+            f'{{"{name}": 1, "{name}": "two", "{name}": [3]}}'.encode(),
+            "application/json",
+        )  # duplicate keys
     if kind == 2:
         d = rng.choice([1000, 100_000])
-        return (f'{{"{name}": ' + "[" * d + "]" * d + "}").encode(), "application/json"  # deep nesting
+        return (
+            f'{{"{name}": ' + "[" * d + "]" * d + "}"
+        ).encode(), "application/json"  # deep nesting
     if kind == 3:
-        return f'{{"{name}": {rng.choice(["1e999", "-1e999", "NaN", "Infinity", "9" * 5000])}}}'.encode(), \
-            "application/json"
+        return (
+            f'{{"{name}": {rng.choice(["1e999", "-1e999", "NaN", "Infinity", "9" * 5000])}}}'.encode(),
+            "application/json",
+        )
     if kind == 4:
         return b'{"' + name.encode() + b'": "abc', "application/json"  # truncated
     if kind == 5:
         return rng.choice([b"", b"null", b"[]", b"0", b'"x"']), "application/json"
     if kind == 6:
-        return json.dumps({name: "x"}).encode(), rng.choice(["text/plain", "application/x-www-form-urlencoded"])
+        return json.dumps({name: "x"}).encode(), rng.choice(
+            ["text/plain", "application/x-www-form-urlencoded"]
+        )
     return json.dumps({name: rng.choice(hostile_values())}).encode(), "application/json"
 
 
@@ -75,8 +85,16 @@ class Tally:
         return sum(self.statuses.values())
 
 
-def fuzz_schema(url: str, doc: dict, per_operation: int, seed: int, headers: dict, timeout: float, tally: Tally,
-                progress=None) -> None:
+def fuzz_schema(
+    url: str,
+    doc: dict,
+    per_operation: int,
+    seed: int,
+    headers: dict,
+    timeout: float,
+    tally: Tally,
+    progress=None,
+) -> None:
     """Positive and negative cases from each operation's schema, seeded."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -87,27 +105,44 @@ def fuzz_schema(url: str, doc: dict, per_operation: int, seed: int, headers: dic
     for result in schema.get_all_operations():
         op = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
             @hseed(seed)
-            @settings(max_examples=per_operation, database=None, deadline=None, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=per_operation,
+                database=None,
+                deadline=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(op.as_strategy(generation_mode=mode))
             def one(case) -> None:
                 start = time.monotonic()
                 try:
                     r = case.call(base_url=url, headers=headers, timeout=timeout)
-                    tally.add(f"{mode.value} {op.label}", r.status_code, time.monotonic() - start, r.text)
+                    tally.add(
+                        f"{mode.value} {op.label}", r.status_code, time.monotonic() - start, r.text
+                    )
                 except Exception as e:  # no answer within the timeout, or the connection dropped
                     tally.add(f"{mode.value} {op.label}", None, time.monotonic() - start, repr(e))
                 if progress:
                     progress()
+
             try:
                 one()
             except Unsatisfiable:  # nothing to break: an operation without parameters or body
                 pass
 
 
-def fuzz_raw(url: str, operations: list[tuple[str, list[str]]], per_operation: int, seed: int, headers: dict,
-             timeout: float, tally: Tally, progress=None) -> None:
+def fuzz_raw(
+    url: str,
+    operations: list[tuple[str, list[str]]],
+    per_operation: int,
+    seed: int,
+    headers: dict,
+    timeout: float,
+    tally: Tally,
+    progress=None,
+) -> None:
     """Hostile raw bodies to each POST operation (path, its body's field names)."""
     rng = random.Random(seed)
     with httpx.Client(timeout=timeout, trust_env=False) as client:
@@ -116,7 +151,9 @@ def fuzz_raw(url: str, operations: list[tuple[str, list[str]]], per_operation: i
                 body, content_type = hostile_raw(fields, rng)
                 start = time.monotonic()
                 try:
-                    r = client.post(url + path, content=body, headers={**headers, "content-type": content_type})
+                    r = client.post(
+                        url + path, content=body, headers={**headers, "content-type": content_type}
+                    )
                     tally.add(f"raw POST {path}", r.status_code, time.monotonic() - start, r.text)
                 except httpx.HTTPError as e:
                     tally.add(f"raw POST {path}", None, time.monotonic() - start, repr(e))
@@ -131,7 +168,9 @@ def post_operations(doc: dict) -> list[tuple[str, list[str]]]:
         body = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
         if body is not None:
             name = body["schema"].get("$ref", "").rsplit("/", 1)[-1]
-            out.append((path, sorted(doc["components"]["schemas"].get(name, {}).get("properties", {}))))
+            out.append(
+                (path, sorted(doc["components"]["schemas"].get(name, {}).get("properties", {})))
+            )
     return out
 
 
@@ -141,14 +180,24 @@ def serving(url: str, headers: dict, model: str | None = None) -> bool:
         if httpx.get(url + "/health", timeout=30, trust_env=False).status_code != 200:
             return False
         body = {"prompt": [1, 2, 3], "max_tokens": 2, **({"model": model} if model else {})}
-        return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30,
-                          trust_env=False).status_code == 200
+        return (
+            httpx.post(
+                url + "/v1/completions", json=body, headers=headers, timeout=30, trust_env=False
+            ).status_code
+            == 200
+        )
     except httpx.HTTPError:
         return False
 
 
-def run_fuzz(url: str, cases: int, seed: int = 0, api_key: str | None = None, timeout: float = 30.0,
-             progress=None) -> dict:
+def run_fuzz(
+    url: str,
+    cases: int,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout: float = 30.0,
+    progress=None,
+) -> dict:
     """About `cases` requests spread over every operation (a third positive, a third negative,
     a third hostile raw bodies on the POST ones); the report of what came back."""
     if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -160,11 +209,27 @@ def run_fuzz(url: str, cases: int, seed: int = 0, api_key: str | None = None, ti
     per_op = max(1, cases // (3 * num_ops))
     tally, start = Tally(), time.monotonic()
     fuzz_schema(url, doc, per_op, seed, headers, timeout, tally, progress)
-    fuzz_raw(url, posts, max(1, (cases - tally.cases) // max(len(posts), 1)), seed, headers, timeout, tally, progress)
-    return {"cases": tally.cases, "operations": num_ops, "seed": seed, "statuses": dict(tally.statuses),
-            "server_errors": tally.server_errors, "unanswered": tally.unanswered,
-            "slowest_s": round(tally.slowest, 3), "seconds": round(time.monotonic() - start, 1),
-            "serving_after": serving(url, headers)}
+    fuzz_raw(
+        url,
+        posts,
+        max(1, (cases - tally.cases) // max(len(posts), 1)),
+        seed,
+        headers,
+        timeout,
+        tally,
+        progress,
+    )
+    return {
+        "cases": tally.cases,
+        "operations": num_ops,
+        "seed": seed,
+        "statuses": dict(tally.statuses),
+        "server_errors": tally.server_errors,
+        "unanswered": tally.unanswered,
+        "slowest_s": round(tally.slowest, 3),
+        "seconds": round(time.monotonic() - start, 1),
+        "serving_after": serving(url, headers),
+    }
 
 
 def main(args: argparse.Namespace) -> None:
@@ -179,9 +244,20 @@ def main(args: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running `tandem serve` on loopback")
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="a running `tandem serve` on loopback"
+    )
     p.add_argument("--cases", type=int, default=3000, help="requests in all (default 3000)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated cases: the same seed sends the same requests (default 0)")
-    p.add_argument("--api-key", default=None, help="bearer key the server at --url expects (default: none)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a request may take to be answered")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated cases: the same seed sends the same requests (default 0)",
+    )
+    p.add_argument(
+        "--api-key", default=None, help="bearer key the server at --url expects (default: none)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds a request may take to be answered"
+    )
     p.add_argument("--output", default=None, help="also write the JSON report here")

@@ -11,6 +11,7 @@
 
 `--tiny` shrinks every part (a dry run on CPU takes seconds; scripts/gpu_check.sh wraps the
 real one)."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,21 @@ def _tiny_model(folder: Path) -> str:
     """A random 2-layer GQA Llama (4 query heads over 2 KV heads, head_dim 32)."""
     import torch
     import transformers as tf
+
     torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                            initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = tf.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return str(folder)
 
@@ -43,7 +55,9 @@ def _new_llm(model: str, **options):
     """An LLM, after the memory of the ones before it is given back (an engine is a reference
     cycle: only the collector frees it)."""
     import torch
+
     from tandem import LLM
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -52,16 +66,23 @@ def _new_llm(model: str, **options):
 
 def _hf_greedy(model: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
     import torch
+
     from tandem.models.loader.hf_reference import hf_model
+
     model = hf_model(model, torch.float32).to(device)
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device=device)
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -69,30 +90,49 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
     """{case: {"graphs"|"eager": {"equal", "mismatched", ...}}} against transformers' greedy tokens,
     in fp32 (a GGUF's weights dequantised on both sides)."""
     import torch
+
     from tandem import SamplingParams
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config, resolve_model
+
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 200))] for _ in range(n)]
     shared = [rng.randrange(vocab) for _ in range(64)]
-    prefixed = [shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+    prefixed = [
+        shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(3)
+    ]
     ref = _hf_greedy(model, prompts + prefixed, max_new, torch.device(device))
     longest = max(map(len, prompts)) + max_new
-    per_block = ModelConfig.from_hf(load_config(resolve_model(model))).kv_bytes_per_token(torch.float32) * 16
+    per_block = (
+        ModelConfig.from_hf(load_config(resolve_model(model))).kv_bytes_per_token(torch.float32)
+        * 16
+    )
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     cases = {  # name: (engine options, prompts, reference)
         "mixed_batch": ({}, prompts, ref[:n]),
-        "chunked_prefill_preemption": ({"max_num_batched_tokens": 64, "enable_prefix_caching": False,
-                                        # room for the longest request and two blocks more: preemptions
-                                        "kv_cache_memory": per_block * (longest // 16 + 3)},
-                                       prompts, ref[:n]),
+        "chunked_prefill_preemption": (
+            {
+                "max_num_batched_tokens": 64,
+                "enable_prefix_caching": False,
+                # room for the longest request and two blocks more: preemptions
+                "kv_cache_memory": per_block * (longest // 16 + 3),
+            },
+            prompts,
+            ref[:n],
+        ),
         "prefix_hits": ({}, prefixed, ref[n:]),
     }
     report = {}
     for name, (opts, ps, expected) in cases.items():
         for eager in (False, True):
-            llm = _new_llm(model, dtype="float32", quantization="fp32", device=device, enforce_eager=eager,
-                           **{"kv_cache_memory": 256 << 20, **opts})
+            llm = _new_llm(
+                model,
+                dtype="float32",
+                quantization="fp32",
+                device=device,
+                enforce_eager=eager,
+                **{"kv_cache_memory": 256 << 20, **opts},
+            )
             if name == "prefix_hits":
                 outs = llm.generate(ps[:1], params) + llm.generate(ps[1:], params)
             else:
@@ -101,9 +141,13 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
             mismatched = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
             counters = llm.engine.step_counters()
             report.setdefault(name, {})["eager" if eager else "graphs"] = {
-                "equal": not mismatched, "mismatched": mismatched, "requests": len(ps),
+                "equal": not mismatched,
+                "mismatched": mismatched,
+                "requests": len(ps),
                 "graphs_captured": llm.engine.info().graphs_captured,
-                "preemptions": counters.num_preemptions, "prefix_hit_tokens": counters.prefix_hit_tokens}
+                "preemptions": counters.num_preemptions,
+                "prefix_hit_tokens": counters.prefix_hit_tokens,
+            }
             llm.engine.shutdown()
     return report
 
@@ -111,18 +155,33 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
 def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     """Per batch size: ms per decode step (engine.step, steady state) and the roofline."""
     from tandem import SamplingParams
-    llm = _new_llm(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
-                   max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, enforce_eager=eager)
+
+    llm = _new_llm(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=8192,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=eager,
+    )
     engine, info = llm.engine, llm.engine.info()
     weight_bytes, kv_per_token = info.decode_weight_bytes, info.kv_bytes_per_token
     rng = random.Random(1)
     out = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "batches": {}}
     if info.graphs_captured:
-        out["capture_seconds"], out["capture_mib"] = info.graph_capture_seconds, info.graph_capture_bytes / 2**20
+        out["capture_seconds"], out["capture_mib"] = (
+            info.graph_capture_seconds,
+            info.graph_capture_bytes / 2**20,
+        )
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for b in batches:
-        ids = [engine.add_request([rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params)
-               for _ in range(b)]
+        ids = [
+            engine.add_request(
+                [rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params
+            )
+            for _ in range(b)
+        ]
         until_first_tokens(engine, ids)
         for _ in range(3):  # steady state: every request decoding, the pipeline full
             engine.step()
@@ -131,12 +190,18 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
         for _ in range(args.decode_steps):
             engine.step()
         step_s = (time.perf_counter() - start) / args.decode_steps
-        context = args.decode_prompt + 3 + args.decode_steps // 2  # mean context over the timed steps
+        context = (
+            args.decode_prompt + 3 + args.decode_steps // 2
+        )  # mean context over the timed steps
         read = weight_bytes + b * context * kv_per_token
         out["batches"][b] = {
-            "ms_per_step": step_s * 1e3, "bytes_read_per_step": read, "achieved_gb_s": read / step_s / 1e9,
+            "ms_per_step": step_s * 1e3,
+            "bytes_read_per_step": read,
+            "achieved_gb_s": read / step_s / 1e9,
             "roofline_fraction": read / step_s / args.peak_bandwidth,
-            "roofline_ms": read / args.peak_bandwidth * 1e3, **offline.gpu_step_ms(before, engine.step_counters())}
+            "roofline_ms": read / args.peak_bandwidth * 1e3,
+            **offline.gpu_step_ms(before, engine.step_counters()),
+        }
         if profile and b == max(batches):
             out["profile"] = _profile(engine, 5)
         for i in ids:
@@ -149,12 +214,17 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
 
 def _profile(engine, steps: int) -> str:
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from torch._C._profiler import _ExperimentalConfig
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     try:  # the steps run on the executor's worker thread (async scheduling)
         config = _ExperimentalConfig(profile_all_threads=True)
-    except TypeError:  # an older torch: CUDA kernels are still recorded, host ops of that thread not
+    except (
+        TypeError
+    ):  # an older torch: CUDA kernels are still recorded, host ops of that thread not
         config = None
     with profile(activities=activities, experimental_config=config) as prof:
         for _ in range(steps):
@@ -166,10 +236,17 @@ def _profile(engine, steps: int) -> str:
 def _environment(args) -> dict:
     import torch
     import transformers
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-           "transformers": transformers.__version__, "device": args.device, "model": args.model}
+
+    env = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": args.device,
+        "model": args.model,
+    }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
@@ -182,14 +259,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
     # The GPU check: on CUDA, throughput and decode timed in bf16 (equality runs in fp32 whatever
     # --dtype says), over a fixed KV pool so that runs on different cards compare.
-    add_engine_arguments(p, ("model", "device", "dtype", "kv_cache_memory"), store_defaults=True,
-                         defaults={"device": "cuda", "dtype": "bfloat16",
-                                   "kv_cache_memory": 16 << 30})
-    p.add_argument("--tiny", action="store_true", help="a dry run: tiny model and workload (seconds on CPU)")
-    p.add_argument("--peak-bandwidth", type=float, default=4.3e12, help="bytes/s (H200 device copy: 4.3e12)")
-    p.add_argument("--decode-prompt", type=int, default=256, help="context of each request when decode is timed")
-    p.add_argument("--decode-steps", type=int, default=30, help="decode steps timed per batch size (default 30)")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: equality,offline,decode")
+    add_engine_arguments(
+        p,
+        ("model", "device", "dtype", "kv_cache_memory"),
+        store_defaults=True,
+        defaults={"device": "cuda", "dtype": "bfloat16", "kv_cache_memory": 16 << 30},
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="a dry run: tiny model and workload (seconds on CPU)"
+    )
+    p.add_argument(
+        "--peak-bandwidth", type=float, default=4.3e12, help="bytes/s (H200 device copy: 4.3e12)"
+    )
+    p.add_argument(
+        "--decode-prompt",
+        type=int,
+        default=256,
+        help="context of each request when decode is timed",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=30,
+        help="decode steps timed per batch size (default 30)",
+    )
+    p.add_argument(
+        "--skip", default="", help="comma list of parts to skip: equality,offline,decode"
+    )
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -202,6 +298,7 @@ def main(args: argparse.Namespace) -> dict:
         args.kv_cache_memory, args.decode_prompt, args.decode_steps = 64 << 20, 16, 4
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config, resolve_model
+
     model_dir = str(resolve_model(args.model))
     vocab = ModelConfig.from_hf(load_config(model_dir)).vocab_size
     report: dict = {"environment": _environment(args)}
@@ -212,45 +309,87 @@ def main(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         report[name] = fn()
         report.setdefault("seconds", {})[name] = time.perf_counter() - t0
-        print(f"== {name} ({report['seconds'][name]:.1f} s)\n{json.dumps(report[name], indent=1)[:6000]}", flush=True)
-        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))  # what is done so far survives
+        print(
+            f"== {name} ({report['seconds'][name]:.1f} s)\n{json.dumps(report[name], indent=1)[:6000]}",
+            flush=True,
+        )
+        (out_dir / "gpu_check.json").write_text(
+            json.dumps(report, indent=2)
+        )  # what is done so far survives
 
     n_eq, new_eq = (4, 6) if args.tiny else (8, 24)
-    part("equality", lambda: {"model": check_equality(args.model, args.device, new_eq, n_eq, vocab),
-                              "tiny_llama": check_equality(_tiny_model(Path(tmp.name) / "tiny-eq"), args.device,
-                                                           new_eq, n_eq, 512)})
-    wl = dict(num_prompts=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16) \
-        if args.tiny else \
-        dict(num_prompts=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
-    oargs = argparse.Namespace(model=args.model, dtype=args.dtype, kv_cache_dtype="auto", device=args.device, seed=0,
-                               max_num_seqs=256,
-                               max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory,
-                               progress=False, hf_dtype=None, hf_batch_size=256,
-                               enforce_eager=False, **wl)
+    part(
+        "equality",
+        lambda: {
+            "model": check_equality(args.model, args.device, new_eq, n_eq, vocab),
+            "tiny_llama": check_equality(
+                _tiny_model(Path(tmp.name) / "tiny-eq"), args.device, new_eq, n_eq, 512
+            ),
+        },
+    )
+    wl = (
+        dict(num_prompts=8, min_prompt=8, max_prompt=32, min_output=8, max_output=16)
+        if args.tiny
+        else dict(num_prompts=256, min_prompt=128, max_prompt=512, min_output=128, max_output=256)
+    )
+    oargs = argparse.Namespace(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype="auto",
+        device=args.device,
+        seed=0,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory=args.kv_cache_memory,
+        progress=False,
+        hf_dtype=None,
+        hf_batch_size=256,
+        enforce_eager=False,
+        **wl,
+    )
     requests = offline.make_requests(oargs, vocab)
 
     def throughput() -> dict:
         eager = argparse.Namespace(**{**vars(oargs), "enforce_eager": True})
-        runs = {"tandem_graphs": in_subprocess(offline.run_tandem, oargs, requests),
-                "tandem_eager": in_subprocess(offline.run_tandem, eager, requests),
-                "hf_generate": in_subprocess(offline.run_hf, oargs, requests)}
-        runs["workload"] = {**wl, "max_num_seqs": oargs.max_num_seqs, "max_num_batched_tokens":
-                            oargs.max_num_batched_tokens, "dtype": args.dtype, "hf_batch_size": oargs.hf_batch_size}
-        runs["ratio_vs_hf"] = runs["tandem_graphs"]["output_throughput"] / runs["hf_generate"]["output_throughput"]
-        runs["ratio_graphs_vs_eager"] = (runs["tandem_graphs"]["output_throughput"]
-                                         / runs["tandem_eager"]["output_throughput"])
+        runs = {
+            "tandem_graphs": in_subprocess(offline.run_tandem, oargs, requests),
+            "tandem_eager": in_subprocess(offline.run_tandem, eager, requests),
+            "hf_generate": in_subprocess(offline.run_hf, oargs, requests),
+        }
+        runs["workload"] = {
+            **wl,
+            "max_num_seqs": oargs.max_num_seqs,
+            "max_num_batched_tokens": oargs.max_num_batched_tokens,
+            "dtype": args.dtype,
+            "hf_batch_size": oargs.hf_batch_size,
+        }
+        runs["ratio_vs_hf"] = (
+            runs["tandem_graphs"]["output_throughput"] / runs["hf_generate"]["output_throughput"]
+        )
+        runs["ratio_graphs_vs_eager"] = (
+            runs["tandem_graphs"]["output_throughput"] / runs["tandem_eager"]["output_throughput"]
+        )
         return runs
+
     part("offline", throughput)
     batches = [1, 4] if args.tiny else [1, 64, 256]
-    part("decode", lambda: {"graphs": decode_steps(args, batches, eager=False, profile=True),
-                            "eager": decode_steps(args, batches, eager=True, profile=False)})
+    part(
+        "decode",
+        lambda: {
+            "graphs": decode_steps(args, batches, eager=False, profile=True),
+            "eager": decode_steps(args, batches, eager=True, profile=False),
+        },
+    )
     tmp.cleanup()
     print(f"wrote {out_dir / 'gpu_check.json'}")
     return report
 
 
-if __name__ == "__main__":  # scripts/gpu_check.sh: without the CLI, which imports every command's module
+if (
+    __name__ == "__main__"
+):  # scripts/gpu_check.sh: without the CLI, which imports every command's module
     import logging
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="tandem bench gpu", description=__doc__.split("\n")[0])
     add_arguments(parser)

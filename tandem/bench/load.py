@@ -8,6 +8,7 @@ a fresh temporary cache unless --cache is given) and building its variants (the 
 into their serving form; the KV pool is not part of it). Peak RSS is the kernel's mark
 (VmHWM, reset through /proc/self/clear_refs), so Linux only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,20 +23,29 @@ from pathlib import Path
 
 from tandem.config.args import add_engine_arguments, given
 
-
 ENGINE_OPTIONS = ("model", "quantization", "dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
-    p.add_argument("--cache", default=None, help="the cache directory (default: a fresh temporary one)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON to this path")
-    p.add_argument("--phase", choices=["resolve", "load"], default=None, help=argparse.SUPPRESS)  # a child's
+    p.add_argument(
+        "--cache", default=None, help="the cache directory (default: a fresh temporary one)"
+    )
+    p.add_argument(
+        "--json", dest="json_path", default=None, help="also write the figures as JSON to this path"
+    )
+    p.add_argument(
+        "--phase", choices=["resolve", "load"], default=None, help=argparse.SUPPRESS
+    )  # a child's
 
 
 def _rss() -> tuple[int, int]:
     """(VmRSS, VmHWM) in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    fields = dict(
+        line.split(":", 1)
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if ":" in line
+    )
     return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
 
 
@@ -67,29 +77,52 @@ def measure(args: argparse.Namespace) -> dict:
         base = _reset_peak()
         start = time.perf_counter()
         resolve_model(args.model)
-        return {"resolve_s": round(time.perf_counter() - start, 2), "resolve_peak_rss_above_baseline":
-                _rss()[1] - base, "cache_bytes_written": _tree_bytes(cache_root()) - before}
+        return {
+            "resolve_s": round(time.perf_counter() - start, 2),
+            "resolve_peak_rss_above_baseline": _rss()[1] - base,
+            "cache_bytes_written": _tree_bytes(cache_root()) - before,
+        }
     model_dir = resolve_model(args.model)
     device = resolve_device(config.device_config.device)
     dtype = resolve_dtype(args.dtype, device)
     cfg = ModelConfig.from_hf(load_config(model_dir))
     base = _reset_peak()
     start = time.perf_counter()
-    variants = build_variants(config.quant_config, args.model, args.dtype, model_dir, cfg, device,
-                              dtype, TorchAttention)
+    variants = build_variants(
+        config.quant_config, args.model, args.dtype, model_dir, cfg, device, dtype, TorchAttention
+    )
     load_s = time.perf_counter() - start
     rss, peak = _rss()
-    return {"precisions": list(variants.models), "dtype": str(variants.dtype).removeprefix("torch."),
-            "load_s": round(load_s, 2), "load_peak_rss_above_baseline": peak - base,
-            "held_rss_above_baseline": rss - base, "weight_bytes": dict(variants.weight_bytes)}
+    return {
+        "precisions": list(variants.models),
+        "dtype": str(variants.dtype).removeprefix("torch."),
+        "load_s": round(load_s, 2),
+        "load_peak_rss_above_baseline": peak - base,
+        "held_rss_above_baseline": rss - base,
+        "weight_bytes": dict(variants.weight_bytes),
+    }
 
 
 def _phase(args: argparse.Namespace, phase: str, cache: str) -> dict:
-    argv = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--phase", phase]
+    argv = [
+        sys.executable,
+        __file__,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--phase",
+        phase,
+    ]
     if args.quantization:
         argv += ["--quantization", args.quantization]
     import tandem  # the children import the same checkout as this process
-    env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1]), "TANDEM_CACHE_DIR": cache}
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(tandem.__file__).parents[1]),
+        "TANDEM_CACHE_DIR": cache,
+    }
     out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -101,18 +134,30 @@ def main(args: argparse.Namespace) -> dict:
         return report
     from tandem.bench.report import mib
     from tandem.models.loader.model_files import gguf_source
+
     source = gguf_source(args.model)  # an alias's file is located (and assembled) before measuring
     with tempfile.TemporaryDirectory(prefix="tandem-bench-load-") as tmp:
         cache = args.cache or tmp  # the children's cache only: this process's stays as it was
-        report = {"model": args.model, **_phase(args, "resolve", cache), **_phase(args, "load", cache)}
-    report["file_bytes"] = source.stat().st_size if source is not None else sum(
-        f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
-    report["peak_over_file"] = round(report["load_peak_rss_above_baseline"] / report["file_bytes"], 2)
-    print(f"{report['model']}: file {mib(report['file_bytes'])}, cache written {mib(report['cache_bytes_written'])} "
-          f"(resolve {report['resolve_s']} s, peak +{mib(report['resolve_peak_rss_above_baseline'])}); "
-          f"load {'+'.join(report['precisions'])} ({report['dtype']}) {report['load_s']} s, "
-          f"peak RSS +{mib(report['load_peak_rss_above_baseline'])} ({report['peak_over_file']}x the file), "
-          f"held +{mib(report['held_rss_above_baseline'])}")
+        report = {
+            "model": args.model,
+            **_phase(args, "resolve", cache),
+            **_phase(args, "load", cache),
+        }
+    report["file_bytes"] = (
+        source.stat().st_size
+        if source is not None
+        else sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
+    )
+    report["peak_over_file"] = round(
+        report["load_peak_rss_above_baseline"] / report["file_bytes"], 2
+    )
+    print(
+        f"{report['model']}: file {mib(report['file_bytes'])}, cache written {mib(report['cache_bytes_written'])} "
+        f"(resolve {report['resolve_s']} s, peak +{mib(report['resolve_peak_rss_above_baseline'])}); "
+        f"load {'+'.join(report['precisions'])} ({report['dtype']}) {report['load_s']} s, "
+        f"peak RSS +{mib(report['load_peak_rss_above_baseline'])} ({report['peak_over_file']}x the file), "
+        f"held +{mib(report['held_rss_above_baseline'])}"
+    )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report

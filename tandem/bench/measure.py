@@ -1,6 +1,7 @@
 """What the in-process benchmarks share: a run in a fresh process (so its peak memory is its
 own), that process's peak RSS and GPU memory, and stepping an engine until every request has
 prefilled (so the decode that follows can be timed alone)."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -14,6 +15,7 @@ def peak_rss_mb() -> float:
 
 def peak_gpu_mb() -> float | None:
     import torch
+
     return torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_initialized() else None
 
 
@@ -41,8 +43,10 @@ def in_subprocess(fn, args, requests) -> dict:
                 break
             except queue_module.Empty:
                 if not proc.is_alive() and queue.empty():
-                    raise RuntimeError(f"the benchmark's process died (exit code {proc.exitcode}) "
-                                       "before it answered")
+                    raise RuntimeError(
+                        f"the benchmark's process died (exit code {proc.exitcode}) "
+                        "before it answered"
+                    )
     except BaseException:
         proc.terminate()
         proc.join()

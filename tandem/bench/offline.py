@@ -3,6 +3,7 @@ output tokens/s, peak memory, time per step phase and the gap between steps (the
 idle while the engine schedules and processes outputs). `--compare hf` runs transformers'
 batched generate on the same requests in the same run; `--compare-async` runs tandem with and
 without async scheduling (overlap). Each run has its own process, so peak RSS is its own."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,22 +17,39 @@ from tandem.config.args import add_engine_arguments, given
 
 # The engine options this command takes (its --quantization and --seed are its own: a list of
 # precisions to compare, and the random prompts' seed).
-ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype", "device", "kv_cache_memory", "max_num_seqs",
-                  "max_num_batched_tokens", "enforce_eager", "async_scheduling", "deterministic",
-                  "num_threads", "speculative_config")
+ENGINE_OPTIONS = (
+    "model",
+    "dtype",
+    "kv_cache_dtype",
+    "device",
+    "kv_cache_memory",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enforce_eager",
+    "async_scheduling",
+    "deterministic",
+    "num_threads",
+    "speculative_config",
+)
 
 
 def make_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
     return [
-        ([rng.randrange(vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
-         rng.randint(args.min_output, args.max_output))
+        (
+            [
+                rng.randrange(vocab_size)
+                for _ in range(rng.randint(args.min_prompt, args.max_prompt))
+            ],
+            rng.randint(args.min_output, args.max_output),
+        )
         for _ in range(args.num_prompts)
     ]
 
 
 def run_tandem(args, requests) -> dict:
     from tandem import LLM, SamplingParams
+
     llm = LLM(**given(args, ENGINE_OPTIONS))
     llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     engine = llm.engine
@@ -47,16 +65,24 @@ def run_tandem(args, requests) -> dict:
     times = dict(c.phase_times, prepare=c.prepare_seconds - before.prepare_seconds)
     per_step_ms = {k: v / steps * 1e3 for k, v in times.items() if k != "gap"}
     per_step_ms["gap"] = times["gap"] / max(c.num_gaps, 1) * 1e3
-    return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
-            "async_scheduling": engine.config.scheduler_config.async_scheduling,
-            "steps": c.num_steps, "ms_per_step": per_step_ms,
-            "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
-            "kv_utilization_mean": c.kv_utilization_sum / steps, "kv_usage_peak": c.kv_usage_peak,
-            "dtype": engine.info().dtype,
-            "deterministic": engine.config.device_config.deterministic,
-            "preemptions": c.num_preemptions, "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(),
-            **gpu_step_ms(before, c),
-            "spec_decode": spec_summary(c.spec) if engine.config.speculative_config else None}
+    return {
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_throughput": tokens / elapsed,
+        "async_scheduling": engine.config.scheduler_config.async_scheduling,
+        "steps": c.num_steps,
+        "ms_per_step": per_step_ms,
+        "gap_share_of_execute": times["gap"] / max(times["execute"], 1e-9),
+        "kv_utilization_mean": c.kv_utilization_sum / steps,
+        "kv_usage_peak": c.kv_usage_peak,
+        "dtype": engine.info().dtype,
+        "deterministic": engine.config.device_config.deterministic,
+        "preemptions": c.num_preemptions,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_gpu_mb": peak_gpu_mb(),
+        **gpu_step_ms(before, c),
+        "spec_decode": spec_summary(c.spec) if engine.config.speculative_config else None,
+    }
 
 
 def gpu_step_ms(before, after) -> dict:
@@ -64,78 +90,113 @@ def gpu_step_ms(before, after) -> dict:
     between two StepCounters; None off CUDA."""
     if after.gpu_num_steps is None:
         return {"gpu_busy_ms": None, "gpu_gap_ms": None}
-    return {"gpu_busy_ms": (after.gpu_busy_seconds - before.gpu_busy_seconds) * 1e3
-            / max(after.gpu_num_steps - before.gpu_num_steps, 1),
-            "gpu_gap_ms": (after.gpu_gap_seconds - before.gpu_gap_seconds) * 1e3
-            / max(after.gpu_num_gaps - before.gpu_num_gaps, 1)}
+    return {
+        "gpu_busy_ms": (after.gpu_busy_seconds - before.gpu_busy_seconds)
+        * 1e3
+        / max(after.gpu_num_steps - before.gpu_num_steps, 1),
+        "gpu_gap_ms": (after.gpu_gap_seconds - before.gpu_gap_seconds)
+        * 1e3
+        / max(after.gpu_num_gaps - before.gpu_num_gaps, 1),
+    }
 
 
 def spec_summary(stats) -> dict:
     """Speculative decoding figures of a run (core/spec_decode.SpecDecodeStats)."""
-    return {"acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
-            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
-            "num_accepted_tokens": stats.num_accepted_tokens}
+    return {
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+    }
 
 
 def run_hf(args, requests) -> dict:
     """transformers' batched generate: left-padded static batches; a batch decodes until
     its longest request is done, and only the tokens each request asked for are counted."""
     import torch
-    import transformers as tf
     from tqdm import tqdm
 
     from tandem.executor.device import resolve_device, resolve_dtype
     from tandem.models.loader.hf_reference import hf_model
+
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.hf_dtype or args.dtype, device)
     model = hf_model(args.model, dtype).to(device)
     with torch.inference_mode():  # warm-up (CUDA context, kernels), as tandem has
-        model.generate(torch.ones(1, 4, dtype=torch.long, device=device), max_new_tokens=2, pad_token_id=0)
+        model.generate(
+            torch.ones(1, 4, dtype=torch.long, device=device), max_new_tokens=2, pad_token_id=0
+        )
     start = time.perf_counter()
     tokens = 0
     with torch.inference_mode():
         for i in tqdm(range(0, len(requests), args.hf_batch_size), desc="hf generate"):
-            batch = requests[i:i + args.hf_batch_size]
+            batch = requests[i : i + args.hf_batch_size]
             width = max(len(p) for p, _ in batch)
             ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device
+            )
             new = max(o for _, o in batch)
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                           min_new_tokens=new, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
             tokens += sum(o for _, o in batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    return {"output_tokens": tokens, "seconds": elapsed, "output_throughput": tokens / elapsed,
-            "dtype": str(dtype).removeprefix("torch."), "batch_size": args.hf_batch_size,
-            "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb()}
+    return {
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_throughput": tokens / elapsed,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch_size": args.hf_batch_size,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_gpu_mb": peak_gpu_mb(),
+    }
 
 
 def _print_run(t: dict) -> None:
-    print(f"tandem (async scheduling {'on' if t['async_scheduling'] else 'off'}"
-          f"{', deterministic' if t['deterministic'] else ''}): {t['output_tokens']} tokens "
-          f"in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s ({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)")
+    print(
+        f"tandem (async scheduling {'on' if t['async_scheduling'] else 'off'}"
+        f"{', deterministic' if t['deterministic'] else ''}): {t['output_tokens']} tokens "
+        f"in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s ({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)"
+    )
     ms = t["ms_per_step"]
-    print(f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.2f} ms "
-          f"(input building {ms['prepare']:.2f} ms), update {ms['update']:.2f} ms; "
-          f"gap between steps {ms['gap']:.3f} ms ({t['gap_share_of_execute']:.2%} of execute)")
-    print(f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
-          f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions")
+    print(
+        f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.2f} ms "
+        f"(input building {ms['prepare']:.2f} ms), update {ms['update']:.2f} ms; "
+        f"gap between steps {ms['gap']:.3f} ms ({t['gap_share_of_execute']:.2%} of execute)"
+    )
+    print(
+        f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
+        f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions"
+    )
     if t.get("spec_decode"):
         sd = t["spec_decode"]
-        print(f"        speculative decoding: acceptance rate {sd['acceptance_rate']:.1%}, mean accepted length "
-              f"{sd['mean_accepted_length']:.2f} tokens per verify step ({sd['num_drafts']} verify steps)")
+        print(
+            f"        speculative decoding: acceptance rate {sd['acceptance_rate']:.1%}, mean accepted length "
+            f"{sd['mean_accepted_length']:.2f} tokens per verify step ({sd['num_drafts']} verify steps)"
+        )
 
 
 def _print_async_table(off: dict, on: dict) -> None:
-    rows = [("output tok/s", "output_throughput", None, ".1f"), ("steps", "steps", None, "d"),
-            ("execute ms/step", "ms_per_step", "execute", ".2f"),
-            ("input building ms/step", "ms_per_step", "prepare", ".2f"),
-            ("schedule ms/step", "ms_per_step", "schedule", ".3f"),
-            ("update ms/step", "ms_per_step", "update", ".3f"),
-            ("gap ms/step", "ms_per_step", "gap", ".3f"),
-            ("gap % of execute", "gap_share_of_execute", None, ".2%"),
-            ("peak RSS MiB", "peak_rss_mb", None, ".0f")]
+    rows = [
+        ("output tok/s", "output_throughput", None, ".1f"),
+        ("steps", "steps", None, "d"),
+        ("execute ms/step", "ms_per_step", "execute", ".2f"),
+        ("input building ms/step", "ms_per_step", "prepare", ".2f"),
+        ("schedule ms/step", "ms_per_step", "schedule", ".3f"),
+        ("update ms/step", "ms_per_step", "update", ".3f"),
+        ("gap ms/step", "ms_per_step", "gap", ".3f"),
+        ("gap % of execute", "gap_share_of_execute", None, ".2%"),
+        ("peak RSS MiB", "peak_rss_mb", None, ".0f"),
+    ]
     print(f"{'':24} {'sync':>10} {'async':>10} {'async/sync':>11}")
     for label, key, sub, fmt in rows:
         a, b = off[key], on[key]
@@ -152,37 +213,108 @@ def _replace(args: argparse.Namespace, **changes) -> argparse.Namespace:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
     p.add_argument("--num-prompts", type=int, default=64, help="requests to run (default 64)")
-    p.add_argument("--min-prompt", type=int, default=64, help="shortest random prompt, tokens (default 64)")
-    p.add_argument("--max-prompt", type=int, default=512, help="longest random prompt, tokens (default 512)")
-    p.add_argument("--min-output", type=int, default=64, help="fewest output tokens per request (default 64)")
-    p.add_argument("--max-output", type=int, default=256, help="most output tokens per request (default 256)")
-    p.add_argument("--compare-async", action="store_true",
-                   help="run tandem with and without async scheduling, side by side")
-    p.add_argument("--compare-deterministic", action="store_true",
-                   help="--quantization: each precision with and without --deterministic, alternating, and the ratio")
+    p.add_argument(
+        "--min-prompt", type=int, default=64, help="shortest random prompt, tokens (default 64)"
+    )
+    p.add_argument(
+        "--max-prompt", type=int, default=512, help="longest random prompt, tokens (default 512)"
+    )
+    p.add_argument(
+        "--min-output", type=int, default=64, help="fewest output tokens per request (default 64)"
+    )
+    p.add_argument(
+        "--max-output", type=int, default=256, help="most output tokens per request (default 256)"
+    )
+    p.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="run tandem with and without async scheduling, side by side",
+    )
+    p.add_argument(
+        "--compare-deterministic",
+        action="store_true",
+        help="--quantization: each precision with and without --deterministic, alternating, and the ratio",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths (default 0)")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face transformers on the same requests, side by side (default: tandem alone)")
-    p.add_argument("--hf-batch-size", type=int, default=32, help="--compare hf: requests per transformers generate() call (default 32)")
-    p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: the same as --dtype)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
-    p.add_argument("--quantization", default=None,
-                   help="comma-separated precisions (bf16,int8,int4): decode tok/s of each at --batch-sizes "
-                        "(see bench/quantization.py) instead of the run above")
-    p.add_argument("--batch-sizes", default="1,8,32,64",
-                   help="--quantization: comma-separated batch sizes; the KV pool is sized for the "
-                        "largest unless --kv-cache-memory (default 1,8,32,64)")
-    p.add_argument("--prompt-len", type=int, default=128, help="--quantization: prompt tokens per request (default 128)")
-    p.add_argument("--output-len", type=int, default=128, help="--quantization: output tokens per request (default 128)")
-    p.add_argument("--repeats", type=int, default=1, help="--quantization: rounds, alternating; best kept")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random prompts and lengths (default 0)"
+    )
+    p.add_argument(
+        "--compare",
+        choices=["hf"],
+        default=None,
+        help="also run Hugging Face transformers on the same requests, side by side (default: tandem alone)",
+    )
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=32,
+        help="--compare hf: requests per transformers generate() call (default 32)",
+    )
+    p.add_argument(
+        "--hf-dtype", default=None, help="transformers' dtype (default: the same as --dtype)"
+    )
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="also write every figure as JSON to this path",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="comma-separated precisions (bf16,int8,int4): decode tok/s of each at --batch-sizes "
+        "(see bench/quantization.py) instead of the run above",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        default="1,8,32,64",
+        help="--quantization: comma-separated batch sizes; the KV pool is sized for the "
+        "largest unless --kv-cache-memory (default 1,8,32,64)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=128,
+        help="--quantization: prompt tokens per request (default 128)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="--quantization: output tokens per request (default 128)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="--quantization: rounds, alternating; best kept"
+    )
 
 
 # The options only one of the two runs reads (--quantization's precision table, or the request
 # run): one given to the other run is refused in words, not ignored.
-_TABLE_ONLY = ("batch_sizes", "prompt_len", "output_len", "repeats", "num_threads", "compare_deterministic")
-_RUN_ONLY = ("num_prompts", "min_prompt", "max_prompt", "min_output", "max_output", "max_num_seqs",
-             "max_num_batched_tokens", "enforce_eager", "async_scheduling", "compare_async", "compare",
-             "hf_batch_size", "hf_dtype", "speculative_config")
+_TABLE_ONLY = (
+    "batch_sizes",
+    "prompt_len",
+    "output_len",
+    "repeats",
+    "num_threads",
+    "compare_deterministic",
+)
+_RUN_ONLY = (
+    "num_prompts",
+    "min_prompt",
+    "max_prompt",
+    "min_output",
+    "max_output",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enforce_eager",
+    "async_scheduling",
+    "compare_async",
+    "compare",
+    "hf_batch_size",
+    "hf_dtype",
+    "speculative_config",
+)
 
 
 def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
@@ -190,12 +322,20 @@ def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
     add_arguments(parser)
     defaults = vars(parser.parse_args([]))
     others = _RUN_ONLY if args.quantization else _TABLE_ONLY
-    named = ["--" + name.replace("_", "-") for name in others
-             if getattr(args, name) != defaults.get(name)]
+    named = [
+        "--" + name.replace("_", "-")
+        for name in others
+        if getattr(args, name) != defaults.get(name)
+    ]
     if named:
-        raise SystemExit(f"bench offline: {', '.join(named)}: " + (
-            "read by the request run only, not by --quantization's precision table" if args.quantization
-            else "read by --quantization's precision table only (add --quantization, or leave them out)"))
+        raise SystemExit(
+            f"bench offline: {', '.join(named)}: "
+            + (
+                "read by the request run only, not by --quantization's precision table"
+                if args.quantization
+                else "read by --quantization's precision table only (add --quantization, or leave them out)"
+            )
+        )
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -208,11 +348,14 @@ def main(args: argparse.Namespace) -> dict:
         return report
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config, resolve_model
+
     vocab = ModelConfig.from_hf(load_config(resolve_model(args.model))).vocab_size
     requests = make_requests(args, vocab)
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")}}
     if args.compare_async:  # without overlap first, then with it ("tandem")
-        off = report["tandem_sync"] = in_subprocess(run_tandem, _replace(args, async_scheduling=False), requests)
+        off = report["tandem_sync"] = in_subprocess(
+            run_tandem, _replace(args, async_scheduling=False), requests
+        )
         _print_run(off)
         args = _replace(args, async_scheduling=True)
     t = report["tandem"] = in_subprocess(run_tandem, args, requests)
@@ -223,8 +366,10 @@ def main(args: argparse.Namespace) -> dict:
     if args.compare == "hf":
         h = report["hf"] = in_subprocess(run_hf, args, requests)
         report["ratio"] = t["output_throughput"] / h["output_throughput"]
-        print(f"hf:     {h['output_tokens']} tokens in {h['seconds']:.1f}s = {h['output_throughput']:.1f} tok/s "
-              f"({h['dtype']}, batch {h['batch_size']}, peak RSS {h['peak_rss_mb']:.0f} MiB)")
+        print(
+            f"hf:     {h['output_tokens']} tokens in {h['seconds']:.1f}s = {h['output_throughput']:.1f} tok/s "
+            f"({h['dtype']}, batch {h['batch_size']}, peak RSS {h['peak_rss_mb']:.0f} MiB)"
+        )
         print(f"ratio tandem/hf: {report['ratio']:.2f}x")
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -10,6 +10,7 @@
   differs from its output run alone; with `--deterministic both` (the default) also in a second
   engine with deterministic=True, where it must be 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,33 @@ from tandem.config.args import add_engine_arguments, given
 ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype")  # one KV pool: every variant's KV
 
 TEXT = Path(__file__).with_name("data") / "opticks.txt"
-_TOPICS = ["photosynthesis", "the French Revolution", "a binary search", "black holes", "inflation in economics",
-           "the water cycle", "TCP handshakes", "Shakespeare's sonnets", "vaccines", "plate tectonics",
-           "the Pythagorean theorem", "jazz improvisation", "recursion", "the Roman Empire", "climate change",
-           "compound interest", "DNA replication", "the Moon landing", "sourdough bread", "electric motors",
-           "chess openings", "the immune system", "volcanoes", "machine learning", "the Silk Road"]
+_TOPICS = [
+    "photosynthesis",
+    "the French Revolution",
+    "a binary search",
+    "black holes",
+    "inflation in economics",
+    "the water cycle",
+    "TCP handshakes",
+    "Shakespeare's sonnets",
+    "vaccines",
+    "plate tectonics",
+    "the Pythagorean theorem",
+    "jazz improvisation",
+    "recursion",
+    "the Roman Empire",
+    "climate change",
+    "compound interest",
+    "DNA replication",
+    "the Moon landing",
+    "sourdough bread",
+    "electric motors",
+    "chess openings",
+    "the immune system",
+    "volcanoes",
+    "machine learning",
+    "the Silk Road",
+]
 
 
 def prompts(tokenizer) -> list[list[int]]:
@@ -34,12 +57,21 @@ def prompts(tokenizer) -> list[list[int]]:
     it): 50 varied prompts. A model without a chat template (a base model) takes the questions as
     plain text."""
     questions = [f"Explain {t} in two sentences." for t in _TOPICS]
-    chats = questions if not getattr(tokenizer, "chat_template", None) else [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in questions]
+    chats = (
+        questions
+        if not getattr(tokenizer, "chat_template", None)
+        else [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+            for q in questions
+        ]
+    )
     text = tokenizer.encode(TEXT.read_text())
     step = (len(text) - 24) // 25
-    return [tokenizer.encode(c) for c in chats] + [text[i * step:i * step + 24] for i in range(25)]
+    return [tokenizer.encode(c) for c in chats] + [
+        text[i * step : i * step + 24] for i in range(25)
+    ]
 
 
 def perplexity(runner, precision: str, token_ids: list[int], window: int) -> float:
@@ -51,25 +83,35 @@ def perplexity(runner, precision: str, token_ids: list[int], window: int) -> flo
 
     from tandem.core.sampling_params import SamplingParams
     from tandem.executor.input_batch import CachedRequestState
+
     model, nll, count = runner.variants.models[precision], 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
-        chunk = token_ids[start:start + window]
+        chunk = token_ids[start : start + window]
         if len(chunk) < 2:
             break
-        blocks = list(range(math.ceil(len(chunk) / runner.block_size) * len(runner.kv_group_windows)))
-        state = CachedRequestState("ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision)
+        blocks = list(
+            range(math.ceil(len(chunk) / runner.block_size) * len(runner.kv_group_windows))
+        )
+        state = CachedRequestState(
+            "ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision
+        )
         inputs, *_ = runner.input_batch.prepare_inputs([state], np.array([len(chunk)]))
         input_ids = inputs.input_ids
         with torch.inference_mode():
-            logits = model.compute_logits(model(input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata))
+            logits = model.compute_logits(
+                model(input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata)
+            )
         logp = torch.log_softmax(logits[:-1], -1).gather(1, input_ids[1:, None])
         nll -= logp.sum().item()
         count += len(chunk) - 1
     return math.exp(nll / count)
 
 
-def _greedy(engine, prompts: list[list[int]], precision: str, max_tokens: int, batched: bool) -> list[list[int]]:
+def _greedy(
+    engine, prompts: list[list[int]], precision: str, max_tokens: int, batched: bool
+) -> list[list[int]]:
     from tandem.core.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out: dict[str, list[int]] = {}
     groups = [prompts] if batched else [[p] for p in prompts]
@@ -85,33 +127,59 @@ def _greedy(engine, prompts: list[list[int]], precision: str, max_tokens: int, b
 
 def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
     """(share of tokens before the first divergence, outputs identical)."""
+
     def prefix(a, b):
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return sum(prefix(a, b) for a, b in zip(ref, got)) / sum(len(a) for a in ref), sum(a == b for a, b in zip(ref, got))
+
+    return sum(prefix(a, b) for a, b in zip(ref, got)) / sum(len(a) for a in ref), sum(
+        a == b for a, b in zip(ref, got)
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, ENGINE_OPTIONS, store_defaults=True)
     # --quantization and --deterministic are this command's own: the precisions compared, and
     # the engines run.
-    p.add_argument("--quantization", default="bf16,int8,int4", help="precisions; the first is the reference")
-    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)")
+    p.add_argument(
+        "--quantization", default="bf16,int8,int4", help="precisions; the first is the reference"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)"
+    )
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
-    p.add_argument("--deterministic", choices=["off", "on", "both"], default="both",
-                   help="off: the engine as configured by default; on: deterministic=True; both (default): "
-                        "also the batch dependence of a second engine with deterministic=True")
-    p.add_argument("--json", dest="json_path", default=None, help="also write every figure as JSON to this path")
+    p.add_argument(
+        "--deterministic",
+        choices=["off", "on", "both"],
+        default="both",
+        help="off: the engine as configured by default; on: deterministic=True; both (default): "
+        "also the batch dependence of a second engine with deterministic=True",
+    )
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="also write every figure as JSON to this path",
+    )
 
 
 def _engine(args, precisions: list[str], deterministic: bool):
     from tandem import LLM
-    return LLM(**given(args, ENGINE_OPTIONS), quantization=precisions[0],
-               precision_classes={
-        cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])},
-        kv_cache_memory=256 << 20, enable_prefix_caching=False, deterministic=deterministic)
+
+    return LLM(
+        **given(args, ENGINE_OPTIONS),
+        quantization=precisions[0],
+        precision_classes={
+            cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])
+        },
+        kv_cache_memory=256 << 20,
+        enable_prefix_caching=False,
+        deterministic=deterministic,
+    )
 
 
-def _batch_dependent(engine, batch: list[list[int]], precision: str, max_tokens: int) -> tuple[list[list[int]], int]:
+def _batch_dependent(
+    engine, batch: list[list[int]], precision: str, max_tokens: int
+) -> tuple[list[list[int]], int]:
     """(the batched outputs, how many prompts' outputs differ run alone)."""
     batched = _greedy(engine, batch, precision, max_tokens, batched=True)
     single = _greedy(engine, batch, precision, max_tokens, batched=False)
@@ -124,34 +192,48 @@ def main(args: argparse.Namespace) -> dict:
     engine, runner = llm.engine, llm.engine.core.executor
     text_ids = llm.tokenizer.encode(TEXT.read_text())
     batch = prompts(llm.tokenizer)
-    report = {"text_tokens": len(text_ids), "num_prompts": len(batch), "max_tokens": args.max_tokens,
-              "deterministic": args.deterministic == "on", "kv_cache_dtype": engine.info().kv_cache_dtype,
-              "variants": {}}
+    report = {
+        "text_tokens": len(text_ids),
+        "num_prompts": len(batch),
+        "max_tokens": args.max_tokens,
+        "deterministic": args.deterministic == "on",
+        "kv_cache_dtype": engine.info().kv_cache_dtype,
+        "variants": {},
+    }
     ref = None
     for p in precisions:
         batched, dependent = _batch_dependent(engine, batch, p, args.max_tokens)
         ref = ref or batched
         share, identical = _agreement(ref, batched)
         report["variants"][p] = {
-            "perplexity": perplexity(runner, p, text_ids, args.window), "agreement": share,
-            "identical_outputs": identical, "batch_dependent_prompts": dependent,
+            "perplexity": perplexity(runner, p, text_ids, args.window),
+            "agreement": share,
+            "identical_outputs": identical,
+            "batch_dependent_prompts": dependent,
         }
     if args.deterministic == "both":
         del llm, engine, runner
         det = _engine(args, precisions, True).engine
         for p in precisions:
             report["variants"][p]["batch_dependent_prompts_deterministic"] = _batch_dependent(
-                det, batch, p, args.max_tokens)[1]
-    print(f"{report['text_tokens']} text tokens; {len(batch)} prompts x {args.max_tokens} greedy tokens; "
-          f"reference {precisions[0]}; KV cache {report['kv_cache_dtype']}"
-          f"{'; deterministic' if report['deterministic'] else ''}")
+                det, batch, p, args.max_tokens
+            )[1]
+    print(
+        f"{report['text_tokens']} text tokens; {len(batch)} prompts x {args.max_tokens} greedy tokens; "
+        f"reference {precisions[0]}; KV cache {report['kv_cache_dtype']}"
+        f"{'; deterministic' if report['deterministic'] else ''}"
+    )
     both = args.deterministic == "both"
-    print(f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}"
-          + (f" {'with --deterministic':>21}" if both else ""))
+    print(
+        f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}"
+        + (f" {'with --deterministic':>21}" if both else "")
+    )
     for p, r in report["variants"].items():
-        print(f"{p:10} {r['perplexity']:>10.3f} {r['agreement']:>10.1%} {r['identical_outputs']:>7}/{len(batch)}"
-              f" {r['batch_dependent_prompts']:>13}/{len(batch)}"
-              + (f" {r['batch_dependent_prompts_deterministic']:>18}/{len(batch)}" if both else ""))
+        print(
+            f"{p:10} {r['perplexity']:>10.3f} {r['agreement']:>10.1%} {r['identical_outputs']:>7}/{len(batch)}"
+            f" {r['batch_dependent_prompts']:>13}/{len(batch)}"
+            + (f" {r['batch_dependent_prompts_deterministic']:>18}/{len(batch)}" if both else "")
+        )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return report

@@ -7,6 +7,7 @@ the end: decode tok/s = B * (output_len - 1) / that time. Each precision runs in
 process (its own peak RSS); `--repeats` alternates the precisions and keeps each figure's best,
 which is what a shared, noisy machine allows.
 """
+
 from __future__ import annotations
 
 import random
@@ -24,10 +25,16 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     from tandem import LLM, SamplingParams
     from tandem.executor.attention import resolve_attention_backend
     from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-    from tandem.models.loader.builder import resolve_precision
     from tandem.models.config import ModelConfig
-    from tandem.models.loader.model_files import gguf_source, load_config, resolve_model, weight_source
+    from tandem.models.loader.builder import resolve_precision
+    from tandem.models.loader.model_files import (
+        gguf_source,
+        load_config,
+        resolve_model,
+        weight_source,
+    )
     from tandem.models.loader.variants import auto_precision
+
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # KV for the largest batch (in the KV dtype the engine will choose, with a block of slack per
     # request), not a share of the machine: peak RSS then shows the weights, not an untouched pool.
@@ -35,15 +42,30 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     if precision == "auto":  # named: the KV dtype and the report follow it
         source = weight_source(resolve_model(args.model), gguf_source(args.model))
         precision = auto_precision(source, args.dtype, resolve_dtype(args.dtype, device))
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype,
-                                      resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2],
-                                      device, resolve_attention_backend("auto", device))
+    kv_dtype = resolve_kv_cache_dtype(
+        args.kv_cache_dtype,
+        args.dtype,
+        resolve_precision(precision, resolve_dtype(args.dtype, device), device)[2],
+        device,
+        resolve_attention_backend("auto", device),
+    )
     kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
-    kv_memory = args.kv_cache_memory or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(
-        kv_dtype) * kv_tokens
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=precision,
-              max_num_seqs=max(batches), kv_cache_memory=kv_memory, num_threads=args.num_threads,
-              deterministic=deterministic, kv_cache_dtype=args.kv_cache_dtype)
+    kv_memory = (
+        args.kv_cache_memory
+        or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(kv_dtype)
+        * kv_tokens
+    )
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=precision,
+        max_num_seqs=max(batches),
+        kv_cache_memory=kv_memory,
+        num_threads=args.num_threads,
+        deterministic=deterministic,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     engine = llm.engine
     rng = random.Random(args.seed)
     vocab, info = engine.vocab_size, engine.info()
@@ -52,12 +74,23 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
     # Peak RSS is set while loading (the float checkpoint is read whole, then cast or quantised);
     # the RSS after loading is what the variant keeps.
     loaded_rss_mb = psutil.Process().memory_info().rss / 2**20
-    out = {"rss_after_load_mb": loaded_rss_mb, "precision": precision, "dtype": info.dtype,
-           "kv_cache_dtype": info.kv_cache_dtype,
-           "weight_mib": info.weight_bytes[precision] / 2**20, "decode_tok_s": {}, "ms_per_step": {}}
+    out = {
+        "rss_after_load_mb": loaded_rss_mb,
+        "precision": precision,
+        "dtype": info.dtype,
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "weight_mib": info.weight_bytes[precision] / 2**20,
+        "decode_tok_s": {},
+        "ms_per_step": {},
+    }
     for b in batches:
-        until_first_tokens(engine, [engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
-                                    for _ in range(b)])
+        until_first_tokens(
+            engine,
+            [
+                engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+                for _ in range(b)
+            ],
+        )
         steps, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -88,10 +121,18 @@ def compare(args) -> dict:
             best[p] = r
     _print_table(best)
     if args.compare_deterministic:
-        print("deterministic / not: " + "; ".join(
-            f"{p} " + ", ".join(f"B={b} {best[p + ' det']['decode_tok_s'][b] / r['decode_tok_s'][b]:.2f}x"
-                                for b in r["decode_tok_s"])
-            for p, r in best.items() if not p.endswith(" det")))
+        print(
+            "deterministic / not: "
+            + "; ".join(
+                f"{p} "
+                + ", ".join(
+                    f"B={b} {best[p + ' det']['decode_tok_s'][b] / r['decode_tok_s'][b]:.2f}x"
+                    for b in r["decode_tok_s"]
+                )
+                for p, r in best.items()
+                if not p.endswith(" det")
+            )
+        )
     return best
 
 
@@ -109,12 +150,26 @@ def _print_table(best: dict[str, dict]) -> None:
     first = next(iter(best.values()))
     batches = list(first["decode_tok_s"])
     base = best.get("bf16") or first
-    print(f"{'precision':10} {'weights MiB':>11} {'RSS MiB':>8} {'peak RSS MiB':>12} "
-          + " ".join(f"{'B=' + str(b) + ' tok/s':>13} {'ms/step':>8}" for b in batches))
+    print(
+        f"{'precision':10} {'weights MiB':>11} {'RSS MiB':>8} {'peak RSS MiB':>12} "
+        + " ".join(f"{'B=' + str(b) + ' tok/s':>13} {'ms/step':>8}" for b in batches)
+    )
     for p, r in best.items():
-        cells = " ".join(f"{r['decode_tok_s'][b]:>13.1f} {r['ms_per_step'][b]:>8.2f}" for b in batches)
-        print(f"{p:10} {r['weight_mib']:>11.1f} {r['rss_after_load_mb']:>8.0f} {r['peak_rss_mb']:>12.0f} {cells}")
+        cells = " ".join(
+            f"{r['decode_tok_s'][b]:>13.1f} {r['ms_per_step'][b]:>8.2f}" for b in batches
+        )
+        print(
+            f"{p:10} {r['weight_mib']:>11.1f} {r['rss_after_load_mb']:>8.0f} {r['peak_rss_mb']:>12.0f} {cells}"
+        )
     if base is not first or "bf16" in best:
-        print("ratio to bf16: " + "; ".join(
-            f"{p} " + ", ".join(f"B={b} {r['decode_tok_s'][b] / base['decode_tok_s'][b]:.2f}x" for b in batches)
-            for p, r in best.items() if r is not base))
+        print(
+            "ratio to bf16: "
+            + "; ".join(
+                f"{p} "
+                + ", ".join(
+                    f"B={b} {r['decode_tok_s'][b] / base['decode_tok_s'][b]:.2f}x" for b in batches
+                )
+                for p, r in best.items()
+                if r is not base
+            )
+        )

@@ -7,6 +7,7 @@ event it can see; none hung; a 5xx or an error event only just after the fault),
 blocks back to the total, RSS, open FDs and threads of the server's processes at the end
 within 5% of the warm-up's (minute 2, or a quarter into a shorter run), and reports ITL p99 of
 the first and last minute. JSON on stdout; exit 1 if a check fails."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.bench.fuzz import hostile_raw
@@ -36,7 +36,9 @@ class Outcomes:
     refused: int = 0  # 4xx (malformed bodies, 429 under load) and 503 (no room: retry later)
     left: int = 0  # the client went away on purpose
     errors: list = field(default_factory=list)  # (seconds since start, what): a 5xx, an error event
-    lost: list = field(default_factory=list)  # no answer the client can see: a dropped connection, a cut stream
+    lost: list = field(
+        default_factory=list
+    )  # no answer the client can see: a dropped connection, a cut stream
     hung: int = 0
     itl: list = field(default_factory=list)  # (seconds since start, gap)
     fault_at: float | None = None  # seconds since start
@@ -51,24 +53,42 @@ def prompt(rng: random.Random, elapsed: float) -> str:
     return f"{head} {prefix} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 20)))
 
 
-async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t0: float, tally: Outcomes, args) -> None:
+async def one(
+    client: httpx.AsyncClient, url: str, rng: random.Random, t0: float, tally: Outcomes, args
+) -> None:
     tally.sent += 1
     kind = rng.random()
-    body = {"prompt": prompt(rng, time.monotonic() - t0), "max_tokens": rng.randint(8, 64), "ignore_eos": True,
-            "temperature": rng.choice([0.0, 0.8])}
+    body = {
+        "prompt": prompt(rng, time.monotonic() - t0),
+        "max_tokens": rng.randint(8, 64),
+        "ignore_eos": True,
+        "temperature": rng.choice([0.0, 0.8]),
+    }
     try:
         if kind < args.malformed_share:
             content, ctype = hostile_raw(["prompt", "max_tokens", "n", "stop", "messages"], rng)
-            r = await client.post(url + "/v1/completions", content=content, headers={"content-type": ctype})
+            r = await client.post(
+                url + "/v1/completions", content=content, headers={"content-type": ctype}
+            )
             return count(tally, r.status_code, r.text, time.monotonic() - t0)
         if kind < args.malformed_share + args.disconnect_share / 2:  # leaves mid-response
             try:
-                r = await client.post(url + "/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
+                r = await client.post(
+                    url + "/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5)
+                )
                 count(tally, r.status_code, r.text, time.monotonic() - t0)
             except httpx.TimeoutException:
                 tally.left += 1
             return
-        await stream(client, url, body, rng, t0, tally, leave=kind < args.malformed_share + args.disconnect_share)
+        await stream(
+            client,
+            url,
+            body,
+            rng,
+            t0,
+            tally,
+            leave=kind < args.malformed_share + args.disconnect_share,
+        )
     except httpx.TimeoutException:
         tally.hung += 1
     except httpx.HTTPError as e:
@@ -79,7 +99,12 @@ async def stream(client, url, body, rng, t0, tally: Outcomes, leave: bool) -> No
     """A streamed completion; `leave`: close it after a few chunks."""
     async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
-            return count(tally, r.status_code, (await r.aread()).decode(errors="replace"), time.monotonic() - t0)
+            return count(
+                tally,
+                r.status_code,
+                (await r.aread()).decode(errors="replace"),
+                time.monotonic() - t0,
+            )
         last, chunks, done = None, 0, False
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
@@ -118,6 +143,7 @@ def resources(pids: list[int]) -> dict | None:
     """RSS (bytes), open FDs and threads, summed over the server's processes; and the RSS of
     each (the server, then its children: where growth is)."""
     import psutil
+
     total = {"rss": 0, "fds": 0, "threads": 0, "rss_by_process": []}
     try:
         for pid in pids:
@@ -140,10 +166,12 @@ async def drive(target: Target, args, tally: Outcomes) -> dict:
     warm_at, warm = min(120.0, args.duration / 4), {}
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=HUNG_S, limits=limits, trust_env=False) as client:
+
         async def worker(i: int) -> None:
             wrng = random.Random(rng.random())
             while time.monotonic() - t0 < args.duration:
                 await one(client, url, wrng, t0, tally, args)
+
         tasks = [asyncio.ensure_future(worker(i)) for i in range(args.concurrency)]
         while not all(t.done() for t in tasks):
             await asyncio.sleep(1.0)
@@ -152,7 +180,11 @@ async def drive(target: Target, args, tally: Outcomes) -> dict:
                 warm = resources(target.pids) or {}
             if elapsed >= 60 * len(tally.resources):
                 tally.resources.append((round(elapsed), resources(target.pids)))
-            if elapsed >= args.duration / 2 and not target.faults and await asyncio.to_thread(target.fault):
+            if (
+                elapsed >= args.duration / 2
+                and not target.faults
+                and await asyncio.to_thread(target.fault)
+            ):
                 tally.fault_at = elapsed
             progress(elapsed, args.duration, tally)
         await asyncio.gather(*tasks)
@@ -163,8 +195,10 @@ async def drive(target: Target, args, tally: Outcomes) -> dict:
 def progress(elapsed: float, duration: float, tally: Outcomes) -> None:
     done = min(elapsed / duration, 1.0)
     bar = "#" * int(done * 30)
-    sys.stderr.write(f"\r[{bar:<30}] {done:4.0%} sent {tally.sent} answered {tally.answered} refused "
-                     f"{tally.refused} left {tally.left} errors {len(tally.errors)} lost {len(tally.lost)} hung {tally.hung}")
+    sys.stderr.write(
+        f"\r[{bar:<30}] {done:4.0%} sent {tally.sent} answered {tally.answered} refused "
+        f"{tally.refused} left {tally.left} errors {len(tally.errors)} lost {len(tally.lost)} hung {tally.hung}"
+    )
     sys.stderr.flush()
 
 
@@ -187,8 +221,12 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict | None:
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         last = read_metrics(url)
-        if last and not last.get("tandem:num_requests_running") and not last.get("tandem:num_requests_waiting") \
-                and last.get("tandem:kv_cache_free_blocks") == last.get("tandem:kv_cache_total_blocks"):
+        if (
+            last
+            and not last.get("tandem:num_requests_running")
+            and not last.get("tandem:num_requests_waiting")
+            and last.get("tandem:kv_cache_free_blocks") == last.get("tandem:kv_cache_total_blocks")
+        ):
             return last
         time.sleep(0.5)
     return last
@@ -211,33 +249,60 @@ def second_half_growth(samples: list, end: dict | None, duration: float) -> floa
     return round(end["rss"] / mid["rss"] - 1, 4) if mid and end else None
 
 
-def report(tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, duration: float) -> dict:
+def report(
+    tally: Outcomes, warm: dict, end: dict | None, idle: dict | None, duration: float
+) -> dict:
     window = min(60.0, duration / 4)
-    growth = {k: round(end[k] / warm[k] - 1, 4) for k in ("rss", "fds", "threads")} if warm and end else None
+    growth = (
+        {k: round(end[k] / warm[k] - 1, 4) for k in ("rss", "fds", "threads")}
+        if warm and end
+        else None
+    )
     idle = idle or {}
     at = tally.fault_at
     checks = {
-        "none_lost": not tally.lost, "none_hung": tally.hung == 0,
-        "errors_only_at_fault": all(at is not None and at <= t <= at + FAULT_WINDOW_S for t, _ in tally.errors),
-        "all_accounted": tally.sent == tally.answered + tally.refused + tally.left + len(tally.errors)
-        + len(tally.lost) + tally.hung,
-        "kv_free_at_idle": bool(idle) and idle.get("tandem:kv_cache_free_blocks")
-        == idle.get("tandem:kv_cache_total_blocks"),
+        "none_lost": not tally.lost,
+        "none_hung": tally.hung == 0,
+        "errors_only_at_fault": all(
+            at is not None and at <= t <= at + FAULT_WINDOW_S for t, _ in tally.errors
+        ),
+        "all_accounted": tally.sent
+        == tally.answered
+        + tally.refused
+        + tally.left
+        + len(tally.errors)
+        + len(tally.lost)
+        + tally.hung,
+        "kv_free_at_idle": bool(idle)
+        and idle.get("tandem:kv_cache_free_blocks") == idle.get("tandem:kv_cache_total_blocks"),
         "resources_flat": growth is not None and all(g <= 0.05 for g in growth.values()),
     }
-    return {"duration_s": duration, "sent": tally.sent, "answered": tally.answered, "refused": tally.refused,
-            "left_on_purpose": tally.left, "errors": len(tally.errors), "lost": len(tally.lost), "hung": tally.hung,
-            "error_examples": tally.errors[:5], "lost_examples": tally.lost[:5], "fault_at_s": at,
-            "kv_free_blocks_idle": idle.get("tandem:kv_cache_free_blocks"),
-            "kv_total_blocks": idle.get("tandem:kv_cache_total_blocks"),
-            "preemptions": idle.get("tandem:num_preemptions_total"),
-            "prefix_cache_hit_share": hit_share(idle),
-            "resources_warm": warm, "resources_end": end, "growth": growth,
-            "rss_growth_second_half": second_half_growth(tally.resources, end, duration),
-            "resources_by_minute": tally.resources,
-            "itl_p99_first_s": itl_p99(tally.itl, 0, window),
-            "itl_p99_last_s": itl_p99(tally.itl, duration - window, duration + HUNG_S),
-            "checks": checks, "ok": all(checks.values())}
+    return {
+        "duration_s": duration,
+        "sent": tally.sent,
+        "answered": tally.answered,
+        "refused": tally.refused,
+        "left_on_purpose": tally.left,
+        "errors": len(tally.errors),
+        "lost": len(tally.lost),
+        "hung": tally.hung,
+        "error_examples": tally.errors[:5],
+        "lost_examples": tally.lost[:5],
+        "fault_at_s": at,
+        "kv_free_blocks_idle": idle.get("tandem:kv_cache_free_blocks"),
+        "kv_total_blocks": idle.get("tandem:kv_cache_total_blocks"),
+        "preemptions": idle.get("tandem:num_preemptions_total"),
+        "prefix_cache_hit_share": hit_share(idle),
+        "resources_warm": warm,
+        "resources_end": end,
+        "growth": growth,
+        "rss_growth_second_half": second_half_growth(tally.resources, end, duration),
+        "resources_by_minute": tally.resources,
+        "itl_p99_first_s": itl_p99(tally.itl, 0, window),
+        "itl_p99_last_s": itl_p99(tally.itl, duration - window, duration + HUNG_S),
+        "checks": checks,
+        "ok": all(checks.values()),
+    }
 
 
 def run_soak(args) -> dict:
@@ -264,11 +329,22 @@ def main(args: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=1200.0, help="seconds of traffic (default 1200)")
+    p.add_argument(
+        "--duration", type=float, default=1200.0, help="seconds of traffic (default 1200)"
+    )
     add_target_arguments(p)
     p.add_argument("--concurrency", type=int, default=16, help="clients at once (default 16)")
-    p.add_argument("--disconnect-share", type=float, default=0.15,
-                   help="share of requests whose client leaves mid-stream or mid-response (default 0.15)")
-    p.add_argument("--malformed-share", type=float, default=0.1, help="share of malformed requests (default 0.1)")
+    p.add_argument(
+        "--disconnect-share",
+        type=float,
+        default=0.15,
+        help="share of requests whose client leaves mid-stream or mid-response (default 0.15)",
+    )
+    p.add_argument(
+        "--malformed-share",
+        type=float,
+        default=0.1,
+        help="share of malformed requests (default 0.1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic mix (default 0)")
     p.add_argument("--output", default=None, help="also write the JSON report here")

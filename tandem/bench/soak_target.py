@@ -2,6 +2,7 @@
 P/D cluster it starts (`tandem cluster up`) whose decode instance it kills halfway (the
 launcher starts it again), or a server on loopback (--url). Each gives its URL, the process
 ids whose RSS, FDs and threads are watched (children included), and its fault."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,13 +37,19 @@ class Target:
             self.faults.append("none")
             return False
         import psutil
-        serves = [c for c in psutil.Process(self.proc.pid).children()
-                  if "serve" in c.cmdline() and "decode" in c.cmdline()]
+
+        serves = [
+            c
+            for c in psutil.Process(self.proc.pid).children()
+            if "serve" in c.cmdline() and "decode" in c.cmdline()
+        ]
         if not serves:
             self.faults.append("no decode instance found to kill")
             return False
         os.kill(serves[0].pid, signal.SIGKILL)
-        self.faults.append(f"killed decode instance pid {serves[0].pid} at {time.strftime('%H:%M:%S')}")
+        self.faults.append(
+            f"killed decode instance pid {serves[0].pid} at {time.strftime('%H:%M:%S')}"
+        )
         return True
 
     def stop(self) -> None:
@@ -62,16 +69,41 @@ def start_target(args: argparse.Namespace) -> Target:
         return Target(url, list(args.pid))
     port = free_port()
     if args.cluster:
-        cmd = [sys.executable, "-m", "tandem.cli", "cluster", "up", "--config", cluster_config(args, port),
-               "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "cluster",
+            "up",
+            "--config",
+            cluster_config(args, port),
+            "--log-level",
+            "warning",
+        ]
     else:
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--port", str(port),
-               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(args.max_model_len),
-               "--log-level", "warning", *args.serve_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            str(args.kv_cache_memory),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--log-level",
+            "warning",
+            *args.serve_args,
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy({"target": url}, lambda _: None if proc.poll() is None else f"exited {proc.returncode}")
+        wait_healthy(
+            {"target": url}, lambda _: None if proc.poll() is None else f"exited {proc.returncode}"
+        )
     except BaseException:
         proc.kill()
         raise
@@ -92,14 +124,33 @@ def cluster_config(args: argparse.Namespace, port: int) -> str:
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help="a running server on loopback (default: start one of --model)")
-    p.add_argument("--pid", type=int, action="append", default=[],
-                   help="with --url: the server's process id(s), for RSS / FDs / threads (children included)")
-    p.add_argument("--cluster", default=None,
-                   help="start `tandem cluster up` of this YAML (P/D: examples/cluster-pd.yaml) instead, and kill "
-                        "one decode instance halfway (the launcher restarts it)")
+    p.add_argument(
+        "--url", default=None, help="a running server on loopback (default: start one of --model)"
+    )
+    p.add_argument(
+        "--pid",
+        type=int,
+        action="append",
+        default=[],
+        help="with --url: the server's process id(s), for RSS / FDs / threads (children included)",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="start `tandem cluster up` of this YAML (P/D: examples/cluster-pd.yaml) instead, and kill "
+        "one decode instance halfway (the launcher restarts it)",
+    )
     # Of each instance started: a small KV pool, so that requests are preempted.
-    add_engine_arguments(p, ("model", "kv_cache_memory", "max_model_len"), store_defaults=True,
-                         defaults={"kv_cache_memory": 24 << 20, "max_model_len": 512})
-    p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
-                   help="a further flag for the server started (repeat)")
+    add_engine_arguments(
+        p,
+        ("model", "kv_cache_memory", "max_model_len"),
+        store_defaults=True,
+        defaults={"kv_cache_memory": 24 << 20, "max_model_len": 512},
+    )
+    p.add_argument(
+        "--serve-arg",
+        dest="serve_args",
+        action="append",
+        default=[],
+        help="a further flag for the server started (repeat)",
+    )

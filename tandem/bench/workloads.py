@@ -1,5 +1,6 @@
 """Synthetic workloads for `tandem bench serve`: prompts of an exact token count, the
 `random` and `mixed` request sets, and their arrival schedules (Poisson / gamma)."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_WORD_TOKEN = re.compile(r"(?:\u0120|\u2581)[a-z]{3,9}")  # "Ġword" (byte-level BPE) or "▁word" (SentencePiece)
+_WORD_TOKEN = re.compile(
+    r"(?:\u0120|\u2581)[a-z]{3,9}"
+)  # "Ġword" (byte-level BPE) or "▁word" (SentencePiece)
 _WORD_TEXT = re.compile(r" ?[a-z]{3,9}")
 
 
@@ -33,7 +36,9 @@ class PromptSynth:
         self.tok = tokenizer
         words = sorted(i for s, i in tokenizer.get_vocab().items() if _WORD_TOKEN.fullmatch(s))
         if len(words) < 100:  # unusual vocabulary format: judge ids by their decoded text
-            words = [i for i in range(len(tokenizer)) if _WORD_TEXT.fullmatch(tokenizer.decode([i]))]
+            words = [
+                i for i in range(len(tokenizer)) if _WORD_TEXT.fullmatch(tokenizer.decode([i]))
+            ]
         if not words:
             raise ValueError("tokenizer has no plain-word tokens to build prompts from")
         self.pool = words[:pool_size]
@@ -66,9 +71,13 @@ class PromptSynth:
 
     def report(self) -> dict:
         off = [got - asked for asked, got in self.misses]
-        return {"prompts": self.made, "exact": self.made - len(off), "off": len(off),
-                "max_abs_diff": max((abs(d) for d in off), default=0),
-                "examples": [{"asked": a, "got": g} for a, g in self.misses[:10]]}
+        return {
+            "prompts": self.made,
+            "exact": self.made - len(off),
+            "off": len(off),
+            "max_abs_diff": max((abs(d) for d in off), default=0),
+            "examples": [{"asked": a, "got": g} for a, g in self.misses[:10]],
+        }
 
 
 def uniform_len(rng: random.Random, mean: int, ratio: float) -> int:
@@ -89,8 +98,11 @@ def arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
 
 
 def _schedule(args) -> str:
-    rate = "all at once" if math.isinf(args.request_rate) else \
-        f"{args.request_rate:g} req/s (gamma burstiness {args.burstiness:g})"
+    rate = (
+        "all at once"
+        if math.isinf(args.request_rate)
+        else f"{args.request_rate:g} req/s (gamma burstiness {args.burstiness:g})"
+    )
     conc = f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""
     return rate + conc
 
@@ -102,12 +114,18 @@ def random_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
     for i, t in enumerate(times):
         text, n = synth.prompt(uniform_len(rng, args.input_len, args.range_ratio), rng)
         reqs.append(Request(i, text, n, uniform_len(rng, args.output_len, args.range_ratio), t))
-    desc = {"name": "random", "num_requests": len(reqs), "input_len": args.input_len,
-            "output_len": args.output_len, "range_ratio": args.range_ratio,
-            "request_rate": args.request_rate, "burstiness": args.burstiness,
-            "max_concurrency": args.max_concurrency,
-            "description": f"random: {len(reqs)} prompts, input {args.input_len} / output {args.output_len} "
-                           f"tokens (+-{args.range_ratio:.0%}), {_schedule(args)}"}
+    desc = {
+        "name": "random",
+        "num_requests": len(reqs),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "description": f"random: {len(reqs)} prompts, input {args.input_len} / output {args.output_len} "
+        f"tokens (+-{args.range_ratio:.0%}), {_schedule(args)}",
+    }
     return reqs, desc
 
 
@@ -122,18 +140,30 @@ def mixed_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
     reqs = []
     for i, t in enumerate(times):
         cls = "long" if i in long_ids else "short"
-        inp, out = (args.long_input_len, args.long_output_len) if cls == "long" else \
-            (args.short_input_len, args.short_output_len)
+        inp, out = (
+            (args.long_input_len, args.long_output_len)
+            if cls == "long"
+            else (args.short_input_len, args.short_output_len)
+        )
         text, got = synth.prompt(uniform_len(rng, inp, args.range_ratio), rng)
         prio = ("standard" if cls == "long" else "interactive") if args.priority_by_class else None
         reqs.append(Request(i, text, got, uniform_len(rng, out, args.range_ratio), t, cls, prio))
-    desc = {"name": "mixed", "num_requests": n, "num_long": len(long_ids), "num_short": n - len(long_ids),
-            "long_input_len": args.long_input_len, "long_output_len": args.long_output_len,
-            "short_input_len": args.short_input_len, "short_output_len": args.short_output_len,
-            "range_ratio": args.range_ratio, "request_rate": args.request_rate,
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-            "priority_by_class": bool(args.priority_by_class),
-            "description": f"mixed: {len(long_ids)} long ({args.long_input_len}->{args.long_output_len} tokens) + "
-                           f"{n - len(long_ids)} short ({args.short_input_len}->{args.short_output_len}), "
-                           f"{_schedule(args)}" + (", priority by class" if args.priority_by_class else "")}
+    desc = {
+        "name": "mixed",
+        "num_requests": n,
+        "num_long": len(long_ids),
+        "num_short": n - len(long_ids),
+        "long_input_len": args.long_input_len,
+        "long_output_len": args.long_output_len,
+        "short_input_len": args.short_input_len,
+        "short_output_len": args.short_output_len,
+        "range_ratio": args.range_ratio,
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "priority_by_class": bool(args.priority_by_class),
+        "description": f"mixed: {len(long_ids)} long ({args.long_input_len}->{args.long_output_len} tokens) + "
+        f"{n - len(long_ids)} short ({args.short_input_len}->{args.short_output_len}), "
+        f"{_schedule(args)}" + (", priority by class" if args.priority_by_class else ""),
+    }
     return reqs, desc

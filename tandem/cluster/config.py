@@ -20,6 +20,7 @@ models:
                           # it), true = started again (not with torch_dist: it cannot rejoin)
 ```
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -49,19 +50,27 @@ class ModelGroup:
     roles: dict[str, int] = field(default_factory=dict)  # role -> instances
     engine: dict[str, Any] = field(default_factory=dict)
     resources: dict[str, float] = field(default_factory=dict)
-    urls: list[str] = field(default_factory=list)  # instances already running elsewhere: not launched
-    restart: bool = False  # start an instance of this group again when it dies (else it is left out)
+    urls: list[str] = field(
+        default_factory=list
+    )  # instances already running elsewhere: not launched
+    restart: bool = (
+        False  # start an instance of this group again when it dies (else it is left out)
+    )
 
     def instance_roles(self) -> list[tuple[str, bool]]:
         """(starting role, elastic) of each instance to launch."""
         out = []
         for key in ROLE_KEYS:
-            out += [(ELASTIC_START if key == "elastic" else key, key == "elastic")] * self.roles.get(key, 0)
+            out += [
+                (ELASTIC_START if key == "elastic" else key, key == "elastic")
+            ] * self.roles.get(key, 0)
         return out
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.roles.get("prefill") or self.roles.get("decode") or self.roles.get("elastic"))
+        return bool(
+            self.roles.get("prefill") or self.roles.get("decode") or self.roles.get("elastic")
+        )
 
 
 @dataclass(slots=True)
@@ -77,9 +86,13 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     elastic_interval_s: float = 2.0
-    elastic_schedule: TimeSchedule | None = None  # [(local seconds since midnight, prefill instances)]
+    elastic_schedule: TimeSchedule | None = (
+        None  # [(local seconds since midnight, prefill instances)]
+    )
     drain_timeout_s: float = 120.0
-    migration: MigrationConfig = field(default_factory=MigrationConfig)  # P/D: decoding requests off short instances
+    migration: MigrationConfig = field(
+        default_factory=MigrationConfig
+    )  # P/D: decoding requests off short instances
 
 
 @dataclass(slots=True)
@@ -89,7 +102,9 @@ class KVTransferConfig:
 
     connector: str = "shm"  # shm: shared memory, one host | torch_dist: point-to-point, any hosts
     backend: str | None = None  # gloo | nccl; None: nccl where the KV cache is on a GPU, else gloo
-    host: str | None = None  # the store's address as instances see it; None: 127.0.0.1, or this node's IP on Ray
+    host: str | None = (
+        None  # the store's address as instances see it; None: 127.0.0.1, or this node's IP on Ray
+    )
     port: int = 0  # 0: a free port
     timeout_s: float = 120.0  # for every instance to join
 
@@ -130,11 +145,16 @@ def _group(doc: dict, i: int) -> ModelGroup:
     instances, roles = doc.pop("instances", None), doc.pop("roles", None)
     if instances is not None and roles is not None:
         raise ValueError(f"{where}: give `instances` or `roles`, not both")
-    roles = {"colocated": 1 if instances is None and not doc.get("urls") else int(instances or 0)} \
-        if roles is None else dict(roles)
+    roles = (
+        {"colocated": 1 if instances is None and not doc.get("urls") else int(instances or 0)}
+        if roles is None
+        else dict(roles)
+    )
     bad = set(roles) - set(ROLE_KEYS)
     if bad:
-        raise ValueError(f"{where}.roles: unknown role(s) {', '.join(sorted(bad))}; use {', '.join(ROLE_KEYS)}")
+        raise ValueError(
+            f"{where}.roles: unknown role(s) {', '.join(sorted(bad))}; use {', '.join(ROLE_KEYS)}"
+        )
     group = _dataclass(ModelGroup, {**doc, "roles": {k: int(v) for k, v in roles.items()}}, where)
     if not isinstance(group.restart, bool):
         raise ValueError(f"{where}.restart: true or false, got {group.restart!r}")
@@ -144,13 +164,16 @@ def _group(doc: dict, i: int) -> ModelGroup:
         raise ValueError(f"{where}: an embedding model has no prefill/decode roles")
     if group.kind == "embedding" and set(group.engine) - EMBEDDING_ENGINE_KEYS:
         bad = ", ".join(sorted(set(group.engine) - EMBEDDING_ENGINE_KEYS))
-        raise ValueError(f"{where}.engine: {bad} cannot apply to an embedding model (its instance runs the "
-                         f"encoder with its own tokenizer and no chat template; it takes only num_threads)")
+        raise ValueError(
+            f"{where}.engine: {bad} cannot apply to an embedding model (its instance runs the "
+            f"encoder with its own tokenizer and no chat template; it takes only num_threads)"
+        )
     if group.kind == "chat":
         # fail now on a bad option
         EngineConfig.from_kwargs(**{"model": group.model, **group.engine})
         if group.engine.get("chat_template") is not None:
             from tandem.engine.tokenizer import read_chat_template
+
             read_chat_template(group.engine["chat_template"])  # a template that does not parse, now
     if not group.instance_roles() and not group.urls:
         raise ValueError(f"{where}: no instances")
@@ -172,25 +195,44 @@ def parse_cluster_config(doc: dict, where: str = "cluster config") -> ClusterCon
     if "migration" in r:
         r["migration"] = _dataclass(MigrationConfig, r["migration"], "router.migration")
     if r.get("elastic_schedule"):
-        r["elastic_schedule"] = TimeSchedule(tuple((float(t), int(n)) for t, n in r["elastic_schedule"]))
+        r["elastic_schedule"] = TimeSchedule(
+            tuple((float(t), int(n)) for t, n in r["elastic_schedule"])
+        )
     router = _dataclass(RouterConfig, r, "router")
     backend = doc.get("backend", "local")
     if backend not in ("local", "ray"):
         raise ValueError(f"{where}: backend is local or ray, got {backend!r}")
     ray = doc.get("ray") or {}
     kv_transfer = _dataclass(KVTransferConfig, dict(doc.get("kv_transfer") or {}), "kv_transfer")
-    unknown = set(doc) - {"models", "router", "backend", "ray", "log_dir", "kv_transfer", "stop_timeout_s"}
+    unknown = set(doc) - {
+        "models",
+        "router",
+        "backend",
+        "ray",
+        "log_dir",
+        "kv_transfer",
+        "stop_timeout_s",
+    }
     if unknown:
         raise ValueError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
     for i, m in enumerate(models):
         if m.restart and m.kind == "chat" and kv_transfer.connector == "torch_dist":
-            raise ValueError(f"models[{i}].restart: a restarted instance cannot rejoin the torch_dist KV "
-                             "transfer group; use restart: false, or kv_transfer.connector: shm")
+            raise ValueError(
+                f"models[{i}].restart: a restarted instance cannot rejoin the torch_dist KV "
+                "transfer group; use restart: false, or kv_transfer.connector: shm"
+            )
     stop = doc.get("stop_timeout_s", STOP_TIMEOUT_S)
     if isinstance(stop, bool) or not isinstance(stop, (int, float)) or stop <= 0:
         raise ValueError(f"{where}: stop_timeout_s is a number of seconds > 0, got {stop!r}")
-    return ClusterConfig(models, router, backend, ray.get("address"), doc.get("log_dir", "logs/cluster"), kv_transfer,
-                         float(stop))
+    return ClusterConfig(
+        models,
+        router,
+        backend,
+        ray.get("address"),
+        doc.get("log_dir", "logs/cluster"),
+        kv_transfer,
+        float(stop),
+    )
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:

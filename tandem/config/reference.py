@@ -34,16 +34,22 @@ def engine_reference() -> str:
 
 def table(title: str, options: Mapping[str, Option], yaml_keys: Mapping[str, list[str]]) -> str:
     """One section's table: option (the `LLM` keyword), flag, YAML keys, default and help."""
-    rows = [f"### {title[0].upper()}{title[1:]}", "",
-            "| option | flag | YAML | unit | default | what it does |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"### {title[0].upper()}{title[1:]}",
+        "",
+        "| option | flag | YAML | unit | default | what it does |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, opt in options.items():
         meta = opt.field.metadata
         flag = flag_name(name, opt)
         keys = ", ".join(f"`{k}`" for k in yaml_keys.get(name, [])) or "-"
         default = default_text(opt.field.default, meta) if "help" in meta else "-"
         text = meta.get("help", "").replace("|", "\\|")
-        rows.append(f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit(meta)} | "
-                    f"{default} | {text} |")
+        rows.append(
+            f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit(meta)} | "
+            f"{default} | {text} |"
+        )
     return "\n".join(rows) + "\n"
 
 

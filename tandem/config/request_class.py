@@ -13,9 +13,14 @@ scheduler serves it as a level:
 
 A request's `priority` and its scheduler level are the same number (1-3); only the names differ.
 """
+
 from __future__ import annotations
 
-PRIORITIES = {"interactive": 1, "standard": 2, "background": 3}  # the table above: class -> priority
+PRIORITIES = {
+    "interactive": 1,
+    "standard": 2,
+    "background": 3,
+}  # the table above: class -> priority
 CLASS_NAMES = tuple(PRIORITIES)
 LEVELS = tuple(PRIORITIES.values())  # the priorities, highest first
 STANDARD = PRIORITIES["standard"]

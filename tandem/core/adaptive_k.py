@@ -1,5 +1,6 @@
 """AdaptiveK: speculative decoding's k per step (0 = off), from the batch size, the measured
 acceptance and the measured step costs (no torch; SpecPlanner asks it)."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -44,18 +45,41 @@ class AdaptiveK:
     Until the fit is known, k_max.
     """
 
-    def __init__(self, k_max: int, min_gain: float = 1.05, decay: float = 0.98, probe_every: int = 64,
-                 window: int = 8, min_samples: int = 7, max_probe_stretch: int = 4, explore_verifies: int = 8) -> None:
-        self.k_max, self.min_gain, self.decay, self.probe_every = k_max, min_gain, decay, probe_every
-        self.min_samples, self.max_probe_stretch, self.explore_verifies = min_samples, max_probe_stretch, explore_verifies
+    def __init__(
+        self,
+        k_max: int,
+        min_gain: float = 1.05,
+        decay: float = 0.98,
+        probe_every: int = 64,
+        window: int = 8,
+        min_samples: int = 7,
+        max_probe_stretch: int = 4,
+        explore_verifies: int = 8,
+    ) -> None:
+        self.k_max, self.min_gain, self.decay, self.probe_every = (
+            k_max,
+            min_gain,
+            decay,
+            probe_every,
+        )
+        self.min_samples, self.max_probe_stretch, self.explore_verifies = (
+            min_samples,
+            max_probe_stretch,
+            explore_verifies,
+        )
         self._num_verifies = 0  # request-verify steps seen (the acceptance's evidence)
-        self._accepted, self._trials = 1.0, 2.0  # a prior (a = 0.5) that real verify steps soon outweigh
+        self._accepted, self._trials = (
+            1.0,
+            2.0,
+        )  # a prior (a = 0.5) that real verify steps soon outweigh
         self._fit = [0.0] * 5  # decayed sums: n, x, x^2, y, x*y (x tokens, y seconds)
         # (bucket, drafted) -> the last `window` pure-decode steps' (seconds, requests, their draft
         # counts): tokens are credited when a rate is asked for, at the acceptance known then
         self._samples: dict[tuple[int, bool], deque[tuple[float, int, tuple[int, ...]]]] = {}
         self.window = window
-        self._shapes: set[int] = set()  # scheduled-token counts seen (a step at a new one is no sample)
+        self._shapes: set[int] = (
+            set()
+        )  # scheduled-token counts seen (a step at a new one is no sample)
         self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe
         self._proposal_seconds = 0.0  # the last step's proposal (what the next verify step pays)
         # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
@@ -66,8 +90,15 @@ class AdaptiveK:
         self._accepted = self._accepted * self.decay + num_accepted
         self._trials = self._trials * self.decay + num_accepted + (num_accepted < num_drafts)
 
-    def observe_step(self, num_tokens: int, seconds: float, num_decodes: int = 0, drafted: bool = False,
-                     draft_counts: tuple[int, ...] = (), proposal_seconds: float = 0.0) -> None:
+    def observe_step(
+        self,
+        num_tokens: int,
+        seconds: float,
+        num_decodes: int = 0,
+        drafted: bool = False,
+        draft_counts: tuple[int, ...] = (),
+        proposal_seconds: float = 0.0,
+    ) -> None:
         """A step of `num_tokens` scheduled tokens took `seconds`; `num_decodes` > 0 when it was
         pure decode (each request one position, plus its drafts: `draft_counts`), `drafted`
         when it was planned to draft; `proposal_seconds` of it went to proposing the next
@@ -79,7 +110,9 @@ class AdaptiveK:
         if num_tokens <= 0 or seconds <= 0:
             return
         f, d = self._fit, self.decay
-        for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
+        for i, v in enumerate(
+            (1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)
+        ):
             f[i] = f[i] * d + v
         new_shape = num_tokens not in self._shapes
         self._shapes.add(num_tokens)
@@ -94,11 +127,23 @@ class AdaptiveK:
             cost += fed
         if sample:
             key = (batch_bucket(num_decodes), bool(drafted))
-            self._samples.setdefault(key, deque(maxlen=self.window)).append((cost, num_decodes, tuple(draft_counts)))
+            self._samples.setdefault(key, deque(maxlen=self.window)).append(
+                (cost, num_decodes, tuple(draft_counts))
+            )
         if self.trace is not None:
-            self.trace({"event": "observe_step", "tokens": num_tokens, "seconds": seconds, "decodes": num_decodes,
-                        "drafted": drafted, "proposal_seconds": proposal_seconds,
-                        "draft_counts": list(draft_counts), "sample": sample, "cost": cost})
+            self.trace(
+                {
+                    "event": "observe_step",
+                    "tokens": num_tokens,
+                    "seconds": seconds,
+                    "decodes": num_decodes,
+                    "drafted": drafted,
+                    "proposal_seconds": proposal_seconds,
+                    "draft_counts": list(draft_counts),
+                    "sample": sample,
+                    "cost": cost,
+                }
+            )
 
     @property
     def acceptance(self) -> float:
@@ -121,7 +166,9 @@ class AdaptiveK:
         samples = self._samples.get((batch_bucket(num_decodes), drafted))
         if not samples:
             return None
-        credit = {k: self._tokens_per_verify(k) - 1 for k in {k for *_, counts in samples for k in counts}}
+        credit = {
+            k: self._tokens_per_verify(k) - 1 for k in {k for *_, counts in samples for k in counts}
+        }
         cost = self.step_cost()
 
         def at_batch(seconds: float, n: int, counts: tuple[int, ...]) -> tuple[float, float]:
@@ -130,7 +177,9 @@ class AdaptiveK:
                 return 1.0, seconds
             tokens, scale = n + sum(counts), num_decodes / n
             fixed, per_token = cost
-            return scale, seconds * (fixed + per_token * tokens * scale) / (fixed + per_token * tokens)
+            return scale, seconds * (fixed + per_token * tokens * scale) / (
+                fixed + per_token * tokens
+            )
 
         rates = []
         for s, n, counts in samples:
@@ -155,9 +204,18 @@ class AdaptiveK:
     def choose(self, num_decodes: int) -> int:
         k = self._choose(num_decodes)
         if self.trace is not None:
-            self.trace({"event": "choose", "decodes": num_decodes, "bucket": batch_bucket(num_decodes),
-                        "plain": self.rate(num_decodes, False), "spec": self.rate(num_decodes, True),
-                        "drafting": k > 0, "k": k, "acceptance": self.acceptance})
+            self.trace(
+                {
+                    "event": "choose",
+                    "decodes": num_decodes,
+                    "bucket": batch_bucket(num_decodes),
+                    "plain": self.rate(num_decodes, False),
+                    "spec": self.rate(num_decodes, True),
+                    "drafting": k > 0,
+                    "k": k,
+                    "acceptance": self.acceptance,
+                }
+            )
         return k
 
     def _choose(self, num_decodes: int) -> int:
@@ -169,7 +227,9 @@ class AdaptiveK:
         every = self.probe_every
         if self._num_verifies < self.explore_verifies:  # the acceptance is mostly the prior's yet
             every //= 8
-        elif spec is not None and not drafting:  # a drafting probe costing m plain steps: m / 2 times as rarely
+        elif (
+            spec is not None and not drafting
+        ):  # a drafting probe costing m plain steps: m / 2 times as rarely
             m = self._step_seconds(bucket, True) / self._step_seconds(bucket, False)
             every = round(every * min(max(m / 2, 1.0), self.max_probe_stretch))
         n = self._since_probe.get(bucket, every)  # judged for the first time: probe now

@@ -2,6 +2,7 @@
 hits or their KV back from the host tier (the base of Scheduler: the state it reads is the
 Scheduler's). Under multilevel, L1 makes room by preempting unscheduled lower-level requests and
 leaves L2 its guaranteed seats and the blocks its running requests need to grow."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,8 +35,11 @@ class Admission(Preemption):
                 if len(self.running) + len(step.admitted) + seats_held < self.config.max_num_seqs:
                     if self._admit(req, cap, step, blocks_held):
                         break
-                victim = self._victim(i, step, keep_l2=self.l2_floor if level == 1 else 0) \
-                    if self.multilevel else None
+                victim = (
+                    self._victim(i, step, keep_l2=self.l2_floor if level == 1 else 0)
+                    if self.multilevel
+                    else None
+                )
                 if victim is None:
                     return False
                 self._preempt(victim, step.out)
@@ -80,11 +84,18 @@ class Admission(Preemption):
         req.status = RequestStatus.RUNNING
         step.admitted.append(req)
         self.planner.admit(req, lookahead, out)
-        out.scheduled_new_reqs.append(NewRequestData(
-            req.request_id, list(req.prompt_token_ids), req.output_token_ids,
-            req.sampling_params, block_ids, req.num_computed_tokens, req.eos_token_id,
-            req.precision,
-        ))
+        out.scheduled_new_reqs.append(
+            NewRequestData(
+                req.request_id,
+                list(req.prompt_token_ids),
+                req.output_token_ids,
+                req.sampling_params,
+                block_ids,
+                req.num_computed_tokens,
+                req.eos_token_id,
+                req.precision,
+            )
+        )
         step.commit(req, num_new)
         return True
 

@@ -5,6 +5,7 @@ also be *cached*: indexed by a hash chained on its parent's hash and its token i
 later request with the same prefix reuses it. Cached blocks with no owner stay resident
 and are evicted LRU, and only when no plain free block is left.
 """
+
 from __future__ import annotations
 
 import zlib

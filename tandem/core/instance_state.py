@@ -2,6 +2,7 @@
 `InstanceState`), built in one place: the real instance (`cluster/instance.py`) and the
 simulated one (`sim/instance.py`) both call `instance_load`, so simulated routing and elastic
 pressure see the load the router sees, chunked prefills and preempted requests included."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,12 @@ def instance_load(scheduler: Scheduler, backlog: Backlog | None = None) -> Insta
         backlog = request_backlog(scheduler)
     kv = scheduler.kv
     return InstanceLoad(
-        num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
         waiting_by_level={f"L{lv}": scheduler.waiting.count(lv) for lv in LEVELS},
-        waiting_prefill_tokens=backlog.prefill_tokens, num_preempted=backlog.num_preempted,
-        kv_usage=kv.usage, kv_free_tokens=kv.num_free_blocks * kv.block_size, block_size=kv.block_size,
+        waiting_prefill_tokens=backlog.prefill_tokens,
+        num_preempted=backlog.num_preempted,
+        kv_usage=kv.usage,
+        kv_free_tokens=kv.num_free_blocks * kv.block_size,
+        block_size=kv.block_size,
     )

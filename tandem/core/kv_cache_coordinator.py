@@ -4,6 +4,7 @@ serves, and the blocks behind sliding windows freed.
 
 The groups' block lists meet in one place, `flat_block_ids`: the layout the executor's block
 tables are built from (G entries per logical block of block_size tokens)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -11,7 +12,9 @@ from collections.abc import Iterator, Sequence
 from tandem.core.block_pool import BlockPool, KVBlock, hash_block, salt_hash
 from tandem.core.request import Request
 from tandem.core.single_type_kv_cache_manager import (
-    FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager,
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
 )
 
 PerGroup = Sequence[list[KVBlock]]  # one list per KV group, block i of each for the same tokens
@@ -30,8 +33,14 @@ def flat_block_ids(blocks: PerGroup) -> list[int]:
 
 
 class KVCacheCoordinator:
-    def __init__(self, num_blocks: int, block_size: int, group_windows: tuple[int | None, ...],
-                 enable_caching: bool = True, max_prefix_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        group_windows: tuple[int | None, ...],
+        enable_caching: bool = True,
+        max_prefix_tokens: int | None = None,
+    ) -> None:
         self.block_size, self.group_windows = block_size, group_windows
         self.num_groups = len(group_windows)
         self.enable_caching, self.max_prefix_tokens = enable_caching, max_prefix_tokens
@@ -49,7 +58,8 @@ class KVCacheCoordinator:
             if self.null_block is None:
                 self.null_block = self.pool.get_new_blocks(1)[0]
             self.managers.append(
-                SlidingWindowManager(self.pool, block_size, k, self.null_block, window))
+                SlidingWindowManager(self.pool, block_size, k, self.null_block, window)
+            )
         self._full = [m for m in self.managers if isinstance(m, FullAttentionManager)]
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self._no_hit: PerGroup = tuple([] for _ in self.managers)  # never extended
@@ -72,17 +82,19 @@ class KVCacheCoordinator:
         return flat_block_ids(self.get_blocks(req_id))
 
     # ---- prefix cache -------------------------------------------------------------
-    def block_hashes(self, token_ids: list[int], parent: int | None, num_blocks: int
-                     ) -> Iterator[tuple[int, tuple[int, ...]]]:
+    def block_hashes(
+        self, token_ids: list[int], parent: int | None, num_blocks: int
+    ) -> Iterator[tuple[int, tuple[int, ...]]]:
         """(chained hash, tokens) of the first `num_blocks` whole blocks of `token_ids`."""
         bs = self.block_size
         for i in range(num_blocks):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = hash_block(parent, chunk)
             yield parent, chunk
 
-    def find_longest_cache_hit(self, token_ids: list[int], parent: int | None, max_blocks: int
-                               ) -> tuple[PerGroup, int]:
+    def find_longest_cache_hit(
+        self, token_ids: list[int], parent: int | None, max_blocks: int
+    ) -> tuple[PerGroup, int]:
         """The longest run of whole blocks of `token_ids` (at most `max_blocks`) that every group
         serves to a query right after it: each group's blocks, and how many."""
         hits: list[list[KVBlock | None]] = [[] for _ in self.managers]
@@ -118,7 +130,7 @@ class KVCacheCoordinator:
         if self.max_prefix_tokens is not None:
             limit = min(limit, self.max_prefix_tokens)
         for i in range(len(hashes), min(limit // bs, held)):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash_block(hashes[-1] if hashes else salt_hash(req.cache_salt), chunk)
             hashes.append(h)
             for m in self.managers:
@@ -153,8 +165,11 @@ class KVCacheCoordinator:
         rid, bs = req.request_id, self.block_size
         num_hit = len(hit[0]) if hit else 0
         total = req.num_computed_tokens + num_hit * bs + num_new
-        freed = sum(1 for m, s in self._skipped(req) for i in s
-                    if m.req_to_blocks[rid][i].ref_cnt == 1) if self._sliding else 0
+        freed = (
+            sum(1 for m, s in self._skipped(req) for i in s if m.req_to_blocks[rid][i].ref_cnt == 1)
+            if self._sliding
+            else 0
+        )
         reusable = sum(1 for blocks in hit for b in blocks if b.ref_cnt == 0)
         need = max(cdiv(total, bs) - self.num_held_blocks(rid) - num_hit, 0) * self.num_groups
         return need + reusable - freed
@@ -189,8 +204,9 @@ class KVCacheCoordinator:
         self._req_tokens[rid] = total
         return flat_block_ids(hit) + flat_block_ids(news)
 
-    def allocate_like(self, req: Request, layout: Sequence[Sequence[object | None]], num_new: int
-                      ) -> PerGroup | None:
+    def allocate_like(
+        self, req: Request, layout: Sequence[Sequence[object | None]], num_new: int
+    ) -> PerGroup | None:
         """Blocks for a request with none, shaped as `layout` (per group, None where the null
         block goes), plus room for `num_new` more tokens after its computed ones; None when
         free blocks are short. Taken in the order of `flat_block_ids`."""

@@ -2,6 +2,7 @@
 request's blocks allocated, indexed and freed, and the pool's usage. The blocks are kept per KV
 group by the coordinator (kv_cache_coordinator.py); swapped-out requests' blocks by the host tier
 (kv_connector/host_tier.py)."""
+
 from __future__ import annotations
 
 import itertools
@@ -37,8 +38,9 @@ class KVCacheManager:
         group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.block_size, self.group_windows = block_size, group_windows
-        self.coordinator = KVCacheCoordinator(num_blocks, block_size, group_windows, enable_caching,
-                                              max_prefix_tokens)
+        self.coordinator = KVCacheCoordinator(
+            num_blocks, block_size, group_windows, enable_caching, max_prefix_tokens
+        )
         self.pool = self.coordinator.pool
         self.host_tier = HostTierConnector(self.coordinator, num_host_blocks)
         self.min_match_length = min_match_length
@@ -83,8 +85,9 @@ class KVCacheManager:
             return self.host_tier.blocks_needed(req, num_new)
         return self.coordinator.blocks_needed(req, num_new, computed_blocks)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: PerGroup = ()
-                       ) -> list[int] | None:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: PerGroup = ()
+    ) -> list[int] | None:
         """Room for `num_new_tokens` more tokens (plus `computed_blocks`, prefix hits taken
         now): the new blocks' ids, or None when free blocks are short (nothing changes then)."""
         return self.coordinator.allocate(req, num_new_tokens, computed_blocks)

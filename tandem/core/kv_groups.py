@@ -11,6 +11,7 @@ The j-th layer of each group shares one storage row (`layer_slots[layer] = (grou
 
 A model with a single kind of attention has one group of all its layers (the plain layout).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,9 @@ def kv_groups(layer_windows: list[int | None]) -> KVGroups:
         kinds.setdefault(window, []).append(layer)
     if len(kinds) == 1:
         (window,) = kinds
-        return KVGroups((window,), tuple((0, i) for i in range(len(layer_windows))), len(layer_windows))
+        return KVGroups(
+            (window,), tuple((0, i) for i in range(len(layer_windows))), len(layer_windows)
+        )
     g = math.gcd(*(len(layers) for layers in kinds.values()))
     windows: list[int | None] = []
     slots: dict[int, tuple[int, int]] = {}

@@ -1,4 +1,5 @@
 """The executor seam: the scheduler's decision for one step and what the step returns."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

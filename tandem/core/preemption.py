@@ -1,5 +1,6 @@
 """Who is preempted, how, and what L1 must leave to L2: pure helpers, and `Preemption`, the
 scheduler's preemption step (the base of Scheduler: the state it reads is the Scheduler's)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -22,14 +23,23 @@ class PreemptionCosts:
     recompute_cost_per_token: float = 1e-3
 
 
-def pick_victim(candidates: list[Request], running: list[Request], admitted: list[Request], keep_l2: int,
-                max_preemptions: int, last_resort: bool) -> Request | None:
+def pick_victim(
+    candidates: list[Request],
+    running: list[Request],
+    admitted: list[Request],
+    keep_l2: int,
+    max_preemptions: int,
+    last_resort: bool,
+) -> Request | None:
     """The lowest-level, most recently admitted of `candidates` (running requests not yet
     scheduled this step, in level-then-admission order) that was not preempted
     `max_preemptions` times yet (one that was, only as a `last_resort`, when memory must be
     found); never an L2 that would take L2 below `keep_l2` running."""
-    l2_running = sum(1 for r in running if r.level == 2) + sum(1 for r in admitted if r.level == 2) \
-        if keep_l2 else 0
+    l2_running = (
+        sum(1 for r in running if r.level == 2) + sum(1 for r in admitted if r.level == 2)
+        if keep_l2
+        else 0
+    )
     fallback = None
     for req in reversed(candidates):
         if req.level == 2 and keep_l2 and l2_running <= keep_l2:
@@ -40,8 +50,9 @@ def pick_victim(candidates: list[Request], running: list[Request], admitted: lis
     return fallback if last_resort else None
 
 
-def preemption_mode(req: Request, kv: KVCacheManager, mode: PreemptionMode,
-                    costs: PreemptionCosts) -> PreemptionMode:
+def preemption_mode(
+    req: Request, kv: KVCacheManager, mode: PreemptionMode, costs: PreemptionCosts
+) -> PreemptionMode:
     """swap or recompute, whichever costs less for this victim (auto); blocks still in the
     prefix cache make recompute cheap."""
     if mode != PreemptionMode.AUTO:
@@ -53,8 +64,13 @@ def preemption_mode(req: Request, kv: KVCacheManager, mode: PreemptionMode,
     return PreemptionMode.RECOMPUTE
 
 
-def l2_hold(l2_running: list[Request], l2_waiting_head: Request | None, kv: KVCacheManager,
-            l2_floor: int, tokens: int) -> tuple[int, int]:
+def l2_hold(
+    l2_running: list[Request],
+    l2_waiting_head: Request | None,
+    kv: KVCacheManager,
+    l2_floor: int,
+    tokens: int,
+) -> tuple[int, int]:
     """Seats and blocks L1 must leave this step: the blocks the running L2 requests of the
     guaranteed seats need for their `tokens` share, and, while L2 runs below its guaranteed
     seats, a seat and blocks for the first waiting L2."""
@@ -82,10 +98,17 @@ class Preemption:
     num_preemptions: int
     preemptions_by_mode: Counter[str]
 
-    def _victim(self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False
-                ) -> Request | None:
-        return pick_victim(self.running[first:], self.running, step.admitted, keep_l2,
-                           self.config.max_preemptions, last_resort)
+    def _victim(
+        self, first: int, step: StepBudget, keep_l2: int = 0, last_resort: bool = False
+    ) -> Request | None:
+        return pick_victim(
+            self.running[first:],
+            self.running,
+            step.admitted,
+            keep_l2,
+            self.config.max_preemptions,
+            last_resort,
+        )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Take a running request out of the step: its KV swapped to the host tier or dropped

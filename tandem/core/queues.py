@@ -1,5 +1,6 @@
 """Waiting requests by level (a request class's priority, config/request_class.py), the order
 within a level, and the classifier that gives a request its level when the client did not."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -10,7 +11,9 @@ from tandem.config.scheduler import QueueOrder
 from tandem.core.request import Request, RequestStatus
 
 
-def classify(prompt_tokens: int, max_tokens: int | None, l1_max_prompt: int, l1_max_output: int) -> int:
+def classify(
+    prompt_tokens: int, max_tokens: int | None, l1_max_prompt: int, l1_max_output: int
+) -> int:
     """Short prompt and short answer: L1 (interactive); anything else L2. L3 only on request."""
     if prompt_tokens <= l1_max_prompt and max_tokens is not None and max_tokens <= l1_max_output:
         return PRIORITIES["interactive"]
@@ -60,6 +63,8 @@ class WaitingQueues:
             return list(q)
         resumed = [r for r in q if r.status == RequestStatus.PREEMPTED]
         now = self.clock()
-        fresh = sorted((r for r in q if r.status != RequestStatus.PREEMPTED),
-                       key=lambda r: r.num_prompt_tokens - self.aging * (now - r.arrival_time))
+        fresh = sorted(
+            (r for r in q if r.status != RequestStatus.PREEMPTED),
+            key=lambda r: r.num_prompt_tokens - self.aging * (now - r.arrival_time),
+        )
         return resumed + fresh

@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: token ids, progress, and why it ended."""
+
 from __future__ import annotations
 
 import enum
@@ -14,8 +15,10 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens == 0:
         raise ValueError("the prompt is empty")
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(f"the prompt has {num_prompt_tokens} tokens; this engine serves at most "
-                         f"{max_model_len - 1} (max_model_len {max_model_len})")
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens; this engine serves at most "
+            f"{max_model_len - 1} (max_model_len {max_model_len})"
+        )
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,7 +96,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def max_tokens(self) -> int:
@@ -113,7 +116,9 @@ class Request:
         params = self.sampling_params
         last = self.all_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+            if (
+                not params.ignore_eos and last == self.eos_token_id
+            ) or last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True

@@ -1,10 +1,10 @@
 """Per-request sampling options, validated at construction so bad values never reach a step."""
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from typing import Any
-
 
 KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 
@@ -30,8 +30,10 @@ class StructuredOutputsParams:
         given = [name for name in KINDS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, "
-                             f"grammar, structural_tag; got {', '.join(given) or 'none'}")
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar, structural_tag; got {', '.join(given) or 'none'}"
+            )
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
@@ -39,7 +41,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("the JSON schema must be an object (or its JSON text)")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
             raise ValueError("choice must be a non-empty list of non-empty strings")
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
@@ -122,16 +126,22 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
-        if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
-                                       for t, b in self.logit_bias.items()):
+        if self.logit_bias and not all(
+            isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+            for t, b in self.logit_bias.items()
+        ):
             bad("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
@@ -143,8 +153,10 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs must be a StructuredOutputsParams")
             if self.min_tokens:
-                bad("min_tokens cannot be combined with structured outputs: the grammar decides where "
-                    "the output may end")
+                bad(
+                    "min_tokens cannot be combined with structured outputs: the grammar decides where "
+                    "the output may end"
+                )
 
     @property
     def greedy(self) -> bool:

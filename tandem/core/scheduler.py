@@ -11,6 +11,7 @@ L1 and L2 leave idle and is preempted first. A victim is swapped to the host tie
 for recompute, whichever costs less; it resumes ahead of newer requests of its level, and a
 request preempted `max_preemptions` times is no longer chosen while others can be.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,14 +22,17 @@ from tandem.config.scheduler import SchedulerConfig, SchedulingPolicy
 from tandem.core.admission import Admission
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
-    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
 )
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.queues import LEVELS, WaitingQueues
-from tandem.core.step_budget import StepBudget, adapt_throttle
 from tandem.core.request import Request, RequestStatus, check_prompt_length
 from tandem.core.spec_decode import SpecDecodeStats
-from tandem.core.preemption import PreemptionCosts
 from tandem.core.spec_planner import SpecPlanner, Speculation
+from tandem.core.step_budget import StepBudget, adapt_throttle
 
 
 class Scheduler(Admission):
@@ -36,20 +40,27 @@ class Scheduler(Admission):
     (preemption.py); here, the step's plan, the running requests' catch-up and the results."""
 
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, clock: Callable[[], float],
-        max_model_len: int, costs: PreemptionCosts = PreemptionCosts(),
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        clock: Callable[[], float],
+        max_model_len: int,
+        costs: PreemptionCosts = PreemptionCosts(),
         speculation: Speculation = Speculation(),
     ) -> None:
         capacity = kv_manager.token_capacity(config.max_num_batched_tokens)
         if capacity < max_model_len:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool ({capacity} "
-                             "tokens): one request could never fit")
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the KV pool ({capacity} "
+                "tokens): one request could never fit"
+            )
         self.config, self.max_model_len, self.costs = config, max_model_len, costs
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
         self.multilevel = config.scheduling_policy == SchedulingPolicy.MULTILEVEL
-        self.l2_floor = math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel \
-            else 0
+        self.l2_floor = (
+            math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
+        )
         self.waiting = WaitingQueues(config.queue_order, clock)
         self._l1_seen = -math.inf  # when L1 work was last present (see SchedulerConfig.l1_hold_s)
         self.running: list[Request] = []  # by level, then admission order
@@ -57,7 +68,9 @@ class Scheduler(Admission):
         self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
         self._step: StepBudget | None = None  # the last step planned, for top_up
         # Lower-level prompt tokens per step while L1 traffic is present (see observe_step)
-        self._floor_tokens = max(int(config.l2_min_share * config.max_num_batched_tokens), kv_manager.block_size)
+        self._floor_tokens = max(
+            int(config.l2_min_share * config.max_num_batched_tokens), kv_manager.block_size
+        )
         self.lower_prefill_tokens = self._floor_tokens
         self.num_preemptions = 0
         self.preemptions_by_mode: Counter[str] = Counter()
@@ -114,11 +127,18 @@ class Scheduler(Admission):
         # lower_prefill_tokens per step (their share, or what keeps a step near l1_step_time):
         # a step stays short, so an arriving L1 request waits at most one short step, and
         # running L1 requests keep a steady ITL. Their decodes always fit.
-        if self.multilevel and (self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running)):
+        if self.multilevel and (
+            self.waiting.count(1) > 0 or any(r.level == 1 for r in self.running)
+        ):
             self._l1_seen = self.clock()
         l1_active = self.multilevel and self.clock() - self._l1_seen <= cfg.l1_hold_s
-        step = StepBudget(out, budget, budget - reserve, self.lower_prefill_tokens if l1_active else budget,
-                          throttled=l1_active)
+        step = StepBudget(
+            out,
+            budget,
+            budget - reserve,
+            self.lower_prefill_tokens if l1_active else budget,
+            throttled=l1_active,
+        )
         i, blocked = 0, False
         for level in LEVELS if self.multilevel else (2,):
             i = self._schedule_running(level, i, step)
@@ -128,7 +148,10 @@ class Scheduler(Admission):
                 break  # L3 only on capacity that L1 and L2 leave idle
             blocked |= not self._admit_waiting(level, i, step)
             if level == 1 and blocked:
-                step.lower_prefill_cap, step.throttled = budget, False  # L1 cannot get in now: let the rest finish sooner
+                step.lower_prefill_cap, step.throttled = (
+                    budget,
+                    False,
+                )  # L1 cannot get in now: let the rest finish sooner
         self._end_step(step)
         return out
 
@@ -138,8 +161,14 @@ class Scheduler(Admission):
         from preemption must also advance, or an L1 short of blocks preempts itself, step after
         step, forever."""
         cfg, budget = self.config, self.config.max_num_batched_tokens
-        l2_work = self.multilevel and (self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running))
-        return min(max(1, int(cfg.l2_min_share * budget)), budget - 1) if l2_work and cfg.l2_min_share > 0 else 0
+        l2_work = self.multilevel and (
+            self.waiting.count(2) > 0 or any(r.level == 2 for r in self.running)
+        )
+        return (
+            min(max(1, int(cfg.l2_min_share * budget)), budget - 1)
+            if l2_work and cfg.l2_min_share > 0
+            else 0
+        )
 
     def top_up(self, out: SchedulerOutput) -> None:
         """Admit, into the step just planned (`out`, not yet run), requests that arrived since
@@ -174,10 +203,19 @@ class Scheduler(Admission):
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step that ran took `seconds`: adapt the L1 throttle to `l1_step_time` (the engine
         and the simulator call this after each step)."""
-        if self.config.l1_step_time is not None and out.num_throttled_prefill_tokens and seconds > 0:
+        if (
+            self.config.l1_step_time is not None
+            and out.num_throttled_prefill_tokens
+            and seconds > 0
+        ):
             self.lower_prefill_tokens = adapt_throttle(
-                self.lower_prefill_tokens, out.num_throttled_prefill_tokens, seconds, self.config.l1_step_time,
-                self._floor_tokens, self.config.max_num_batched_tokens)
+                self.lower_prefill_tokens,
+                out.num_throttled_prefill_tokens,
+                seconds,
+                self.config.l1_step_time,
+                self._floor_tokens,
+                self.config.max_num_batched_tokens,
+            )
 
     def _schedule_running(self, level: int, i: int, step: StepBudget) -> int:
         """Catch up the running requests of `level` (from index i); returns the next index.
@@ -187,15 +225,23 @@ class Scheduler(Admission):
             req = self.running[i]
             pending = req.num_tokens_with_placeholders - req.num_computed_tokens
             cap = step.cap(level, pending)
-            if cap <= 0 or pending <= 0 or (req.num_output_placeholders
-                                            and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens):
+            if (
+                cap <= 0
+                or pending <= 0
+                or (
+                    req.num_output_placeholders
+                    and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens
+                )
+            ):
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
             k = self.planner.num_drafts(req, pending, cap)
             num_new = min(pending, cap) + k
             lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
             new_block_ids = self._allocate(req, num_new + lookahead, step)
-            if new_block_ids is None and (k or lookahead):  # blocks are short: drop the drafts first
+            if new_block_ids is None and (
+                k or lookahead
+            ):  # blocks are short: drop the drafts first
                 k, lookahead, num_new = 0, 0, min(pending, cap)
                 new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None and num_new > 1:  # a shorter prefill chunk may fit
@@ -213,7 +259,8 @@ class Scheduler(Admission):
             if new_block_ids is None:
                 continue  # req preempted itself; index i now holds the next request
             step.out.scheduled_cached_reqs.append(
-                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
+            )
             self.planner.schedule(req, k, lookahead, step.out)
             step.commit(req, num_new)
             i += 1
@@ -256,11 +303,18 @@ class Scheduler(Admission):
             if not new_ids:
                 continue
             lps = result.logprobs.get(req_id)
-            outputs.append(EngineCoreOutput(
-                req_id, new_ids, lps[:len(new_ids)] if lps else None,
-                req.finish_reason, req.stop_reason, num_drafts, num_accepted,
-                result.prompt_logprobs.get(req_id),
-            ))
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_ids,
+                    lps[: len(new_ids)] if lps else None,
+                    req.finish_reason,
+                    req.stop_reason,
+                    num_drafts,
+                    num_accepted,
+                    result.prompt_logprobs.get(req_id),
+                )
+            )
             if req.status.finished:
                 finished = True
                 if not was_running:

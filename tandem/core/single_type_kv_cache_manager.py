@@ -5,6 +5,7 @@ group, all over the one block pool the coordinator (kv_cache_coordinator.py) sha
 A sliding-window group's blocks behind the window of a request's next query are freed and replaced
 by `null_block` (never allocated to anyone, never read unmasked), so only the window's blocks stay
 held; a full-attention group keeps every block."""
+
 from __future__ import annotations
 
 from typing import cast
@@ -56,8 +57,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    def __init__(self, pool: BlockPool, block_size: int, group_id: int, null_block: KVBlock,
-                 window: int) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, group_id: int, null_block: KVBlock, window: int
+    ) -> None:
         super().__init__(pool, block_size, group_id)
         self.null_block, self.window = null_block, window
         self._num_skipped: dict[str, int] = {}  # blocks before this are freed (or null) already

@@ -9,6 +9,7 @@ drafts plus one token of the target's own. Rejected positions are rolled back by
 `num_computed_tokens`; drafts never enter `Request.all_token_ids`, so the prefix cache, which
 indexes only those, never holds an unverified token.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

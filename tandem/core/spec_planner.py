@@ -7,6 +7,7 @@ while a request is fitted into it, `schedule` or `admit` once it is, and `after_
 tokens are known. The engine asks `will_draft` before planning a step and reports each step's
 cost to `observe_step`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,15 +73,22 @@ class SpecPlanner:
         flight), and no more than this step's k (a draft model's lookahead was sized by it)."""
         if pending != 1 or req.num_output_placeholders:
             return 0
-        return num_drafts(min(len(req.spec.draft_token_ids), self._max_drafts), budget_left,
-                          req.max_tokens - req.num_output_tokens)
+        return num_drafts(
+            min(len(req.spec.draft_token_ids), self._max_drafts),
+            budget_left,
+            req.max_tokens - req.num_output_tokens,
+        )
 
     def lookahead(self, req: Request, num_scheduled_end: int) -> int:
         """KV slots past this step's positions for the drafts a draft model proposes in it: only
         when the step samples the request's token (its scheduled positions end at
         `num_scheduled_end`), the request speculates, and it may still emit more than one token
         after this step (a verify step of d drafts emits up to d + 1)."""
-        if not self.max_lookahead or not req.sampling_params.drafts or num_scheduled_end < req.num_tokens_with_placeholders:
+        if (
+            not self.max_lookahead
+            or not req.sampling_params.drafts
+            or num_scheduled_end < req.num_tokens_with_placeholders
+        ):
             return 0
         rest = req.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1
         # the drafts proposed in this step are verified in the next: its k, chosen in plan()
@@ -99,8 +107,9 @@ class SpecPlanner:
         if lookahead:
             out.spec.num_lookahead_tokens[req.request_id] = lookahead
 
-    def after_step(self, req: Request, sched: SchedulerOutput, result: ModelRunnerOutput,
-                   num_sampled: int) -> tuple[int, int]:
+    def after_step(
+        self, req: Request, sched: SchedulerOutput, result: ModelRunnerOutput, num_sampled: int
+    ) -> tuple[int, int]:
         """The step's `num_sampled` tokens were appended to `req`: roll back its rejected
         drafts, count them, keep the drafts proposed for its next step. Returns (drafts
         verified, accepted).
@@ -129,14 +138,22 @@ class SpecPlanner:
         self.policy.trace = callback
         return True
 
-    def observe_step(self, out: SchedulerOutput, seconds: float, proposal_seconds: float = 0.0) -> None:
+    def observe_step(
+        self, out: SchedulerOutput, seconds: float, proposal_seconds: float = 0.0
+    ) -> None:
         """A step that ran took `seconds` as throughput sees it (the executor's time and its
         idle wait before the step), `proposal_seconds` of them proposing the next step's drafts."""
         if self.policy is None:
             return
         drafts = out.spec.draft_token_ids
         pure_decode = not out.scheduled_new_reqs and all(
-            n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
-        self.policy.observe_step(out.total_num_scheduled_tokens, seconds,
-                                 len(out.num_scheduled_tokens) if pure_decode else 0, out.spec.drafting,
-                                 tuple(map(len, drafts.values())), proposal_seconds)
+            n == 1 + len(drafts.get(rid, ())) for rid, n in out.num_scheduled_tokens.items()
+        )
+        self.policy.observe_step(
+            out.total_num_scheduled_tokens,
+            seconds,
+            len(out.num_scheduled_tokens) if pure_decode else 0,
+            out.spec.drafting,
+            tuple(map(len, drafts.values())),
+            proposal_seconds,
+        )

@@ -1,4 +1,5 @@
 """Token accounting of one schedule() call, per level, and the L1 throttle's adaptation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,7 +47,9 @@ class StepBudget:
             req.num_output_placeholders += 1  # this step samples a token, known only after it ran
 
 
-def adapt_throttle(tokens: int, used: int, seconds: float, target: float, floor: int, ceiling: int) -> int:
+def adapt_throttle(
+    tokens: int, used: int, seconds: float, target: float, floor: int, ceiling: int
+) -> int:
     """Lower-level prompt tokens per step under the L1 throttle, after a step that held `used`
     of them under a throttle of `tokens` and took `seconds` against a `target`. Over the target:
     fewer, in proportion (decodes may be what made it long: L1 comes first). Under it: more,

@@ -2,6 +2,7 @@
 strings) in the API process, the engine core in its own process (or, `in_process=True`, on a
 thread of this one, with the same messages: for tests). Each request streams its outputs to the
 asyncio side through a queue; outputs are processed on the client's receiver thread."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,19 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.core_client import EngineCoreClient
-from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreOutputs, EngineDead, RequestErrors,
-                                         SchedulerStats, UtilityMessage, UtilityResult, child_ids, remote_error,
-                                         utility_call)
+from tandem.engine.core_messages import (
+    AbortRequests,
+    AddResult,
+    EngineCoreOutputs,
+    EngineDead,
+    RequestErrors,
+    SchedulerStats,
+    UtilityMessage,
+    UtilityResult,
+    child_ids,
+    remote_error,
+    utility_call,
+)
 from tandem.engine.input_processor import InputProcessor, PromptType
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.precision import PrecisionRouter
@@ -51,17 +62,26 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, in_process: bool = False,
-                 on_dead: Callable[[str], None] | None = None, engine_niceness: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        in_process: bool = False,
+        on_dead: Callable[[str], None] | None = None,
+        engine_niceness: int = 0,
+    ) -> None:
         self.config = config
         model = config.model_config
         self.tokenizer = get_tokenizer(model.model, model.tokenizer, model.chat_template)
         # Metrics hook, on the receiver thread: after each step (with its duration) and with
         # None for requests that ended outside a step (aborted).
-        self.on_step: Callable[[float | None, list[RequestOutput], SchedulerStats | None], None] | None = None
+        self.on_step: (
+            Callable[[float | None, list[RequestOutput], SchedulerStats | None], None] | None
+        ) = None
         self.on_dead = on_dead  # called once, on the receiver thread, when the engine core dies
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = SchedulerStats()  # the engine's state after its latest step (first: the handshake's)
+        self.stats = (
+            SchedulerStats()
+        )  # the engine's state after its latest step (first: the handshake's)
         self._lock = threading.Lock()  # the output processor and the tables below
         self._streams: dict[str, _Stream] = {}
         self._unanswered_adds = 0
@@ -69,20 +89,33 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._dead: str | None = None
-        self._client = EngineCoreClient(config, self._on_event, self._on_dead, in_process,
-                                        niceness=engine_niceness)
+        self._client = EngineCoreClient(
+            config, self._on_event, self._on_dead, in_process, niceness=engine_niceness
+        )
         ready = self._client.ready
         # The engine facts (from the core's ready handshake).
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
-        self.eos_token_id, self.block_size, self.num_kv_blocks = ready.eos_token_id, ready.block_size, ready.num_kv_blocks
+        self.eos_token_id, self.block_size, self.num_kv_blocks = (
+            ready.eos_token_id,
+            ready.block_size,
+            ready.num_kv_blocks,
+        )
         self.weight_bytes = ready.weight_bytes
         self.engine_pid = ready.pid
-        self.engine_core = self._client.engine_core  # in_process only: the EngineCore (tests); else None
+        self.engine_core = (
+            self._client.engine_core
+        )  # in_process only: the EngineCore (tests); else None
         self.stats = ready.stats
-        self.precisions = PrecisionRouter(config.quant_config, ready.default_precision,
-                                          ready.unavailable_precisions)
-        self.input_processor = InputProcessor(config.scheduler_config, self.tokenizer,
-                                              self.vocab_size, self.max_model_len, self.precisions)
+        self.precisions = PrecisionRouter(
+            config.quant_config, ready.default_precision, ready.unavailable_precisions
+        )
+        self.input_processor = InputProcessor(
+            config.scheduler_config,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.precisions,
+        )
 
     @property
     def alive(self) -> bool:
@@ -104,9 +137,15 @@ class AsyncLLM:
         self._client.shutdown()
 
     # ---- asyncio side -------------------------------------------------------------
-    def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                 priority: int | None = None, precision: str | None = None,
-                 kv_transfer: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int | None = None,
+        precision: str | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Queues the request at once (so admission control counts it), then yields a
         snapshot per step that produced tokens; the last one has finished=True. Bad input is a
         ValueError (nothing queued): the front end's rules at the call, the core's (a reused id,
@@ -119,13 +158,21 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = self.input_processor.process(request_id, prompt, params, None, priority, precision)
+        request = self.input_processor.process(
+            request_id, prompt, params, None, priority, precision
+        )
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         request.kv_transfer = kv_transfer
         with self._lock:
-            self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None,
-                                      request.prompt_token_ids, list(zip(child_ids(request_id, params.n), request.params)),
-                                      request.arrival_time, request.priority, request.precision)
+            self.output_processor.add(
+                request_id,
+                prompt if isinstance(prompt, str) else None,
+                request.prompt_token_ids,
+                list(zip(child_ids(request_id, params.n), request.params)),
+                request.arrival_time,
+                request.priority,
+                request.precision,
+            )
             self._streams[request_id] = stream
             self._unanswered_adds += 1
         self._client.send(request)
@@ -199,7 +246,9 @@ class AsyncLLM:
             for request_id in msg.request_ids:
                 with self._lock:
                     stream = self._streams.pop(request_id, None)
-                    self.output_processor.abort(self.output_processor.child_ids(request_id), "error")
+                    self.output_processor.abort(
+                        self.output_processor.child_ids(request_id), "error"
+                    )
                 if stream is not None:
                     _put(stream, RuntimeError(msg.message))
         elif isinstance(msg, EngineDead):
@@ -219,7 +268,9 @@ class AsyncLLM:
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
         if msg.stats is not None:
             # the core sends its cached-prefix list only when it takes one (every 0.2 s at most)
-            msg.stats.instance.setdefault("cached_prefixes", self.stats.instance.get("cached_prefixes", []))
+            msg.stats.instance.setdefault(
+                "cached_prefixes", self.stats.instance.get("cached_prefixes", [])
+            )
             self.stats = msg.stats
         with self._lock:
             self.output_processor.on_scheduled(msg.scheduled)

@@ -1,6 +1,7 @@
 """One end of the link between the API process and the engine core: a ZeroMQ PULL socket it
 receives on and a PUSH socket it sends on (ipc), msgpack (msgspec) both ways. The API side binds,
 the core connects. No high-water mark: a send never blocks the event loop or a step."""
+
 from __future__ import annotations
 
 import threading

@@ -2,20 +2,26 @@
 template. The server's chat route and /tokenize, the router's prefix hashing and `LLM.chat` all
 call `apply_chat_template`, so the router hashes exactly the tokens the instance will cache and
 /tokenize counts exactly what a chat request would send."""
+
 from __future__ import annotations
 
 import functools
 import inspect
 from typing import Any
 
-NO_TEMPLATE = "this model has no chat template: send a plain prompt (text or token ids), not messages"
+NO_TEMPLATE = (
+    "this model has no chat template: send a plain prompt (text or token ids), not messages"
+)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        tools: list[dict[str, Any]] | None = None,
-                        add_generation_prompt: bool = True,
-                        chat_template_kwargs: dict[str, Any] | None = None,
-                        continue_final_message: bool = False) -> str:
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+) -> str:
     """The prompt text. `messages` as chat templates read them (role, content, and tool fields
     where given); `tools` in OpenAI's form, rendered by templates that know tools; extra template
     variables in `chat_template_kwargs` (one the template does not read has no effect);
@@ -31,9 +37,13 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
     if tools:
         extra["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **extra)
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
     except Exception as e:  # the template's own checks (roles, alternation, ...) raise anything
         raise ValueError(f"messages: {e}") from None
 
@@ -47,7 +57,10 @@ def template_variables(tokenizer: Any) -> frozenset[str]:
 def _own_parameters(tokenizer: Any) -> set[str]:
     """apply_chat_template's own arguments (tokenize, tools, ...): not template variables."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages", "conversation"}
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD} | {
+        "messages",
+        "conversation",
+    }
 
 
 @functools.lru_cache(maxsize=16)

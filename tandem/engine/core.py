@@ -3,6 +3,7 @@ tokenised and validated (EngineCoreRequest); out: per-step EngineCoreOutputs del
 The step loop is schedule -> execute -> update, overlapped with async scheduling (see
 step_pipeline.py). It runs in the engine-core process behind a server (core_proc.py) and in
 the caller's process offline (llm_engine.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -16,14 +17,22 @@ import msgspec
 from tandem.config import EngineConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import PDConnector
-from tandem.core.preemption import PreemptionCosts
 from tandem.core.outputs import EngineCoreOutput
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_planner import Speculation
-from tandem.engine.core_messages import (CompileGrammar, EngineCoreOutputs, EngineCoreRequest, GetSchedulerStats,
-                                         ScheduledEvent, SchedulerStats, UtilityMessage, child_ids)
+from tandem.engine.core_messages import (
+    CompileGrammar,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    GetSchedulerStats,
+    ScheduledEvent,
+    SchedulerStats,
+    UtilityMessage,
+    child_ids,
+)
 from tandem.engine.core_stats import StepStats
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
@@ -38,56 +47,79 @@ log = logging.getLogger(__name__)
 ExecutorFactory = Callable[[EngineConfig, Any, GrammarCompiler], Executor]
 
 
-def model_runner_factory(config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler) -> Executor:
+def model_runner_factory(
+    config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler
+) -> Executor:
     """The default executor: the model runner (imported here: torch only where it runs)."""
     from tandem.executor.model_runner import ModelRunner
+
     return ModelRunner(config, model_dir, grammar_compiler)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory) -> None:
+    def __init__(
+        self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory
+    ) -> None:
         self.config = config
         model, cache, sched_cfg = config.model_config, config.cache_config, config.scheduler_config
         self.model_dir = resolve_model(model.model)
         # the grammar compiler's vocabulary, and EOS
-        self.tokenizer = get_tokenizer(model.model, model.tokenizer, model.chat_template,
-                                       self.model_dir)
+        self.tokenizer = get_tokenizer(
+            model.model, model.tokenizer, model.chat_template, self.model_dir
+        )
         mcfg = ModelConfig.from_hf(load_config(self.model_dir))
         self.vocab_size = mcfg.vocab_size
         eos = mcfg.eos_token_ids[:1]
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_id = eos[0] if eos else None
-        self.pipeline = StepPipeline(lambda sched: self.executor.execute_model(sched),
-                                     sched_cfg.async_scheduling)
+        self.pipeline = StepPipeline(
+            lambda sched: self.executor.execute_model(sched), sched_cfg.async_scheduling
+        )
         # Structured outputs: compiles constraints off the step path; the executor masks with them.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
         # Built on the thread that runs its steps: one OpenMP team in the process on CPU (a
         # second one, idle, makes OpenMP throttle its waits: slower steps when cores are few).
-        self.executor: Executor = self.pipeline.call(executor_factory, config, self.model_dir, self.grammar_compiler)
+        self.executor: Executor = self.pipeline.call(
+            executor_factory, config, self.model_dir, self.grammar_compiler
+        )
         self.kv_manager = KVCacheManager(
-            self.executor.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
-            cache.max_prefix_tokens, cache.min_match_length, self.executor.num_host_blocks,
+            self.executor.num_kv_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.max_prefix_tokens,
+            cache.min_match_length,
+            self.executor.num_host_blocks,
             self.executor.kv_group_windows,
         )
-        self.max_model_len = min(model.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings,
-                                 self.kv_manager.token_capacity(sched_cfg.max_num_batched_tokens))
+        self.max_model_len = min(
+            model.max_model_len or mcfg.max_position_embeddings,
+            mcfg.max_position_embeddings,
+            self.kv_manager.token_capacity(sched_cfg.max_num_batched_tokens),
+        )
         self.scheduler = Scheduler(
-            sched_cfg, self.kv_manager, time.monotonic, self.max_model_len,
+            sched_cfg,
+            self.kv_manager,
+            time.monotonic,
+            self.max_model_len,
             PreemptionCosts(*self.executor.preemption_costs()),
             Speculation.of(config.speculative_config),
         )
         # KV received from other instances: blocks reserved and pinned here (the scheduler
         # side), written by the handoff (the worker side), which waits for the steps in flight
         self.kv_connector = PDConnector(self.kv_manager.coordinator, self.scheduler.requests)
-        self.kv_handoff = KVHandoff(self.kv_connector, self.executor,
-                                    lambda: self.pipeline.in_flight())
+        self.kv_handoff = KVHandoff(
+            self.kv_connector, self.executor, lambda: self.pipeline.in_flight()
+        )
         self._children: dict[str, list[str]] = {}
-        self._handlers: dict[type, Callable[..., Any]] = {CompileGrammar: self.compile_grammar,
-                                                          GetSchedulerStats: self.scheduler_stats}
+        self._handlers: dict[type, Callable[..., Any]] = {
+            CompileGrammar: self.compile_grammar,
+            GetSchedulerStats: self.scheduler_stats,
+        }
         self._on_add_hooks: list[Callable[[str, dict, bool], None]] = []
-        self._waiters = ThreadPoolExecutor(2, thread_name_prefix="tandem-utility")  # utilities that wait
+        self._waiters = ThreadPoolExecutor(
+            2, thread_name_prefix="tandem-utility"
+        )  # utilities that wait
         self._scheduled: list[ScheduledEvent] = []
         # Called between two overlapped steps, before the later one is topped up: the core
         # process takes in the requests that arrived while the earlier one ran.
@@ -98,14 +130,19 @@ class EngineCore:
         self.grammar_compiler.on_compile = self.stats.record_compile
 
     # ---- admission ----------------------------------------------------------------
-    def register_utilities(self, handlers: Mapping[type, Callable[..., Any]],
-                           on_add: Callable[[str, dict, bool], None] | None = None) -> None:
+    def register_utilities(
+        self,
+        handlers: Mapping[type, Callable[..., Any]],
+        on_add: Callable[[str, dict, bool], None] | None = None,
+    ) -> None:
         """Answer these utility message types (a handler gets the message's fields as keyword
         arguments); `on_add(request_id, kv_transfer, accepted)` runs right after each add that
         carries kv_transfer."""
         taken = handlers.keys() & self._handlers.keys()
         if taken:
-            raise ValueError(f"engine-core utilities already handled: {sorted(t.__name__ for t in taken)}")
+            raise ValueError(
+                f"engine-core utilities already handled: {sorted(t.__name__ for t in taken)}"
+            )
         self._handlers.update(handlers)
         if on_add is not None:
             self._on_add_hooks.append(on_add)
@@ -138,14 +175,23 @@ class EngineCore:
                 # Compiled (or found in the cache) before anything is queued; the server
                 # compiles it first through the compile_grammar utility, off the step loop.
                 self.grammar_compiler.get(params.structured_outputs)
-        if not self._children:  # no request left (a step for none may still be in flight): work starts now
+        if (
+            not self._children
+        ):  # no request left (a step for none may still be in flight): work starts now
             self.stats.busy_since = time.perf_counter()
         first = None
         for cid, params in zip(ids, request.params):
-            req = Request(cid, request.prompt_token_ids, params, request.arrival_time, self.eos_token_id,
-                          priority=request.priority, precision=request.precision, cache_salt=request.cache_salt,
-                          prefill_after=first if self.config.cache_config.enable_prefix_caching
-                          else None)
+            req = Request(
+                cid,
+                request.prompt_token_ids,
+                params,
+                request.arrival_time,
+                self.eos_token_id,
+                priority=request.priority,
+                precision=request.precision,
+                cache_salt=request.cache_salt,
+                prefill_after=first if self.config.cache_config.enable_prefix_caching else None,
+            )
             first = first or req
             self.scheduler.add_request(req)
         self._children[rid] = ids
@@ -157,9 +203,15 @@ class EngineCore:
             try:
                 hook(request.request_id, request.kv_transfer, accepted)
             except Exception:
-                log.warning("on_add of %s failed; the request goes on without it", request.request_id, exc_info=True)
+                log.warning(
+                    "on_add of %s failed; the request goes on without it",
+                    request.request_id,
+                    exc_info=True,
+                )
 
-    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def abort_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """Finish requests (by parent id) or single sequences; unknown ids are ignored."""
         seqs = []
         for rid in request_ids:
@@ -215,7 +267,9 @@ class EngineCore:
                 try:
                     done = self.pipeline.pop()
                 except BaseException:
-                    self.scheduler.requeue_finished(sched.finished_req_ids)  # the planned step never runs
+                    self.scheduler.requeue_finished(
+                        sched.finished_req_ids
+                    )  # the planned step never runs
                     raise
                 t0 = time.perf_counter()
                 if self.on_step_boundary is not None:
@@ -225,8 +279,14 @@ class EngineCore:
             self.kv_connector.build_connector_meta(sched)
             for new in sched.scheduled_new_reqs:
                 req = self.scheduler.requests[new.req_id]
-                self._scheduled.append(ScheduledEvent(new.req_id, req.first_scheduled_time,
-                                                      req.num_cached_tokens, req.num_preemptions))
+                self._scheduled.append(
+                    ScheduledEvent(
+                        new.req_id,
+                        req.first_scheduled_time,
+                        req.num_cached_tokens,
+                        req.num_preemptions,
+                    )
+                )
             self.pipeline.submit(sched)
         if done is None:
             if len(self.pipeline) == 0 or (self.pipeline.overlap and not sched.is_empty):

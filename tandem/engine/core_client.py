@@ -2,6 +2,7 @@
 in-process mode), sends it messages, and hands each message it sends back to `on_event` on a
 receiver thread. Engine-core death (the process gone, the thread ended) is noticed within
 DEATH_CHECK_S and reported once to `on_dead`."""
+
 from __future__ import annotations
 
 import logging
@@ -23,23 +24,39 @@ DEATH_CHECK_S = 0.1
 STARTUP_TIMEOUT_S = 900.0  # building the engine: loading (and converting) weights, compiling
 
 
-def _run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
-                     log_level: int, niceness: int) -> None:
+def _run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    log_level: int,
+    niceness: int,
+) -> None:
     """The engine-core process's entry, named here so that starting it imports nothing heavy on
     this (the front end's) side: the core's modules bring in torch."""
     from tandem.engine.core_proc import run_engine_core
+
     run_engine_core(config, input_addr, output_addr, parent_pid, log_level, niceness)
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, on_event: Callable[[Any], None], on_dead: Callable[[str], None],
-                 in_process: bool = False, startup_timeout: float = STARTUP_TIMEOUT_S, niceness: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_event: Callable[[Any], None],
+        on_dead: Callable[[str], None],
+        in_process: bool = False,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+        niceness: int = 0,
+    ) -> None:
         """niceness: the engine-core process's CPU niceness (0-19; the caller's stays), so that on a
         machine with few cores this process (HTTP, detokenising, SSE) runs when it wakes."""
         if not isinstance(niceness, int) or not 0 <= niceness <= 19:
             raise ValueError(f"engine niceness must be an integer in [0, 19], got {niceness!r}")
         if niceness and in_process:
-            raise ValueError("engine niceness applies to an engine core in its own process, not in-process")
+            raise ValueError(
+                "engine niceness applies to an engine core in its own process, not in-process"
+            )
         self._on_event, self._on_dead = on_event, on_dead
         self._dir = tempfile.mkdtemp(prefix="tandem-core-")
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
@@ -61,13 +78,24 @@ class EngineCoreClient:
                     proc.run()
                 except BaseException:
                     log.exception("in-process engine core ended")
+
             self._thread = threading.Thread(target=run, name="tandem-engine-core", daemon=True)
             self._thread.start()
         else:
             ctx = multiprocessing.get_context("spawn")
-            self.process = ctx.Process(target=_run_engine_core, name="tandem-engine-core", daemon=True,
-                                       args=(config, input_addr, output_addr, os.getpid(),
-                                             logging.getLogger().getEffectiveLevel(), niceness))
+            self.process = ctx.Process(
+                target=_run_engine_core,
+                name="tandem-engine-core",
+                daemon=True,
+                args=(
+                    config,
+                    input_addr,
+                    output_addr,
+                    os.getpid(),
+                    logging.getLogger().getEffectiveLevel(),
+                    niceness,
+                ),
+            )
             self.process.start()
         try:
             self.ready = self._wait_ready(startup_timeout)
@@ -76,7 +104,9 @@ class EngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
-        self._receiver = threading.Thread(target=self._receive, name="tandem-core-client", daemon=True)
+        self._receiver = threading.Thread(
+            target=self._receive, name="tandem-core-client", daemon=True
+        )
         self._receiver.start()
 
     @property

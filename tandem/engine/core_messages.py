@@ -5,6 +5,7 @@ A utility (work the core does between two steps for the API side: P/D KV transfe
 compile, the stats) is a message type of its own, answered by the handler registered for that
 type (`EngineCore.register_utilities`); its fields are the handler's keyword arguments. It
 crosses inside a `UtilityCall` still encoded, so a malformed one is refused with its call's id."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,7 +32,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     priority: int
     precision: str
     cache_salt: str | None = None
-    kv_transfer: dict[str, Any] | None = None  # opaque to the core: handed to the registered on_add hooks
+    kv_transfer: dict[str, Any] | None = (
+        None  # opaque to the core: handed to the registered on_add hooks
+    )
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -111,8 +114,18 @@ class DrainKV(msgspec.Struct, tag="drain_kv"):
     peer: int | None
 
 
-UtilityMessage = (CompileGrammar | GetSchedulerStats | JoinKVGroup | CheckKVPeer | SendKV | MigrateOut | KVSent
-                  | ReceiveKV | ReleaseKV | DrainKV)
+UtilityMessage = (
+    CompileGrammar
+    | GetSchedulerStats
+    | JoinKVGroup
+    | CheckKVPeer
+    | SendKV
+    | MigrateOut
+    | KVSent
+    | ReceiveKV
+    | ReleaseKV
+    | DrainKV
+)
 UTILITY_MESSAGES: tuple[type, ...] = UtilityMessage.__args__
 _utility_decoder = msgspec.msgpack.Decoder(UtilityMessage)
 
@@ -133,7 +146,9 @@ def decode_utility(call: UtilityCall) -> UtilityMessage:
     """The call's message; ValueError naming what is wrong for an unknown or malformed one."""
     try:
         return _utility_decoder.decode(call.message)
-    except msgspec.DecodeError as e:  # ValidationError too: an unknown type, a missing or mistyped field
+    except (
+        msgspec.DecodeError
+    ) as e:  # ValidationError too: an unknown type, a missing or mistyped field
         raise ValueError(f"malformed engine-core utility message: {e}") from None
 
 
@@ -245,5 +260,6 @@ def remote_error(type_name: str, message: str) -> Exception:
         return TimeoutError(message)
     if type_name == "KVPoolFullError":
         from tandem.core.kv_connector.pd import KVPoolFullError
+
         return KVPoolFullError(message)
     return RuntimeError(f"{type_name}: {message}")

@@ -3,6 +3,7 @@ driven by a busy loop. Between steps it takes in every add, abort and utility ca
 the socket; between two overlapped steps (async scheduling) it admits arrivals only, up to the
 first other command, so a block freed now is never handed out while a step still reads it.
 The same loop runs on a thread of the API process in the in-process mode (tests)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -19,9 +20,21 @@ from tandem.config import EngineConfig
 from tandem.core.request import RequestStatus
 from tandem.engine.channel import Channel
 from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
-from tandem.engine.core_messages import (AbortRequests, AddResult, EngineCoreInput, EngineCoreOutputs,
-                                         EngineCoreRequest, EngineDead, Ready, RequestErrors, Shutdown,
-                                         UtilityCall, UtilityResult, decode_utility, error_of)
+from tandem.engine.core_messages import (
+    AbortRequests,
+    AddResult,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    Ready,
+    RequestErrors,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+    decode_utility,
+    error_of,
+)
 from tandem.engine.pd_service import PDService
 from tandem.heap import freeze_startup_heap
 
@@ -31,8 +44,13 @@ PR_SET_PDEATHSIG = 1
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
-                 executor_factory: ExecutorFactory = model_runner_factory) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_addr: str,
+        output_addr: str,
+        executor_factory: ExecutorFactory = model_runner_factory,
+    ) -> None:
         self._channel = Channel(input_addr, output_addr, bind=False, decode_type=EngineCoreInput)
         self._send = self._channel.send  # also from utility Futures' threads
         try:
@@ -48,9 +66,18 @@ class EngineCoreProc:
         self._stop = False
         ex = self.core.executor
         # sent as run() starts: in its own process the core freezes its startup heap in between
-        self._ready = Ready(self.core.max_model_len, self.core.vocab_size, self.core.eos_token_id, ex.block_size,
-                            ex.num_kv_blocks, ex.variants.default, dict(ex.variants.unavailable),
-                            dict(ex.variants.weight_bytes), os.getpid(), self.core.scheduler_stats())
+        self._ready = Ready(
+            self.core.max_model_len,
+            self.core.vocab_size,
+            self.core.eos_token_id,
+            ex.block_size,
+            ex.num_kv_blocks,
+            ex.variants.default,
+            dict(ex.variants.unavailable),
+            dict(ex.variants.weight_bytes),
+            os.getpid(),
+            self.core.scheduler_stats(),
+        )
 
     def close(self) -> None:
         self._channel.close(linger_ms=1000)  # what is sent still leaves
@@ -66,7 +93,9 @@ class EngineCoreProc:
                 if core.has_unfinished_requests():
                     self._step()
                 elif handled:  # an abort or add that ran no step: the stats still change
-                    self._send(EngineCoreOutputs([], time.monotonic(), stats=core.scheduler_stats()))
+                    self._send(
+                        EngineCoreOutputs([], time.monotonic(), stats=core.scheduler_stats())
+                    )
         finally:
             core.pipeline.shutdown()
             self.close()
@@ -115,7 +144,9 @@ class EngineCoreProc:
             else:
                 self._send(AddResult(msg.request_id))
         elif isinstance(msg, AbortRequests):
-            status = RequestStatus.FINISHED_STOPPED if msg.stopped else RequestStatus.FINISHED_ABORTED
+            status = (
+                RequestStatus.FINISHED_STOPPED if msg.stopped else RequestStatus.FINISHED_ABORTED
+            )
             self.core.abort_requests(msg.request_ids, status)
         elif isinstance(msg, UtilityCall):
             self._call_utility(msg)
@@ -155,19 +186,29 @@ def _die_with_parent(parent_pid: int) -> None:
             if os.getppid() != parent_pid:
                 os._exit(1)
             time.sleep(0.5)
+
     threading.Thread(target=watch, name="tandem-parent-watchdog", daemon=True).start()
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
-                    log_level: int = logging.INFO, niceness: int = 0) -> None:
+def run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    log_level: int = logging.INFO,
+    niceness: int = 0,
+) -> None:
     """The engine-core process's entry point (what core_client's spawn target runs)."""
     _die_with_parent(parent_pid)
     # Ctrl-C, and a SIGTERM to the whole process group (systemd, a terminal), reach this process
     # too: the API process drains first, then sends Shutdown (or dies, and this process with it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s"
+    )
     import torch
+
     # The cores go to the engine; the API process runs no torch (see docs/architecture.md).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(config.device_config.num_threads or cores or 1)

@@ -7,6 +7,7 @@ prefill backlog, the preempted requests waiting and the cached-prefix summary at
 `full_interval` seconds, and always when the engine goes idle, so an idle instance never
 reports stale load. Its keys are `tandem.cluster.policy.routing.InstanceState`'s fields plus a few
 extras (block size, per level); the API side adds model, role and elastic."""
+
 from __future__ import annotations
 
 import collections
@@ -51,7 +52,13 @@ class StepStats:
         work: what overlap removes). KV pool figures after each step: utilisation (tokens
         stored / capacity of the blocks held; 1 - internal fragmentation), summed to give a
         mean, and peak usage of the pool."""
-        self.phase_times = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "gap": 0.0, "propose": 0.0}
+        self.phase_times = {
+            "schedule": 0.0,
+            "execute": 0.0,
+            "update": 0.0,
+            "gap": 0.0,
+            "propose": 0.0,
+        }
         self.num_steps = self.num_gaps = 0
         self.kv_utilization_sum = 0.0
         self.kv_usage_peak = 0.0
@@ -68,7 +75,9 @@ class StepStats:
         self.kv_utilization_sum += kv.utilization
         self.kv_usage_peak = max(self.kv_usage_peak, kv.usage)
         self.phase_times["execute"] += done.end - done.start
-        self.phase_times["propose"] += done.result.propose_time  # within execute: the next step's drafts
+        self.phase_times["propose"] += (
+            done.result.propose_time
+        )  # within execute: the next step's drafts
         # Idle time before the first step after the engine got work is not a gap.
         gap = 0.0
         if self._last_execute_end is not None and self._last_execute_end >= self.busy_since:
@@ -84,16 +93,27 @@ class StepStats:
         waiting = {f"L{lv}": s.waiting.count(lv) for lv in LEVELS}
         running = collections.Counter(f"L{r.level}" for r in s.running)
         return SchedulerStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            running_by_level={f"L{lv}": running.get(f"L{lv}", 0) for lv in LEVELS}, waiting_by_level=waiting,
-            kv_usage=kv.usage, kv_utilization=kv.utilization, kv_free_blocks=kv.num_free_blocks,
-            kv_total_blocks=kv.num_blocks, host_free_blocks=host.num_free_host_blocks,
-            host_total_blocks=host.num_host_blocks, num_swapped=host.num_swapped,
-            prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits, num_preemptions=s.num_preemptions,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            running_by_level={f"L{lv}": running.get(f"L{lv}", 0) for lv in LEVELS},
+            waiting_by_level=waiting,
+            kv_usage=kv.usage,
+            kv_utilization=kv.utilization,
+            kv_free_blocks=kv.num_free_blocks,
+            kv_total_blocks=kv.num_blocks,
+            host_free_blocks=host.num_free_host_blocks,
+            host_total_blocks=host.num_host_blocks,
+            num_swapped=host.num_swapped,
+            prefix_queries=kv.stats.queries,
+            prefix_hits=kv.stats.hits,
+            num_preemptions=s.num_preemptions,
             preemptions_by_mode=dict(s.preemptions_by_mode),
-            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=list(spec.accepted_per_pos),
-            instance=self.instance_load(), grammar_compiles=self._take_compiles(),
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
+            instance=self.instance_load(),
+            grammar_compiles=self._take_compiles(),
         )
 
     def _take_compiles(self) -> list[tuple[str, float]]:

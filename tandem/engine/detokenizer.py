@@ -1,4 +1,5 @@
 """Incremental detokenisation with stop strings, for streaming text out as tokens arrive."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,8 +24,12 @@ class IncrementalDetokenizer:
     the request's last update to release it.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         self.tokenizer = tokenizer
         # A fast tokenizer's Rust backend, called directly: what transformers' decode does without
         # clean-up, less its Python around the call (~0.15 ms of a decode step at batch 1).
@@ -45,7 +50,7 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        return self._text[:self._num_emitted]
+        return self._text[: self._num_emitted]
 
     def update(self, new_token_ids: list[int], finished: bool = False) -> str:
         """Add sampled tokens; return the new text delta ("" while nothing new is safe to show).
@@ -74,7 +79,7 @@ class IncrementalDetokenizer:
         end = len(self._text)
         if not finished and self.stop_reason is None:
             end -= self._partial_stop_len()
-        delta = self._text[self._num_emitted:end]
+        delta = self._text[self._num_emitted : end]
         self._num_emitted = end
         return delta
 
@@ -85,19 +90,26 @@ class IncrementalDetokenizer:
         is still incomplete, unless flushing.
         """
         ids = self._token_ids
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(ids[self._prefix_offset:])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not flush):
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(_REPLACEMENT_CHAR) and not flush
+        ):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         # No clean-up of tokenisation spaces: it rewrites text near the window's edges, so is not incremental.
         if self._backend is not None:
-            return self._backend.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+            return self._backend.decode(
+                token_ids, skip_special_tokens=self.params.skip_special_tokens
+            )
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
 
     def _check_stop(self, old_len: int) -> None:
         """Cut the text at the earliest stop string that ends in the new text (at old_len or later)."""
@@ -109,7 +121,9 @@ class IncrementalDetokenizer:
         if not matches:
             return
         index, stop = min(matches, key=lambda m: m[0])
-        self._text = self._text[:index + len(stop) if self.params.include_stop_str_in_output else index]
+        self._text = self._text[
+            : index + len(stop) if self.params.include_stop_str_in_output else index
+        ]
         self.stop_reason = stop
 
     def _partial_stop_len(self) -> int:

@@ -1,6 +1,7 @@
 """The front end's admission: tokenise and apply the prompt rules (the one place for them, each
 with one message), choose the precision variant and the queue class, and fan n > 1 out into
 per-sequence sampling params. What leaves here is an EngineCoreRequest the core only queues."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,14 @@ PromptType = str | list[int]
 
 
 class InputProcessor:
-    def __init__(self, config: SchedulerConfig, tokenizer, vocab_size: int, max_model_len: int,
-                 precisions: PrecisionRouter) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        precisions: PrecisionRouter,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -44,9 +51,15 @@ class InputProcessor:
     def check_prompt(self, token_ids: list[int]) -> None:
         check_prompt_length(len(token_ids), self.max_model_len)
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float | None = None, priority: int | None = None,
-                precision: str | None = None) -> EngineCoreRequest:
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int | None = None,
+        precision: str | None = None,
+    ) -> EngineCoreRequest:
         """Raises ValueError (a 400 at the server) on bad input. `priority` 1/2/3; None:
         classified by length. `precision`: the variant asked for; None: the class's, else the default."""
         token_ids = self.tokenize(prompt)
@@ -55,11 +68,28 @@ class InputProcessor:
             self.check_token_ids(list(params.logit_bias))
         variant = self.precisions.choose(precision, priority)
         if priority is None:
-            priority = classify(len(token_ids), params.max_tokens,
-                                self.config.l1_max_prompt_tokens, self.config.l1_max_tokens)
-        per_seq = [params] if params.n == 1 else [
-            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(params.n)]
-        return EngineCoreRequest(request_id, token_ids, per_seq,
-                                 time.monotonic() if arrival_time is None else arrival_time,
-                                 priority, variant, self.precisions.cache_salt(variant))
+            priority = classify(
+                len(token_ids),
+                params.max_tokens,
+                self.config.l1_max_prompt_tokens,
+                self.config.l1_max_tokens,
+            )
+        per_seq = (
+            [params]
+            if params.n == 1
+            else [
+                dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                )
+                for i in range(params.n)
+            ]
+        )
+        return EngineCoreRequest(
+            request_id,
+            token_ids,
+            per_seq,
+            time.monotonic() if arrival_time is None else arrival_time,
+            priority,
+            variant,
+            self.precisions.cache_salt(variant),
+        )

@@ -1,5 +1,6 @@
 """Offline batch API: `LLM(model=..., max_num_seqs=...).generate(prompts, sampling_params)`; the
 keyword arguments are the engine's flat options (config/engine.py: EngineConfig.from_kwargs)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -64,6 +65,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the one chat prompt (as the server does), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, c, tools, add_generation_prompt, chat_template_kwargs)
-                   for c in conversations]
+        prompts = [
+            apply_chat_template(
+                self.tokenizer, c, tools, add_generation_prompt, chat_template_kwargs
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,5 +1,6 @@
 """The offline engine: the front end (input processor, output processor) and the engine core in
 one process, driven by the caller's step() calls (LLM, the benches)."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,36 +17,58 @@ from tandem.engine.precision import PrecisionRouter
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory) -> None:
+    def __init__(
+        self, config: EngineConfig, executor_factory: ExecutorFactory = model_runner_factory
+    ) -> None:
         self.config = config
         self.core = EngineCore(config, executor_factory)
         self.tokenizer = self.core.tokenizer
         self.max_model_len, self.vocab_size = self.core.max_model_len, self.core.vocab_size
         self.eos_token_id = self.core.eos_token_id
         variants = self.core.executor.variants
-        self.precisions = PrecisionRouter(config.quant_config, variants.default,
-                                          variants.unavailable)
-        self.input_processor = InputProcessor(config.scheduler_config, self.tokenizer,
-                                              self.vocab_size, self.max_model_len, self.precisions)
+        self.precisions = PrecisionRouter(
+            config.quant_config, variants.default, variants.unavailable
+        )
+        self.input_processor = InputProcessor(
+            config.scheduler_config,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.precisions,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         return self.input_processor.tokenize(prompt)
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int | None = None, precision: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int | None = None,
+        precision: str | None = None,
+    ) -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input.
         `priority` 1/2/3 (interactive/standard/background); None: classified by length.
         `precision`: the variant asked for; None: the priority's class, else the default."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        request = self.input_processor.process(request_id, prompt, params, arrival_time, priority, precision)
+        request = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, precision
+        )
         self.core.add_request(request)
-        self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, request.prompt_token_ids,
-                                  list(zip(child_ids(request_id, params.n), request.params)), request.arrival_time,
-                                  request.priority, request.precision)
+        self.output_processor.add(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            request.prompt_token_ids,
+            list(zip(child_ids(request_id, params.n), request.params)),
+            request.arrival_time,
+            request.priority,
+            request.precision,
+        )
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -64,7 +87,9 @@ class LLMEngine:
         if core_outputs is None:
             return []
         self.output_processor.on_scheduled(core_outputs.scheduled)
-        outputs, stopped = self.output_processor.process(core_outputs.outputs, core_outputs.timestamp)
+        outputs, stopped = self.output_processor.process(
+            core_outputs.outputs, core_outputs.timestamp
+        )
         if stopped:  # a stop string: the core still runs these sequences
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -1,5 +1,6 @@
 """Turns per-step token ids into what callers see: text deltas, stop strings, n > 1
 grouped under one request, and per-request timings."""
+
 from __future__ import annotations
 
 import time
@@ -69,11 +70,25 @@ class OutputProcessor:
         self.children: dict[str, _Child] = {}  # child request id -> state
         self.parents: dict[str, list[str]] = {}  # request id -> its child ids
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            children: list[tuple[str, object]], arrival_time: float, priority: int = 2,
-            precision: str | None = None) -> None:
-        parent = RequestOutput(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival_time),
-                               priority=priority, precision=precision)
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        children: list[tuple[str, object]],
+        arrival_time: float,
+        priority: int = 2,
+        precision: str | None = None,
+    ) -> None:
+        parent = RequestOutput(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            [],
+            RequestMetrics(arrival_time),
+            priority=priority,
+            precision=precision,
+        )
         for index, (child_id, params) in enumerate(children):
             out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
             parent.outputs.append(out)
@@ -107,7 +122,9 @@ class OutputProcessor:
                 m.first_scheduled_time, m.num_cached_tokens = ev.time, ev.num_cached_tokens
             m.num_preemptions = max(m.num_preemptions, ev.num_preemptions)
 
-    def process(self, core_outputs: list[EngineCoreOutput], now: float) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self, core_outputs: list[EngineCoreOutput], now: float
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the updated requests and the child ids a stop string finished (the core
         must free them). `now`: when the core had these tokens (time.monotonic())."""
         touched: dict[int, RequestOutput] = {}
@@ -139,7 +156,9 @@ class OutputProcessor:
             out.delta_text += child.detokenizer.update(text_ids, finished=core_done)
             out.text = child.detokenizer.output_text
             cut = child.detokenizer.stop_token_count
-            if cut is not None:  # a stop string: drop the tokens after it (an accepted speculative run)
+            if (
+                cut is not None
+            ):  # a stop string: drop the tokens after it (an accepted speculative run)
                 new_ids = new_ids[:cut]
                 new_lps = new_lps and new_lps[:cut]
             out.token_ids.extend(new_ids)

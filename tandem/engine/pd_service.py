@@ -12,6 +12,7 @@ prompt's whole blocks and starts the send, `kv_sent` waits for its outcome. Deco
 `kv_transfer={"transfer_id": ...}` and `on_add` indexes the blocks for it; `release_kv` gives
 them back when that add will not come, `drain_kv` takes a transfer off the link for a leg
 refused before it reserved. `migrate_out` moves a decoding request's KV away."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.kv_connector.pd import KVReservation
-from tandem.engine.core_messages import (CheckKVPeer, DrainKV, JoinKVGroup, KVSent, MigrateOut, ReceiveKV, ReleaseKV,
-                                         SendKV)
+from tandem.engine.core_messages import (
+    CheckKVPeer,
+    DrainKV,
+    JoinKVGroup,
+    KVSent,
+    MigrateOut,
+    ReceiveKV,
+    ReleaseKV,
+    SendKV,
+)
 from tandem.executor.kv_transfer import KVLinks, KVPayload, TransferStats
 
 log = logging.getLogger(__name__)
@@ -52,19 +61,37 @@ class PDService:
 
     def utilities(self) -> dict[type, Callable[..., Any]]:
         """The utility messages this service answers, and the method that answers each."""
-        return {JoinKVGroup: self.join_kv_group, CheckKVPeer: self.check_kv_peer, SendKV: self.send_kv,
-                MigrateOut: self.migrate_out, KVSent: self.kv_sent, ReceiveKV: self.receive_kv,
-                ReleaseKV: self.release_kv, DrainKV: self.drain_kv}
+        return {
+            JoinKVGroup: self.join_kv_group,
+            CheckKVPeer: self.check_kv_peer,
+            SendKV: self.send_kv,
+            MigrateOut: self.migrate_out,
+            KVSent: self.kv_sent,
+            ReceiveKV: self.receive_kv,
+            ReleaseKV: self.release_kv,
+            DrainKV: self.drain_kv,
+        }
 
     # ---- the group ----------------------------------------------------------------
-    def join_kv_group(self, rank: int, world_size: int, host: str, port: int, backend: str | None = None,
-                      timeout_s: float = 120.0) -> Future:
+    def join_kv_group(
+        self,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+    ) -> Future:
         """Join the torch.distributed group of the cluster (POST /tandem/kv_group); resolves to
         this instance's rank once every rank has joined. ValueError for a bad rank or backend,
         RuntimeError / TimeoutError when the store or a rank never answers."""
         device = self.core.executor.kv_device
-        return _then(self.links.pool.submit(self.links.join, rank, world_size, host, port, backend, timeout_s,
-                                            device), lambda _: self.links.rank)
+        return _then(
+            self.links.pool.submit(
+                self.links.join, rank, world_size, host, port, backend, timeout_s, device
+            ),
+            lambda _: self.links.rank,
+        )
 
     # ---- prefill side -------------------------------------------------------------
     def send_kv(self, token_ids: list[int], transfer_id: str, peer: int | None) -> int:
@@ -73,7 +100,9 @@ class PDService:
         self.links.connector(peer)  # a bad peer fails before the export
         return self._send(self.handoff.export(token_ids), transfer_id, peer)
 
-    def migrate_out(self, request_id: str, token_ids: list[int], transfer_id: str, peer: int | None) -> int:
+    def migrate_out(
+        self, request_id: str, token_ids: list[int], transfer_id: str, peer: int | None
+    ) -> int:
         """Abort a decoding request and send the KV of `token_ids` (its prompt + the tokens its
         client has) to `peer`, in one engine-thread call, so no step runs between the request
         freeing its blocks and their export (one could evict them). Returns the blocks sent."""
@@ -138,9 +167,11 @@ class PDService:
     def drain_kv(self, transfer_id: str, peer: int | None) -> None:
         """A decode leg that will not take its transfer still receives it: the sender's
         point-to-point send (or its shm file) would otherwise be left waiting. Returns at once."""
+
         def logged(f: Future) -> None:
             if f.exception() is not None:  # nothing waits on this; the log says why
                 log.warning("KV transfer %s not drained: %s", transfer_id, f.exception())
+
         try:
             self.links.recv(peer, transfer_id, RECV_TIMEOUT_S).add_done_callback(logged)
         except ValueError as e:  # no link to that peer: nothing can be waiting on it either
@@ -155,7 +186,9 @@ class PDService:
         transfer_id = kv_transfer.get("transfer_id") if isinstance(kv_transfer, dict) else None
         receipt = self._receipts.get(transfer_id)
         if receipt is None:
-            log.warning("request %s names KV transfer %r, which is not held here", request_id, transfer_id)
+            log.warning(
+                "request %s names KV transfer %r, which is not held here", request_id, transfer_id
+            )
             return
         recv = receipt.recv
         if not accepted or not recv.done() or recv.exception() is not None:
@@ -176,7 +209,9 @@ class PDService:
         for tid, r in list(self._receipts.items()):
             if r.done_at is not None and (r.abandoned or now - r.done_at > CLAIM_S):
                 if not r.abandoned:
-                    log.warning("KV transfer %s received but not claimed in %.0f s: released", tid, CLAIM_S)
+                    log.warning(
+                        "KV transfer %s received but not claimed in %.0f s: released", tid, CLAIM_S
+                    )
                 self.release_kv(tid)
 
 
@@ -189,6 +224,7 @@ def _then(fut: Future, fn: Callable[[Future], Any]) -> Future:
             out.set_result(fn(f))
         except Exception as e:  # handed to whoever waits on `out`
             out.set_exception(e)
+
     fut.add_done_callback(done)
     return out
 
@@ -206,4 +242,8 @@ def _received_outcome(f: Future) -> dict:
         e = f.exception()
         return {"error": f"{type(e).__name__}: {e}"}
     payload, stats = f.result()
-    return {"kv_blocks": payload.num_blocks, "kv_bytes": stats.num_bytes, "kv_seconds": stats.seconds}
+    return {
+        "kv_blocks": payload.num_blocks,
+        "kv_bytes": stats.num_bytes,
+        "kv_seconds": stats.seconds,
+    }

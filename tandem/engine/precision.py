@@ -1,6 +1,7 @@
 """Which precision variant serves a request: the request's own choice (its `precision` field or
 a `model:precision` suffix), else its class (the priority it was given), else the default;
 and the fallback when that variant could not be built. Counts both for the metrics."""
+
 from __future__ import annotations
 
 import collections
@@ -13,8 +14,9 @@ log = logging.getLogger(__name__)
 
 
 class PrecisionRouter:
-    def __init__(self, config: QuantizationConfig, default: str,
-                 unavailable: dict[str, str]) -> None:
+    def __init__(
+        self, config: QuantizationConfig, default: str, unavailable: dict[str, str]
+    ) -> None:
         """default: the default variant's name; unavailable: variants that failed to build, and why."""
         self.default = default
         self.fallback = config.precision_fallback
@@ -27,7 +29,9 @@ class PrecisionRouter:
     def check(self, precision: str | None) -> None:
         """ValueError (a 400 at the server) for a precision this engine does not serve."""
         if precision is not None and precision not in self.served:
-            raise ValueError(f"precision {precision!r} is not served here; served: {', '.join(self.served)}")
+            raise ValueError(
+                f"precision {precision!r} is not served here; served: {', '.join(self.served)}"
+            )
 
     def choose(self, precision: str | None, priority: int | None) -> str:
         """The variant a request runs on. priority: the level it was given (1-3), if any."""
@@ -37,8 +41,12 @@ class PrecisionRouter:
         chosen = precision or self.default
         if chosen in self.unavailable:
             reason = "not_built"
-            log.warning("precision %s is unavailable (%s): serving with the fallback %s",
-                        chosen, self.unavailable[chosen], self.fallback)
+            log.warning(
+                "precision %s is unavailable (%s): serving with the fallback %s",
+                chosen,
+                self.unavailable[chosen],
+                self.fallback,
+            )
             self.fallbacks[(chosen, self.fallback, reason)] += 1
             chosen = self.fallback
         self.requests_by_precision[chosen] += 1

@@ -10,6 +10,7 @@ model runner reads the real token from its own state when it builds step N+1's i
 executor runs steps strictly in order, so a block that the engine thread frees or caches
 while a step runs is only reused or read by a later step.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,10 +34,14 @@ class ExecutedStep:
 
 
 class StepPipeline:
-    def __init__(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput], overlap: bool) -> None:
+    def __init__(
+        self, execute: Callable[[SchedulerOutput], ModelRunnerOutput], overlap: bool
+    ) -> None:
         self._execute = execute
         self.overlap = overlap
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-execute") if overlap else None
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="tandem-execute") if overlap else None
+        )
         self._in_flight: deque[Future] = deque()
 
     def __len__(self) -> int:

@@ -3,13 +3,15 @@ tokenizer.json, or anything `--model` takes), with `--chat-template` (a Jinja fi
 template itself, as vLLM's) in place of the one it ships. The engine core (grammar
 vocabulary, EOS), the front end (prompts, detokenising) and the router (prefix hashing) all
 load it here, so each sees the same tokens and the same chat prompt."""
+
 from __future__ import annotations
 
 import copy
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tandem.models.loader.model_files import load_config, load_tokenizer, resolve_model
 from tandem.models.tokenizer_record import folder_files
@@ -25,17 +27,22 @@ def read_chat_template(value: str) -> str:
     else:
         path = Path(value).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"--chat-template {value!r}: no such file (an inline template holds "
-                                    "Jinja's {{ }} or {% %})")
+            raise FileNotFoundError(
+                f"--chat-template {value!r}: no such file (an inline template holds "
+                "Jinja's {{ }} or {% %})"
+            )
         template = path.read_text()
     from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import _compile_jinja_template
+
     try:
         _compile_jinja_template(template)
     except TemplateError as e:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-        raise ValueError(f"--chat-template {value if len(value) < 80 else value[:77] + '...'!r}: not a valid "
-                         f"Jinja template{where}: {e}") from None
+        raise ValueError(
+            f"--chat-template {value if len(value) < 80 else value[:77] + '...'!r}: not a valid "
+            f"Jinja template{where}: {e}"
+        ) from None
     return template
 
 
@@ -45,6 +52,7 @@ def _load(source: str) -> Any:
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".json":
         from transformers import PreTrainedTokenizerFast
+
         try:
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
         except Exception as e:  # the tokenizers library's own parse error
@@ -52,7 +60,9 @@ def _load(source: str) -> Any:
     if path.is_dir() and not (path / "config.json").is_file():
         tokenizer = load_tokenizer(path)
         if tokenizer is None:
-            raise FileNotFoundError(f"--tokenizer {source}: no tokenizer.json or tokenizer_config.json in it")
+            raise FileNotFoundError(
+                f"--tokenizer {source}: no tokenizer.json or tokenizer_config.json in it"
+            )
         return tokenizer
     tokenizer = load_tokenizer(resolve_model(source))
     if tokenizer is None:
@@ -60,8 +70,12 @@ def _load(source: str) -> Any:
     return tokenizer
 
 
-def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str | None = None,
-                  model_dir: Path | None = None) -> Any:
+def get_tokenizer(
+    model: str,
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
+    model_dir: Path | None = None,
+) -> Any:
     """The serving tokenizer of `model` (None when the model ships none and no other is given).
     ValueError, in words, for a tokenizer with more tokens than the model has embedding rows
     (its ids would index past them) or a chat template without any tokenizer to apply it."""
@@ -73,11 +87,15 @@ def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str |
         tok = _shared(Path(tokenizer).expanduser(), lambda: _load(tokenizer))
         rows = load_config(model_dir)["vocab_size"]
         if len(tok) > rows:
-            raise ValueError(f"--tokenizer {tokenizer}: {len(tok)} tokens, but the model's embedding has "
-                             f"{rows} rows; its ids past {rows - 1} would have no embedding")
+            raise ValueError(
+                f"--tokenizer {tokenizer}: {len(tok)} tokens, but the model's embedding has "
+                f"{rows} rows; its ids past {rows - 1} would have no embedding"
+            )
     if template is not None:
         if tok is None:
-            raise ValueError(f"--chat-template: {model} ships no tokenizer to apply it with; give --tokenizer too")
+            raise ValueError(
+                f"--chat-template: {model} ships no tokenizer to apply it with; give --tokenizer too"
+            )
         tok = copy.copy(tok)  # the shared one keeps its own template
         tok.chat_template = template
     return tok

@@ -13,13 +13,13 @@ SDPA calls over buckets of similar length (padding costs bandwidth). Each multi-
 (prefill) query runs its own causal SDPA call. On CUDA (`triton` backend) one Triton launch
 writes the layer's K/V and one attends for the whole batch (executor/triton_attention.py).
 """
-from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,8 +71,9 @@ class AttentionMetadata:
             return self.decodes, self.prefills
         if window not in self.windowed:
             self.windowed[window] = (
-                [_windowed_bucket(b, self.seq_lens[b.start:b.end], window) for b in self.decodes],
-                [_windowed_span(span, window) for span in self.prefills])
+                [_windowed_bucket(b, self.seq_lens[b.start : b.end], window) for b in self.decodes],
+                [_windowed_span(span, window) for span in self.prefills],
+            )
         return self.windowed[window]
 
 
@@ -80,7 +81,9 @@ def _windowed_bucket(bucket: DecodeBucket, seq_lens: torch.Tensor, window: int) 
     """The bucket's mask also hides the keys before each row's last `window` positions."""
     grid = torch.arange(bucket.mask.shape[-1], device=bucket.mask.device)
     recent = grid[None, :] >= (seq_lens - window)[:, None]
-    return DecodeBucket(bucket.start, bucket.end, bucket.slots, bucket.mask & recent[:, None, None, :])
+    return DecodeBucket(
+        bucket.start, bucket.end, bucket.slots, bucket.mask & recent[:, None, None, :]
+    )
 
 
 def _windowed_span(span: PrefillSpan, window: int) -> PrefillSpan:
@@ -95,12 +98,24 @@ def _windowed_span(span: PrefillSpan, window: int) -> PrefillSpan:
     device = span.context_slots.device
     q_pos = torch.arange(first, seq_len, device=device)[:, None]
     k_pos = torch.arange(lo, seq_len, device=device)[None, :]
-    return PrefillSpan(span.q_start, span.q_end, span.context_slots[lo:], (k_pos <= q_pos) & (k_pos > q_pos - window))
+    return PrefillSpan(
+        span.q_start,
+        span.q_end,
+        span.context_slots[lo:],
+        (k_pos <= q_pos) & (k_pos > q_pos - window),
+    )
 
 
-def build_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
-                             slot_mapping: np.ndarray, block_size: int, device: torch.device,
-                             decode_kernel: Callable | None = None, triton: bool = False) -> AttentionMetadata:
+def build_attention_metadata(
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_lens: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+    device: torch.device,
+    decode_kernel: Callable | None = None,
+    triton: bool = False,
+) -> AttentionMetadata:
     """A step's metadata from its attention rows (host arrays): row i's query is the last
     query_lens[i] tokens of its context of seq_lens[i] tokens, in the blocks block_tables[i];
     one-token rows come first (roughly by context length, so padded buckets pad little).
@@ -115,10 +130,14 @@ def build_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, que
     num_decodes = int(multi[0]) if len(multi) else num_rows
     decodes, prefills = [], []
     if decode_kernel is None and not triton:
-        decodes = decode_buckets(block_tables[:num_decodes], seq_lens[:num_decodes], block_size, device)
+        decodes = decode_buckets(
+            block_tables[:num_decodes], seq_lens[:num_decodes], block_size, device
+        )
     for i in range(num_decodes, num_rows) if not triton else ():
         ctx = np.arange(int(seq_lens[i]))
-        slots = torch.from_numpy(block_tables[i, ctx // block_size] * block_size + ctx % block_size).to(device)
+        slots = torch.from_numpy(
+            block_tables[i, ctx // block_size] * block_size + ctx % block_size
+        ).to(device)
         cached = int(seq_lens[i] - query_lens[i])
         mask = None  # no earlier context: plain causal
         if cached:
@@ -126,14 +145,23 @@ def build_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, que
             mask = torch.from_numpy(ctx[None, :] <= qpos[:, None]).to(device)
         prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), slots, mask))
     return AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, device), block_tables=to_device(block_tables, device),
-        seq_lens=to_device(seq_lens, device), query_start_loc=to_device(qsl, device),
-        num_decodes=num_decodes, decodes=decodes, prefills=prefills, block_size=block_size,
-        decode_kernel=decode_kernel, triton=triton, max_query_len=int(query_lens.max(initial=1)))
+        slot_mapping=to_device(slot_mapping, device),
+        block_tables=to_device(block_tables, device),
+        seq_lens=to_device(seq_lens, device),
+        query_start_loc=to_device(qsl, device),
+        num_decodes=num_decodes,
+        decodes=decodes,
+        prefills=prefills,
+        block_size=block_size,
+        decode_kernel=decode_kernel,
+        triton=triton,
+        max_query_len=int(query_lens.max(initial=1)),
+    )
 
 
-def decode_buckets(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
-                   device: torch.device) -> list[DecodeBucket]:
+def decode_buckets(
+    block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, device: torch.device
+) -> list[DecodeBucket]:
     """The padded SDPA buckets of one-token queries (rows roughly sorted by context length), for
     where no paged kernel runs them: each row's context slots and mask."""
     bs, buckets = block_size, []
@@ -141,12 +169,20 @@ def decode_buckets(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: i
         grid = np.arange(int(seq_lens[start:end].max()))
         slots = block_tables[start:end, grid // bs] * bs + grid % bs
         mask = grid[None, :] < seq_lens[start:end, None]
-        buckets.append(DecodeBucket(start, end, torch.from_numpy(slots.reshape(-1)).to(device),
-                                    torch.from_numpy(mask[:, None, None, :]).to(device)))
+        buckets.append(
+            DecodeBucket(
+                start,
+                end,
+                torch.from_numpy(slots.reshape(-1)).to(device),
+                torch.from_numpy(mask[:, None, None, :]).to(device),
+            )
+        )
     return buckets
 
 
-def _length_buckets(lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5) -> list[tuple[int, int]]:
+def _length_buckets(
+    lens: np.ndarray, min_rows: int = 8, max_pad: float = 1.5
+) -> list[tuple[int, int]]:
     """Split (roughly) sorted context lengths into runs whose longest is at most `max_pad` times the
     shortest (runs of at least `min_rows`, so call overhead stays small)."""
     buckets, start = [], 0
@@ -170,9 +206,13 @@ def resolve_attention_backend(name: AttentionBackend, device: torch.device) -> A
         return AttentionBackend.TORCH
     if name == AttentionBackend.TRITON:
         if not installed:
-            raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
+            raise ValueError(
+                "attention_backend 'triton' needs the triton package (pip install triton)"
+            )
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention_backend 'triton' on CPU runs only under TRITON_INTERPRET=1 (slow; tests)")
+            raise ValueError(
+                "attention_backend 'triton' on CPU runs only under TRITON_INTERPRET=1 (slow; tests)"
+            )
     return name
 
 
@@ -181,52 +221,94 @@ class TorchAttention:
     KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations' dtype or, under
     fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as they are read)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.scale = head_dim**-0.5 if scale is None else scale
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
         self.window_arg = sliding_window or 0  # the kernels' form: 0, the whole context
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: torch.Tensor, meta: AttentionMetadata,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         if meta.triton:
             from tandem.executor import triton_attention
+
             triton_attention.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
             return triton_attention.unified_attention(
-                q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                meta.block_size, self.scale, self.window_arg).view(q.shape[0], -1)
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.max_query_len,
+                meta.block_size,
+                self.scale,
+                self.window_arg,
+            ).view(q.shape[0], -1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # a narrower cache rounds here
+        k_cache.index_copy_(
+            0, meta.slot_mapping, k.to(k_cache.dtype)
+        )  # a narrower cache rounds here
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and meta.decode_kernel is not None:
-            out[:nd] = meta.decode_kernel(q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd],
-                                          meta.seq_lens[:nd], meta.block_size, self.scale, self.window_arg)
+            out[:nd] = meta.decode_kernel(
+                q[:nd].contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                meta.block_size,
+                self.scale,
+                self.window_arg,
+            )
         decodes, prefills = meta.rows_for(self.sliding_window)
         for bucket in decodes:
-            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], k_cache, v_cache, bucket)
+            out[bucket.start : bucket.end] = self._decode(
+                q[bucket.start : bucket.end], k_cache, v_cache, bucket
+            )
         for span in prefills:
-            out[span.q_start:span.q_end] = self._prefill(
-                q[span.q_start:span.q_end], k_cache, v_cache, span)
+            out[span.q_start : span.q_end] = self._prefill(
+                q[span.q_start : span.q_end], k_cache, v_cache, span
+            )
         return out.view(q.shape[0], -1)
 
-    def forward_qkv(self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def forward_qkv(
+        self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         """A decode-only step with the native CPU kernel (meta.decode_kernel set): the KV write
         and the attention in one call on the layer's fused projection qkv [T, (Hq + 2 Hkv) D],
         RoPE applied; the same arithmetic as forward. None: not such a step (use forward)."""
         if not self.decodes_qkv(meta, qkv.shape[0]) or not qkv.is_contiguous():
             return None
-        return cpu_paged_attention().paged_decode_qkv(qkv, kv_cache, meta.slot_mapping, meta.block_tables,
-                                                      meta.seq_lens, self.num_heads, meta.block_size, self.scale,
-                                                      self.window_arg)
+        return cpu_paged_attention().paged_decode_qkv(
+            qkv,
+            kv_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            self.num_heads,
+            meta.block_size,
+            self.scale,
+            self.window_arg,
+        )
 
     @staticmethod
     def decodes_qkv(meta: AttentionMetadata, rows: int) -> bool:
@@ -239,14 +321,18 @@ class TorchAttention:
         b, length = q.shape[0], bucket.mask.shape[-1]
         shape = (b, length, self.num_kv_heads, self.head_dim)
         # index_select on rows is several times faster than advanced indexing on CPU.
-        k = k_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        k = (
+            k_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
+        )  # [B, Hkv, L, D]
         v = v_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
-        k = k_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        k = (
+            k_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        )  # [1, Hkv, L, D]
         v = v_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if self.group > 1:

@@ -4,6 +4,7 @@ blocks' bytes, which swap and P/D move and which only the executor holds.
 `StepExecutor` is what a scheduler loop needs, and all the simulator's executor is (it holds
 no model and no KV bytes). `Executor` is what the engine and `KVHandoff` use: nothing reaches
 past it into the model runner."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
@@ -46,7 +47,9 @@ class Executor(StepExecutor, Protocol):
         [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]."""
         ...
 
-    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None) -> None:
+    def write_kv_blocks(
+        self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None
+    ) -> None:
         """Place blocks read by `read_kv_blocks` (here or on another instance), all layers, or
         one layer's [2, n, block_size, num_kv_heads, head_dim] when `layer` is given. Raises
         ValueError when their shape does not fit this cache."""

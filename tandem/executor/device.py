@@ -1,4 +1,5 @@
 """Choosing device, dtype and KV cache size for the machine at hand."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,11 +26,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # AVX-512 CPUs run bf16 matmuls through oneDNN (AMX / AVX512-BF16) several times faster.
-    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") else torch.float32
+    return (
+        torch.bfloat16
+        if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+        else torch.float32
+    )
 
 
-def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device,
-                           attention_backend: AttentionBackend) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    name: str,
+    dtype_name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: AttentionBackend,
+) -> torch.dtype:
     """The KV cache's element type, for activations in `dtype` (`dtype_name` as asked for).
 
     auto: the activations' dtype, except on a CPU where an auto `dtype` computes in fp32 (no
@@ -45,11 +55,15 @@ def resolve_kv_cache_dtype(name: str, dtype_name: str, dtype: torch.dtype, devic
     if kv_dtype == dtype:
         return kv_dtype
     if dtype != torch.float32 or kv_dtype == torch.float32:
-        raise ValueError(f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations: the cache "
-                         f"holds the activations' dtype, or bfloat16 / float16 under float32")
+        raise ValueError(
+            f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations: the cache "
+            f"holds the activations' dtype, or bfloat16 / float16 under float32"
+        )
     if device.type != "cpu" or attention_backend != AttentionBackend.TORCH:
-        raise ValueError(f"kv_cache_dtype {name} under float32 activations runs on the CPU attention only "
-                         f"(device {device}, attention backend {attention_backend}); use the activations' dtype")
+        raise ValueError(
+            f"kv_cache_dtype {name} under float32 activations runs on the CPU attention only "
+            f"(device {device}, attention backend {attention_backend}); use the activations' dtype"
+        )
     return kv_dtype
 
 
@@ -62,13 +76,21 @@ def default_kv_cache_memory(device: torch.device, memory_utilization: float | No
     memory, or a quarter of available host memory up to 2 GiB (a CPU host runs other things)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free * 0.9 if memory_utilization is None else free - (1 - memory_utilization) * total
+        budget = (
+            free * 0.9 if memory_utilization is None else free - (1 - memory_utilization) * total
+        )
     else:
         available = psutil.virtual_memory().available
-        budget = min(available * 0.25, 2 << 30) if memory_utilization is None else available * memory_utilization
+        budget = (
+            min(available * 0.25, 2 << 30)
+            if memory_utilization is None
+            else available * memory_utilization
+        )
     if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization={memory_utilization} leaves no memory for the KV pool: "
-                         f"more than that share of the device is in use already")
+        raise ValueError(
+            f"gpu_memory_utilization={memory_utilization} leaves no memory for the KV pool: "
+            f"more than that share of the device is in use already"
+        )
     return int(budget)
 
 

@@ -7,6 +7,7 @@ greedy run could leave a path the unconstrained one took; xgrammar's mask holds 
 keeps the output valid, and fills it in a few microseconds. Its cost is a slower compile for a
 large schema, which is why compiling is asynchronous and bounded by a timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,14 @@ class GrammarCompiler:
     """Builds xgrammar's tokenizer info once, then one compiled grammar per distinct constraint;
     each request gets a matcher over it (executor/structured_output.py)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, timeout_s: float = 10.0,
-                 on_compile: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_id: int | None,
+        timeout_s: float = 10.0,
+        on_compile: Callable[[str, float], None] | None = None,
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: masks cover every row of the LM head
         self.eos_token_id = eos_token_id
@@ -41,12 +48,16 @@ class GrammarCompiler:
         self._worker = ThreadPoolExecutor(2, thread_name_prefix="tandem-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()  # the cache
-        self._init_lock = threading.Lock()  # building the tokenizer info (once, ~0.4 s), on a worker
+        self._init_lock = (
+            threading.Lock()
+        )  # building the tokenizer info (once, ~0.4 s), on a worker
 
     def compile(self, so: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar; the same one for the same constraint text."""
         if self._hf_tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            raise ValueError(
+                "structured outputs need the model's tokenizer, and this model has none"
+            )
         with self._lock:
             future = self._cache.get(so.key)
             if future is None:
@@ -66,8 +77,10 @@ class GrammarCompiler:
             with self._lock:
                 if self._cache.get(so.key) is future:
                     del self._cache[so.key]
-            raise ValueError(f"the {so.kind} constraint did not compile within {self.timeout_s:g} s "
-                             "(too large or too complex)") from None
+            raise ValueError(
+                f"the {so.kind} constraint did not compile within {self.timeout_s:g} s "
+                "(too large or too complex)"
+            ) from None
 
     def _compile(self, so: StructuredOutputsParams):
         import xgrammar as xgr
@@ -75,8 +88,9 @@ class GrammarCompiler:
         with self._init_lock:
             if self._xgr_compiler is None:
                 stop = [self.eos_token_id] if self.eos_token_id is not None else None
-                info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=stop)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
+                )
                 self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         compiler = self._xgr_compiler
         kind, text = so.key
@@ -89,7 +103,9 @@ class GrammarCompiler:
             elif kind == "structural_tag":
                 grammar = compiler.compile_structural_tag(text)
             elif kind == "choice":
-                grammar = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+                grammar = compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in so.choice)
+                )
             else:
                 grammar = compiler.compile_grammar(text)  # EBNF / GBNF, rule `root` first
         except (RuntimeError, ValueError) as e:

@@ -5,6 +5,7 @@ Its parts, one job each: the persistent batch and the flattening of inputs (inpu
 KV cache (kv_cache.py) and its host tier (kv_transfer/host_tier.py), the weights, precision
 variants and draft model (models/variants.py), CUDA graphs (cuda_graphs.py), grammar masks
 (structured_output.py), drafts (proposers/)."""
+
 from __future__ import annotations
 
 import time
@@ -49,7 +50,9 @@ def kv_layout(cfg: ModelConfig, device: torch.device, own_draft_kv: bool) -> KVG
 class ModelRunner:
     """The model executor (see executor/base.py)."""
 
-    def __init__(self, config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir, grammar_compiler: GrammarCompiler | None = None
+    ) -> None:
         model, run = config.model_config, config.device_config
         torch.manual_seed(model.seed)  # the stream of requests sampled without a seed of their own
         self.device = resolve_device(run.device)
@@ -59,37 +62,88 @@ class ModelRunner:
         dtype = resolve_dtype(model.dtype, self.device)
         if run.deterministic:  # refused before the weights load, not after
             check_supported(self.device, dtype)
-        self.variants = build_variants(config.quant_config, model.model, model.dtype, model_dir,
-                                       cfg, self.device, dtype, TorchAttention, run.deterministic)
+        self.variants = build_variants(
+            config.quant_config,
+            model.model,
+            model.dtype,
+            model_dir,
+            cfg,
+            self.device,
+            dtype,
+            TorchAttention,
+            run.deterministic,
+        )
         self.dtype = self.variants.dtype
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
         spec = config.speculative_config
-        draft = None if spec is None or spec.method != "draft" else build_draft(
-            self.variants, spec.self_draft, spec.model, model_dir, cfg, self.device, TorchAttention)
-        own_draft_kv = draft is not None and spec.self_draft is None  # another model: KV layers of its own
+        draft = (
+            None
+            if spec is None or spec.method != "draft"
+            else build_draft(
+                self.variants,
+                spec.self_draft,
+                spec.model,
+                model_dir,
+                cfg,
+                self.device,
+                TorchAttention,
+            )
+        )
+        own_draft_kv = (
+            draft is not None and spec.self_draft is None
+        )  # another model: KV layers of its own
         groups = kv_layout(cfg, self.device, own_draft_kv)
         self.kv_group_windows = groups.windows
         self.attention_backend = resolve_attention_backend(run.attention_backend, self.device)
-        kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, model.dtype,
-                                          self.dtype, self.device, self.attention_backend)
-        self.kv = KVCache(config.cache_config, cfg, draft.cfg if own_draft_kv else None, kv_dtype,
-                          self.device, groups)
+        kv_dtype = resolve_kv_cache_dtype(
+            config.cache_config.kv_cache_dtype,
+            model.dtype,
+            self.dtype,
+            self.device,
+            self.attention_backend,
+        )
+        self.kv = KVCache(
+            config.cache_config,
+            cfg,
+            draft.cfg if own_draft_kv else None,
+            kv_dtype,
+            self.device,
+            groups,
+        )
         self.host_tier = HostTierWorker(self.kv)
         self.block_size, self.num_kv_blocks, self.num_host_blocks = (
-            self.kv.block_size, self.kv.num_kv_blocks, self.kv.num_host_blocks)
+            self.kv.block_size,
+            self.kv.num_kv_blocks,
+            self.kv.num_host_blocks,
+        )
         self.kv_caches, self.kv_device = self.kv.kv_caches, self.kv.kv_cache.device
         if self.device.type == "cpu":
             cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
         max_len = model.max_model_len or min(cfg.max_position_embeddings, self.kv.num_slots)
-        self.graph_runner = capture_graphs(self.model, self.kv_caches, self.block_size, max_len,
-                                           config.scheduler_config.max_num_seqs, self.device,
-                                           self.attention_backend, run.enforce_eager)
+        self.graph_runner = capture_graphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            max_len,
+            config.scheduler_config.max_num_seqs,
+            self.device,
+            self.attention_backend,
+            run.enforce_eager,
+        )
         self.step_gaps = StepGapTimer() if self.device.type == "cuda" else None
         self.sampler = RejectionSampler(Sampler())
-        self.structured_output = StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
+        self.structured_output = (
+            StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
+        )
         self.prompt_logprobs = PromptLogprobs()
-        builder = InputBuilder(self.block_size, self.device, self.attention_backend, cfg.head_dim,
-                               run.deterministic, groups)
+        builder = InputBuilder(
+            self.block_size,
+            self.device,
+            self.attention_backend,
+            cfg.head_dim,
+            run.deterministic,
+            groups,
+        )
         self.input_batch = InputBatch(builder, self.variants.default)
         self.proposer = build_proposer(spec, draft, self.kv, builder)
         # Host-side seconds per step before the model runs (swap copies, state update, inputs),
@@ -107,7 +161,9 @@ class ModelRunner:
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return self.kv.read_blocks(block_ids)
 
-    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None) -> None:
+    def write_kv_blocks(
+        self, block_ids: list[int], kv: torch.Tensor, layer: int | None = None
+    ) -> None:
         self.kv.write_blocks(block_ids, kv, layer)
 
     @torch.inference_mode()
@@ -124,9 +180,13 @@ class ModelRunner:
             self.step_gaps.step_started()
         for precision, part in by_variant.items():
             self._run_variant(self.variants.models[precision], part, out)
-        if self.proposer is not None and sched.spec.propose:  # only when the next step may verify them
+        if (
+            self.proposer is not None and sched.spec.propose
+        ):  # only when the next step may verify them
             propose_start = time.perf_counter()
-            out.spec_token_ids = self.proposer.propose_drafts(sched, self.input_batch.requests, out.sampled_token_ids)
+            out.spec_token_ids = self.proposer.propose_drafts(
+                sched, self.input_batch.requests, out.sampled_token_ids
+            )
             out.propose_time = time.perf_counter() - propose_start
         if self.step_gaps is not None:
             self.step_gaps.step_ended()
@@ -152,32 +212,59 @@ class ModelRunner:
         self.prepare_time += time.perf_counter() - start
         # CUDA graphs were captured on the default variant's model
         graph = self.graph_runner if model is self.model else None
-        logits = None if graph is None else graph.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        logits = (
+            None
+            if graph is None
+            else graph.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        )
         if logits is None:
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if any(s.params.prompt_logprobs is not None for s in states):
             every_row = logits  # a graph computed every row's logits; else from the hidden rows
-            self.prompt_logprobs.add_step(states, counts, inputs.query_start_loc, lambda a, b: (
-                every_row[a:b] if every_row is not None else model.compute_logits(hidden[a:b])))
+            self.prompt_logprobs.add_step(
+                states,
+                counts,
+                inputs.query_start_loc,
+                lambda a, b: (
+                    every_row[a:b] if every_row is not None else model.compute_logits(hidden[a:b])
+                ),
+            )
         if logits_rows:
-            if logits is None:  # indices are ascending and distinct: as many as rows means every row
-                logits = model.compute_logits(hidden if len(logits_index) == len(hidden) else hidden[logits_index])
+            if (
+                logits is None
+            ):  # indices are ascending and distinct: as many as rows means every row
+                logits = model.compute_logits(
+                    hidden if len(logits_index) == len(hidden) else hidden[logits_index]
+                )
             else:  # a graph computed every row's logits (a decode-only step: every row samples)
                 logits = logits[logits_index]
             self._sample(logits, [states[i] for i in logits_rows], out)
         self.input_batch.finish_step(states, counts)
 
-    def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState], out: ModelRunnerOutput) -> None:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[CachedRequestState], out: ModelRunnerOutput
+    ) -> None:
         """Mask the constrained rows, verify the drafts and sample; the tokens join the batch."""
         grammar, generators = self.structured_output, self.input_batch.generators
         if grammar is not None:  # constrained rows have no drafts: one logits row each
             row_req_ids = [s.req_id for s in rows for _ in range(len(s.spec_token_ids) + 1)]
             out.structured_output_time += grammar.apply(logits, row_req_ids)
-        verified = self.sampler(logits, [
-            # the prompt is only read by the repetition penalty: skip the copy
-            VerifyRow(s.params, s.token_ids[:s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
-                      s.token_ids[s.prompt_len:], generators[s.req_id], s.eos_token_id, s.spec_token_ids)
-            for s in rows], self.device)
+        verified = self.sampler(
+            logits,
+            [
+                # the prompt is only read by the repetition penalty: skip the copy
+                VerifyRow(
+                    s.params,
+                    s.token_ids[: s.prompt_len] if s.params.repetition_penalty != 1.0 else [],
+                    s.token_ids[s.prompt_len :],
+                    generators[s.req_id],
+                    s.eos_token_id,
+                    s.spec_token_ids,
+                )
+                for s in rows
+            ],
+            self.device,
+        )
         for s, (token_ids, lps) in zip(rows, verified):
             if s.params.prompt_logprobs is not None and len(s.token_ids) == s.prompt_len:
                 out.prompt_logprobs[s.req_id] = self.prompt_logprobs.take(s.req_id)

@@ -3,6 +3,7 @@ prompt token after the first, given the tokens before it, with the top alternati
 logits of the prompt positions that prefill computes anyway. A request asking for them never
 takes prefix-cache hits (every position must run), and its entries are collected over the
 prefill's chunks and handed out with its first sampled token."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,9 +28,13 @@ class PromptLogprobs:
     def take(self, req_id: str) -> list[Entry] | None:
         return self.pending.pop(req_id, None)
 
-    def add_step(self, states: list[CachedRequestState], counts: np.ndarray,
-                 query_start_loc: np.ndarray,
-                 logits_of: Callable[[int, int], torch.Tensor]) -> None:
+    def add_step(
+        self,
+        states: list[CachedRequestState],
+        counts: np.ndarray,
+        query_start_loc: np.ndarray,
+        logits_of: Callable[[int, int], torch.Tensor],
+    ) -> None:
         """The entries of the step's prompt positions. Position p predicts token p + 1, so the
         rows are those of positions up to the prompt's second-to-last; `logits_of(a, b)` gives
         the logits of rows a to b of the step's flattened batch."""
@@ -51,7 +56,7 @@ class PromptLogprobs:
                 b = min(a + ROWS_PER_SLICE, last)
                 lps = logits_of(start + a - first, start + b - first)
                 lps = lps.to(torch.float32).log_softmax(dim=-1)
-                entries += _entries(lps, s.token_ids[a + 1:b + 1], k)
+                entries += _entries(lps, s.token_ids[a + 1 : b + 1], k)
 
 
 def _entries(lps: torch.Tensor, targets: list[int], k: int) -> list[Entry]:
@@ -60,5 +65,7 @@ def _entries(lps: torch.Tensor, targets: list[int], k: int) -> list[Entry]:
     if not k:
         return [[(t, lp)] for t, lp in zip(targets, chosen)]
     top_lps, top_ids = lps.topk(min(k, lps.shape[-1]), dim=-1)
-    return [[(t, lp)] + list(zip(ids, tops))
-            for t, lp, ids, tops in zip(targets, chosen, top_ids.tolist(), top_lps.tolist())]
+    return [
+        [(t, lp)] + list(zip(ids, tops))
+        for t, lp, ids, tops in zip(targets, chosen, top_ids.tolist(), top_lps.tolist())
+    ]

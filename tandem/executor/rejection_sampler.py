@@ -13,6 +13,7 @@ min(1, p(d) / q(d)) = p(d) and otherwise drawing from (p - q)+ renormalised (p w
 the same law as drawing t ~ p and accepting iff t == d. So every emitted token follows the
 target's distribution given the tokens before it, and greedy output equals no speculation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,21 +56,29 @@ class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
 
-    def __call__(self, logits: torch.Tensor, rows: list[VerifyRow], device: torch.device
-                 ) -> list[tuple[list[int], list[list[tuple[int, float]]] | None]]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[VerifyRow], device: torch.device
+    ) -> list[tuple[list[int], list[list[tuple[int, float]]] | None]]:
         """Per request: the tokens it emits (accepted drafts + one of the target's) and their
         logprobs (None unless asked). `logits` holds 1 + len(drafts) rows per request, in order."""
         sampling_rows = []
         for r in rows:
             for j in range(len(r.drafts) + 1):
                 output = r.output_token_ids + r.drafts[:j] if j else r.output_token_ids
-                sampling_rows.append(SamplingRow(r.params, r.prompt_token_ids, output, r.generator, r.eos_token_id))
-        streams = {i: r.generator.get_state() for i, r in enumerate(rows)
-                   if r.drafts and r.generator is not None and not r.params.greedy}
-        result = self.sampler(logits, SamplingMetadata.build(sampling_rows, logits.shape[-1], device))
+                sampling_rows.append(
+                    SamplingRow(r.params, r.prompt_token_ids, output, r.generator, r.eos_token_id)
+                )
+        streams = {
+            i: r.generator.get_state()
+            for i, r in enumerate(rows)
+            if r.drafts and r.generator is not None and not r.params.greedy
+        }
+        result = self.sampler(
+            logits, SamplingMetadata.build(sampling_rows, logits.shape[-1], device)
+        )
         out, start = [], 0
         for i, r in enumerate(rows):
-            targets = result.sampled_token_ids[start:start + len(r.drafts) + 1]
+            targets = result.sampled_token_ids[start : start + len(r.drafts) + 1]
             accepted = 0
             while accepted < len(r.drafts) and r.drafts[accepted] == targets[accepted]:
                 accepted += 1
@@ -77,7 +86,7 @@ class RejectionSampler:
                 rewind(r.generator, streams[i], accepted + 1, logits.shape[-1])
             lps = None
             if result.logprobs is not None and r.params.logprobs is not None:
-                lps = result.logprobs[start:start + accepted + 1]
-            out.append((targets[:accepted + 1], lps))
+                lps = result.logprobs[start : start + accepted + 1]
+            out.append((targets[: accepted + 1], lps))
             start += len(r.drafts) + 1
         return out

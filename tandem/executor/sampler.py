@@ -1,5 +1,6 @@
 """Turns one step's logits into token ids with vLLM's semantics: min_tokens, logit_bias, penalties,
 greedy or temperature / top-k / top-p / min-p sampling, and logprobs of the raw logits."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     over Gemma 3's 262k-token vocabulary in fp32 (1.3 ms in bf16), numpy's 0.03 ms."""
     if x.device.type != "cpu":
         return x.argmax(dim=-1)
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # exact for every float dtype
+    wide = (
+        torch.float64 if x.dtype == torch.float64 else torch.float32
+    )  # exact for every float dtype
     return torch.from_numpy(np.argmax(x.detach().to(wide).numpy(), axis=-1))
 
 
@@ -59,7 +62,7 @@ def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tens
     """Ragged id lists -> [B, max len]; numpy fills it several times faster than torch.tensor would."""
     padded = np.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=np.int64)
     for i, ids in enumerate(rows):
-        padded[i, :len(ids)] = ids
+        padded[i, : len(ids)] = ids
     return to_device(padded, device)
 
 
@@ -80,18 +83,26 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [B] fp32, 0.0 where disabled
     generators: dict[int, torch.Generator]  # row -> RNG, random rows of seeded requests only
     no_penalties: bool
-    prompt_token_ids: torch.Tensor | None  # [B, P] padded with vocab_size; rows without rep. penalty empty
-    output_token_ids: torch.Tensor | None  # [B, O] padded with vocab_size; rows without penalties empty
+    prompt_token_ids: (
+        torch.Tensor | None
+    )  # [B, P] padded with vocab_size; rows without rep. penalty empty
+    output_token_ids: (
+        torch.Tensor | None
+    )  # [B, O] padded with vocab_size; rows without penalties empty
     presence_penalties: torch.Tensor | None  # [B] fp32
     frequency_penalties: torch.Tensor | None  # [B] fp32
     repetition_penalties: torch.Tensor | None  # [B] fp32
-    min_tokens_blocked: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) set to -inf
+    min_tokens_blocked: (
+        tuple[torch.Tensor, torch.Tensor] | None
+    )  # (row indices, token ids) set to -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases)
     num_logprobs: list[int | None]  # per row, params.logprobs
     max_num_logprobs: int | None  # None when no row asked
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
         """vocab_size must be the logits' last dimension (it pads token lists and disables top-k)."""
         params = [r.params for r in rows]
         greedy = [p.greedy for p in params]
@@ -115,16 +126,25 @@ class SamplingMetadata:
                 top_p = floats([p.top_p for p in sampling])
             if any(p.min_p > 0.0 for p in sampling):
                 min_p = floats([p.min_p for p in sampling])
-        generators = {i: r.generator for i, (r, g) in enumerate(zip(rows, greedy))
-                      if r.generator is not None and not g}
+        generators = {
+            i: r.generator
+            for i, (r, g) in enumerate(zip(rows, greedy))
+            if r.generator is not None and not g
+        }
 
         no_penalties = not any(map(_has_penalty, params))
         prompt_ids = output_ids = presence = frequency = repetition = None
         if not no_penalties:
-            output_ids = _pad([r.output_token_ids if _has_penalty(r.params) else [] for r in rows],
-                              vocab_size, device)
-            prompt_ids = _pad([r.prompt_token_ids if r.params.repetition_penalty != 1.0 else []
-                               for r in rows], vocab_size, device)
+            output_ids = _pad(
+                [r.output_token_ids if _has_penalty(r.params) else [] for r in rows],
+                vocab_size,
+                device,
+            )
+            prompt_ids = _pad(
+                [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows],
+                vocab_size,
+                device,
+            )
             presence = floats([p.presence_penalty for p in params])
             frequency = floats([p.frequency_penalty for p in params])
             repetition = floats([p.repetition_penalty for p in params])
@@ -133,13 +153,31 @@ class SamplingMetadata:
         logit_bias = _logit_bias(params, device)
         num_logprobs = [p.logprobs for p in params]
         max_num_logprobs = max((k for k in num_logprobs if k is not None), default=None)
-        return cls(all_greedy, temperature, greedy_mask, top_k, max_top_k, top_p, min_p, generators,
-                   no_penalties, prompt_ids, output_ids, presence, frequency, repetition,
-                   min_tokens_blocked, logit_bias, num_logprobs, max_num_logprobs)
+        return cls(
+            all_greedy,
+            temperature,
+            greedy_mask,
+            top_k,
+            max_top_k,
+            top_p,
+            min_p,
+            generators,
+            no_penalties,
+            prompt_ids,
+            output_ids,
+            presence,
+            frequency,
+            repetition,
+            min_tokens_blocked,
+            logit_bias,
+            num_logprobs,
+            max_num_logprobs,
+        )
 
 
-def _min_tokens_blocked(rows: list[SamplingRow], vocab_size: int, device: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _min_tokens_blocked(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row indices, token ids) of the stop tokens blocked in rows short of min_tokens; None if none."""
     blocked_rows: list[int] = []
     blocked_ids: list[int] = []
@@ -153,26 +191,34 @@ def _min_tokens_blocked(rows: list[SamplingRow], vocab_size: int, device: torch.
             blocked_ids += ids
     if not blocked_ids:
         return None
-    return (to_device(torch.tensor(blocked_rows, dtype=torch.long), device),
-            to_device(torch.tensor(blocked_ids, dtype=torch.long), device))
+    return (
+        to_device(torch.tensor(blocked_rows, dtype=torch.long), device),
+        to_device(torch.tensor(blocked_ids, dtype=torch.long), device),
+    )
 
 
-def _logit_bias(params: list[SamplingParams], device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _logit_bias(
+    params: list[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(row indices, token ids, biases) of the rows' logit_bias entries; None if no row has any."""
-    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
-               for t, b in p.logit_bias.items()]
+    entries = [
+        (i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()
+    ]
     if not entries:
         return None
     rows, ids, biases = zip(*entries)
-    return (to_device(torch.tensor(rows, dtype=torch.long), device),
-            to_device(torch.tensor(ids, dtype=torch.long), device),
-            to_device(torch.tensor(biases, dtype=torch.float32), device))
+    return (
+        to_device(torch.tensor(rows, dtype=torch.long), device),
+        to_device(torch.tensor(ids, dtype=torch.long), device),
+        to_device(torch.tensor(biases, dtype=torch.float32), device),
+    )
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, L] padded ids -> [B, V] occurrence counts (the pad id vocab_size lands in a dropped column)."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.long, device=token_ids.device)
+    counts = torch.zeros(
+        token_ids.shape[0], vocab_size + 1, dtype=torch.long, device=token_ids.device
+    )
     counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
     return counts[:, :vocab_size]
 
@@ -192,8 +238,9 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Set logits outside each row's top-k (ties at the k-th value kept) and then its top-p nucleus
     (smallest set with probability >= top_p, never empty) to -inf."""
     vocab_size = logits.shape[-1]
@@ -201,7 +248,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
         if top_k is None:
             return logits
         # top-k alone: a partial topk is much cheaper than sorting the vocabulary.
-        kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+        kth = logits.topk(max_top_k, dim=-1).values.gather(
+            1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)
+        )
         kth.masked_fill_((top_k >= vocab_size).unsqueeze(1), _NEG_INF)
         return logits.masked_fill(logits < kth, _NEG_INF)
 
@@ -223,8 +272,12 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
-        plain_argmax = (md.no_penalties and md.min_tokens_blocked is None and md.logit_bias is None
-                        and md.max_num_logprobs is None)
+        plain_argmax = (
+            md.no_penalties
+            and md.min_tokens_blocked is None
+            and md.logit_bias is None
+            and md.max_num_logprobs is None
+        )
         if md.all_greedy and plain_argmax:
             return SamplerOutput(argmax(logits).tolist(), None)
 
@@ -257,7 +310,9 @@ class Sampler:
         return torch.where(md.greedy_mask, argmax(logits), sampled)
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        logits = apply_top_k_top_p(logits / md.temperature.unsqueeze(1), md.top_k, md.max_top_k, md.top_p)
+        logits = apply_top_k_top_p(
+            logits / md.temperature.unsqueeze(1), md.top_k, md.max_top_k, md.top_p
+        )
         probs = logits.softmax(dim=-1)
         if md.min_p is not None:
             threshold = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
@@ -275,8 +330,9 @@ class Sampler:
         return argmax(probs.div_(q))
 
     @staticmethod
-    def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, sampled_ids: list[int],
-                         md: SamplingMetadata) -> list[list[tuple[int, float]]]:
+    def _gather_logprobs(
+        logprobs: torch.Tensor, sampled: torch.Tensor, sampled_ids: list[int], md: SamplingMetadata
+    ) -> list[list[tuple[int, float]]]:
         sampled_lps = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
         top_lps, top_ids = logprobs.topk(min(md.max_num_logprobs, logprobs.shape[-1]), dim=-1)
         top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
@@ -285,5 +341,7 @@ class Sampler:
             if k is None:
                 out.append([])
                 continue
-            out.append([(sampled_ids[i], sampled_lps[i])] + list(zip(top_ids[i][:k], top_lps[i][:k])))
+            out.append(
+                [(sampled_ids[i], sampled_lps[i])] + list(zip(top_ids[i][:k], top_lps[i][:k]))
+            )
         return out

@@ -2,6 +2,7 @@
 end of its work, and idle between steps, from the end of step N's work to the start of step
 N+1's model run (what the host's scheduling, input building and output handling cost the GPU
 when they are not overlapped)."""
+
 from __future__ import annotations
 
 import torch

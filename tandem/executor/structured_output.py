@@ -8,6 +8,7 @@ steps in order and samples step N's token before it builds step N+1's mask, so a
 always advanced with the real token first. A request the executor drops (preemption by swap or
 recompute) has its matcher rebuilt from its output tokens when it comes back.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,12 +59,16 @@ class StructuredOutputMatchers:
         trace's masking cost)."""
         start = time.perf_counter()
         rows = [i for i, r in enumerate(req_ids) if r in self._matchers]
-        if not rows:  # xgrammar is imported (seconds, once) only by a server that has a constrained request
+        if (
+            not rows
+        ):  # xgrammar is imported (seconds, once) only by a server that has a constrained request
             return 0.0
         import xgrammar as xgr
 
         # One int32 word per 32 tokens: bit j of word w allows token 32 * w + j.
-        bitmask = torch.full((len(req_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        bitmask = torch.full(
+            (len(req_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32
+        )
         eos = self.compiler.eos_token_id
         for i in rows:
             matcher = self._matchers[req_ids[i]]
@@ -73,7 +78,9 @@ class StructuredOutputMatchers:
                 bitmask[i] = 0
                 bit = 1 << (eos % 32)
                 bitmask[i, eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), indices=rows
+        )
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
         return elapsed
@@ -81,5 +88,9 @@ class StructuredOutputMatchers:
     def accept(self, req_id: str, token_id: int) -> None:
         """Advance a constrained request's matcher with its sampled token."""
         matcher = self._matchers.get(req_id)
-        if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token_id):
+        if (
+            matcher is not None
+            and not matcher.is_terminated()
+            and not matcher.accept_token(token_id)
+        ):
             log.warning("request %s: sampled token %d rejected by its grammar", req_id, token_id)

@@ -12,6 +12,7 @@ of tokens and sequences: a CUDA graph can replay it with new metadata. It walks 
 one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query
 row sees keys up to its own position (causal within the chunk, all of the prefix before it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,9 +31,20 @@ def available() -> bool:
 
 
 if triton is not None:
+
     @triton.jit
-    def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                                  stride_kt, stride_vt, stride_ct, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    def _reshape_and_cache_kernel(
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_vt,
+        stride_ct,
+        ROW: tl.constexpr,
+        ROW_PAD: tl.constexpr,
+    ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
         if slot >= 0:  # -1: a padding token of a CUDA-graph batch
@@ -56,8 +68,18 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok, block_size, head_off, stride_cs,
-                      d, d_ok):
+    def _load_kv_tile(
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        k_pos,
+        k_ok,
+        block_size,
+        head_off,
+        stride_cs,
+        d,
+        d_ok,
+    ):
         """K and V of the positions k_pos (masked by k_ok) of one sequence, one KV head, through its block table."""
         block = tl.load(block_table_ptr + k_pos // block_size, mask=k_ok, other=0)
         slot = block * block_size + k_pos % block_size
@@ -86,11 +108,30 @@ if triton is not None:
     # sliding-window layer, where a query sees only its last `window` positions.
     @triton.jit(do_not_specialize=["num_seqs", "block_size", "window"])
     def _unified_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-        scale, num_seqs, block_size, window,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-        TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        block_tables_ptr,
+        seq_lens_ptr,
+        qsl_ptr,
+        scale,
+        num_seqs,
+        block_size,
+        window,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_cs,
+        stride_ch,
+        stride_bt,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        TILE: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         q_block = tl.program_id(0)
@@ -98,7 +139,9 @@ if triton is not None:
         seq = _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query token of this program
+        first = (
+            q_block - (q_start // BLOCK_Q + seq)
+        ) * BLOCK_Q  # first query token of this program
         if first < q_len:
             seq_len = tl.load(seq_lens_ptr + seq)
             context = seq_len - q_len
@@ -108,8 +151,14 @@ if triton is not None:
             row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
             d = tl.arange(0, HEAD_PAD)
             d_ok = d < HEAD_DIM
-            q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q = tl.load(
+                q_ptr
+                + (q_start + tok)[:, None] * stride_qt
+                + head[:, None] * stride_qh
+                + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             q_pos = context + tok  # each row's position in the sequence
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
             denom = tl.zeros([BLOCK_M], tl.float32)
@@ -123,29 +172,58 @@ if triton is not None:
                 # A tile is one KV block, or several when blocks are smaller than a tl.dot tile.
                 k_pos = j * TILE + offs
                 k_ok = k_pos < kv_end
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, k_pos, k_ok,
-                                     block_size, kv_head * stride_ch, stride_cs, d, d_ok)
+                k, v = _load_kv_tile(
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    block_tables_ptr + seq * stride_bt,
+                    k_pos,
+                    k_ok,
+                    block_size,
+                    kv_head * stride_ch,
+                    stride_cs,
+                    d,
+                    d_ok,
+                )
                 if IEEE:
                     s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
                 s = s * scale
-                seen = (k_pos[None, :] <= q_pos[:, None]) & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+                seen = (k_pos[None, :] <= q_pos[:, None]) & (
+                    (window <= 0) | (k_pos[None, :] > q_pos[:, None] - window)
+                )
                 s = tl.where(seen, s, float("-inf"))
                 m, denom, acc = _online_softmax_step(s, v, m, denom, acc, IEEE)
             acc = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-            tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(
+                out_ptr
+                + (q_start + tok)[:, None] * stride_ot
+                + head[:, None] * stride_oh
+                + d[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
 
 
-def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Token t goes to slot slot_mapping[t]
     (skipped where it is -1). One launch for K and V of every token of the layer."""
     k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
     row = k.shape[1]
     _reshape_and_cache_kernel[(k.shape[0],)](
-        k, v, kv_cache[0], kv_cache[1], slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(1),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row))
+        k,
+        v,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        kv_cache.stride(1),
+        ROW=row,
+        ROW_PAD=triton.next_power_of_2(row),
+    )
 
 
 @functools.cache
@@ -159,8 +237,15 @@ def _tiles(group: int, max_query_len: int, block_size: int) -> tuple[int, int, i
 
 
 def unified_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor, max_query_len: int, block_size: int, scale: float, window: int = 0,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    block_size: int,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (the batch's query tokens, sequence after sequence); returns [T, Hq, D].
     seq_lens are context lengths after this step; query_start_loc is [num_seqs + 1]; window > 0:
@@ -175,11 +260,31 @@ def unified_attention(
     # An upper bound on the q blocks over all sequences; programs past the last one exit.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_seqs, block_size, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        num_seqs,
+        block_size,
+        window,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), TILE=tile,
-        BLOCK_Q=block_q, BLOCK_M=block_m,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        TILE=tile,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
-        IEEE=q.dtype == torch.float32 or q.device.type == "cpu")
+        IEEE=q.dtype == torch.float32 or q.device.type == "cpu",
+    )
     return out

@@ -1,6 +1,7 @@
 """Native kernels, built once into a cache shared by every checkout and virtualenv on the machine
 (`tandem prepare` builds them; a process that finds one missing builds it and says so); every
 caller has a PyTorch fallback."""
+
 from __future__ import annotations
 
 import functools
@@ -34,14 +35,30 @@ def toolchain() -> str:
     """What a built extension depends on besides its source and flags: the compiler, torch, the
     Python ABI and the CPU (-march=native). Not the virtualenv's or the checkout's path."""
     import torch
+
     try:
-        cxx = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True,
-                             timeout=30).stdout.splitlines()[0]
+        cxx = subprocess.run(
+            [os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         cxx = "no compiler"
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
-               platform.processor())
-    return "|".join((cxx, torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", platform.machine(), cpu))
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _cpuinfo().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return "|".join(
+        (
+            cxx,
+            torch.__version__,
+            sysconfig.get_config_var("EXT_SUFFIX") or "",
+            platform.machine(),
+            cpu,
+        )
+    )
 
 
 def _cpuinfo() -> str:
@@ -153,8 +170,13 @@ def target_flags() -> list[str]:
 # functions' docstrings). A unit is one translation unit, its kernels' sources joined and one
 # module holding a submodule for each: torch's and pybind11's headers, most of a build's CPU
 # (~10 s), are parsed once per unit, not once per kernel; so kernels whose flags agree share one.
-UNITS = {"cpu_paged_attention": (("cpu_paged_attention",), ["-ffast-math", "-fopenmp"]),
-         "cpu_kernels": (("cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm"), ["-ffp-contract=off", "-fopenmp"])}
+UNITS = {
+    "cpu_paged_attention": (("cpu_paged_attention",), ["-ffast-math", "-fopenmp"]),
+    "cpu_kernels": (
+        ("cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm"),
+        ["-ffp-contract=off", "-fopenmp"],
+    ),
+}
 UNIT_OF = {kernel: unit for unit, (kernels, _) in UNITS.items() for kernel in kernels}
 
 
@@ -164,7 +186,9 @@ def unit_source(unit: str) -> bytes:
     kernels, _ = UNITS[unit]
     binds = "".join(f'  tandem_{k}::bind(m.def_submodule("{k}"));\n' for k in kernels)
     parts = [kernel_source(f"{k}.cpp") for k in kernels]
-    return ("\n".join(parts) + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n").encode()
+    return (
+        "\n".join(parts) + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n"
+    ).encode()
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
@@ -181,8 +205,14 @@ def kernel_source(name: str) -> str:
 def _build_spec(unit: str) -> tuple[bytes, Path, list[str], str]:
     """Unit `unit`'s source, the cache its builds go to, its full flags, and its build key."""
     from tandem.config import cache_root
+
     cflags = ["-O3", *target_flags(), *UNITS[unit][1]]
-    return unit_source(unit), cache_root().parent / "kernels", cflags, " ".join(cflags) + "|" + toolchain()
+    return (
+        unit_source(unit),
+        cache_root().parent / "kernels",
+        cflags,
+        " ".join(cflags) + "|" + toolchain(),
+    )
 
 
 def _built(unit: str, build: Path | None = None) -> Path:
@@ -212,29 +242,47 @@ def _load(unit: str) -> ModuleType | None:
         return None
     try:
         import torch  # noqa: F401 - the extension links against the libraries torch loads
+
         text, root, cflags, key = _build_spec(unit)
         build, src = build_dir(f"{unit}.cpp", text, root, key)
         built = _built(unit, build)
         name = built.stem
         if not built.exists():
-            log.info("building native kernels %s in %s (once per machine and toolchain; `tandem prepare` "
-                     "builds them ahead)", ", ".join(UNITS[unit][0]), build)
+            log.info(
+                "building native kernels %s in %s (once per machine and toolchain; `tandem prepare` "
+                "builds them ahead)",
+                ", ".join(UNITS[unit][0]),
+                build,
+            )
             t0 = time.monotonic()
             from torch.utils.cpp_extension import load
-            ext = load(name=name, sources=[str(src)], extra_cflags=cflags, build_directory=str(build),
-                       extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [], verbose=False)
+
+            ext = load(
+                name=name,
+                sources=[str(src)],
+                extra_cflags=cflags,
+                build_directory=str(build),
+                extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
+                verbose=False,
+            )
             log.info("built %s in %.1f s", ", ".join(UNITS[unit][0]), time.monotonic() - t0)
             return ext
         return _import(name, built)
     except Exception as e:  # a missing toolchain must not stop serving
-        log.warning("native kernels %s unavailable (%s); using the PyTorch path", ", ".join(UNITS[unit][0]), e)
+        log.warning(
+            "native kernels %s unavailable (%s); using the PyTorch path",
+            ", ".join(UNITS[unit][0]),
+            e,
+        )
         return None
 
 
 def _import(name: str, path: Path):
     """The built extension module, imported from its file (torch's `load` would re-run ninja,
     whose build file names this virtualenv's paths)."""
-    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
+    spec = importlib.util.spec_from_file_location(
+        name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path))
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -256,7 +304,11 @@ def prepare() -> dict[str, bool]:
     compiler on one core. A unit another process is building is waited for."""
     if os.environ.get("TANDEM_NO_NATIVE") != "1":
         code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); k._load(sys.argv[1])"
-        builds = [subprocess.Popen([sys.executable, "-c", code, unit]) for unit in UNITS if _needs_build(unit)]
+        builds = [
+            subprocess.Popen([sys.executable, "-c", code, unit])
+            for unit in UNITS
+            if _needs_build(unit)
+        ]
         for b in builds:
             b.wait()
     return {kernel: _kernel(kernel) is not None for kernel in UNIT_OF}

@@ -1,5 +1,6 @@
 """The architecture fields of a Hugging Face config.json that the models read (`ModelConfig`),
 checked against what they implement."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,18 +40,24 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict) -> ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if model_type == "mistral" and hf.get("sliding_window"):
             if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
-                raise ValueError("Mistral with a sliding window shorter than the context is not supported")
+                raise ValueError(
+                    "Mistral with a sliding window shorter than the context is not supported"
+                )
         heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}  # transformers 5 moves theta and scaling here
         gemma = gemma3_fields(hf) if model_type == "gemma3_text" else {}
         rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = hf.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
         eos = hf.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -87,16 +94,23 @@ def gemma3_fields(hf: dict) -> dict:
     if hf.get("attn_logit_softcapping") is not None:
         raise ValueError("Gemma 3 with attn_logit_softcapping is not supported")
     if hf.get("use_bidirectional_attention"):
-        raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+        raise ValueError(
+            "Gemma 3 with bidirectional attention (an embedding model) is not supported"
+        )
     if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ValueError(f"Gemma 3 with hidden_activation {hf['hidden_activation']!r} is not supported")
+        raise ValueError(
+            f"Gemma 3 with hidden_activation {hf['hidden_activation']!r} is not supported"
+        )
     n = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", 6)
     types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+    ]
     if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"Gemma 3 layer_types must name sliding_attention or full_attention for each of "
-                         f"the {n} layers, got {types}")
+        raise ValueError(
+            f"Gemma 3 layer_types must name sliding_attention or full_attention for each of "
+            f"the {n} layers, got {types}"
+        )
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"Gemma 3 local RoPE type {local['rope_type']!r} is not supported")

@@ -10,6 +10,7 @@ so the hidden states are the modules' bit for bit. `build` returns None where a 
 another path (a bias, a float or batch-invariant linear, a model off the CPU, no native fused
 ops).
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,11 @@ class NativeOps:
         """The call a quantised layer on the integer kernel makes for a 2-D contiguous x (with the
         gate_up's activation-and-mul where its forward_gated makes it)."""
         layer = parent._modules[name]
-        if (not isinstance(layer, IntegerKernelLayer) or not layer.int8_act
-                or layer.bias is not None):
+        if (
+            not isinstance(layer, IntegerKernelLayer)
+            or not layer.int8_act
+            or layer.bias is not None
+        ):
             raise NotNative(name)
         # forward_gated's other branch: the gate after the GEMM
         if gate is not None and (isinstance(layer, RowParts) or layer.out_features % 32):
@@ -64,9 +68,13 @@ def _gate_after(gemm: Gemm, gate: Gate, x: torch.Tensor) -> torch.Tensor:
 class DecodePlan:
     """Every layer's ops, bound natively; `run` is the model's forward for the steps it takes."""
 
-    def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor],
-                 rotaries: list[RotaryEmbedding], layers: list[DecoderOps],
-                 decodes: list[Callable[[Any, int], bool]]) -> None:
+    def __init__(
+        self,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        rotaries: list[RotaryEmbedding],
+        layers: list[DecoderOps],
+        decodes: list[Callable[[Any, int], bool]],
+    ) -> None:
         # the model's parts, not the model: it holds the plan
         self.embed, self.rotaries, self.layers, self.decodes = embed, rotaries, layers, decodes
 
@@ -83,13 +91,19 @@ class DecodePlan:
             return None
         return cls(model.embedding(), model.rotaries(), layers, bind.decodes)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: Any) -> torch.Tensor | None:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor | None:
         """The model's forward on a decode-only step whose attention takes the fused decode;
         None: not such a step (run the modules)."""
         rows = input_ids.shape[0]
         metas = zip(self.decodes, per_layer(meta))
         if not all(decodes(layer_meta, rows) for decodes, layer_meta in metas):
             return None
-        return run_layers(self.embed, self.rotaries, self.layers, input_ids, positions, kv_caches,
-                          meta)
+        return run_layers(
+            self.embed, self.rotaries, self.layers, input_ids, positions, kv_caches, meta
+        )

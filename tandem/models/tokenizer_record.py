@@ -9,6 +9,7 @@ holds its record itself (it is Tandem's own and never changes); for a Hugging Fa
 record lies in the cache, keyed by the folder's path, and names the sizes and times of the
 folder's files besides the weights: a file changed, added or removed and AutoTokenizer picks again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,11 @@ def folder_files(path: Path) -> list[list]:
     """A folder's files that are not weights (what a tokenizer load may read: config.json,
     tokenizer files, chat template), or the one file `path` is, as [name, mtime_ns, size]."""
     path = Path(path)
-    files = [f for f in path.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)] \
-        if path.is_dir() else [path]
+    files = (
+        [f for f in path.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)]
+        if path.is_dir()
+        else [path]
+    )
     return sorted([f.name, f.stat().st_mtime_ns, f.stat().st_size] for f in files)
 
 
@@ -43,6 +47,7 @@ def write_record(path: Path, picked: type, folder: Path | None = None) -> None:
     record also names that folder and its files. A cache that cannot be written only loses the
     shortcut."""
     import transformers
+
     if getattr(transformers, picked.__name__, None) is not picked:
         return
     record = {"tokenizer_class": picked.__name__, "transformers": transformers.__version__}
@@ -78,13 +83,18 @@ def recorded_class(path: Path, folder: Path | None = None) -> type | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("transformers") != importlib.metadata.version("transformers"):
+    if not isinstance(record, dict) or record.get("transformers") != importlib.metadata.version(
+        "transformers"
+    ):
         return None
     if folder is not None:
         try:
-            if record.get("folder") != str(Path(folder).resolve()) or record.get("files") != folder_files(folder):
+            if record.get("folder") != str(Path(folder).resolve()) or record.get(
+                "files"
+            ) != folder_files(folder):
                 return None
         except OSError:
             return None
     import transformers
+
     return getattr(transformers, str(record.get("tokenizer_class")), None)

@@ -2,6 +2,7 @@
 to the chat request it means: system, text / tool_use / tool_result blocks, tools and
 tool_choice, stop_sequences and the sampling fields. As for the OpenAI bodies, a field not
 declared is a 400 naming it, and the hints say why they cannot change the output."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ from tandem.server.limits import MAX_MESSAGES, MAX_STOP, MAX_TOOLS, Count, Int64
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.protocol_parts import Base, doc, hint
 
-
 REFUSED = {  # fields Anthropic's clients send that would change the output, not implemented
     "thinking": "use output_config.effort (the template's thinking switch)",
-    "mcp_servers": "no MCP client here", "container": "no code execution here",
+    "mcp_servers": "no MCP client here",
+    "container": "no code execution here",
     "context_management": "not implemented",
 }
 
@@ -62,11 +63,20 @@ class AnthropicMessage(Base):
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
-        results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
-                   for b in self.content if isinstance(b, ToolResultBlock)]
-        calls = [{"id": b.id, "type": "function",
-                  "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-                 for b in self.content if isinstance(b, ToolUseBlock)]
+        results = [
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+            for b in self.content
+            if isinstance(b, ToolResultBlock)
+        ]
+        calls = [
+            {
+                "id": b.id,
+                "type": "function",
+                "function": {"name": b.name, "arguments": json.dumps(b.input)},
+            }
+            for b in self.content
+            if isinstance(b, ToolUseBlock)
+        ]
         if calls:
             return [*results, {"role": self.role, "content": text or None, "tool_calls": calls}]
         return [*results, {"role": self.role, "content": text}] if text or not results else results
@@ -101,13 +111,16 @@ class JsonOutputFormat(Base):
 class OutputConfig(Base):
     format: JsonOutputFormat | None = doc(None, "The answer as JSON of this schema.")
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = doc(
-        None, "reasoning_effort of a chat request (xhigh and max: high).")
+        None, "reasoning_effort of a chat request (xhigh and max: high)."
+    )
 
     def openai(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if self.format is not None:
-            fields["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": self.format.schema_}}
+            fields["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": self.format.schema_},
+            }
         if self.effort is not None:
             effort = self.effort
             fields["reasoning_effort"] = "high" if effort in ("xhigh", "max") else effort
@@ -116,24 +129,39 @@ class OutputConfig(Base):
 
 class CountTokensRequest(Base):
     model: str = doc(..., "A served name.")
-    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES, description=(
-        "Turns of text, tool_use and tool_result blocks (images refused)."))
+    messages: list[AnthropicMessage] = Field(
+        min_length=1,
+        max_length=MAX_MESSAGES,
+        description=("Turns of text, tool_use and tool_result blocks (images refused)."),
+    )
     system: str | list[TextBlock] | None = doc(None, "The system prompt.")
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = doc(
-        None, "Custom tools: name, description, input_schema.")
+        None, "Custom tools: name, description, input_schema."
+    )
     tool_choice: AnthropicToolChoice | None = doc(None, "auto, any, tool (named) or none.")
 
     def chat_request(self, **fields: Any) -> ChatCompletionRequest:
         """The chat request this one means; ValueError (pydantic's too) for what cannot be."""
-        system = self.system if isinstance(self.system, str) or self.system is None \
+        system = (
+            self.system
+            if isinstance(self.system, str) or self.system is None
             else "".join(b.text for b in self.system)
-        messages = ([{"role": "system", "content": system}] if system else [])
+        )
+        messages = [{"role": "system", "content": system}] if system else []
         messages += [m for message in self.messages for m in message.openai()]
         chat: dict[str, Any] = {"model": self.model, "messages": messages, **fields}
         if self.tools:
-            chat["tools"] = [{"type": "function", "function": {
-                "name": t.name, "description": t.description, "parameters": t.input_schema}}
-                for t in self.tools]
+            chat["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.input_schema,
+                    },
+                }
+                for t in self.tools
+            ]
         if self.tool_choice is not None:
             chat["tool_choice"] = self.tool_choice.openai()
             chat["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
@@ -143,7 +171,8 @@ class CountTokensRequest(Base):
 class MessagesRequest(CountTokensRequest):
     max_tokens: Count = doc(..., "Tokens to generate at most.")
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP)] | None = doc(
-        None, "Strings that end the output (stop_reason stop_sequence).")
+        None, "Strings that end the output (stop_reason stop_sequence)."
+    )
     stream: bool = doc(False, "Server-sent events, Anthropic's.")
     temperature: float | None = doc(None, "0: greedy. Default 1.")
     top_p: float | None = doc(None, "Nucleus sampling. Default 1.")
@@ -156,6 +185,12 @@ class MessagesRequest(CountTokensRequest):
     def sampling(self) -> dict[str, Any]:
         """The chat request's fields beside the conversation."""
         output = self.output_config.openai() if self.output_config else {}
-        return {"max_tokens": self.max_tokens, "stop": self.stop_sequences,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "stream": self.stream, **output}
+        return {
+            "max_tokens": self.max_tokens,
+            "stop": self.stop_sequences,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stream": self.stream,
+            **output,
+        }

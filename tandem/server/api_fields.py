@@ -1,6 +1,7 @@
 """docs/api_fields.md, written from the request models: every field of every endpoint, honoured,
 a hint (accepted; it cannot change this server's output) or refused, and why. A test keeps the
 file current; `python -m tandem.server.api_fields > docs/api_fields.md` rewrites it."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel
@@ -41,8 +42,11 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         status = "hint" if extra.get("x-tandem") == HINT else "honoured"
         rows.append((name, status, info.description or ""))
-        nested = [a for a in getattr(info.annotation, "__args__", ())
-                  if isinstance(a, type) and issubclass(a, BaseModel)]
+        nested = [
+            a
+            for a in getattr(info.annotation, "__args__", ())
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
         if name in NESTED and nested:
             rows += _rows(nested[0], name + ".")
     return rows
@@ -54,12 +58,19 @@ def table() -> str:
     for path, model in ENDPOINTS.items():
         for row in _rows(model):
             endpoints.setdefault(row, []).append(path)
-    refused = {(name, "refused", why): [p for p, m in apis.items() if name not in m.model_fields]
-               for apis, module in ((OPENAI, protocol), (RESPONSES, responses_protocol),
-                                    (ANTHROPIC, anthropic_protocol))
-               for name, why in module.REFUSED.items()}
-    lines = [f"| `{name}` | {', '.join(f'`{p}`' for p in paths)} | {status} | {notes} |"
-             for (name, status, notes), paths in sorted({**endpoints, **refused}.items())]
+    refused = {
+        (name, "refused", why): [p for p, m in apis.items() if name not in m.model_fields]
+        for apis, module in (
+            (OPENAI, protocol),
+            (RESPONSES, responses_protocol),
+            (ANTHROPIC, anthropic_protocol),
+        )
+        for name, why in module.REFUSED.items()
+    }
+    lines = [
+        f"| `{name}` | {', '.join(f'`{p}`' for p in paths)} | {status} | {notes} |"
+        for (name, status, notes), paths in sorted({**endpoints, **refused}.items())
+    ]
     return HEADER + "\n".join(lines) + "\n"
 
 

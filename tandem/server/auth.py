@@ -4,6 +4,7 @@ key mapped to a request class is a key too, so with only those the server is not
 /health (probes) and the dashboard page with its scripts, which hold no figures and ask for the
 key. A key comes as `Authorization: Bearer KEY`, or as Anthropic's clients send it,
 `x-api-key: KEY`. Keys are compared in constant time, each one, whichever matches."""
+
 from __future__ import annotations
 
 import hmac
@@ -36,8 +37,15 @@ def presented_key(request: Request) -> str | None:
 async def require_api_key(request: Request, call_next):
     """HTTP middleware (`app.middleware("http")`)."""
     path = request.url.path
-    if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) \
-            and not key_accepted(serving_state(request).config, presented_key(request)):
-        return error_response(401, "invalid or missing API key (Authorization: Bearer KEY, or "
-                              "x-api-key)", "authentication_error", path=path)
+    if (
+        path not in OPEN_PATHS
+        and not path.startswith(OPEN_PREFIXES)
+        and not key_accepted(serving_state(request).config, presented_key(request))
+    ):
+        return error_response(
+            401,
+            "invalid or missing API key (Authorization: Bearer KEY, or x-api-key)",
+            "authentication_error",
+            path=path,
+        )
     return await call_next(request)

@@ -1,14 +1,22 @@
 """The chat API's response bodies and stream chunks, built from RequestOutputs: the text, or
 with tools the text and the calls the family parser reads from it (streamed as each call
 completes, as vLLM's tool-call deltas)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server.reasoning_parser import ThinkParser
-from tandem.server.responses import (Sent, Tokens, chat_logprobs, latency_split, news,
-                                     prompt_logprobs, usage)
+from tandem.server.responses import (
+    Sent,
+    Tokens,
+    chat_logprobs,
+    latency_split,
+    news,
+    prompt_logprobs,
+    usage,
+)
 from tandem.server.tool_calls import ToolCallPlan, openai_call, read_output
 
 
@@ -53,13 +61,24 @@ def chat_body(rid: str, model: str, created: int, out: RequestOutput, fmt: ChatF
     choices = []
     for c in out.outputs:
         message, finish_reason = _message(c, fmt)
-        choices.append({
-            "index": c.index, "message": message,
-            "logprobs": chat_logprobs(fmt.tokens, c.logprobs or []) if fmt.logprobs else None,
-            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-        })
-    body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage([out]), "metrics": latency_split([out])}
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(fmt.tokens, c.logprobs or []) if fmt.logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage([out]),
+        "metrics": latency_split([out]),
+    }
     if fmt.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(fmt.tokens, out, fmt.prompt_logprobs)
     return body
@@ -79,13 +98,15 @@ def _delta(c: CompletionOutput, fmt: ChatFormat, sent: ChatSent) -> dict:
     if len(got.content) > done:
         delta["content"] = got.content[done:]
     if len(got.calls) > calls:
-        delta["tool_calls"] = [{"index": calls + j, **openai_call(call)}
-                               for j, call in enumerate(got.calls[calls:])]
+        delta["tool_calls"] = [
+            {"index": calls + j, **openai_call(call)} for j, call in enumerate(got.calls[calls:])
+        ]
     return delta
 
 
-def chat_chunk(rid: str, model: str, created: int, out: RequestOutput, sent: ChatSent,
-               fmt: ChatFormat) -> dict | None:
+def chat_chunk(
+    rid: str, model: str, created: int, out: RequestOutput, sent: ChatSent, fmt: ChatFormat
+) -> dict | None:
     choices = []
     for c in news(out, sent):
         delta = _delta(c, fmt, sent)
@@ -96,13 +117,18 @@ def chat_chunk(rid: str, model: str, created: int, out: RequestOutput, sent: Cha
             continue
         lps = None
         if fmt.logprobs and c.logprobs is not None:
-            lps = chat_logprobs(fmt.tokens, c.logprobs[sent.logprobs.get(c.index, 0):])
+            lps = chat_logprobs(fmt.tokens, c.logprobs[sent.logprobs.get(c.index, 0) :])
             sent.logprobs[c.index] = len(c.logprobs)
         choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish})
     if not choices:
         return None
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if fmt.continuous_usage:
         chunk["usage"] = usage([out])
     return chunk

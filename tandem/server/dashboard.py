@@ -5,6 +5,7 @@ exposition (dashboard_data.py) and, on the router, adds every instance's role, l
 With API keys the data needs `Authorization: Bearer KEY`, as every route does on `tandem serve`
 (server/auth.py; the page asks for the key and shows nothing without it); the page and its
 scripts hold no figures and are served openly."""
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,12 @@ from prometheus_client import generate_latest
 from tandem.server.dashboard_data import DashboardSeries
 
 STATIC = Path(__file__).resolve().parent / "static"
-FILES = {"dashboard.js": "dashboard.js", "dashboard.css": "dashboard.css",
-         "uPlot.iife.min.js": "vendor/uPlot.iife.min.js", "uPlot.min.css": "vendor/uPlot.min.css"}
+FILES = {
+    "dashboard.js": "dashboard.js",
+    "dashboard.css": "dashboard.css",
+    "uPlot.iife.min.js": "vendor/uPlot.iife.min.js",
+    "uPlot.min.css": "vendor/uPlot.min.css",
+}
 
 
 router = APIRouter()
@@ -55,8 +60,13 @@ async def static(name: str):
 async def data(request: Request):
     d: Dashboard = request.app.state.dashboard
     point = d.series.add(await d.exposition())
-    return {"kind": d.kind, "title": d.title, "now": point, "series": d.series.series(),
-            "instances": d.instances() if d.instances else None}
+    return {
+        "kind": d.kind,
+        "title": d.title,
+        "now": point,
+        "series": d.series.series(),
+        "instances": d.instances() if d.instances else None,
+    }
 
 
 @functools.cache
@@ -67,14 +77,21 @@ def _page() -> str:
 def add_server_dashboard(app: FastAPI, registry, model: str) -> None:
     async def exposition() -> str:
         return generate_latest(registry).decode()
+
     app.state.dashboard = Dashboard("server", f"tandem serve: {model}", exposition)
     app.include_router(router)
 
 
 def add_router_dashboard(app: FastAPI, cluster) -> None:
     """cluster: the `Router` (cluster/router/router.py)."""
+
     async def exposition() -> str:
         return (await cluster.metrics.exposition(cluster.client)).decode()
-    app.state.dashboard = Dashboard("router", "tandem router: " + ", ".join(cluster.groups), exposition,
-                                    instances=cluster.cluster_state)
+
+    app.state.dashboard = Dashboard(
+        "router",
+        "tandem router: " + ", ".join(cluster.groups),
+        exposition,
+        instances=cluster.cluster_state,
+    )
     app.include_router(router)

@@ -5,6 +5,7 @@ histogram buckets, as PromQL's histogram_quantile does, so the page and the Graf
 agree), output tokens/s and preemptions by mode. A sample is taken each time the page asks
 (every 1-2 s), so nothing runs while nobody watches; points are kept for HISTORY_S. Until a
 page has watched for a minute the window is shorter: each point says how long (window_s)."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,11 @@ RATE_S = 5.0  # tokens/s and preemptions/s: over this much
 HISTORY_S = 600.0
 MIN_INTERVAL_S = 0.5  # pages polling more often (or several pages) share a sample
 QUANTILES = (0.5, 0.9, 0.99)
-HISTOGRAMS = {"ttft": "tandem:time_to_first_token_seconds", "itl": "tandem:inter_token_latency_seconds",
-              "e2e": "tandem:e2e_request_latency_seconds"}
+HISTOGRAMS = {
+    "ttft": "tandem:time_to_first_token_seconds",
+    "itl": "tandem:inter_token_latency_seconds",
+    "e2e": "tandem:e2e_request_latency_seconds",
+}
 
 
 def parse(text: str) -> dict:
@@ -57,7 +61,10 @@ def _add(into: dict, s) -> None:
 
 
 def _plain(sums: dict) -> dict:
-    return {"values": dict(sums["values"]), "buckets": {k: dict(v) for k, v in sums["buckets"].items()}}
+    return {
+        "values": dict(sums["values"]),
+        "buckets": {k: dict(v) for k, v in sums["buckets"].items()},
+    }
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float | None:
@@ -71,7 +78,9 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
         if count >= rank:
             if math.isinf(le):
                 return prev_le  # beyond the last finite bucket: its upper bound, as Prometheus does
-            return prev_le + (le - prev_le) * ((rank - prev_count) / (count - prev_count) if count > prev_count else 1.0)
+            return prev_le + (le - prev_le) * (
+                (rank - prev_count) / (count - prev_count) if count > prev_count else 1.0
+            )
         prev_le, prev_count = le, count
     return None
 
@@ -88,7 +97,9 @@ def _window_quantile(q: float, name: str, cur: dict, window: dict | None) -> flo
     return None if x is None else x * 1e3
 
 
-def _model_point(cur: dict, window: dict | None, recent: dict | None, rate_dt: float | None) -> dict:
+def _model_point(
+    cur: dict, window: dict | None, recent: dict | None, rate_dt: float | None
+) -> dict:
     """One model's row: its requests finished per second (chat and embeddings), queue, output
     tokens/s, TTFT / E2E over the window and KV usage (the mean over its instances)."""
     v = cur["values"]
@@ -97,15 +108,21 @@ def _model_point(cur: dict, window: dict | None, recent: dict | None, rate_dt: f
         if recent is None or not rate_dt:
             return None
         return sum(_delta(cur, recent, n) for n in names) / rate_dt
+
     kv_n = v.get("tandem:kv_cache_usage_perc#n", 0.0)
     embed = "tandem:embedding_latency_seconds"
-    return {"requests_s": rate("tandem:request_success_total", "tandem:embedding_requests_total"),
-            "running": v.get("tandem:num_requests_running", 0.0), "waiting": v.get("tandem:num_requests_waiting", 0.0),
-            "output_tok_s": rate("tandem:generation_tokens_total"),
-            "ttft_p50_ms": _window_quantile(0.5, HISTOGRAMS["ttft"], cur, window),
-            "ttft_p99_ms": _window_quantile(0.99, HISTOGRAMS["ttft"], cur, window),
-            "e2e_p50_ms": _window_quantile(0.5, embed if embed in cur["buckets"] else HISTOGRAMS["e2e"], cur, window),
-            "kv_usage": v.get("tandem:kv_cache_usage_perc", 0.0) / kv_n if kv_n else None}
+    return {
+        "requests_s": rate("tandem:request_success_total", "tandem:embedding_requests_total"),
+        "running": v.get("tandem:num_requests_running", 0.0),
+        "waiting": v.get("tandem:num_requests_waiting", 0.0),
+        "output_tok_s": rate("tandem:generation_tokens_total"),
+        "ttft_p50_ms": _window_quantile(0.5, HISTOGRAMS["ttft"], cur, window),
+        "ttft_p99_ms": _window_quantile(0.99, HISTOGRAMS["ttft"], cur, window),
+        "e2e_p50_ms": _window_quantile(
+            0.5, embed if embed in cur["buckets"] else HISTOGRAMS["e2e"], cur, window
+        ),
+        "kv_usage": v.get("tandem:kv_cache_usage_perc", 0.0) / kv_n if kv_n else None,
+    }
 
 
 class DashboardSeries:
@@ -136,35 +153,56 @@ class DashboardSeries:
             while self.samples and self.samples[0][0] < now - HISTORY_S:
                 self.samples.popleft()
             point = self._point(now, cur, window, recent, rate_dt)
-            point["window_s"] = now - window_t if window_t is not None else None  # None: since the start
+            point["window_s"] = (
+                now - window_t if window_t is not None else None
+            )  # None: since the start
             self.points.append(point)
             while self.points and self.points[0]["t"] < time.time() - HISTORY_S:
                 self.points.popleft()
         return point
 
-    def _point(self, now: float, cur: dict, window: dict | None, recent: dict | None, rate_dt: float | None) -> dict:
+    def _point(
+        self, now: float, cur: dict, window: dict | None, recent: dict | None, rate_dt: float | None
+    ) -> dict:
         v = cur["values"]
         p: dict = {"t": time.time()}
         for name in HISTOGRAMS:  # percentiles of the observations made within the window
             for q in QUANTILES:
-                p[f"{name}_p{round(q * 100)}_ms"] = _window_quantile(q, HISTOGRAMS[name], cur, window)
+                p[f"{name}_p{round(q * 100)}_ms"] = _window_quantile(
+                    q, HISTOGRAMS[name], cur, window
+                )
         n = _delta(cur, window, "tandem_router:kv_transfer_seconds_count")
-        p["kv_transfer_ms"] = _delta(cur, window, "tandem_router:kv_transfer_seconds_sum") / n * 1e3 if n else None
+        p["kv_transfer_ms"] = (
+            _delta(cur, window, "tandem_router:kv_transfer_seconds_sum") / n * 1e3 if n else None
+        )
         queries = _delta(cur, window, "tandem:prefix_cache_queries_total")
-        p["prefix_hit_ratio"] = _delta(cur, window, "tandem:prefix_cache_hits_total") / queries if queries else None
-        for key, name in (("output_tok_s", "tandem:generation_tokens_total"),
-                          ("preempt_swap_s", "tandem:preemptions_by_mode_total|swap"),
-                          ("preempt_recompute_s", "tandem:preemptions_by_mode_total|recompute"),
-                          ("kv_transfer_mb_s", "tandem_router:kv_transfer_bytes_total")):
+        p["prefix_hit_ratio"] = (
+            _delta(cur, window, "tandem:prefix_cache_hits_total") / queries if queries else None
+        )
+        for key, name in (
+            ("output_tok_s", "tandem:generation_tokens_total"),
+            ("preempt_swap_s", "tandem:preemptions_by_mode_total|swap"),
+            ("preempt_recompute_s", "tandem:preemptions_by_mode_total|recompute"),
+            ("kv_transfer_mb_s", "tandem_router:kv_transfer_bytes_total"),
+        ):
             d = _delta(cur, recent, name) if recent else None
-            p[key] = d / rate_dt / (1e6 if key == "kv_transfer_mb_s" else 1) if d is not None and rate_dt else None
+            p[key] = (
+                d / rate_dt / (1e6 if key == "kv_transfer_mb_s" else 1)
+                if d is not None and rate_dt
+                else None
+            )
         for level in ("L1", "L2", "L3"):
             p[f"running_{level}"] = v.get(f"tandem:num_requests_running_by_level|{level}", 0.0)
             p[f"waiting_{level}"] = v.get(f"tandem:num_requests_waiting_by_level|{level}", 0.0)
-        for key, name in (("kv_usage", "tandem:kv_cache_usage_perc"), ("kv_utilization", "tandem:kv_cache_utilization")):
+        for key, name in (
+            ("kv_usage", "tandem:kv_cache_usage_perc"),
+            ("kv_utilization", "tandem:kv_cache_utilization"),
+        ):
             p[key] = v.get(name, 0.0) / max(v.get(name + "#n", 1.0), 1.0)  # the mean over instances
-        p["kv_free_blocks"], p["kv_total_blocks"] = v.get("tandem:kv_cache_free_blocks", 0.0), \
-            v.get("tandem:kv_cache_total_blocks", 0.0)
+        p["kv_free_blocks"], p["kv_total_blocks"] = (
+            v.get("tandem:kv_cache_free_blocks", 0.0),
+            v.get("tandem:kv_cache_total_blocks", 0.0),
+        )
         host = v.get("tandem:kv_host_total_blocks", 0.0)
         p["host_used"] = 1 - v.get("tandem:kv_host_free_blocks", 0.0) / host if host else None
         p["swapped"] = v.get("tandem:num_requests_swapped", 0.0)
@@ -175,7 +213,11 @@ class DashboardSeries:
 
         def then(sample: dict | None, m: str) -> dict | None:
             return None if sample is None else sample["models"].get(m, empty)
-        p["models"] = {m: _model_point(c, then(window, m), then(recent, m), rate_dt) for m, c in cur["models"].items()}
+
+        p["models"] = {
+            m: _model_point(c, then(window, m), then(recent, m), rate_dt)
+            for m, c in cur["models"].items()
+        }
         return p
 
     def series(self) -> dict[str, list]:

@@ -4,6 +4,7 @@ the KV of the tokens its client has to the peer it was given (one engine call:
 `PDService.migrate_out`), and ends its stream with a `migrate` event carrying those tokens,
 then the send's outcome. The router continues the request on the peer from exactly those
 tokens, so the client's stream has no token twice and none missing."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,9 @@ class DecodeLegs:
 
     def __init__(self, llm: Any, model: str) -> None:
         self.llm, self.model = llm, model
-        self._moves: dict[str, asyncio.Future] = {}  # request id -> (transfer id, peer) once asked to move
+        self._moves: dict[
+            str, asyncio.Future
+        ] = {}  # request id -> (transfer id, peer) once asked to move
 
     async def migrate(self, request_id: str, transfer_id: str, peer: int | None) -> bool:
         """Ask a streaming leg to move; False if none by that id is streaming (or already
@@ -39,8 +42,9 @@ class DecodeLegs:
         move = self._moves.get(request_id)
         return move is not None and not move.done()
 
-    async def stream(self, gen: AsyncIterator[RequestOutput], rid: str, prompt: list[int],
-                     usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        self, gen: AsyncIterator[RequestOutput], rid: str, prompt: list[int], usage: bool
+    ) -> AsyncIterator[str]:
         move = self._moves[rid] = asyncio.get_running_loop().create_future()
         created, final, chunks_sent, nxt, sent = int(time.time()), None, R.Sent(), None, 0
         fmt = R.CompletionFormat(1, R.Tokens(self.llm.tokenizer), None)
@@ -52,7 +56,9 @@ class DecodeLegs:
                     break
                 final = nxt.result()
                 chunk = R.completion_chunk(rid, self.model, created, 0, final, chunks_sent, fmt)
-                if chunk:  # with the leg's token count (the router weighs what a move would free) and the
+                if (
+                    chunk
+                ):  # with the leg's token count (the router weighs what a move would free) and the
                     # ids of the tokens out since the last chunk (it resumes a failed leg from them)
                     ids = final.outputs[0].token_ids
                     yield R.sse_event({**chunk, "num_tokens": len(ids), "token_ids": ids[sent:]})
@@ -64,7 +70,10 @@ class DecodeLegs:
                     return
             async for line in self._move_out(rid, prompt, final, *move.result()):
                 yield line
-        except (ValueError, RuntimeError) as e:  # refused by the core (on_add gave the KV back), or it is gone
+        except (
+            ValueError,
+            RuntimeError,
+        ) as e:  # refused by the core (on_add gave the KV back), or it is gone
             yield R.error_event(str(e))
             yield R.SSE_DONE
         finally:
@@ -76,8 +85,14 @@ class DecodeLegs:
                     await nxt
             await gen.aclose()  # leaving the generator aborts the request (a no-op once moved)
 
-    async def _move_out(self, rid: str, prompt: list[int], final: RequestOutput | None, transfer_id: str,
-                        peer: int | None) -> AsyncIterator[str]:
+    async def _move_out(
+        self,
+        rid: str,
+        prompt: list[int],
+        final: RequestOutput | None,
+        transfer_id: str,
+        peer: int | None,
+    ) -> AsyncIterator[str]:
         generated = list(final.outputs[0].token_ids) if final is not None else []
         # The engine aborts the request and exports its KV in one call: no step between the
         # two could evict the blocks the request freed.

@@ -6,6 +6,7 @@ and arrives with the step's outputs, so the HTTP side never reads engine structu
 fields plus a few extras (block size, per level), with this instance's model, role, elastic
 flag and precision variants (default, then every one a request may name); POST /tandem/role sets the role.
 """
+
 from __future__ import annotations
 
 from fastapi import FastAPI, HTTPException
@@ -20,16 +21,27 @@ class RoleRequest(BaseModel):
 
 
 class InstanceSnapshot:
-    def __init__(self, llm: AsyncLLM, model: str, role: InstanceRole = InstanceRole.COLOCATED,
-                 elastic: bool = False) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model: str,
+        role: InstanceRole = InstanceRole.COLOCATED,
+        elastic: bool = False,
+    ) -> None:
         self.llm, self.model, self.elastic = llm, model, elastic
         self.set_role(role)
 
     @property
     def data(self) -> dict:
         p = self.llm.precisions
-        return {"model": self.model, "role": self.role, "elastic": self.elastic, "precision": p.default,
-                "precisions": p.served, **self.llm.stats.instance}
+        return {
+            "model": self.model,
+            "role": self.role,
+            "elastic": self.elastic,
+            "precision": p.default,
+            "precisions": p.served,
+            **self.llm.stats.instance,
+        }
 
     def set_role(self, role: str) -> None:
         self.role = InstanceRole.parse(role, "role")

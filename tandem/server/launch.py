@@ -1,12 +1,13 @@
 """`tandem serve`: flags and YAML config -> engine core process + API server -> uvicorn."""
+
 from __future__ import annotations
 
 import argparse
 import os
 
 from tandem.config import EngineConfig, load_yaml
-from tandem.config.args import add_engine_arguments, dataclass_options, given
 from tandem.config.args import add_arguments as add_option_arguments
+from tandem.config.args import add_engine_arguments, dataclass_options, given
 from tandem.server.state import ServerConfig
 
 SERVER_OPTIONS = dataclass_options(ServerConfig)
@@ -14,21 +15,43 @@ SERVER_OPTIONS = dataclass_options(ServerConfig)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tandem.server.limits import LIMITS_HELP
+
     p.epilog = LIMITS_HELP
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help=f"same as --model (default {EngineConfig().model_config.model})")
-    p.add_argument("--config", help="YAML file with the `serving:` shape (flags override it; examples/serving.yaml)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="names clients send as `model`, each accepted; the first is the one responses report "
-                        "(default: the --model value; YAML: serving.server.served_model_name, a name or a list)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"same as --model (default {EngineConfig().model_config.model})",
+    )
+    p.add_argument(
+        "--config",
+        help="YAML file with the `serving:` shape (flags override it; examples/serving.yaml)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients send as `model`, each accepted; the first is the one responses report "
+        "(default: the --model value; YAML: serving.server.served_model_name, a name or a list)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
-    p.add_argument("--engine-niceness", type=int, default=0,
-                   help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few cores "
-                        "the API process then runs as soon as it wakes")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted (default 30)")
+    p.add_argument(
+        "--engine-niceness",
+        type=int,
+        default=0,
+        help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few cores "
+        "the API process then runs as soon as it wakes",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted (default 30)",
+    )
     add_option_arguments(p.add_argument_group("server (YAML: serving.server)"), SERVER_OPTIONS)
     # Flags override --config; YAML: serving.engine, or the key named in the help.
     add_engine_arguments(p)
@@ -37,7 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def served_names(value: str | list) -> tuple[str, ...]:
     """--served-model-name's names (or the YAML's, a name or a list): non-empty and distinct."""
     names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+    if (
+        not isinstance(names, list)
+        or not names
+        or not all(isinstance(n, str) and n.strip() for n in names)
+    ):
         raise ValueError(f"served model name: a non-empty name or list of names, got {value!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"served model names must be distinct, got {names}")
@@ -97,8 +124,16 @@ def main(args: argparse.Namespace) -> None:
     app.add_middleware(RefuseWhenStopping, lifecycle=lifecycle)
     freeze_startup_heap("API server")
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                              timeout_graceful_shutdown=1), lifecycle).run()
+        Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=1,
+            ),
+            lifecycle,
+        ).run()
     finally:
         llm.shutdown()
     # Everything is written (the request log closes per line); skip the interpreter's teardown

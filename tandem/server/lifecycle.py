@@ -6,6 +6,7 @@ every request in flight has already ended with an error (AsyncLLM), /health answ
 the server exits 1 after `DEAD_GRACE_S`, so a supervisor (systemd, Kubernetes, `tandem cluster
 up`) restarts the pair: the KV cache and every request's state died with the core, so an
 in-place restart of the core would save no work and would hide a crash loop."""
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,11 @@ class Server(uvicorn.Server):
         if self.lifecycle.draining:  # a second signal: stop now
             super().handle_exit(sig, frame)
             return
-        log.info("draining: no new requests; waiting up to %g s for %d in flight",
-                 self.lifecycle.shutdown_timeout, self.lifecycle.llm.num_in_flight)
+        log.info(
+            "draining: no new requests; waiting up to %g s for %d in flight",
+            self.lifecycle.shutdown_timeout,
+            self.lifecycle.llm.num_in_flight,
+        )
         self.lifecycle.draining = True
         threading.Thread(target=self.lifecycle.drain, name="tandem-drain", daemon=True).start()
 
@@ -88,11 +92,22 @@ class RefuseWhenStopping:
         self.app, self.lifecycle = app, lifecycle
 
     async def __call__(self, scope, receive, send) -> None:
-        why = self.lifecycle.refusing() if scope["type"] == "http" and scope["path"] not in EXEMPT else None
+        why = (
+            self.lifecycle.refusing()
+            if scope["type"] == "http" and scope["path"] not in EXEMPT
+            else None
+        )
         if why is None:
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"error": {"message": why, "type": "server_error", "param": None, "code": 503}}).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+        body = json.dumps(
+            {"error": {"message": why, "type": "server_error", "param": None, "code": 503}}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

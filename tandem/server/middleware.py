@@ -1,6 +1,7 @@
 """Pure ASGI middleware: refuse request bodies over a size limit (413) while they are read, so
 a body without a content-length (chunked) is counted too and never buffered past the limit; the
 connection is closed with the answer, so the rest is not read either."""
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,27 @@ class BodySizeLimit:
             await self._reject(send)
 
     async def _reject(self, send) -> None:
-        body = json.dumps({"error": {"message": f"request body larger than {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": None, "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})  # the rest of the body is not read either
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"request body larger than {self.max_bytes} bytes",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": 413,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )  # the rest of the body is not read either
         await send({"type": "http.response.body", "body": body})
 
 

@@ -14,6 +14,7 @@ chunks carry their token ids (the router resumes a failed leg elsewhere from the
 leg that fails before receiving still drains its transfer; one with no `transfer_id` receives
 nothing and computes its prompt itself. POST /tandem/migrate moves a
 streaming decode leg elsewhere (decode_stream.py)."""
+
 from __future__ import annotations
 
 import json
@@ -46,11 +47,15 @@ class PrefillRequest(BaseModel):
     prompt: list[TokenId]
     transfer_id: str
     sampling: dict = {}
-    kv_peer: Rank | None = None  # the other side's rank in the KV transfer group; None: shared memory
+    kv_peer: Rank | None = (
+        None  # the other side's rank in the KV transfer group; None: shared memory
+    )
 
 
 class DecodeRequest(PrefillRequest):
-    transfer_id: str | None  # None: no KV comes; the leg computes its prompt itself (a failed leg resumed)
+    transfer_id: (
+        str | None
+    )  # None: no KV comes; the leg computes its prompt itself (a failed leg resumed)
     stream_usage: bool = True
     request_id: str | None = None  # the router's id for this leg, for POST /tandem/migrate
 
@@ -88,14 +93,19 @@ def _state(request: Request) -> PDState:
     and would have it wait for KV that never comes or reach an address a client names."""
     st: PDState = request.app.state.pd
     if not st.in_cluster:
-        raise HTTPException(409, "this server is not a cluster instance (started without --role): "
-                                 "it takes no P/D legs and joins no KV transfer group")
+        raise HTTPException(
+            409,
+            "this server is not a cluster instance (started without --role): "
+            "it takes no P/D legs and joins no KV transfer group",
+        )
     return st
 
 
 def _params(sampling: dict, prompt: list[int], max_tokens: int | None):
     try:
-        req = CompletionRequest.model_validate({**sampling, "prompt": prompt, "max_tokens": max_tokens})
+        req = CompletionRequest.model_validate(
+            {**sampling, "prompt": prompt, "max_tokens": max_tokens}
+        )
         return req.sampling_params(max_tokens, None), req.priority_level
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
@@ -104,8 +114,9 @@ def _params(sampling: dict, prompt: list[int], max_tokens: int | None):
 @router.post("/tandem/kv_group")
 async def kv_group(req: KVGroupRequest, request: Request):
     try:
-        rank = await _state(request).llm.call_utility(JoinKVGroup(req.rank, req.world_size, req.host, req.port,
-                                                                  req.backend, req.timeout_s))
+        rank = await _state(request).llm.call_utility(
+            JoinKVGroup(req.rank, req.world_size, req.host, req.port, req.backend, req.timeout_s)
+        )
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
     except (RuntimeError, TimeoutError) as e:  # the store is unreachable or a rank never came
@@ -124,14 +135,23 @@ async def prefill(req: PrefillRequest, request: Request):
         async for out in llm.generate(req.prompt, params, f"prefill-{req.transfer_id}", priority):
             final = out
         o = final.outputs[0]
-        head = {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                "cached_tokens": final.metrics.num_cached_tokens, "metrics": latency_split([final])}
+        head = {
+            "token_ids": o.token_ids,
+            "text": o.text,
+            "finish_reason": o.finish_reason,
+            "cached_tokens": final.metrics.num_cached_tokens,
+            "metrics": latency_split([final]),
+        }
         if o.finish_reason != "length":  # stopped at its first token: nothing to hand off
             return StreamingResponse(_ndjson(head), media_type=NDJSON)
-        blocks = await llm.call_utility(SendKV(req.prompt, req.transfer_id, req.kv_peer))  # a bad peer: 400
+        blocks = await llm.call_utility(
+            SendKV(req.prompt, req.transfer_id, req.kv_peer)
+        )  # a bad peer: 400
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
-    return StreamingResponse(_ndjson({**head, "kv_blocks": blocks}, llm, req.transfer_id), media_type=NDJSON)
+    return StreamingResponse(
+        _ndjson({**head, "kv_blocks": blocks}, llm, req.transfer_id), media_type=NDJSON
+    )
 
 
 async def _ndjson(head: dict, llm: Any = None, transfer_id: str | None = None):
@@ -154,7 +174,9 @@ async def decode(req: DecodeRequest, request: Request):
     return await _decode_received(st, req, req.transfer_id, rid)
 
 
-async def _decode_received(st: PDState, req: DecodeRequest, tid: str, rid: str) -> StreamingResponse:
+async def _decode_received(
+    st: PDState, req: DecodeRequest, tid: str, rid: str
+) -> StreamingResponse:
     """A decode leg whose prompt's KV comes from a peer under `tid`."""
     llm = st.llm
     kv_tokens = req.prompt[:-1]  # the prefill side's prompt; the last token is its first output
@@ -176,14 +198,18 @@ async def _decode_received(st: PDState, req: DecodeRequest, tid: str, rid: str) 
     # request. Not the reserved tokens (or a reused id): released, and it recomputes its prompt.
     try:
         gen = llm.generate(req.prompt, params, rid, priority, kv_transfer={"transfer_id": tid})
-    except ValueError as e:  # the front end refused it: the core never sees the add, so give the KV back here
+    except (
+        ValueError
+    ) as e:  # the front end refused it: the core never sees the add, so give the KV back here
         await llm.call_utility(ReleaseKV(tid))
         raise HTTPException(400, str(e)) from None
     return _leg_stream(st, gen, rid, req)
 
 
 def _leg_stream(st: PDState, gen, rid: str, req: DecodeRequest) -> StreamingResponse:
-    return StreamingResponse(st.legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream")
+    return StreamingResponse(
+        st.legs.stream(gen, rid, req.prompt, req.stream_usage), media_type="text/event-stream"
+    )
 
 
 @router.post("/tandem/migrate")

@@ -1,5 +1,6 @@
 """The server's side of precision choice: a `precision` field, a `model:precision` suffix, an
 API key mapped to a request class; and the variants `/v1/models` lists."""
+
 from __future__ import annotations
 
 from tandem.config.request_class import CLASS_NAMES, priority_of
@@ -34,7 +35,9 @@ def key_priority(authorization: str | None, key_classes: dict[str, str] | None) 
 def check_key_classes(key_classes: dict[str, str] | None) -> None:
     for cls in (key_classes or {}).values():
         if cls not in CLASS_NAMES:
-            raise ValueError(f"api_key_classes: {cls!r} is not a request class ({', '.join(CLASS_NAMES)})")
+            raise ValueError(
+                f"api_key_classes: {cls!r} is not a request class ({', '.join(CLASS_NAMES)})"
+            )
 
 
 def model_cards(names: tuple[str, ...], router: PrecisionRouter, max_model_len: int) -> list[dict]:
@@ -43,7 +46,11 @@ def model_cards(names: tuple[str, ...], router: PrecisionRouter, max_model_len: 
     name = names[0]
     card = {"object": "model", "created": 0, "owned_by": "tandem", "max_model_len": max_model_len}
     cards = [{"id": name, **card, "precision": router.default}]
-    cards += [{"id": alias, **card, "root": name, "precision": router.default} for alias in names[1:]]
+    cards += [
+        {"id": alias, **card, "root": name, "precision": router.default} for alias in names[1:]
+    ]
     if len(router.served) > 1:
-        cards += [{"id": f"{name}:{p}", **card, "root": name, "precision": p} for p in router.served]
+        cards += [
+            {"id": f"{name}:{p}", **card, "root": name, "precision": p} for p in router.served
+        ]
     return cards

@@ -1,5 +1,6 @@
 """The parts the request bodies share (protocol.py, and the Responses and Messages APIs
 translated to them): the strict base model, hints, chat messages, tools and output constraints."""
+
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ class ResponseFormat(Base):
 
 class StructuredOutputsField(Base):
     """vLLM's `structured_outputs` request field."""
+
     json_: SchemaOrText | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: ConstraintText | None = None

@@ -3,6 +3,7 @@
 prompt (a template that ends its generation prompt with <think>, as DeepSeek-R1's): then the
 output is reasoning up to </think>. Chosen by name or, without one, from a chat template that
 writes <think>."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,12 +27,12 @@ class ThinkParser:
                 if not final and START.startswith(body):  # nothing yet, or <think> coming
                     return "", ""
                 return "", text
-            body = body[len(START):]
+            body = body[len(START) :]
         body = body.lstrip()
         end = body.find(END)
         if end == -1:
-            return body if final else body[:len(body) - partial_marker(body, (END,))], ""
-        return body[:end], body[end + len(END):].lstrip()
+            return body if final else body[: len(body) - partial_marker(body, (END,))], ""
+        return body[:end], body[end + len(END) :].lstrip()
 
 
 def reasoning_parser(name: str | None, tokenizer, prompt: str) -> ThinkParser | None:

@@ -1,6 +1,7 @@
 """The Responses API's stored responses, for `previous_response_id` and GET /v1/responses/{id}:
 kept in memory for a bounded time, count and size (oldest dropped first), each readable only
 with the API key that created it (another key gets the 404 an unknown id gets)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,9 @@ class ResponseStore:
         size = len(json.dumps(body)) + len(json.dumps(messages))
         if size > self.max_bytes:
             return  # larger than the whole store: kept by none
-        self._entries[body["id"]] = StoredResponse(owner_of(key), body, messages, size,
-                                                   time.monotonic() + self.ttl_s)
+        self._entries[body["id"]] = StoredResponse(
+            owner_of(key), body, messages, size, time.monotonic() + self.ttl_s
+        )
         self._bytes += size
         self._drop(time.monotonic())
 
@@ -54,7 +56,10 @@ class ResponseStore:
         """The expired ones, then the oldest while over a bound."""
         while self._entries:
             oldest = next(iter(self._entries.values()))
-            if oldest.expires > now and len(self._entries) <= self.max_count \
-                    and self._bytes <= self.max_bytes:
+            if (
+                oldest.expires > now
+                and len(self._entries) <= self.max_count
+                and self._bytes <= self.max_bytes
+            ):
                 return
             self._bytes -= self._entries.popitem(last=False)[1].size

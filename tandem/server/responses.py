@@ -1,6 +1,7 @@
 """OpenAI-shaped response pieces built from RequestOutputs: SSE events, usage, logprobs (of the
 output, of the prompt, and both under completions' `echo`), and the completions API's bodies and
 stream chunks. The chat API's are in chat_responses.py."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,12 @@ def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def latency_split(outs: list[RequestOutput]) -> dict:
@@ -77,7 +82,12 @@ def chat_logprobs(tokens: Tokens, entries: list[Entry]) -> dict:
     def item(t: int, lp: float) -> dict:
         s = tokens(t)
         return {"token": s, "logprob": _logprob(lp), "bytes": list(s.encode())}
-    return {"content": [{**item(*e[0]), "top_logprobs": [item(t, lp) for t, lp in e[1:]]} for e in entries]}
+
+    return {
+        "content": [
+            {**item(*e[0]), "top_logprobs": [item(t, lp) for t, lp in e[1:]]} for e in entries
+        ]
+    }
 
 
 def prompt_logprobs(tokens: Tokens, out: RequestOutput, k: int) -> list[dict | None]:
@@ -85,10 +95,14 @@ def prompt_logprobs(tokens: Tokens, out: RequestOutput, k: int) -> list[dict | N
     decoded_token}} for it and its k alternatives (its rank when it is one of them)."""
     result: list[dict | None] = [None]
     for entry in out.prompt_logprobs or []:
-        top = entry[1:1 + k]
+        top = entry[1 : 1 + k]
         ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
-        result.append({str(t): {"logprob": _logprob(lp), "rank": ranks.get(t),
-                                "decoded_token": tokens(t)} for t, lp in [entry[0], *top]})
+        result.append(
+            {
+                str(t): {"logprob": _logprob(lp), "rank": ranks.get(t), "decoded_token": tokens(t)}
+                for t, lp in [entry[0], *top]
+            }
+        )
     return result
 
 
@@ -106,11 +120,19 @@ class CompletionFormat:
     def echo_entries(self, out: RequestOutput) -> list[Entry]:
         """The prompt's tokens as logprobs entries, cut to the request's alternatives."""
         k = self.logprobs or 0
-        return [[(out.prompt_token_ids[0], None)]] + [e[:1 + k] for e in out.prompt_logprobs or []]
+        return [[(out.prompt_token_ids[0], None)]] + [e[: 1 + k] for e in out.prompt_logprobs or []]
 
 
-def _choice(i: int, out: RequestOutput, c: CompletionOutput, fmt: CompletionFormat, text: str,
-            entries: list[Entry] | None, offset: int, first: bool) -> dict:
+def _choice(
+    i: int,
+    out: RequestOutput,
+    c: CompletionOutput,
+    fmt: CompletionFormat,
+    text: str,
+    entries: list[Entry] | None,
+    offset: int,
+    first: bool,
+) -> dict:
     """A choice, or its stream chunk: `text` from `offset` in the output; `first`: the choice's
     first (where an echoed prompt and the prompt's logprobs go)."""
     choice = {"index": i * fmt.n + c.index, "text": text, "logprobs": None}
@@ -128,16 +150,25 @@ def _choice(i: int, out: RequestOutput, c: CompletionOutput, fmt: CompletionForm
     return choice
 
 
-def completion_body(rid: str, model: str, created: int, outs: list[RequestOutput],
-                    fmt: CompletionFormat) -> dict:
+def completion_body(
+    rid: str, model: str, created: int, outs: list[RequestOutput], fmt: CompletionFormat
+) -> dict:
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
             choice = _choice(i, out, c, fmt, c.text, c.logprobs or [], 0, True)
-            choices.append({**choice, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(outs), "metrics": latency_split(outs)}
+            choices.append(
+                {**choice, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outs),
+        "metrics": latency_split(outs),
+    }
 
 
 @dataclass(slots=True)
@@ -159,13 +190,20 @@ def news(out: RequestOutput, sent: Sent) -> list[CompletionOutput]:
     return found
 
 
-def completion_chunk(rid: str, model: str, created: int, prompt_index: int, out: RequestOutput,
-                     sent: Sent, fmt: CompletionFormat) -> dict | None:
+def completion_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    prompt_index: int,
+    out: RequestOutput,
+    sent: Sent,
+    fmt: CompletionFormat,
+) -> dict | None:
     choices = []
     for c in news(out, sent):
         entries = None
         if c.logprobs is not None:
-            entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+            entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
         first = c.index not in sent.started
         sent.started.add(c.index)
         offset = len(c.text) - len(c.delta_text)
@@ -173,8 +211,13 @@ def completion_chunk(rid: str, model: str, created: int, prompt_index: int, out:
         choices.append({**choice, "finish_reason": c.finish_reason if c.finished else None})
     if not choices:
         return None
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": choices}
+    chunk = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if fmt.continuous_usage:
         chunk["usage"] = usage([out])
     return chunk

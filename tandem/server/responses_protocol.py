@@ -2,6 +2,7 @@
 instructions, input items (messages, function_call, function_call_output, reasoning), function
 tools, text.format, max_output_tokens, after the stored conversation of previous_response_id. A
 field not declared is a 400 naming it; the hints say why they cannot change the output."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -15,7 +16,8 @@ from tandem.server.protocol_parts import Base, doc, hint
 REFUSED = {
     "background": "responses run while the request is open",
     "conversation": "use previous_response_id",
-    "prompt": "no stored prompts here", "max_tool_calls": "not implemented",
+    "prompt": "no stored prompts here",
+    "max_tool_calls": "not implemented",
     "context_management": "not implemented",
 }
 
@@ -73,10 +75,13 @@ def _item_type(value: Any) -> str | None:
     return getattr(value, "type", None)
 
 
-Item = Annotated[Annotated[MessageItem, Tag("message")]
-                 | Annotated[FunctionCallItem, Tag("function_call")]
-                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-                 | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type),
+]
 
 
 class FunctionTool(Base):
@@ -103,7 +108,8 @@ class TextFormat(Base):
 class TextConfig(Base):
     format: TextFormat | None = doc(None, "text, json_object or json_schema (structured output).")
     verbosity: Literal["low", "medium", "high"] | None = hint(
-        None, "these models have no such switch")
+        None, "these models have no such switch"
+    )
 
 
 class ReasoningConfig(Base):
@@ -115,34 +121,41 @@ class ReasoningConfig(Base):
 class ResponsesRequest(Base):
     model: str | None = doc(None, "A served name.")
     input: str | Annotated[list[Item], Field(max_length=MAX_MESSAGES)] = doc(
-        ..., "A text, or items: messages, function_call, function_call_output, reasoning.")
+        ..., "A text, or items: messages, function_call, function_call_output, reasoning."
+    )
     instructions: str | None = doc(None, "The system prompt (not carried to a next response).")
     previous_response_id: str | None = doc(None, "Go on from a stored response (its key's only).")
     max_output_tokens: Count | None = doc(None, "Default: up to the context.")
     temperature: float | None = doc(None, "0: greedy. Default 1.")
     top_p: float | None = doc(None, "Nucleus sampling. Default 1.")
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = doc(
-        None, "Function tools (other types refused).")
+        None, "Function tools (other types refused)."
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = doc(
-        None, "As chat's.")
+        None, "As chat's."
+    )
     parallel_tool_calls: bool = doc(True, "false: at most one call.")
     text: TextConfig | None = doc(None, "format: structured output.")
     reasoning: ReasoningConfig | None = doc(None, "effort: the template's thinking switch.")
     stream: bool = doc(False, "Server-sent events, the Responses API's typed ones.")
     store: bool = doc(True, "Keep the response for previous_response_id (bounded; false: not).")
-    truncation: Literal["disabled"] | None = doc(None, "disabled only: a conversation past the "
-                                                       "context is a 400.")
-    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = \
+    truncation: Literal["disabled"] | None = doc(
+        None, "disabled only: a conversation past the context is a 400."
+    )
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = (
         hint(None, "logprobs come with top_logprobs; reasoning is not encrypted here")
+    )
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = doc(
-        None, "Alternatives per output token, with their logprobs.")
+        None, "Alternatives per output token, with their logprobs."
+    )
     metadata: dict[str, str] | None = hint(None, "tags, given back in the response")
     user: str | None = hint(None, "an end-user id for OpenAI's abuse monitoring")
     safety_identifier: str | None = hint(None, "an end-user id for OpenAI's abuse monitoring")
     service_tier: str | None = hint(None, "OpenAI's billing tier")
     prompt_cache_key: str | None = hint(None, "the prefix cache here is keyed by the tokens")
     stream_options: dict[str, bool] | None = hint(
-        None, "include_obfuscation: chunks are not padded")
+        None, "include_obfuscation: chunks are not padded"
+    )
 
     def messages(self) -> list[dict[str, Any]]:
         """The input as chat messages: consecutive calls one assistant turn, a reasoning item
@@ -161,8 +174,11 @@ class ResponsesRequest(Base):
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
                 if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                     out[-1]["tool_calls"].append(call)
                     continue
@@ -175,22 +191,38 @@ class ResponsesRequest(Base):
         """The chat request after `history` (the previous response's conversation)."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         chat: dict[str, Any] = {
-            "model": self.model, "messages": system + history + self.messages(),
+            "model": self.model,
+            "messages": system + history + self.messages(),
             "stream": self.stream,
-            "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
-            "logprobs": self.top_logprobs is not None, "top_logprobs": self.top_logprobs}
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "logprobs": self.top_logprobs is not None,
+            "top_logprobs": self.top_logprobs,
+        }
         if self.tools:
-            chat["tools"] = [{"type": "function", "function": t.model_dump(
-                exclude={"type", "strict"}, exclude_none=True)} for t in self.tools]
+            chat["tools"] = [
+                {
+                    "type": "function",
+                    "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True),
+                }
+                for t in self.tools
+            ]
         if self.tool_choice is not None:
-            chat["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
-                "type": "function", "function": {"name": self.tool_choice.name}}
+            chat["tool_choice"] = (
+                self.tool_choice
+                if isinstance(self.tool_choice, str)
+                else {"type": "function", "function": {"name": self.tool_choice.name}}
+            )
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type != "text":
             schema = {"name": fmt.name or "output", "schema": fmt.schema_ or {}}
-            chat["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
-                "type": "json_schema", "json_schema": schema}
+            chat["response_format"] = (
+                {"type": fmt.type}
+                if fmt.type == "json_object"
+                else {"type": "json_schema", "json_schema": schema}
+            )
         if self.reasoning and self.reasoning.effort:
             chat["reasoning_effort"] = self.reasoning.effort
         return ChatCompletionRequest.model_validate(chat)

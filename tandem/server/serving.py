@@ -4,6 +4,7 @@ errors as APIError, and the two ways out: a whole body once every output finishe
 
 Prompt rules (empty, at or past max_model_len, token ids outside the vocabulary) are the
 engine's: they are not checked here, the engine's ValueError becomes the 400."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,17 +30,30 @@ def check_admission(state: ServingState, model: str | None, n: int) -> None:
     names = config.served_model_names
     model, _ = split_model(model, names)
     if model is not None and model not in names:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                       f"{', '.join(f'`{n}`' for n in names)}.", "not_found_error", "model")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves "
+            f"{', '.join(f'`{n}`' for n in names)}.",
+            "not_found_error",
+            "model",
+        )
     if n > config.max_n:
         raise APIError(400, f"n must be at most {config.max_n}, got {n}", param="n")
     if state.llm.num_waiting >= config.max_waiting:
-        raise APIError(429, f"server overloaded: {state.llm.num_waiting} requests waiting", "rate_limit_error",
-                       headers={"Retry-After": "1"})
+        raise APIError(
+            429,
+            f"server overloaded: {state.llm.num_waiting} requests waiting",
+            "rate_limit_error",
+            headers={"Retry-After": "1"},
+        )
 
 
-def encode(state: ServingState, prompt: str | list[int], add_special_tokens: bool = True,
-           truncate: int | None = None) -> list[int]:
+def encode(
+    state: ServingState,
+    prompt: str | list[int],
+    add_special_tokens: bool = True,
+    truncate: int | None = None,
+) -> list[int]:
     """The prompt's token ids, by the engine's rules; `truncate` (vLLM's truncate_prompt_tokens):
     only its last k tokens, -1 for the context's length."""
     try:
@@ -53,9 +67,10 @@ def encode(state: ServingState, prompt: str | list[int], add_special_tokens: boo
     if truncate is None:
         return ids
     if truncate == 0:
-        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1",
-                       param="truncate_prompt_tokens")
-    return ids[-(state.facts.max_model_len if truncate == -1 else truncate):]
+        raise APIError(
+            400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
+        )
+    return ids[-(state.facts.max_model_len if truncate == -1 else truncate) :]
 
 
 def continuous_usage(req: SamplingFields) -> bool:
@@ -70,7 +85,9 @@ def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
         raise APIError(400, str(e)) from None
 
 
-async def compile_constraint(state: ServingState, so: StructuredOutputsParams | None, kind: str | None = None) -> None:
+async def compile_constraint(
+    state: ServingState, so: StructuredOutputsParams | None, kind: str | None = None
+) -> None:
     """Compile the request's constraint (or find it cached) off the engine's step path, so no
     step waits for it; a bad one is a 400."""
     if so is None:
@@ -82,15 +99,25 @@ async def compile_constraint(state: ServingState, so: StructuredOutputsParams | 
     state.metrics.structured_requests.labels(state.config.model_name, kind or so.kind).inc()
 
 
-def sampling_params(state: ServingState, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None, so: StructuredOutputsParams | None = None) -> SamplingParams:
+def sampling_params(
+    state: ServingState,
+    req: SamplingFields,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    so: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     """The request's SamplingParams (their own rules, as ValueError -> 400), and max_tokens within
     the room the context leaves after a prompt that fits (one that does not is the engine's 400):
     an OpenAI server refuses what it would otherwise cut short."""
     limit = state.facts.max_model_len
     if max_tokens is not None and prompt_len < limit < prompt_len + max_tokens:
-        raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the context "
-                       f"of {limit} tokens", param="max_tokens")
+        raise APIError(
+            400,
+            f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the context "
+            f"of {limit} tokens",
+            param="max_tokens",
+        )
     try:
         return req.sampling_params(max_tokens, logprobs, so)
     except ValueError as e:
@@ -102,14 +129,18 @@ def choose(state: ServingState, req: SamplingFields, request: Request) -> Choice
     config = state.config
     priority = req.priority_level or key_priority(presented_key(request), config.api_key_classes)
     try:
-        return priority, request_precision(req.precision, split_model(req.model, config.served_model_names)[1],
-                                           state.facts.precisions)
+        return priority, request_precision(
+            req.precision,
+            split_model(req.model, config.served_model_names)[1],
+            state.facts.precisions,
+        )
     except ValueError as e:
         raise APIError(400, str(e), param="precision") from None
 
 
-def generate(state: ServingState, prompt_ids: list[int], params: SamplingParams, how: Choice,
-             request_id: str) -> AsyncIterator[RequestOutput]:
+def generate(
+    state: ServingState, prompt_ids: list[int], params: SamplingParams, how: Choice, request_id: str
+) -> AsyncIterator[RequestOutput]:
     """The engine's stream of the request, queued now (it counts for 429 from here on); the
     engine's ValueError, at the call or while iterating, is a 400."""
     try:
@@ -123,17 +154,22 @@ def generate(state: ServingState, prompt_ids: list[int], params: SamplingParams,
                 yield out
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
     return outputs()
 
 
-async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def collect(
+    request: Request, gens: list[AsyncIterator[RequestOutput]]
+) -> list[RequestOutput]:
     """Run to completion (the last output of each); the first failure ends them all, and so does
     the client going away (which aborts them in the engine)."""
+
     async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         out = None
         async for out in gen:
             pass
         return out
+
     tasks = [asyncio.ensure_future(last(g)) for g in gens]
     gone = asyncio.ensure_future(disconnected(request))
     pending = {*tasks, gone}
@@ -162,6 +198,7 @@ async def disconnected(request: Request) -> None:
 
 def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     """Server-sent events of the chunks, then [DONE]; an error mid-stream is the last event."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -171,4 +208,5 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         except RuntimeError as e:
             yield R.error_event(str(e))
         yield R.SSE_DONE
+
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -2,6 +2,7 @@
 its metrics, and the engine facts they read. The facts are filled in one place
 (`engine_facts`), so where the engine lives (this process or another) is that function's
 business, not every handler's."""
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -30,38 +31,59 @@ class ServerConfig:
     YAML serving.server takes them by name."""
 
     # Set from --served-model-name A B ... (YAML: serving.server.served_model_name).
-    model_name: str = option("smollm2-135m", "the name clients send as `model`, and responses "
-                             "report", flag=False)
+    model_name: str = option(
+        "smollm2-135m", "the name clients send as `model`, and responses report", flag=False
+    )
     model_aliases: tuple[str, ...] = option((), "further names accepted as `model`", flag=False)
-    api_key: str | None = option(None, "bearer token clients must send",
-                                 none="$TANDEM_API_KEY, else none")
+    api_key: str | None = option(
+        None, "bearer token clients must send", none="$TANDEM_API_KEY, else none"
+    )
     max_waiting: int = option(512, "waiting requests before answering 429", unit="requests")
     max_n: int = option(16, "completions one request may ask for at most (`n`)", flag=False)
-    max_body_bytes: int = option(4 << 20, "largest request body, counted while it is read: 413 "
-                                 "past it", unit="bytes", flag="--max-request-bytes")
-    request_log: str | None = option(None, "append one JSON line per finished request to this file",
-                                     none="no log")
-    request_log_text: bool = option(False, "the request log holds each prompt and output text too, "
-                                    "not only lengths and timings")
+    max_body_bytes: int = option(
+        4 << 20,
+        "largest request body, counted while it is read: 413 past it",
+        unit="bytes",
+        flag="--max-request-bytes",
+    )
+    request_log: str | None = option(
+        None, "append one JSON line per finished request to this file", none="no log"
+    )
+    request_log_text: bool = option(
+        False, "the request log holds each prompt and output text too, not only lengths and timings"
+    )
     allowed_origins: list[str] | None = option(
-        None, "comma-separated browser origins allowed cross-origin (CORS)",
-        none="none, no CORS headers")
+        None,
+        "comma-separated browser origins allowed cross-origin (CORS)",
+        none="none, no CORS headers",
+    )
     api_key_classes: dict[str, str] | None = option(
-        None, "further API keys, each mapped to a request class", none="none", flag=False)
+        None, "further API keys, each mapped to a request class", none="none", flag=False
+    )
     role: InstanceRole | None = option(
-        None, "role in a cluster's model group (tandem cluster)",
-        none="none, a standalone server whose P/D routes answer 409")
+        None,
+        "role in a cluster's model group (tandem cluster)",
+        none="none, a standalone server whose P/D routes answer 409",
+    )
     elastic: bool = option(False, "the router may switch this instance's role")
     tool_call_parser: str | None = option(
-        None, "the model's tool-call format", choices=TOOL_CALL_PARSERS,
-        none="from its chat template; generic if it has none")
+        None,
+        "the model's tool-call format",
+        choices=TOOL_CALL_PARSERS,
+        none="from its chat template; generic if it has none",
+    )
     reasoning_parser: str | None = option(
-        None, "reasoning as reasoning_content: <think>...</think>", choices=REASONING_PARSERS,
-        none="a chat template that writes <think>")
+        None,
+        "reasoning as reasoning_content: <think>...</think>",
+        choices=REASONING_PARSERS,
+        none="a chat template that writes <think>",
+    )
     reasoning_budget: int = option(
-        -1, "-1: unlimited; 0: thinking off, by the chat template's switch", choices=(-1, 0))
+        -1, "-1: unlimited; 0: thinking off, by the chat template's switch", choices=(-1, 0)
+    )
     responses_max_count: int = option(
-        1000, "/v1/responses kept for previous_response_id, at most", unit="responses")
+        1000, "/v1/responses kept for previous_response_id, at most", unit="responses"
+    )
     responses_max_bytes: int = option(64 << 20, "the kept responses' size, at most", unit="bytes")
     responses_ttl_s: float = option(3600.0, "how long a response is kept", unit="seconds")
 
@@ -79,19 +101,28 @@ class EngineFacts:
     """Read-only engine facts and the engine's own input rules, as the HTTP side uses them."""
 
     tokenizer: Any  # a Hugging Face tokenizer, or None (token-id prompts only)
-    tokenize: Callable[[str | list[int]], list[int]]  # the engine's prompt rules; ValueError with its message
+    tokenize: Callable[
+        [str | list[int]], list[int]
+    ]  # the engine's prompt rules; ValueError with its message
     max_model_len: int
     vocab_size: int
     precisions: PrecisionRouter  # the variants served; .check(name) raises ValueError
-    compile_grammar: Callable[[StructuredOutputsParams], Awaitable[Any]]  # off the engine's step path; ValueError
+    compile_grammar: Callable[
+        [StructuredOutputsParams], Awaitable[Any]
+    ]  # off the engine's step path; ValueError
 
 
 def engine_facts(llm: AsyncLLM) -> EngineFacts:
     """The one place the server reads the engine's facts from: AsyncLLM's attributes (the engine
     core's ready handshake) and its front end; constraints compile in the engine process."""
-    return EngineFacts(tokenizer=llm.tokenizer, tokenize=llm.tokenize, max_model_len=llm.max_model_len,
-                       vocab_size=llm.vocab_size, precisions=llm.precisions,
-                       compile_grammar=lambda so: llm.call_utility(CompileGrammar(so)))
+    return EngineFacts(
+        tokenizer=llm.tokenizer,
+        tokenize=llm.tokenize,
+        max_model_len=llm.max_model_len,
+        vocab_size=llm.vocab_size,
+        precisions=llm.precisions,
+        compile_grammar=lambda so: llm.call_utility(CompileGrammar(so)),
+    )
 
 
 @dataclass(slots=True)
@@ -104,8 +135,9 @@ class ServingState:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.responses = ResponseStore(c.responses_max_count, c.responses_max_bytes,
-                                       c.responses_ttl_s)
+        self.responses = ResponseStore(
+            c.responses_max_count, c.responses_max_bytes, c.responses_ttl_s
+        )
 
 
 def serving_state(request: Request) -> ServingState:

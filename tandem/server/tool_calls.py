@@ -3,6 +3,7 @@ family parser (tool_parsers/) reads them from the output, and a constraint keeps
 arguments to its tool's schema: with `tool_choice` "auto" (the default with tools) the output
 may answer or call, with "required" it calls at least one tool, with a named function that
 one. `tool_choice: "none"` ignores `tools`."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
         choice = req.tool_choice.function.name
         names = [t.function.name for t in req.tools]
         if choice not in names:
-            raise ValueError(f"tool_choice names function {choice!r}, which is not in tools "
-                             f"({', '.join(names)})")
+            raise ValueError(
+                f"tool_choice names function {choice!r}, which is not in tools ({', '.join(names)})"
+            )
     constraint = family.constraint(tools, choice, req.parallel_tool_calls)
     if constraint is None and choice is not None:  # forced where the family cannot be: as JSON
         family = GenericToolParser()
@@ -45,8 +47,9 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
     return ToolCallPlan(family, constraint)
 
 
-def read_output(text: str, plan: ToolCallPlan | None, final: bool,
-                think: ThinkParser | None = None) -> Extracted:
+def read_output(
+    text: str, plan: ToolCallPlan | None, final: bool, think: ThinkParser | None = None
+) -> Extracted:
     """The output's reasoning, its answer's text and the calls in it (as far as a stream may
     tell, unless final)."""
     reasoning, text = think.split(text, final) if think is not None else ("", text)
@@ -57,5 +60,8 @@ def read_output(text: str, plan: ToolCallPlan | None, final: bool,
 
 def openai_call(call: ToolCall) -> dict:
     name, arguments = call
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }

@@ -2,6 +2,7 @@
 KV pool, placed by the real routing policy (tandem.cluster.policy.routing) and, under P/D, the real
 prefill/decode assignment and elastic role controller (tandem.cluster.policy.elastic). Events are
 arrivals, step ends, KV transfers and controller ticks, on one virtual clock."""
+
 from __future__ import annotations
 
 import heapq
@@ -40,7 +41,9 @@ class ClusterConfig:
         if self.num_instances < 1:
             raise ValueError("a cluster needs at least one instance")
         if self.mode != "colocated" and not 1 <= self.num_prefill < self.num_instances:
-            raise ValueError(f"P/D needs 1 <= prefill < instances, got {self.num_prefill} of {self.num_instances}")
+            raise ValueError(
+                f"P/D needs 1 <= prefill < instances, got {self.num_prefill} of {self.num_instances}"
+            )
 
 
 class ClusterSim:
@@ -49,15 +52,25 @@ class ClusterSim:
         clock = lambda: self.now  # noqa: E731 - the one virtual clock every policy object reads
         pd = cfg.mode != "colocated"
         self.instances = [
-            SimInstance(f"i{i}", cost, engine.scheduler_config, engine.cache_config, clock,
-                        role=(InstanceRole.PREFILL if i < cfg.num_prefill else InstanceRole.DECODE)
-                        if pd else InstanceRole.COLOCATED,
-                        elastic=cfg.mode == "elastic",
-                        max_model_len=engine.model_config.max_model_len)
-            for i in range(cfg.num_instances)]
+            SimInstance(
+                f"i{i}",
+                cost,
+                engine.scheduler_config,
+                engine.cache_config,
+                clock,
+                role=(InstanceRole.PREFILL if i < cfg.num_prefill else InstanceRole.DECODE)
+                if pd
+                else InstanceRole.COLOCATED,
+                elastic=cfg.mode == "elastic",
+                max_model_len=engine.model_config.max_model_len,
+            )
+            for i in range(cfg.num_instances)
+        ]
         for inst in self.instances:
             inst.on_finish = self._on_finish
-        self.controller = RoleController(cfg.elastic, cfg.schedule) if cfg.mode == "elastic" else None
+        self.controller = (
+            RoleController(cfg.elastic, cfg.schedule) if cfg.mode == "elastic" else None
+        )
         self._events: list = []
         self._seq = itertools.count()
         self._step_end: dict[str, float] = {}
@@ -82,8 +95,12 @@ class ClusterSim:
             t_arr = arrivals[i].arrival + self.cfg.frontend_delay if i < n else float("inf")
             if self._events and self._events[0][0] < t_arr:
                 self.now, _, kind, obj = heapq.heappop(self._events)
-                {_STEP: self._step_done, _TRANSFER: self._transfer_done, _TICK: self._tick,
-                 _RETRY: self._retry}[kind](obj)
+                {
+                    _STEP: self._step_done,
+                    _TRANSFER: self._transfer_done,
+                    _TICK: self._tick,
+                    _RETRY: self._retry,
+                }[kind](obj)
             else:
                 self.now = t_arr
                 self._arrive(arrivals[i])
@@ -104,8 +121,11 @@ class ClusterSim:
         self._retry_pending()
         if not self.pending:
             return
-        if any(i.busy or i.num_unfinished for i in self.instances) or self._arrivals_left \
-                or any(k == _TRANSFER for _, _, k, _ in self._events):
+        if (
+            any(i.busy or i.num_unfinished for i in self.instances)
+            or self._arrivals_left
+            or any(k == _TRANSFER for _, _, k, _ in self._events)
+        ):
             self._schedule_retry()
             return
         for sim in self.pending:
@@ -152,7 +172,12 @@ class ClusterSim:
 
     def _tick(self, _) -> None:
         for inst in self.instances:
-            if inst.draining and not inst.num_unfinished and not inst.busy and not inst.reserved_tokens:
+            if (
+                inst.draining
+                and not inst.num_unfinished
+                and not inst.busy
+                and not inst.reserved_tokens
+            ):
                 inst.role, inst.draining = inst.next_role, False
         states = [i.state(self.cfg.model) for i in self.instances]
         decision = self.controller.decide(self.now, states)
@@ -171,8 +196,11 @@ class ClusterSim:
             sim.error = "empty prompt or output"
             return
         if self.cfg.mode == "colocated":
-            inst = choose_instance([i.state(self.cfg.model) for i in self.instances], self._prefix(sim),
-                                   self.cfg.weights)
+            inst = choose_instance(
+                [i.state(self.cfg.model) for i in self.instances],
+                self._prefix(sim),
+                self.cfg.weights,
+            )
             self._add(inst, sim, sim.prompt_token_ids(), sim.output_len, f"c:{sim.index}")
         else:
             self._place_pd(sim)
@@ -180,7 +208,9 @@ class ClusterSim:
     def _prefix(self, sim: SimRequest) -> list[int]:
         return sim.prefix_hashes(self.cost.block_size, 4096)
 
-    def _add(self, inst_state, sim: SimRequest, prompt: list[int], max_tokens: int, req_id: str) -> bool:
+    def _add(
+        self, inst_state, sim: SimRequest, prompt: list[int], max_tokens: int, req_id: str
+    ) -> bool:
         if inst_state is None:
             sim.error = "no instance available"
             return False
@@ -197,8 +227,13 @@ class ClusterSim:
 
     def _place_pd(self, sim: SimRequest) -> bool:
         states = [i.state(self.cfg.model) for i in self.instances]
-        prefill, decode = route_pd(states, sim.prompt_len, sim.prompt_len + sim.output_len, self._prefix(sim),
-                                   self.cfg.weights)
+        prefill, decode = route_pd(
+            states,
+            sim.prompt_len,
+            sim.prompt_len + sim.output_len,
+            self._prefix(sim),
+            self.cfg.weights,
+        )
         if decode is None:
             if sim.prompt_len + sim.output_len > max(i.max_model_len for i in self.instances):
                 sim.error = f"{sim.prompt_len + sim.output_len} tokens do not fit any instance"
@@ -222,7 +257,7 @@ class ClusterSim:
         waiting, self.pending = self.pending, []
         for sim in waiting:
             if not self._place_pd(sim):
-                self.pending = self.pending + waiting[waiting.index(sim) + 1:]
+                self.pending = self.pending + waiting[waiting.index(sim) + 1 :]
                 return
 
     # ---- P/D handoff ----------------------------------------------------------------
@@ -253,7 +288,15 @@ class ClusterSim:
         target.reserved_tokens -= sim.prompt_len + sim.output_len
         if sim.kv_reservation is not None:
             target.kv_connector.commit(sim.kv_reservation, sim.kv_reservation.num_blocks)
-        if not self._add(target.state(self.cfg.model), sim, sim.prompt_token_ids() + [SIM_TOKEN],
-                         sim.output_len - 1, f"d:{sim.index}") and sim.kv_reservation is not None:
+        if (
+            not self._add(
+                target.state(self.cfg.model),
+                sim,
+                sim.prompt_token_ids() + [SIM_TOKEN],
+                sim.output_len - 1,
+                f"d:{sim.index}",
+            )
+            and sim.kv_reservation is not None
+        ):
             target.kv_connector.release(sim.kv_reservation)
             sim.kv_reservation = None

@@ -11,6 +11,7 @@ layers, prefill attention and decode attention, with coefficients from FLOPs and
 measured profile (`tandem profile`) has one term, fitted to timed steps, with no memory roof:
 step_time is then plain least squares. No torch here.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -32,7 +33,13 @@ class BatchShape:
     decode_context: int = 0  # sum of those requests' context lengths (tokens attended)
 
     def features(self) -> tuple[int, int, int, int, int]:
-        return (1, self.num_prefill_tokens, self.prefill_attention, self.num_decode_seqs, self.decode_context)
+        return (
+            1,
+            self.num_prefill_tokens,
+            self.prefill_attention,
+            self.num_decode_seqs,
+            self.decode_context,
+        )
 
 
 def prefill_shape(tokens: int, prompt_len: int) -> BatchShape:
@@ -60,20 +67,32 @@ class CostModel:
 
     def step_time(self, batch: BatchShape) -> float:
         x = batch.features()
-        return self.overhead + sum(max(sum(c * v for c, v in zip(t["compute"], x)),
-                                       sum(m * v for m, v in zip(t["memory"], x)))
-                                   for t in self.terms.values())
+        return self.overhead + sum(
+            max(
+                sum(c * v for c, v in zip(t["compute"], x)),
+                sum(m * v for m, v in zip(t["memory"], x)),
+            )
+            for t in self.terms.values()
+        )
 
-    def calibrated(self, factor: float = 1.0, extra: float = 0.0) -> "CostModel":
+    def calibrated(self, factor: float = 1.0, extra: float = 0.0) -> CostModel:
         """Every step `factor` times longer plus `extra` seconds: what serving adds on top of
         the profiled executor (front-end threads sharing the CPU and the GIL, per-step engine
         work), calibrated from a served run of another workload."""
         if factor <= 0 or extra < 0:
-            raise ValueError(f"step scale must be positive and step overhead >= 0, got {factor}, {extra}")
-        terms = {k: {part: tuple(c * factor for c in coefs) for part, coefs in t.items()}
-                 for k, t in self.terms.items()}
-        return replace(self, overhead=self.overhead * factor + extra, terms=terms,
-                       info={**self.info, "step_scale": factor, "step_overhead_s": extra})
+            raise ValueError(
+                f"step scale must be positive and step overhead >= 0, got {factor}, {extra}"
+            )
+        terms = {
+            k: {part: tuple(c * factor for c in coefs) for part, coefs in t.items()}
+            for k, t in self.terms.items()
+        }
+        return replace(
+            self,
+            overhead=self.overhead * factor + extra,
+            terms=terms,
+            info={**self.info, "step_scale": factor, "step_overhead_s": extra},
+        )
 
     def kv_transfer_time(self, num_tokens: int) -> float:
         return self.link_latency + num_tokens * self.kv_bytes_per_token / self.link_bandwidth
@@ -89,23 +108,29 @@ class CostModel:
 
     def decode_throughput(self, batch: int, context: int) -> float:
         """Y: tokens/s of decode steps of `batch` requests, each attending `context` tokens."""
-        return batch / self.step_time(BatchShape(num_decode_seqs=batch, decode_context=batch * context))
+        return batch / self.step_time(
+            BatchShape(num_decode_seqs=batch, decode_context=batch * context)
+        )
 
     def describe(self) -> str:
         i = self.info
         if "accelerator" in i:
             return f"{self.kind}, {i.get('model_shape')} on {i.get('tensor_parallel', 1)} x {i['accelerator']['name']}"
-        return f"{self.kind}, {i.get('model', 'unnamed model')} on {i.get('device', 'unknown device')}"
+        return (
+            f"{self.kind}, {i.get('model', 'unnamed model')} on {i.get('device', 'unknown device')}"
+        )
 
     # ---- persistence --------------------------------------------------------------
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "CostModel":
+    def from_json(cls, d: dict) -> CostModel:
         names = set(cls.__dataclass_fields__)
         if not isinstance(d, dict) or d.get("kind") not in ("measured", "roofline"):
-            raise ValueError("not a cost model profile: expected a JSON object with kind measured or roofline")
+            raise ValueError(
+                "not a cost model profile: expected a JSON object with kind measured or roofline"
+            )
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown cost model field(s): {', '.join(sorted(unknown))}")
@@ -113,20 +138,33 @@ class CostModel:
         if not isinstance(terms, dict) or not terms:
             raise ValueError("a cost model needs terms: {name: {compute: [...], memory: [...]}}")
         for name, t in terms.items():
-            if not isinstance(t, dict) or any(len(t.get(k, ())) != len(FEATURES) for k in ("compute", "memory")):
-                raise ValueError(f"term {name!r} must have compute and memory lists of {len(FEATURES)} "
-                                 f"coefficients ({', '.join(FEATURES)})")
-        return cls(**{**d, "terms": {n: {k: tuple(float(v) for v in t[k]) for k in ("compute", "memory")}
-                                     for n, t in terms.items()}})
+            if not isinstance(t, dict) or any(
+                len(t.get(k, ())) != len(FEATURES) for k in ("compute", "memory")
+            ):
+                raise ValueError(
+                    f"term {name!r} must have compute and memory lists of {len(FEATURES)} "
+                    f"coefficients ({', '.join(FEATURES)})"
+                )
+        return cls(
+            **{
+                **d,
+                "terms": {
+                    n: {k: tuple(float(v) for v in t[k]) for k in ("compute", "memory")}
+                    for n, t in terms.items()
+                },
+            }
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.to_json(), indent=1)  # then each list of numbers on one line:
-        text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+        text = re.sub(
+            r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text
+        )
         Path(path).write_text(text + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -163,8 +201,10 @@ def fit_linear(samples: list[list[float]]) -> tuple[tuple[float, ...], dict]:
                 best[list(cols)] = sol
     coef = best / scale
     rel = np.abs(np.column_stack([np.ones(len(rows)), rows[:, :4]]) @ coef - t) / t
-    return tuple(float(c) for c in coef), {"median_rel_error": float(np.median(rel)),
-                                           "max_rel_error": float(rel.max())}
+    return tuple(float(c) for c in coef), {
+        "median_rel_error": float(np.median(rel)),
+        "max_rel_error": float(rel.max()),
+    }
 
 
 def measured(samples: list[list[float]], **kwargs) -> CostModel:

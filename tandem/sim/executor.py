@@ -2,6 +2,7 @@
 comes from the cost model and its sampled token is a placeholder, so the real scheduler, queues
 and KV pool run unchanged on a virtual clock. It holds no KV bytes (nor weights), so it is not
 a full `Executor`: a simulated P/D transfer is costed on the interconnect (sim/cluster.py)."""
+
 from __future__ import annotations
 
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput

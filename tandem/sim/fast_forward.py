@@ -6,6 +6,7 @@ a request is one token from its end, or until blocks could run short, those step
 applied here in one go, with each step's duration and each token's time exactly as stepping
 would give them (tests/test_sim.py checks that). This is what lets an hour of a 32-instance
 trace simulate in seconds."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -56,10 +57,14 @@ def fast_forward(inst: DecodingInstance, now: float, horizon: float) -> float | 
     cost, context = inst.executor.cost, sum(r.num_tokens for r in running)
     times, usages, t = [], [], now
     for j in range(1, k_max + 1):
-        new_blocks = sum(max(0, cdiv(r.num_computed_tokens + j, bs) - h) for r, h in zip(running, held))
+        new_blocks = sum(
+            max(0, cdiv(r.num_computed_tokens + j, bs) - h) for r, h in zip(running, held)
+        )
         if new_blocks + n > free0:
             break
-        t_next = t + cost.step_time(BatchShape(num_decode_seqs=n, decode_context=context + n * (j - 1)))
+        t_next = t + cost.step_time(
+            BatchShape(num_decode_seqs=n, decode_context=context + n * (j - 1))
+        )
         if t_next > horizon:
             break
         times.append(t_next)

@@ -11,6 +11,7 @@ Assumptions (each one a number an operator can change):
 - Tensor parallelism over `tp` devices divides FLOPs, bytes and weights; the all-reduces it
   adds (~10-20% at tp 4-8) are not modelled.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ class Accelerator:
     step_overhead: float = 1.5e-3
 
 
-ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator("h100", 989e12, 3.35e12, 80 * GiB, 450e9, 55e9),  # SXM5, NVLink 4, PCIe 5
-    Accelerator("h200", 989e12, 4.8e12, 140 * GiB, 450e9, 55e9),  # 141 GB (140 GiB usable)
-    Accelerator("a100-80gb", 312e12, 2.0e12, 80 * GiB, 300e9, 25e9),  # SXM4, NVLink 3, PCIe 4
-)}
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        Accelerator("h100", 989e12, 3.35e12, 80 * GiB, 450e9, 55e9),  # SXM5, NVLink 4, PCIe 5
+        Accelerator("h200", 989e12, 4.8e12, 140 * GiB, 450e9, 55e9),  # 141 GB (140 GiB usable)
+        Accelerator("a100-80gb", 312e12, 2.0e12, 80 * GiB, 300e9, 25e9),  # SXM4, NVLink 3, PCIe 4
+    )
+}
 
 # P -> D KV transfer paths: (bytes/s, seconds per transfer). None: the accelerator's own link.
 INTERCONNECTS: dict[str, tuple[float | None, float]] = {
@@ -53,13 +57,23 @@ def get_accelerator(name: str) -> Accelerator:
     try:
         return ACCELERATORS[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}") from None
+        raise ValueError(
+            f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}"
+        ) from None
 
 
-def roofline(accelerator: str | Accelerator, model: str | ModelShape, tp: int = 1,
-             interconnect: str = "nvlink", dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9,
-             activation_reserve: int = 2 * GiB, host_memory: int = 32 * GiB,
-             max_num_batched_tokens: int = 2048, step_overhead: float | None = None) -> CostModel:
+def roofline(
+    accelerator: str | Accelerator,
+    model: str | ModelShape,
+    tp: int = 1,
+    interconnect: str = "nvlink",
+    dtype_bytes: int = 2,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve: int = 2 * GiB,
+    host_memory: int = 32 * GiB,
+    max_num_batched_tokens: int = 2048,
+    step_overhead: float | None = None,
+) -> CostModel:
     """step = overhead + the sum, over three kernel groups run one after the other, of
     max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth):
 
@@ -76,7 +90,9 @@ def roofline(accelerator: str | Accelerator, model: str | ModelShape, tp: int = 
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     if interconnect not in INTERCONNECTS:
-        raise ValueError(f"unknown interconnect {interconnect!r}; known: {', '.join(INTERCONNECTS)}")
+        raise ValueError(
+            f"unknown interconnect {interconnect!r}; known: {', '.join(INTERCONNECTS)}"
+        )
     flops = acc.peak_flops * acc.flops_efficiency * tp
     bandwidth = acc.hbm_bandwidth * acc.bandwidth_efficiency * tp
     weights = shape.num_params * dtype_bytes
@@ -86,27 +102,52 @@ def roofline(accelerator: str | Accelerator, model: str | ModelShape, tp: int = 
     kv = kv_bytes / bandwidth
     free = acc.memory_bytes * tp * gpu_memory_utilization - weights - activation_reserve * tp
     if free < kv_bytes * max_num_batched_tokens:
-        raise ValueError(f"{shape.name} ({weights / GiB:.0f} GiB of weights) leaves no room for KV on "
-                         f"{tp} x {acc.name} ({acc.memory_bytes * tp / GiB:.0f} GiB): raise --tp")
+        raise ValueError(
+            f"{shape.name} ({weights / GiB:.0f} GiB of weights) leaves no room for KV on "
+            f"{tp} x {acc.name} ({acc.memory_bytes * tp / GiB:.0f} GiB): raise --tp"
+        )
     link, latency = INTERCONNECTS[interconnect]
     link = acc.link_bandwidth if link is None else (link or acc.host_bandwidth)
     overhead = acc.step_overhead if step_overhead is None else step_overhead
-    info = {"accelerator": {k: getattr(acc, k) for k in acc.__slots__}, "model_shape": shape.name,
-            "tensor_parallel": tp, "interconnect": interconnect, "dtype_bytes": dtype_bytes,
-            "weight_bytes": weights, "gpu_memory_utilization": gpu_memory_utilization,
-            "activation_reserve_bytes": activation_reserve, "achievable_flops": flops,
-            "achievable_bandwidth": bandwidth}
+    info = {
+        "accelerator": {k: getattr(acc, k) for k in acc.__slots__},
+        "model_shape": shape.name,
+        "tensor_parallel": tp,
+        "interconnect": interconnect,
+        "dtype_bytes": dtype_bytes,
+        "weight_bytes": weights,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "activation_reserve_bytes": activation_reserve,
+        "achievable_flops": flops,
+        "achievable_bandwidth": bandwidth,
+    }
     terms = {  # (const, prefill tokens, prefill pairs, decode seqs, decode context)
-        "linear": {"compute": (0.0, gemm, 0.0, gemm, 0.0), "memory": (weights / bandwidth, 0.0, 0.0, 0.0, 0.0)},
-        "prefill_attention": {"compute": (0.0, 0.0, attn, 0.0, 0.0), "memory": (0.0, kv, 0.0, 0.0, 0.0)},
-        "decode_attention": {"compute": (0.0, 0.0, 0.0, 0.0, attn), "memory": (0.0, 0.0, 0.0, kv, kv)},
+        "linear": {
+            "compute": (0.0, gemm, 0.0, gemm, 0.0),
+            "memory": (weights / bandwidth, 0.0, 0.0, 0.0, 0.0),
+        },
+        "prefill_attention": {
+            "compute": (0.0, 0.0, attn, 0.0, 0.0),
+            "memory": (0.0, kv, 0.0, 0.0, 0.0),
+        },
+        "decode_attention": {
+            "compute": (0.0, 0.0, 0.0, 0.0, attn),
+            "memory": (0.0, 0.0, 0.0, kv, kv),
+        },
     }
     return CostModel(
-        "roofline", overhead, terms,
-        kv_bytes_per_token=kv_bytes, kv_capacity_tokens=int(free // kv_bytes),
-        host_kv_capacity_tokens=int(host_memory * tp // kv_bytes), host_bandwidth=acc.host_bandwidth * tp,
-        link_bandwidth=link * tp, link_latency=latency, max_num_batched_tokens=max_num_batched_tokens,
-        info=info)
+        "roofline",
+        overhead,
+        terms,
+        kv_bytes_per_token=kv_bytes,
+        kv_capacity_tokens=int(free // kv_bytes),
+        host_kv_capacity_tokens=int(host_memory * tp // kv_bytes),
+        host_bandwidth=acc.host_bandwidth * tp,
+        link_bandwidth=link * tp,
+        link_latency=latency,
+        max_num_batched_tokens=max_num_batched_tokens,
+        info=info,
+    )
 
 
 def load_cost_model(path_or_name: str) -> CostModel:
@@ -115,6 +156,8 @@ def load_cost_model(path_or_name: str) -> CostModel:
         return CostModel.load(path_or_name)
     accel, sep, shape = path_or_name.partition(":")
     if not sep:
-        raise ValueError(f"{path_or_name!r}: expected a profile .json or accelerator:model-shape "
-                         "(h100:llama-3-8b)")
+        raise ValueError(
+            f"{path_or_name!r}: expected a profile .json or accelerator:model-shape "
+            "(h100:llama-3-8b)"
+        )
     return roofline(accel, shape)

@@ -1,6 +1,7 @@
 """One simulated instance: the real Scheduler and KVCacheManager over a SimulatedExecutor,
 stepped on the cluster's virtual clock. Steps in which nothing can change but one more
 decode token per request are coalesced (see fast_forward.py); results are the same."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,10 +12,10 @@ from tandem.core.instance_state import instance_load
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import PDConnector
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.preemption import PreemptionCosts
 from tandem.core.queues import classify
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.preemption import PreemptionCosts
 from tandem.core.scheduler import Scheduler
 from tandem.sim.cost_model import CostModel
 from tandem.sim.executor import SimulatedExecutor
@@ -23,20 +24,38 @@ from tandem.sim.request import SimRequest
 
 
 class SimInstance:
-    def __init__(self, instance_id: str, cost: CostModel, cfg: SchedulerConfig, cache: CacheConfig,
-                 clock: Callable[[], float], role: InstanceRole = InstanceRole.COLOCATED,
-                 elastic: bool = False, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        cost: CostModel,
+        cfg: SchedulerConfig,
+        cache: CacheConfig,
+        clock: Callable[[], float],
+        role: InstanceRole = InstanceRole.COLOCATED,
+        elastic: bool = False,
+        max_model_len: int | None = None,
+    ) -> None:
         self.instance_id, self.cfg, self.clock = instance_id, cfg, clock
         self.role, self.elastic, self.draining, self.next_role = role, elastic, False, None
         self.executor = SimulatedExecutor(cost)
         bs = self.executor.block_size
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, bs, cache.enable_prefix_caching,
-                                 cache.max_prefix_tokens, cache.min_match_length,
-                                 self.executor.num_host_blocks)
+        self.kv = KVCacheManager(
+            self.executor.num_kv_blocks,
+            bs,
+            cache.enable_prefix_caching,
+            cache.max_prefix_tokens,
+            cache.min_match_length,
+            self.executor.num_host_blocks,
+        )
         capacity = self.executor.num_kv_blocks * bs
         self.max_model_len = min(max_model_len or capacity, capacity)
-        self.scheduler = Scheduler(cfg, self.kv, clock, self.max_model_len,
-                                   PreemptionCosts(*self.executor.preemption_costs()))
+        self.scheduler = Scheduler(
+            cfg,
+            self.kv,
+            clock,
+            self.max_model_len,
+            PreemptionCosts(*self.executor.preemption_costs()),
+        )
         # KV sent here by a prefill instance (P/D)
         self.kv_connector = PDConnector(self.kv.coordinator, self.scheduler.requests)
         self.sim_reqs: dict[str, SimRequest] = {}
@@ -52,10 +71,13 @@ class SimInstance:
     def add(self, sim: SimRequest, prompt: list[int], max_tokens: int, req_id: str) -> None:
         """Queue `sim` (as `req_id`; a P/D request has one per side). Raises ValueError like
         the real engine when the prompt cannot be served."""
-        priority = sim.priority or classify(len(prompt), max_tokens, self.cfg.l1_max_prompt_tokens,
-                                            self.cfg.l1_max_tokens)
+        priority = sim.priority or classify(
+            len(prompt), max_tokens, self.cfg.l1_max_prompt_tokens, self.cfg.l1_max_tokens
+        )
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.scheduler.add_request(Request(req_id, prompt, params, self.clock(), None, priority=priority))
+        self.scheduler.add_request(
+            Request(req_id, prompt, params, self.clock(), None, priority=priority)
+        )
         self.sim_reqs[req_id] = sim
         sim.instances.append(self.instance_id)
 
@@ -67,10 +89,21 @@ class SimInstance:
         """What the router would poll from this instance (the same builder as the real one);
         KV promised to transfers in flight is not free."""
         load = instance_load(self.scheduler)
-        return InstanceState(self.instance_id, model, self.role, self.elastic, True, self.draining,
-                             load.num_waiting, load.num_running, load.waiting_prefill_tokens, load.kv_usage,
-                             max(load.kv_free_tokens - self.reserved_tokens, 0), self.kv.pool.cached_hashes,
-                             load.num_preempted)
+        return InstanceState(
+            self.instance_id,
+            model,
+            self.role,
+            self.elastic,
+            True,
+            self.draining,
+            load.num_waiting,
+            load.num_running,
+            load.waiting_prefill_tokens,
+            load.kv_usage,
+            max(load.kv_free_tokens - self.reserved_tokens, 0),
+            self.kv.pool.cached_hashes,
+            load.num_preempted,
+        )
 
     # ---- stepping -----------------------------------------------------------------
     def start_step(self, now: float, horizon: float, coalesce: bool = True) -> float | None:

@@ -7,6 +7,7 @@ largest batch whose step fits the ITL SLO and whose KV fits). Instances run at a
 utilisation u (default 0.75): at 75% load a batched queue waits about one to two steps
 (M/D/1: rho / (2(1 - rho)) = 1.5 service times); past ~85% bursts make the wait unbounded.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from tandem.sim.cost_model import BatchShape, CostModel, prefill_shape
 
-CHUNKS = tuple(2 ** k for k in range(4, 15))  # prefill tokens per step tried: 16 .. 16384
+CHUNKS = tuple(2**k for k in range(4, 15))  # prefill tokens per step tried: 16 .. 16384
 MAX_DECODE_BATCH = 4096
 
 
@@ -42,6 +43,7 @@ class SLO:
 @dataclass(slots=True, frozen=True)
 class Point:
     """An operating point: step size (prefill tokens or decode batch), its time, its yield."""
+
     size: int
     step: float  # seconds (prefill: a step of mean-length prompts)
     throughput: float  # tokens/s
@@ -71,34 +73,51 @@ def prefill_point(cm: CostModel, prompt_mean: float, ttft_prompt: float, ttft: f
     points: list[Point | str] = []  # a Point where the chunk fits, else why it does not
     for tokens in CHUNKS:
         step = cm.step_time(prefill_shape(tokens, max(int(prompt_mean), 1)))
-        wait = cm.step_time(prefill_shape(tokens, max(int(ttft_prompt), 1))) * (1 + math.ceil(ttft_prompt / tokens))
+        wait = cm.step_time(prefill_shape(tokens, max(int(ttft_prompt), 1))) * (
+            1 + math.ceil(ttft_prompt / tokens)
+        )
         points.append(Point(tokens, step, tokens / step, wait, "") if wait <= ttft else "TTFT SLO")
     feasible = [q for q in points if isinstance(q, Point)]
     if not feasible:
-        raise ValueError(f"no prefill step meets the TTFT SLO ({ttft:.3f} s) for a {ttft_prompt:.0f}-token prompt")
+        raise ValueError(
+            f"no prefill step meets the TTFT SLO ({ttft:.3f} s) for a {ttft_prompt:.0f}-token prompt"
+        )
     top = max(q.throughput for q in feasible)
     i = next(j for j, q in enumerate(points) if isinstance(q, Point) and q.throughput >= 0.95 * top)
     nxt = points[i + 1] if i + 1 < len(points) else f"largest chunk tried ({CHUNKS[-1]})"
     q = points[i]
-    return Point(q.size, q.step, q.throughput, q.latency, "bigger steps add < 5%" if isinstance(nxt, Point) else nxt)
+    return Point(
+        q.size,
+        q.step,
+        q.throughput,
+        q.latency,
+        "bigger steps add < 5%" if isinstance(nxt, Point) else nxt,
+    )
 
 
 def decode_point(cm: CostModel, context: float, itl: float) -> Point:
     """The largest decode batch whose step fits `itl` and whose KV (batch x context) fits."""
     step_at = lambda b: cm.step_time(BatchShape(num_decode_seqs=b, decode_context=int(b * context)))  # noqa: E731
     if step_at(1) > itl:
-        raise ValueError(f"ITL SLO {itl} s is below one decode step ({step_at(1):.4f} s at batch 1)")
+        raise ValueError(
+            f"ITL SLO {itl} s is below one decode step ({step_at(1):.4f} s at batch 1)"
+        )
     kv_cap = min(MAX_DECODE_BATCH, int(cm.kv_capacity_tokens // max(context, 1)))
     if kv_cap < 1:
-        raise ValueError(f"one request's KV ({context:.0f} tokens) exceeds the pool ({cm.kv_capacity_tokens} tokens)")
+        raise ValueError(
+            f"one request's KV ({context:.0f} tokens) exceeds the pool ({cm.kv_capacity_tokens} tokens)"
+        )
     b = _largest(lambda n: step_at(n) <= itl, kv_cap)
-    limit = "ITL SLO" if b < kv_cap else ("KV capacity" if kv_cap < MAX_DECODE_BATCH else "max batch")
+    limit = (
+        "ITL SLO" if b < kv_cap else ("KV capacity" if kv_cap < MAX_DECODE_BATCH else "max batch")
+    )
     return Point(b, step_at(b), b / step_at(b), step_at(b), limit)
 
 
 @dataclass(slots=True, frozen=True)
 class Mixed:
     """A co-located instance's step: T prompt tokens (chunked prefill) riding with B decodes."""
+
     prefill_tokens: int
     decode_batch: int
     step: float
@@ -117,7 +136,9 @@ def colocated_point(cm: CostModel, t: Traffic, slo: SLO) -> Mixed | None:
     best = None
     for tokens in range(16, CHUNKS[-1] + 1, 16):
         pre = prefill_shape(tokens, int(prompt))
-        step_at = lambda b: cm.step_time(BatchShape(tokens, pre.prefill_attention, b, int(b * context)))  # noqa: E731
+        step_at = lambda b: cm.step_time(
+            BatchShape(tokens, pre.prefill_attention, b, int(b * context))
+        )  # noqa: E731
         if step_at(0) > slo.itl:
             break
         b = _largest(lambda n: step_at(n) <= slo.itl, min(kv_cap, math.ceil(tokens * out / prompt)))
@@ -142,7 +163,9 @@ class Plan:
     num_decode: int
     kv_transfer: float  # seconds to move the KV of the prompt TTFT is judged at from P to D
     colocated: Mixed | None  # a co-located instance's step; None: no step meets both SLOs
-    colocated_busy: tuple[float, float] | None  # instance-seconds per second of traffic: prefill, decode
+    colocated_busy: (
+        tuple[float, float] | None
+    )  # instance-seconds per second of traffic: prefill, decode
     num_colocated: int | None
     recommendation: str = ""
 
@@ -158,23 +181,42 @@ def plan(cm: CostModel, traffic: Traffic, slo: SLO) -> Plan:
     dec = decode_point(cm, context, slo.itl)
     co = colocated_point(cm, t, slo)
     busy = None
-    if co is not None:  # steps per second of traffic, each split into its chunk's share and the decodes'
+    if (
+        co is not None
+    ):  # steps per second of traffic, each split into its chunk's share and the decodes'
         steps = t.rate / (co.rate * co.step)
         busy = (steps * (co.step - co.decode_only_step), steps * co.decode_only_step)
-    p = Plan(t, slo, dp, dd, pre, dec, _ceil(dp / (pre.throughput * u)), _ceil(dd / (dec.throughput * u)),
-             transfer, co, busy, None if busy is None else _ceil(sum(busy) / u))
+    p = Plan(
+        t,
+        slo,
+        dp,
+        dd,
+        pre,
+        dec,
+        _ceil(dp / (pre.throughput * u)),
+        _ceil(dd / (dec.throughput * u)),
+        transfer,
+        co,
+        busy,
+        None if busy is None else _ceil(sum(busy) / u),
+    )
     split = p.num_prefill + p.num_decode
     p.recommendation = (
-        "disaggregate: no co-located step meets both SLOs" if p.num_colocated is None else
-        f"co-locate: {p.num_colocated} instance(s) against {split} split, and no KV transfer"
-        if p.num_colocated <= split else f"disaggregate: {split} instances split P:D against {p.num_colocated} co-located")
+        "disaggregate: no co-located step meets both SLOs"
+        if p.num_colocated is None
+        else f"co-locate: {p.num_colocated} instance(s) against {split} split, and no KV transfer"
+        if p.num_colocated <= split
+        else f"disaggregate: {split} instances split P:D against {p.num_colocated} co-located"
+    )
     return p
 
 
 @dataclass(slots=True)
 class Elastic:
     bucket_seconds: float
-    buckets: list[dict]  # start, rate, prompt_mean, output_mean, P, D (None and an error: SLOs unmet)
+    buckets: list[
+        dict
+    ]  # start, rate, prompt_mean, output_mean, P, D (None and an error: SLOs unmet)
     total: int  # instances the busiest bucket needs (of those that can meet the SLOs)
     fixed_prefill: int  # prefill in every bucket
     fixed_decode: int
@@ -182,23 +224,39 @@ class Elastic:
     switches: list[dict]  # start, P and D before and after
 
 
-def elastic(cm: CostModel, buckets: list[tuple[float, Traffic]], slo: SLO, bucket_seconds: float) -> Elastic:
+def elastic(
+    cm: CostModel, buckets: list[tuple[float, Traffic]], slo: SLO, bucket_seconds: float
+) -> Elastic:
     """Per time bucket the P:D split; elastic instances move where the split changes."""
     rows = []
     for start, t in buckets:
-        row = {"start": start, "rate": t.rate, "prompt_mean": t.prompt_mean, "output_mean": t.output_mean, "P": 0, "D": 0}
+        row = {
+            "start": start,
+            "rate": t.rate,
+            "prompt_mean": t.prompt_mean,
+            "output_mean": t.output_mean,
+            "P": 0,
+            "D": 0,
+        }
         if t.rate > 0:
             try:
                 p = plan(cm, t, slo)
                 row.update(P=p.num_prefill, D=p.num_decode)
-            except ValueError as e:  # this bucket's lengths cannot meet the SLOs: say so, plan the rest
+            except (
+                ValueError
+            ) as e:  # this bucket's lengths cannot meet the SLOs: say so, plan the rest
                 row.update(P=None, D=None, error=str(e))
         rows.append(row)
     ok = [r for r in rows if r["P"] is not None]
     if not ok:
-        raise ValueError("no time bucket can meet the SLOs" + (f": {rows[0]['error']}" if rows else ""))
+        raise ValueError(
+            "no time bucket can meet the SLOs" + (f": {rows[0]['error']}" if rows else "")
+        )
     total = max(r["P"] + r["D"] for r in ok)
     fp, fd = min(r["P"] for r in ok), min(r["D"] for r in ok)
-    switches = [{"start": b["start"], "P": (a["P"], b["P"]), "D": (a["D"], b["D"])}
-                for a, b in zip(ok, ok[1:]) if (a["P"], a["D"]) != (b["P"], b["D"])]
+    switches = [
+        {"start": b["start"], "P": (a["P"], b["P"]), "D": (a["D"], b["D"])}
+        for a, b in zip(ok, ok[1:])
+        if (a["P"], a["D"]) != (b["P"], b["D"])
+    ]
     return Elastic(bucket_seconds, rows, total, fp, fd, total - fp - fd, switches)

@@ -1,5 +1,6 @@
 """The simulated cluster's prefix-cache hit ratio set against the ideal on the same prompts,
 for `tandem simulate`."""
+
 from __future__ import annotations
 
 from tandem.sim.cluster import ClusterSim
@@ -21,10 +22,19 @@ def prefix_figures(sim: ClusterSim, reqs: list[SimRequest]) -> dict:
     ideal, bounded = ideal_prefix_hits(prompts, bs), ideal_prefix_hits(prompts, bs, blocks)
     placed = 0  # an ideal cache of each instance's size on the prompts routed to it
     for inst in sim.instances:
-        mine = [p for r, p in zip(ordered, prompts) if r.instances and r.instances[0] == inst.instance_id]
+        mine = [
+            p
+            for r, p in zip(ordered, prompts)
+            if r.instances and r.instances[0] == inst.instance_id
+        ]
         placed += ideal_prefix_hits(mine, bs, inst.kv.pool.num_blocks)["hit_tokens"]
     ratio, tokens = (hits / queries if queries else 0.0), bounded["prompt_tokens"] or 1
-    return {"hit_ratio": ratio, "ideal": ideal["token_ratio"], "ideal_cache_size": bounded["token_ratio"],
-            "ideal_as_placed": placed / tokens,
-            "share_of_ideal": ratio / bounded["token_ratio"] if bounded["token_ratio"] else None,
-            "block_size": bs, "cache_blocks": blocks}
+    return {
+        "hit_ratio": ratio,
+        "ideal": ideal["token_ratio"],
+        "ideal_cache_size": bounded["token_ratio"],
+        "ideal_as_placed": placed / tokens,
+        "share_of_ideal": ratio / bounded["token_ratio"] if bounded["token_ratio"] else None,
+        "block_size": bs,
+        "cache_blocks": blocks,
+    }

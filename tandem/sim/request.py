@@ -1,4 +1,5 @@
 """A simulated request: its trace figures, its synthetic token ids, and what happened to it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class SimRequest:
             ids += [_SHARED_BASE + h] + [0] * (TRACE_BLOCK_TOKENS - 1)
         if len(ids) < self.prompt_len:
             ids += [_UNIQUE_BASE + self.index] + [0] * (self.prompt_len - len(ids) - 1)
-        return ids[:self.prompt_len]
+        return ids[: self.prompt_len]
 
     def prefix_hashes(self, block_size: int, max_tokens: int) -> list[int]:
         """Chained block hashes of the prompt's shared part (what prefix-aware routing matches)."""
@@ -52,7 +53,7 @@ class SimRequest:
         ids, out, parent = self.prompt_token_ids(), [], None
         limit = min(len(self.hash_ids) * TRACE_BLOCK_TOKENS, self.prompt_len - 1, max_tokens)
         for i in range(limit // block_size):
-            parent = hash_block(parent, tuple(ids[i * block_size:(i + 1) * block_size]))
+            parent = hash_block(parent, tuple(ids[i * block_size : (i + 1) * block_size]))
             out.append(parent)
         return out
 
@@ -70,11 +71,33 @@ class SimRequest:
         ttft = self.first_token - self.arrival if ok else None
         e2e = self.finished - self.arrival if ok else None
         tpot = (e2e - ttft) / (self.num_output - 1) if ok and self.num_output > 1 else None
-        queue = (self.first_scheduled - self.arrival) if ok and self.first_scheduled is not None else None
-        return {"index": self.index, "cls": self.cls, "success": ok, "status": 200 if ok else 400,
-                "error": self.error or "", "start": self.arrival, "ttft": ttft, "itl": self.itl if ok else [],
-                "tpot": tpot, "e2e": e2e, "output_tokens": self.num_output, "num_chunks": self.num_output,
-                "input_len": self.prompt_len, "prompt_tokens": self.prompt_len,
-                "requested_output": self.output_len, "usage_reported": True,
-                "metrics": {"queue_time": queue, "prefill_time": ttft - queue if queue is not None else None,
-                            "decode_time": e2e - ttft if ok else None} if ok else None}
+        queue = (
+            (self.first_scheduled - self.arrival)
+            if ok and self.first_scheduled is not None
+            else None
+        )
+        return {
+            "index": self.index,
+            "cls": self.cls,
+            "success": ok,
+            "status": 200 if ok else 400,
+            "error": self.error or "",
+            "start": self.arrival,
+            "ttft": ttft,
+            "itl": self.itl if ok else [],
+            "tpot": tpot,
+            "e2e": e2e,
+            "output_tokens": self.num_output,
+            "num_chunks": self.num_output,
+            "input_len": self.prompt_len,
+            "prompt_tokens": self.prompt_len,
+            "requested_output": self.output_len,
+            "usage_reported": True,
+            "metrics": {
+                "queue_time": queue,
+                "prefill_time": ttft - queue if queue is not None else None,
+                "decode_time": e2e - ttft if ok else None,
+            }
+            if ok
+            else None,
+        }

@@ -3,6 +3,7 @@
 A CPU step time depends on the CPU's vector units (AMX makes prefill several times faster
 than AVX-512) and on the cores the run had, so `tandem profile` records them and
 `tandem simulate` / `tandem plan` compare them with the machine they run on."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -26,31 +27,48 @@ def _cpuinfo() -> tuple[str, list[str]]:
                 flags = set(value.split())
     except OSError:
         pass
-    return model or platform.processor() or platform.machine(), [f for f in VECTOR_FLAGS if f in flags]
+    return model or platform.processor() or platform.machine(), [
+        f for f in VECTOR_FLAGS if f in flags
+    ]
 
 
 def cores_available() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
-def machine_info(threads: int | None = None, dtype: str | None = None, gpu: str | None = None) -> dict:
+def machine_info(
+    threads: int | None = None, dtype: str | None = None, gpu: str | None = None
+) -> dict:
     """This machine: CPU model and vector flags, cores (available and used), torch, dtype, GPU."""
     model, flags = _cpuinfo()
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = None
-    return {"cpu_model": model, "cpu_flags": flags, "cores_available": cores_available(),
-            "cores_used": threads, "torch": torch_version, "dtype": dtype, "gpu": gpu}
+    return {
+        "cpu_model": model,
+        "cpu_flags": flags,
+        "cores_available": cores_available(),
+        "cores_used": threads,
+        "torch": torch_version,
+        "dtype": dtype,
+        "gpu": gpu,
+    }
 
 
 def describe(m: dict | None) -> str:
     if not m:
         return "machine not recorded"
     cpu = f"{m.get('cpu_model')} ({', '.join(m.get('cpu_flags') or []) or 'no AVX2/AVX-512/AMX'})"
-    parts = [f"GPU {m['gpu']}" if m.get("gpu") else None, cpu,
-             f"{m.get('cores_used') or '?'} of {m.get('cores_available')} cores",
-             f"torch {m.get('torch')}", m.get("dtype")]
+    parts = [
+        f"GPU {m['gpu']}" if m.get("gpu") else None,
+        cpu,
+        f"{m.get('cores_used') or '?'} of {m.get('cores_available')} cores",
+        f"torch {m.get('torch')}",
+        m.get("dtype"),
+    ]
     return ", ".join(p for p in parts if p)
 
 
@@ -61,18 +79,26 @@ def profile_warning(info: dict, kind: str) -> str | None:
         return None
     recorded = info.get("machine")
     if not recorded:
-        return ("warning: this CPU profile does not record the machine it was measured on; CPU step times "
-                "differ by several times between CPUs: run `tandem profile` here for figures of this machine")
+        return (
+            "warning: this CPU profile does not record the machine it was measured on; CPU step times "
+            "differ by several times between CPUs: run `tandem profile` here for figures of this machine"
+        )
     here = machine_info()
-    diffs = [f"{name} {recorded.get(key)!r} here {here[key]!r}" for name, key in
-             (("CPU", "cpu_model"), ("vector flags", "cpu_flags")) if recorded.get(key) != here[key]]
+    diffs = [
+        f"{name} {recorded.get(key)!r} here {here[key]!r}"
+        for name, key in (("CPU", "cpu_model"), ("vector flags", "cpu_flags"))
+        if recorded.get(key) != here[key]
+    ]
     used = recorded.get("cores_used")
     if used and used > here["cores_available"]:
         diffs.append(f"it used {used} cores, {here['cores_available']} are available here")
     if not diffs:
         return None
-    return ("warning: this CPU profile was measured on another machine (" + "; ".join(diffs)
-            + "): its step times may not hold here; run `tandem profile` on this machine")
+    return (
+        "warning: this CPU profile was measured on another machine ("
+        + "; ".join(diffs)
+        + "): its step times may not hold here; run `tandem profile` on this machine"
+    )
 
 
 def provenance_lines(info: dict, kind: str) -> list[str]:

@@ -1,6 +1,7 @@
 """`tandem plan`: how many prefill and decode instances a traffic needs, co-located or split,
 and when an elastic pool should switch roles; every figure printed as checkable arithmetic.
 The arithmetic is in sim/planner.py; this file turns a trace into traffic figures and prints."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,6 @@ from tandem.sim.hardware import load_cost_model, roofline
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
 from tandem.tools.machine import provenance_lines
 
-
 DEFAULT_GOODPUT = ("ttft:1000", "tpot:50")
 
 
@@ -29,11 +29,17 @@ def traffic_of(rows: list, rate_scale: float = 1.0, span: float | None = None) -
     if span <= 0:
         raise ValueError("the trace spans no time: cannot derive a request rate")
     prompts = sorted(r.input_len for r in rows)
-    return Traffic(len(rows) / span * rate_scale, sum(prompts) / len(rows),
-                   sum(r.output_len for r in rows) / len(rows), prompts[int(0.9 * (len(rows) - 1))])
+    return Traffic(
+        len(rows) / span * rate_scale,
+        sum(prompts) / len(rows),
+        sum(r.output_len for r in rows) / len(rows),
+        prompts[int(0.9 * (len(rows) - 1))],
+    )
 
 
-def bucket_traffic(rows: list, bucket_seconds: float, rate_scale: float = 1.0) -> list[tuple[float, Traffic]]:
+def bucket_traffic(
+    rows: list, bucket_seconds: float, rate_scale: float = 1.0
+) -> list[tuple[float, Traffic]]:
     """The trace cut into buckets of `bucket_seconds` (the last one as long as the trace runs)."""
     if bucket_seconds <= 0:
         raise ValueError("--bucket-minutes must be positive")
@@ -42,32 +48,56 @@ def bucket_traffic(rows: list, bucket_seconds: float, rate_scale: float = 1.0) -
     groups: list[list] = [[] for _ in range(n)]
     for r in rows:
         groups[min(int(r.arrival // bucket_seconds), n - 1)].append(r)
-    return [(i * bucket_seconds, traffic_of(g, rate_scale, span=max(min(bucket_seconds, end - i * bucket_seconds), 1.0)))
-            for i, g in enumerate(groups)]
+    return [
+        (
+            i * bucket_seconds,
+            traffic_of(g, rate_scale, span=max(min(bucket_seconds, end - i * bucket_seconds), 1.0)),
+        )
+        for i, g in enumerate(groups)
+    ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("traffic: a trace, or a rate and mean lengths")
-    t.add_argument("--trace", default=None, help="azure | mooncake (the shipped traces) | a path: Azure CSV, "
-                   "Mooncake JSONL or a tandem request log")
-    t.add_argument("--trace-format", default="auto", help="azure | mooncake | request-log (a tandem request log) | auto: from the file (default auto)")
+    t.add_argument(
+        "--trace",
+        default=None,
+        help="azure | mooncake (the shipped traces) | a path: Azure CSV, "
+        "Mooncake JSONL or a tandem request log",
+    )
+    t.add_argument(
+        "--trace-format",
+        default="auto",
+        help="azure | mooncake | request-log (a tandem request log) | auto: from the file (default auto)",
+    )
     t.add_argument("--strict", action="store_true", help="a malformed trace line is an error")
     t.add_argument("--rate", type=float, default=None, help="requests/s")
     t.add_argument("--prompt-mean", type=float, default=None, help="mean prompt tokens")
     t.add_argument("--output-mean", type=float, default=None, help="mean output tokens")
-    t.add_argument("--rate-scale", type=float, default=1.0, help="K times the trace's users (rates x K)")
+    t.add_argument(
+        "--rate-scale", type=float, default=1.0, help="K times the trace's users (rates x K)"
+    )
     t.add_argument("--bucket-minutes", type=float, default=60.0, help="elastic schedule resolution")
     c = p.add_argument_group("cost model: a profile, or a roofline")
     c.add_argument("--profile", default=None, help="profile JSON from tandem profile")
     c.add_argument("--roofline", default=None, help="accelerator: h100, h200, a100-80gb")
-    c.add_argument("--model-shape", default=None, help="with --roofline: llama-3-8b, llama-3-70b, ...")
+    c.add_argument(
+        "--model-shape", default=None, help="with --roofline: llama-3-8b, llama-3-70b, ..."
+    )
     c.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance")
     c.add_argument("--interconnect", default="nvlink", help="with --roofline: nvlink | rdma | pcie")
     s = p.add_argument_group("service level objectives")
-    s.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs in milliseconds, vLLM's syntax: ttft (to the first token) and tpot (between "
-                        f"tokens); default {' '.join(DEFAULT_GOODPUT)}")
-    s.add_argument("--utilization", type=float, default=0.75, help="target load per instance (headroom)")
+    s.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs in milliseconds, vLLM's syntax: ttft (to the first token) and tpot (between "
+        f"tokens); default {' '.join(DEFAULT_GOODPUT)}",
+    )
+    s.add_argument(
+        "--utilization", type=float, default=0.75, help="target load per instance (headroom)"
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write every figure here")
 
 
@@ -89,12 +119,23 @@ def _traffic(args: argparse.Namespace) -> tuple[Traffic, list | None, int]:
         raise ValueError("give one of --trace PATH or --rate R --prompt-mean P --output-mean O")
     if args.trace:
         from tandem.workload.traces import read_trace, resolve_trace
+
         rows, skipped = read_trace(resolve_trace(args.trace), args.strict, args.trace_format)
         if len(rows) < 2:
-            raise ValueError(f"{args.trace}: {len(rows)} usable row(s); need at least two to derive a rate")
-        return (traffic_of(rows, args.rate_scale), bucket_traffic(rows, args.bucket_minutes * 60, args.rate_scale),
-                len(skipped))
-    if args.rate <= 0 or not args.prompt_mean or not args.output_mean or min(args.prompt_mean, args.output_mean) <= 0:
+            raise ValueError(
+                f"{args.trace}: {len(rows)} usable row(s); need at least two to derive a rate"
+            )
+        return (
+            traffic_of(rows, args.rate_scale),
+            bucket_traffic(rows, args.bucket_minutes * 60, args.rate_scale),
+            len(skipped),
+        )
+    if (
+        args.rate <= 0
+        or not args.prompt_mean
+        or not args.output_mean
+        or min(args.prompt_mean, args.output_mean) <= 0
+    ):
         raise ValueError("--rate, --prompt-mean and --output-mean must all be given and positive")
     return Traffic(args.rate * args.rate_scale, args.prompt_mean, args.output_mean), None, 0
 
@@ -121,7 +162,9 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
         f"D = ceil({dd:,.0f} / ({dec.throughput:,.0f} x {u})) = ceil({dd / (dec.throughput * u):.3f}) = {p.num_decode}",
     ]
     if co is None:
-        lines.append("co-located: no mixed step keeps decodes within the ITL SLO and the prompt within TTFT")
+        lines.append(
+            "co-located: no mixed step keeps decodes within the ITL SLO and the prompt within TTFT"
+        )
     else:
         lines += [
             f"co-located: each step carries T = {co.prefill_tokens} prompt tokens with B = {co.decode_batch} decodes: "
@@ -140,7 +183,9 @@ def _slo_seconds(args: argparse.Namespace) -> tuple[float, float]:
     """(TTFT, ITL) in seconds: --goodput over its defaults."""
     slo = {**parse_goodput(DEFAULT_GOODPUT), **parse_goodput(args.goodput)}
     if "e2e" in slo:
-        raise ValueError("--goodput: plan sizes instances by ttft and tpot; e2el is not one of its SLOs")
+        raise ValueError(
+            "--goodput: plan sizes instances by ttft and tpot; e2el is not one of its SLOs"
+        )
     return slo["ttft"], slo["tpot"]
 
 
@@ -153,28 +198,50 @@ def main(args: argparse.Namespace) -> dict:
     traffic, buckets, skipped = _traffic(args)
     slo = SLO(*_slo_seconds(args), args.utilization)
     result = plan(cm, traffic, slo)
-    print(f"cost model: {cm.describe()}" + (f"; trace {args.trace} ({skipped} malformed lines skipped)"
-                                                        if args.trace else "")
-          + (f"; rates x {args.rate_scale}" if args.rate_scale != 1 else ""))
+    print(
+        f"cost model: {cm.describe()}"
+        + (f"; trace {args.trace} ({skipped} malformed lines skipped)" if args.trace else "")
+        + (f"; rates x {args.rate_scale}" if args.rate_scale != 1 else "")
+    )
     print("\n".join(provenance_lines(cm.info, cm.kind)))
     print("\n".join(explain(result, cm)))
-    print(f"=> disaggregated P = {result.num_prefill}, D = {result.num_decode}; co-located {result.num_colocated}")
-    report = {"cost_model": {k: v for k, v in cm.to_json().items() if k != "info"}
-              | {"describe": cm.describe()}, "plan": asdict(result)}
+    print(
+        f"=> disaggregated P = {result.num_prefill}, D = {result.num_decode}; co-located {result.num_colocated}"
+    )
+    report = {
+        "cost_model": {k: v for k, v in cm.to_json().items() if k != "info"}
+        | {"describe": cm.describe()},
+        "plan": asdict(result),
+    }
     if buckets:
         el = elastic(cm, buckets, slo, args.bucket_minutes * 60)
-        print(f"\nelastic schedule, buckets of {args.bucket_minutes:g} min (same SLOs and headroom per bucket):")
+        print(
+            f"\nelastic schedule, buckets of {args.bucket_minutes:g} min (same SLOs and headroom per bucket):"
+        )
         print(f"  {'start':>5} {'req/s':>8} {'prompt':>7} {'output':>7} {'P':>4} {'D':>4}")
         for b in el.buckets:
-            print(f"  {_clock(b['start']):>5} {b['rate']:>8.2f} {b['prompt_mean']:>7.0f} {b['output_mean']:>7.0f} "
-                  + (f"{b['P']:>4} {b['D']:>4}" if b["P"] is not None else f"  SLOs unmet: {b['error']}"))
-        print(f"  pool: {el.total} instances = {el.fixed_prefill} always prefill + {el.fixed_decode} always decode "
-              f"+ {el.elastic} elastic")
+            print(
+                f"  {_clock(b['start']):>5} {b['rate']:>8.2f} {b['prompt_mean']:>7.0f} {b['output_mean']:>7.0f} "
+                + (
+                    f"{b['P']:>4} {b['D']:>4}"
+                    if b["P"] is not None
+                    else f"  SLOs unmet: {b['error']}"
+                )
+            )
+        print(
+            f"  pool: {el.total} instances = {el.fixed_prefill} always prefill + {el.fixed_decode} always decode "
+            f"+ {el.elastic} elastic"
+        )
         for s in el.switches or [{"start": None}]:
-            print("  no switch needed: the split holds all trace long" if s["start"] is None else
-                  f"  switch at {_clock(s['start'])}: P {s['P'][0]} -> {s['P'][1]}, D {s['D'][0]} -> {s['D'][1]}")
+            print(
+                "  no switch needed: the split holds all trace long"
+                if s["start"] is None
+                else f"  switch at {_clock(s['start'])}: P {s['P'][0]} -> {s['P'][1]}, D {s['D'][0]} -> {s['D'][1]}"
+            )
         if len(el.buckets) == 1:
-            print("  (the trace fits one bucket: a smaller --bucket-minutes shows how the split moves)")
+            print(
+                "  (the trace fits one bucket: a smaller --bucket-minutes shows how the split moves)"
+            )
         report["elastic"] = asdict(el)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ shipping exist. The vocabulary is the default model's (its GGUF's tokenizer meta
 so prompts tokenise and outputs detokenise as with a real model. Tensors are drawn and written
 one at a time: peak memory is the largest tensor, not the model (a 3B F16 file is ~6 GB).
 `--quantize TYPE` then runs llama.cpp's `llama-quantize` on the written file."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,12 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
 from tandem.bench.llamacpp import llama_cpp_tool
 
 WEIGHT_STD = 0.02  # as Llama's initialiser: activations stay finite through every layer
-_FLOAT_TYPES = {"F16": (np.float16, LlamaFileType.MOSTLY_F16), "F32": (np.float32, LlamaFileType.ALL_F32)}
+_FLOAT_TYPES = {
+    "F16": (np.float16, LlamaFileType.MOSTLY_F16),
+    "F32": (np.float32, LlamaFileType.ALL_F32),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +51,27 @@ SHAPES: dict[str, Shape] = {
 
 def tensor_shapes(shape: Shape, vocab_size: int) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape: rows, columns) of every tensor, in file order; embeddings tied."""
-    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, q, kv = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+    )
     yield "token_embd.weight", (vocab_size, h)
     for i in range(shape.num_layers):
-        yield from ((f"blk.{i}.{name}.weight", dims) for name, dims in (
-            ("attn_norm", (h,)), ("attn_q", (q, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
-            ("attn_output", (h, q)), ("ffn_norm", (h,)), ("ffn_gate", (shape.intermediate_size, h)),
-            ("ffn_up", (shape.intermediate_size, h)), ("ffn_down", (h, shape.intermediate_size))))
+        yield from (
+            (f"blk.{i}.{name}.weight", dims)
+            for name, dims in (
+                ("attn_norm", (h,)),
+                ("attn_q", (q, h)),
+                ("attn_k", (kv, h)),
+                ("attn_v", (kv, h)),
+                ("attn_output", (h, q)),
+                ("ffn_norm", (h,)),
+                ("ffn_gate", (shape.intermediate_size, h)),
+                ("ffn_up", (shape.intermediate_size, h)),
+                ("ffn_down", (h, shape.intermediate_size)),
+            )
+        )
     yield "output_norm.weight", (h,)
 
 
@@ -69,7 +87,9 @@ def copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
     return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
-def write_random_gguf(path: Path, shape_name: str, tokenizer_source: Path, dtype: str = "F16", seed: int = 0) -> None:
+def write_random_gguf(
+    path: Path, shape_name: str, tokenizer_source: Path, dtype: str = "F16", seed: int = 0
+) -> None:
     """Write the file tensor by tensor: matrices N(0, WEIGHT_STD) in `dtype`, norms 1 in F32."""
     shape, (np_dtype, file_type) = SHAPES[shape_name], _FLOAT_TYPES[dtype]
     writer = GGUFWriter(path, "llama")
@@ -98,41 +118,75 @@ def write_random_gguf(path: Path, shape_name: str, tokenizer_source: Path, dtype
         if len(dims) == 1:
             writer.write_tensor_data(np.ones(dims, np.float32))
         else:
-            writer.write_tensor_data((rng.standard_normal(dims, np.float32) * WEIGHT_STD).astype(np_dtype))
+            writer.write_tensor_data(
+                (rng.standard_normal(dims, np.float32) * WEIGHT_STD).astype(np_dtype)
+            )
     writer.close()
 
 
 def quantize(llama_quantize: Path, source: Path, target: Path, qtype: str) -> None:
     """llama-quantize source -> target; its own message when it fails."""
-    proc = subprocess.run([str(llama_quantize), str(source), str(target), qtype], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(llama_quantize), str(source), str(target), qtype], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
         raise ValueError(f"llama-quantize {qtype} failed (exit {proc.returncode}):\n{tail}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=list(SHAPES), required=True,
-                   help="tiny (tests), 1b (Llama-3.2-1B dims) or 3b (Llama-3.2-3B dims)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="the float file to write (default random-llama-SHAPE.DTYPE.gguf here)")
-    p.add_argument("--dtype", choices=list(_FLOAT_TYPES), default="F16", help="matrices' type (default F16)")
+    p.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        required=True,
+        help="tiny (tests), 1b (Llama-3.2-1B dims) or 3b (Llama-3.2-3B dims)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the float file to write (default random-llama-SHAPE.DTYPE.gguf here)",
+    )
+    p.add_argument(
+        "--dtype", choices=list(_FLOAT_TYPES), default="F16", help="matrices' type (default F16)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--tokenizer-from", default="smollm2-135m",
-                   help="a GGUF (or model alias) whose tokenizer to copy (default smollm2-135m)")
-    p.add_argument("--quantize", default=None, metavar="TYPE",
-                   help="also write OUT with .TYPE.gguf (e.g. Q4_K_M) by llama.cpp's llama-quantize")
-    p.add_argument("--llama-quantize", default=None, metavar="PATH",
-                   help="llama-quantize binary (default: the one on PATH)")
+    p.add_argument(
+        "--tokenizer-from",
+        default="smollm2-135m",
+        help="a GGUF (or model alias) whose tokenizer to copy (default smollm2-135m)",
+    )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="TYPE",
+        help="also write OUT with .TYPE.gguf (e.g. Q4_K_M) by llama.cpp's llama-quantize",
+    )
+    p.add_argument(
+        "--llama-quantize",
+        default=None,
+        metavar="PATH",
+        help="llama-quantize binary (default: the one on PATH)",
+    )
 
 
 def main(args: argparse.Namespace) -> None:
     from tandem.models.loader.model_files import gguf_source
+
     source = gguf_source(args.tokenizer_from)
     if source is None:
-        raise FileNotFoundError(f"--tokenizer-from {args.tokenizer_from!r}: not a model alias or .gguf file")
-    tool = llama_cpp_tool("llama-quantize", args.llama_quantize) if args.quantize else None  # refuse before writing
+        raise FileNotFoundError(
+            f"--tokenizer-from {args.tokenizer_from!r}: not a model alias or .gguf file"
+        )
+    tool = (
+        llama_cpp_tool("llama-quantize", args.llama_quantize) if args.quantize else None
+    )  # refuse before writing
     out = args.out or Path(f"random-llama-{args.shape}.{args.dtype}.gguf")
-    print(f"writing {out} ({args.shape}, {args.dtype}, tokenizer of {source.name})...", file=sys.stderr, flush=True)
+    print(
+        f"writing {out} ({args.shape}, {args.dtype}, tokenizer of {source.name})...",
+        file=sys.stderr,
+        flush=True,
+    )
     write_random_gguf(out, args.shape, source, args.dtype, args.seed)
     print(out)
     if tool is not None:

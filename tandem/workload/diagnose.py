@@ -11,6 +11,7 @@ so each verdict is tested on records built to show it.
    of the busy time;
 4. fragmentation: KV free (FREE_KV_SHARE of the pool or more) while requests wait, and the
    limit that held them: the seat cap, the token budget, a level's share, the host tier."""
+
 from __future__ import annotations
 
 import math
@@ -44,14 +45,27 @@ def queueing(splits: list[tuple[float, float]]) -> Layer:
         return Layer("queueing", "no request latencies in the records", False)
     share = sum(q for q, _ in splits) / sum(e for _, e in splits)
     per = [q / e for q, e in splits]
-    figs = {"requests": len(splits), "queue_share": share, "queue_share_p90": _pct(per, 90),
-            "queue_ms_p50": _pct([q for q, _ in splits], 50) * 1e3, "queue_ms_p99": _pct([q for q, _ in splits], 99) * 1e3}
+    figs = {
+        "requests": len(splits),
+        "queue_share": share,
+        "queue_share_p90": _pct(per, 90),
+        "queue_ms_p50": _pct([q for q, _ in splits], 50) * 1e3,
+        "queue_ms_p99": _pct([q for q, _ in splits], 99) * 1e3,
+    }
     if share > QUEUE_LIMIT:
-        return Layer("queueing", f"scheduling problem: requests spent {share:.0%} of their latency queued "
-                                 f"(over {QUEUE_LIMIT:.0%}); add capacity or let short work ahead (multilevel)",
-                     True, figs)
-    return Layer("queueing", f"queueing is {share:.0%} of latency (under {QUEUE_LIMIT:.0%}): not a scheduling problem",
-                 False, figs)
+        return Layer(
+            "queueing",
+            f"scheduling problem: requests spent {share:.0%} of their latency queued "
+            f"(over {QUEUE_LIMIT:.0%}); add capacity or let short work ahead (multilevel)",
+            True,
+            figs,
+        )
+    return Layer(
+        "queueing",
+        f"queueing is {share:.0%} of latency (under {QUEUE_LIMIT:.0%}): not a scheduling problem",
+        False,
+        figs,
+    )
 
 
 def two_clusters(values: list[float]) -> tuple[float, list[int]]:
@@ -91,28 +105,59 @@ def step_times(steps: list[dict]) -> Layer:
     upper_set = set(upper)
     slow = [steps[i] for i in upper]
     fast = [s for i, s in enumerate(steps) if i not in upper_set]
-    figs = {"steps": len(steps), "p50_ms": _pct(secs, 50) * 1e3, "p90_ms": _pct(secs, 90) * 1e3,
-            "p99_ms": _pct(secs, 99) * 1e3, "clusters": [
-                {"steps": len(g), "median_ms": _median(g, "seconds") * 1e3, "prefill_tokens_p50": _median(g, "prefill_tokens"),
-                 "decodes_p50": _median(g, "decodes"), "swap_share": _share(g, _swaps)} for g in (fast, slow) if g]}
+    figs = {
+        "steps": len(steps),
+        "p50_ms": _pct(secs, 50) * 1e3,
+        "p90_ms": _pct(secs, 90) * 1e3,
+        "p99_ms": _pct(secs, 99) * 1e3,
+        "clusters": [
+            {
+                "steps": len(g),
+                "median_ms": _median(g, "seconds") * 1e3,
+                "prefill_tokens_p50": _median(g, "prefill_tokens"),
+                "decodes_p50": _median(g, "decodes"),
+                "swap_share": _share(g, _swaps),
+            }
+            for g in (fast, slow)
+            if g
+        ],
+    }
     ratio = _median(slow, "seconds") / max(_median(fast, "seconds"), 1e-9) if slow and fast else 1.0
     figs["jump_ratio"] = ratio
     if ratio < JUMP_RATIO or len(slow) < max(3, 0.01 * len(steps)):
-        return Layer("step time", f"no jump: step time p50 {figs['p50_ms']:.1f} ms, p99 {figs['p99_ms']:.1f} ms",
-                     False, figs)
+        return Layer(
+            "step time",
+            f"no jump: step time p50 {figs['p50_ms']:.1f} ms, p99 {figs['p99_ms']:.1f} ms",
+            False,
+            figs,
+        )
     causes = []
     if _median(slow, "prefill_tokens") > 2 * _median(fast, "prefill_tokens") + 16:
-        causes.append(f"long prefill chunks ({_median(slow, 'prefill_tokens'):.0f} prompt tokens per slow step, "
-                      f"{_median(fast, 'prefill_tokens'):.0f} per fast one)")
+        causes.append(
+            f"long prefill chunks ({_median(slow, 'prefill_tokens'):.0f} prompt tokens per slow step, "
+            f"{_median(fast, 'prefill_tokens'):.0f} per fast one)"
+        )
     if _share(slow, _swaps) > _share(fast, _swaps) + 0.2:
-        causes.append(f"swaps ({_share(slow, _swaps):.0%} of slow steps copy KV to or from the host, "
-                      f"{_share(fast, _swaps):.0%} of fast ones)")
+        causes.append(
+            f"swaps ({_share(slow, _swaps):.0%} of slow steps copy KV to or from the host, "
+            f"{_share(fast, _swaps):.0%} of fast ones)"
+        )
     if _median(slow, "decodes") > 1.5 * max(_median(fast, "decodes"), 1):
-        causes.append(f"many decodes ({_median(slow, 'decodes'):.0f} per slow step, {_median(fast, 'decodes'):.0f} per fast one)")
-    why = "; ".join(causes) or "nothing the step trace records (look at KV paging or remote KV reads, or the host)"
-    return Layer("step time", f"step-time jump: {len(slow)} steps ({len(slow) / len(steps):.0%}) take "
-                              f"{_median(slow, 'seconds') * 1e3:.0f} ms against {_median(fast, 'seconds') * 1e3:.0f} ms "
-                              f"({ratio:.1f}x); they carry {why}", True, figs)
+        causes.append(
+            f"many decodes ({_median(slow, 'decodes'):.0f} per slow step, {_median(fast, 'decodes'):.0f} per fast one)"
+        )
+    why = (
+        "; ".join(causes)
+        or "nothing the step trace records (look at KV paging or remote KV reads, or the host)"
+    )
+    return Layer(
+        "step time",
+        f"step-time jump: {len(slow)} steps ({len(slow) / len(steps):.0%}) take "
+        f"{_median(slow, 'seconds') * 1e3:.0f} ms against {_median(fast, 'seconds') * 1e3:.0f} ms "
+        f"({ratio:.1f}x); they carry {why}",
+        True,
+        figs,
+    )
 
 
 def transfers(steps: list[dict], counters: dict | None, e2e_total: float) -> Layer:
@@ -121,23 +166,41 @@ def transfers(steps: list[dict], counters: dict | None, e2e_total: float) -> Lay
     busy = sum(s["seconds"] for s in steps)
     swap_s = sum(s["seconds"] for s in steps if _swaps(s))
     kv_s, n = c.get("kv_transfer_seconds", 0.0), c.get("kv_transfers", 0.0)
-    figs = {"kv_transfers": n, "kv_transfer_seconds": kv_s, "kv_transfer_mb": c.get("kv_transfer_bytes", 0.0) / 1e6,
-            "kv_transfer_share_of_latency": kv_s / e2e_total if e2e_total > 0 else None,
-            "swap_steps": sum(1 for s in steps if _swaps(s)), "swap_step_share_of_busy": swap_s / busy if busy else None,
-            "swap_blocks": sum(s.get("swap_out_blocks", 0) + s.get("swap_in_blocks", 0) for s in steps)}
+    figs = {
+        "kv_transfers": n,
+        "kv_transfer_seconds": kv_s,
+        "kv_transfer_mb": c.get("kv_transfer_bytes", 0.0) / 1e6,
+        "kv_transfer_share_of_latency": kv_s / e2e_total if e2e_total > 0 else None,
+        "swap_steps": sum(1 for s in steps if _swaps(s)),
+        "swap_step_share_of_busy": swap_s / busy if busy else None,
+        "swap_blocks": sum(s.get("swap_out_blocks", 0) + s.get("swap_in_blocks", 0) for s in steps),
+    }
     found = []
-    if figs["kv_transfer_share_of_latency"] and figs["kv_transfer_share_of_latency"] > TRANSFER_LIMIT:
-        found.append(f"P/D KV handoffs take {figs['kv_transfer_share_of_latency']:.0%} of the requests' latency "
-                     f"({n:.0f} transfers, {kv_s / max(n, 1) * 1e3:.0f} ms each, {figs['kv_transfer_mb']:.0f} MB)")
+    if (
+        figs["kv_transfer_share_of_latency"]
+        and figs["kv_transfer_share_of_latency"] > TRANSFER_LIMIT
+    ):
+        found.append(
+            f"P/D KV handoffs take {figs['kv_transfer_share_of_latency']:.0%} of the requests' latency "
+            f"({n:.0f} transfers, {kv_s / max(n, 1) * 1e3:.0f} ms each, {figs['kv_transfer_mb']:.0f} MB)"
+        )
     if figs["swap_step_share_of_busy"] and figs["swap_step_share_of_busy"] > TRANSFER_LIMIT:
-        found.append(f"steps that swap KV take {figs['swap_step_share_of_busy']:.0%} of the busy time "
-                     f"({figs['swap_blocks']} blocks moved)")
+        found.append(
+            f"steps that swap KV take {figs['swap_step_share_of_busy']:.0%} of the busy time "
+            f"({figs['swap_blocks']} blocks moved)"
+        )
     if found:
         return Layer("transfers", "transfer-bound: " + "; ".join(found), True, figs)
     if not counters and not steps:
-        return Layer("transfers", "no transfer figures in the records (give --bench or --steps)", False, figs)
-    return Layer("transfers", f"transfers are not the bottleneck (under {TRANSFER_LIMIT:.0%} of latency and busy time)",
-                 False, figs)
+        return Layer(
+            "transfers", "no transfer figures in the records (give --bench or --steps)", False, figs
+        )
+    return Layer(
+        "transfers",
+        f"transfers are not the bottleneck (under {TRANSFER_LIMIT:.0%} of latency and busy time)",
+        False,
+        figs,
+    )
 
 
 def _held_by(s: dict) -> str:
@@ -155,24 +218,51 @@ def _held_by(s: dict) -> str:
 def fragmentation(steps: list[dict]) -> Layer:
     """Free KV while requests wait, and what held them."""
     if not steps or "kv_free_blocks" not in steps[0]:
-        return Layer("fragmentation", "the step trace records no KV figures (written before they were added)", False)
-    stuck = [s for s in steps if s["waiting"] and s["kv_free_blocks"] >= FREE_KV_SHARE * s["kv_total_blocks"]]
+        return Layer(
+            "fragmentation",
+            "the step trace records no KV figures (written before they were added)",
+            False,
+        )
+    stuck = [
+        s
+        for s in steps
+        if s["waiting"] and s["kv_free_blocks"] >= FREE_KV_SHARE * s["kv_total_blocks"]
+    ]
     share = len(stuck) / len(steps)
     reasons: dict[str, int] = {}
     for s in stuck:
         reasons[_held_by(s)] = reasons.get(_held_by(s), 0) + 1
-    figs = {"steps": len(steps), "stuck_steps": len(stuck), "stuck_share": share, "held_by": reasons,
-            "free_kv_share_p50": _pct([s["kv_free_blocks"] / s["kv_total_blocks"] for s in stuck], 50) if stuck else None,
-            "waiting_p50": _pct([s["waiting"] for s in stuck], 50) if stuck else None}
+    figs = {
+        "steps": len(steps),
+        "stuck_steps": len(stuck),
+        "stuck_share": share,
+        "held_by": reasons,
+        "free_kv_share_p50": _pct([s["kv_free_blocks"] / s["kv_total_blocks"] for s in stuck], 50)
+        if stuck
+        else None,
+        "waiting_p50": _pct([s["waiting"] for s in stuck], 50) if stuck else None,
+    }
     if share < SYMPTOM_SHARE:
-        return Layer("fragmentation", f"no fragmentation: requests waited with KV free in {share:.0%} of steps", False, figs)
+        return Layer(
+            "fragmentation",
+            f"no fragmentation: requests waited with KV free in {share:.0%} of steps",
+            False,
+            figs,
+        )
     top = max(reasons, key=reasons.get)
-    return Layer("fragmentation", f"free memory, yet concurrency cannot rise: in {share:.0%} of steps "
-                                  f"{figs['waiting_p50']} requests waited with {figs['free_kv_share_p50']:.0%} of KV free; "
-                                  f"held by {top} in {reasons[top] / len(stuck):.0%} of them", True, figs)
+    return Layer(
+        "fragmentation",
+        f"free memory, yet concurrency cannot rise: in {share:.0%} of steps "
+        f"{figs['waiting_p50']} requests waited with {figs['free_kv_share_p50']:.0%} of KV free; "
+        f"held by {top} in {reasons[top] / len(stuck):.0%} of them",
+        True,
+        figs,
+    )
 
 
-def diagnose(splits: list[tuple[float, float]], steps: list[dict], counters: dict | None) -> list[Layer]:
+def diagnose(
+    splits: list[tuple[float, float]], steps: list[dict], counters: dict | None
+) -> list[Layer]:
     e2e_total = sum(e for _, e in splits)
     layers = [queueing(splits)] if splits else []
     if steps:

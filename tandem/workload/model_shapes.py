@@ -1,5 +1,6 @@
 """Named model shapes (from each model's Hugging Face config.json), so the analyzer, the
 planner and the cost model can size KV and compute for a model they do not load."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,19 +19,24 @@ class ModelShape:
     num_params: int
 
 
-MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
-    ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8_030_261_248),
-    ModelShape("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 70_553_706_496),
-    ModelShape("qwen2-7b", 28, 3584, 28, 4, 128, 18944, 152064, 7_615_616_512),
-    ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 134_515_008),
-)}
+MODEL_SHAPES: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8_030_261_248),
+        ModelShape("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 70_553_706_496),
+        ModelShape("qwen2-7b", 28, 3584, 28, 4, 128, 18944, 152064, 7_615_616_512),
+        ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 134_515_008),
+    )
+}
 
 
 def get_shape(name: str) -> ModelShape:
     try:
         return MODEL_SHAPES[name]
     except KeyError:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}") from None
+        raise ValueError(
+            f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}"
+        ) from None
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:

@@ -1,6 +1,7 @@
 """Request traces as rows: the Azure LLM 2023 CSV, the Mooncake JSONL and the server's own
 request log, with malformed lines reported by line number (or rejected in strict mode), and
 window selection. Shared by the load tester, the analyzer, the planner and the simulator."""
+
 from __future__ import annotations
 
 import csv
@@ -8,16 +9,25 @@ import gzip
 import json
 import lzma
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
 
 MOONCAKE_BLOCK_TOKENS = 512
-SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "traces"  # licences and citations in its README.md
-SHIPPED_TRACES = {"azure": "azure_llm_2023_conv.csv.xz", "mooncake": "mooncake_conversation.jsonl.xz"}
+SHIPPED_DIR = (
+    Path(__file__).resolve().parent / "data" / "traces"
+)  # licences and citations in its README.md
+SHIPPED_TRACES = {
+    "azure": "azure_llm_2023_conv.csv.xz",
+    "mooncake": "mooncake_conversation.jsonl.xz",
+}
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-REQUEST_LOG_FIELDS = ("arrival_time", "prompt_tokens", "output_tokens")  # written by server/metrics.py
+REQUEST_LOG_FIELDS = (
+    "arrival_time",
+    "prompt_tokens",
+    "output_tokens",
+)  # written by server/metrics.py
 
 
 def resolve_trace(name: str | Path) -> Path:
@@ -25,7 +35,9 @@ def resolve_trace(name: str | Path) -> Path:
     which must exist."""
     path = SHIPPED_DIR / SHIPPED_TRACES[name] if name in SHIPPED_TRACES else Path(name)
     if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found (give a path, or one of: {', '.join(SHIPPED_TRACES)})")
+        raise FileNotFoundError(
+            f"trace {path} not found (give a path, or one of: {', '.join(SHIPPED_TRACES)})"
+        )
     return path
 
 
@@ -54,7 +66,9 @@ class _Lines:
 
     def bad(self, line: int, why: str) -> None:
         if self.strict:
-            raise ValueError(f"{self.path}:{line}: {why} (run without --strict to skip malformed lines)")
+            raise ValueError(
+                f"{self.path}:{line}: {why} (run without --strict to skip malformed lines)"
+            )
         self.skipped.append({"line": line, "error": why})
 
 
@@ -81,7 +95,9 @@ def read_azure(path: Path, strict: bool = False) -> tuple[list[Row], list[dict]]
         header = next(reader, None)
         need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
         if not header or any(c not in header for c in need):
-            raise ValueError(f"{path}:1: expected a header with columns {', '.join(need)}, got {header}")
+            raise ValueError(
+                f"{path}:1: expected a header with columns {', '.join(need)}, got {header}"
+            )
         col = [header.index(c) for c in need]
         while True:
             line = reader.line_num + 1  # where this record starts (an open quote can run on)
@@ -98,7 +114,10 @@ def read_azure(path: Path, strict: bool = False) -> tuple[list[Row], list[dict]]
                 if len(rec) != len(header):
                     raise ValueError(f"expected {len(header)} fields, got {len(rec)}")
                 ts = datetime.fromisoformat(rec[col[0]].strip()).timestamp()
-                inp, out = _count(rec[col[1]].strip(), "ContextTokens"), _count(rec[col[2]].strip(), "GeneratedTokens")
+                inp, out = (
+                    _count(rec[col[1]].strip(), "ContextTokens"),
+                    _count(rec[col[2]].strip(), "GeneratedTokens"),
+                )
             except ValueError as e:
                 lines.bad(line, str(e))
                 continue
@@ -120,7 +139,12 @@ def _json_objects(path: Path, lines: _Lines, fields: tuple[str, ...]) -> Iterato
                 continue
             missing = [k for k in fields if k not in rec] if isinstance(rec, dict) else None
             if missing is None or missing:
-                lines.bad(line, "not a JSON object" if missing is None else f"missing field(s) {', '.join(missing)}")
+                lines.bad(
+                    line,
+                    "not a JSON object"
+                    if missing is None
+                    else f"missing field(s) {', '.join(missing)}",
+                )
                 continue
             yield line, rec
 
@@ -132,9 +156,14 @@ def read_mooncake(path: Path, strict: bool = False) -> tuple[list[Row], list[dic
         try:
             ts = _number(rec["timestamp"], "timestamp")
             ids = rec["hash_ids"]
-            if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+            if not isinstance(ids, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) for h in ids
+            ):
                 raise ValueError("hash_ids must be a list of integers")
-            inp, out = _count(rec["input_length"], "input_length"), _count(rec["output_length"], "output_length")
+            inp, out = (
+                _count(rec["input_length"], "input_length"),
+                _count(rec["output_length"], "output_length"),
+            )
         except ValueError as e:
             lines.bad(line, str(e))
             continue
@@ -150,8 +179,14 @@ def read_request_log(path: Path, strict: bool = False) -> tuple[list[Row], list[
     for line, rec in _json_objects(path, lines, REQUEST_LOG_FIELDS):
         try:
             ts = _number(rec["arrival_time"], "arrival_time")
-            inp, out = _count(rec["prompt_tokens"], "prompt_tokens"), _count(rec["output_tokens"], "output_tokens")
-            e2e, queue = (_number(rec[k], k) if rec.get(k) is not None else None for k in ("e2e_latency", "queue_time"))
+            inp, out = (
+                _count(rec["prompt_tokens"], "prompt_tokens"),
+                _count(rec["output_tokens"], "output_tokens"),
+            )
+            e2e, queue = (
+                _number(rec[k], k) if rec.get(k) is not None else None
+                for k in ("e2e_latency", "queue_time")
+            )
         except ValueError as e:
             lines.bad(line, str(e))
             continue
@@ -161,7 +196,10 @@ def read_request_log(path: Path, strict: bool = False) -> tuple[list[Row], list[
 
 
 READERS: dict[str, Callable[[Path, bool], tuple[list[Row], list[dict]]]] = {
-    "azure": read_azure, "mooncake": read_mooncake, "request-log": read_request_log}
+    "azure": read_azure,
+    "mooncake": read_mooncake,
+    "request-log": read_request_log,
+}
 
 
 def trace_format(path: Path) -> str:
@@ -182,11 +220,15 @@ def trace_format(path: Path) -> str:
                 return "mooncake"
             if isinstance(rec, dict) and ("arrival_time" in rec or "prompt_tokens" in rec):
                 return "request-log"
-    raise ValueError(f"{path}: cannot tell the trace format (Azure CSV, Mooncake JSONL or a tandem "
-                     f"request log); pass --format")
+    raise ValueError(
+        f"{path}: cannot tell the trace format (Azure CSV, Mooncake JSONL or a tandem "
+        f"request log); pass --format"
+    )
 
 
-def read_trace(path: Path, strict: bool = False, kind: str = "auto") -> tuple[list[Row], list[dict]]:
+def read_trace(
+    path: Path, strict: bool = False, kind: str = "auto"
+) -> tuple[list[Row], list[dict]]:
     """Any supported trace; `kind` 'auto' picks the reader by trace_format()."""
     kind = trace_format(path) if kind == "auto" else kind
     if kind not in READERS:
@@ -194,8 +236,13 @@ def read_trace(path: Path, strict: bool = False, kind: str = "auto") -> tuple[li
     return READERS[kind](path, strict)
 
 
-def select(rows: list[Row], start: float, seconds: float | None, max_requests: int | None,
-           time_scale: float) -> list[Row]:
+def select(
+    rows: list[Row],
+    start: float,
+    seconds: float | None,
+    max_requests: int | None,
+    time_scale: float,
+) -> list[Row]:
     """Rows arriving in [start, start+seconds) of trace time, the first max_requests of them,
     rebased to the window start and with gaps multiplied by time_scale."""
     if time_scale < 0:

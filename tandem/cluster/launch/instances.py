@@ -1,6 +1,7 @@
 """The instances a cluster.yaml asks for, and what every launch backend (local processes, Ray
 actors) does with one: plan them, find a free port, wait until each answers /health, and
 report one that died."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,14 +41,21 @@ def plan(cfg: ClusterConfig) -> list[InstanceSpec]:
     out = []
     for g, role, elastic in todo:
         n = counts[g.name] = counts.get(g.name, -1) + 1
-        out.append(InstanceSpec(f"{g.name}-{n}", g, role, elastic, int(g.engine.get("num_threads") or threads)))
+        out.append(
+            InstanceSpec(
+                f"{g.name}-{n}", g, role, elastic, int(g.engine.get("num_threads") or threads)
+            )
+        )
     return out
 
 
 def external_instances(cfg: ClusterConfig) -> list[Instance]:
     """Instances a config names by URL (already running; the router only routes to them)."""
-    return [Instance(f"{g.name}-url{i}", url.rstrip("/"), g.name, g.kind) for g in cfg.models
-            for i, url in enumerate(g.urls)]
+    return [
+        Instance(f"{g.name}-url{i}", url.rstrip("/"), g.name, g.kind)
+        for g in cfg.models
+        for i, url in enumerate(g.urls)
+    ]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,5 +90,12 @@ def instance_died(inst: Instance, spec: InstanceSpec, why: str) -> bool:
     inst.state = dataclasses.replace(inst.state, healthy=False)
     inst.last_error = f"died: {head}"
     action = "restarting it (restart: true)" if spec.group.restart else "left out (restart: false)"
-    log.error("instance %s (%s) died: %s; %s%s", inst.id, spec.group.name, head, action, "\n" + rest if rest else "")
+    log.error(
+        "instance %s (%s) died: %s; %s%s",
+        inst.id,
+        spec.group.name,
+        head,
+        action,
+        "\n" + rest if rest else "",
+    )
     return spec.group.restart

@@ -2,6 +2,7 @@
 actors), wait until each answers /health, then serve the router in this process. An instance
 that dies is reported and restarted or left out (its group's `restart`). SIGTERM or SIGINT
 (or any exit) drains and stops every instance it started, and it exits once they are gone."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,10 @@ def stop_on_signals():
         nonlocal armed
         name = signal.Signals(signum).name
         if not armed:
-            log.warning("%s: already stopping (instances still running get SIGKILL after stop_timeout_s)", name)
+            log.warning(
+                "%s: already stopping (instances still running get SIGKILL after stop_timeout_s)",
+                name,
+            )
             return
         armed = False
         raise Shutdown(name)
@@ -45,6 +49,7 @@ def stop_on_signals():
     def disarm() -> None:
         nonlocal armed
         armed = False
+
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield disarm
@@ -56,8 +61,14 @@ def stop_on_signals():
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="cluster.yaml (see examples/cluster.yaml)")
     p.add_argument("--host", default=None, help="router host (default: router.host of the config)")
-    p.add_argument("--port", type=int, default=None, help="router port (default: router.port of the config)")
-    p.add_argument("--log-level", default="info", help="router and launcher log level: debug | info | warning (default info)")
+    p.add_argument(
+        "--port", type=int, default=None, help="router port (default: router.port of the config)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        help="router and launcher log level: debug | info | warning (default info)",
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -69,6 +80,7 @@ def main(args: argparse.Namespace) -> None:
     from tandem.cluster.launch.kv_group import join_kv_group
     from tandem.cluster.router.app import build_router
     from tandem.heap import freeze_startup_heap
+
     cfg = load_cluster_config(args.config)
     cfg.router.host = args.host or cfg.router.host
     cfg.router.port = args.port or cfg.router.port
@@ -80,9 +92,15 @@ def main(args: argparse.Namespace) -> None:
             kv_store = join_kv_group(cfg, instances, backend.rendezvous_host())  # noqa: F841 - lives with the group
             for inst in instances:
                 log.info("instance %s (%s, %s) at %s", inst.id, inst.model, inst.kind, inst.url)
-            server = uvicorn.Server(uvicorn.Config(
-                build_router(cfg, instances), host=cfg.router.host, port=cfg.router.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(cfg.stop_timeout_s)))
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    build_router(cfg, instances),
+                    host=cfg.router.host,
+                    port=cfg.router.port,
+                    log_level=args.log_level,
+                    timeout_graceful_shutdown=int(cfg.stop_timeout_s),
+                )
+            )
             freeze_startup_heap("router")
             router = threading.Thread(target=server.run, name="router")
             router.start()

@@ -1,5 +1,6 @@
 """Instances as local processes: each a `tandem serve` (or embedding server) on a free port, in a
 process group of its own, so stopping it also stops any process it started (its engine core)."""
+
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,12 @@ import yaml
 
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.launch.instances import (
-    InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy,
+    InstanceSpec,
+    external_instances,
+    free_port,
+    instance_died,
+    plan,
+    wait_healthy,
 )
 from tandem.cluster.router.pool import Instance
 
@@ -24,12 +30,42 @@ log = logging.getLogger(__name__)
 def instance_command(spec: InstanceSpec, port: int, config_file: Path) -> list[str]:
     g = spec.group
     if g.kind == "embedding":
-        return [sys.executable, "-m", "tandem.cluster.launch.embedding_server", "--model", g.model,
-                "--served-model-name", g.name, "--port", str(port), "--num-threads", str(spec.num_threads),
-                "--log-level", "warning"]
-    config_file.write_text(yaml.safe_dump({"serving": {"engine": {**g.engine, "num_threads": spec.num_threads}}}))
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config_file), "--model", g.model,
-           "--served-model-name", g.name, "--port", str(port), "--role", spec.role, "--log-level", "warning"]
+        return [
+            sys.executable,
+            "-m",
+            "tandem.cluster.launch.embedding_server",
+            "--model",
+            g.model,
+            "--served-model-name",
+            g.name,
+            "--port",
+            str(port),
+            "--num-threads",
+            str(spec.num_threads),
+            "--log-level",
+            "warning",
+        ]
+    config_file.write_text(
+        yaml.safe_dump({"serving": {"engine": {**g.engine, "num_threads": spec.num_threads}}})
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--config",
+        str(config_file),
+        "--model",
+        g.model,
+        "--served-model-name",
+        g.name,
+        "--port",
+        str(port),
+        "--role",
+        spec.role,
+        "--log-level",
+        "warning",
+    ]
     return cmd + (["--elastic"] if spec.elastic else [])
 
 
@@ -50,7 +86,9 @@ class LocalBackend:
             for spec in plan(self.cfg):
                 self.specs[spec.id] = spec
                 self.instances[spec.id] = spec.instance(self._launch(spec, "wb"))
-            wait_healthy({iid: inst.url for iid, inst in self.instances.items()}, self._exited, timeout)
+            wait_healthy(
+                {iid: inst.url for iid, inst in self.instances.items()}, self._exited, timeout
+            )
         except BaseException:
             self.stop()
             raise
@@ -60,10 +98,15 @@ class LocalBackend:
         """Start the instance's process; returns its URL. A restart appends to its log."""
         port = free_port()
         cmd = instance_command(spec, port, self.log_dir / f"{spec.id}.yaml")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(spec.num_threads)}
+        env = {
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": str(spec.num_threads),
+        }
         with open(self.log_dir / f"{spec.id}.log", log_mode) as logf:
-            self.procs[spec.id] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                                   start_new_session=True)
+            self.procs[spec.id] = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         return f"http://127.0.0.1:{port}"
 
     def rendezvous_host(self) -> str:
@@ -110,7 +153,9 @@ class LocalBackend:
             try:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                log.warning("instance %s still running after %.0f s: SIGKILL", iid, self.cfg.stop_timeout_s)
+                log.warning(
+                    "instance %s still running after %.0f s: SIGKILL", iid, self.cfg.stop_timeout_s
+                )
         for p in self.procs.values():
             _kill_group(p)
             p.wait()

@@ -2,6 +2,7 @@
 server) runs and serves it on a free port of its node, and returns its URL; Ray places the
 actors by the resources the config asks for (`num_gpus`, `num_cpus`). The router is unchanged:
 it only sees URLs. Nodes need tandem installed in the same Python environment."""
+
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,12 @@ import time
 
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.launch.instances import (
-    InstanceSpec, external_instances, free_port, instance_died, plan, wait_healthy,
+    InstanceSpec,
+    external_instances,
+    free_port,
+    instance_died,
+    plan,
+    wait_healthy,
 )
 from tandem.cluster.router.pool import Instance
 
@@ -25,24 +31,33 @@ class InstanceServer:
 
     def __init__(self, spec: InstanceSpec, bind_host: str, url_host: str | None) -> None:
         import uvicorn
+
         g = spec.group
         if g.kind == "embedding":
             from tandem.cluster.launch.embedding_server import Embedder, build_embedding_app
+
             app, self.llm = build_embedding_app(Embedder(g.model, spec.num_threads), g.name), None
         else:
             from tandem.config import EngineConfig
             from tandem.engine.async_llm import AsyncLLM
             from tandem.server.api_server import ServerConfig, build_app
-            engine = EngineConfig.from_kwargs(**{"model": g.model, **g.engine,
-                                                 "num_threads": spec.num_threads})
+
+            engine = EngineConfig.from_kwargs(
+                **{"model": g.model, **g.engine, "num_threads": spec.num_threads}
+            )
             self.llm = AsyncLLM(engine)  # the engine core in its own process, as under tandem serve
-            app = build_app(self.llm, ServerConfig(model_name=g.name, role=spec.role, elastic=spec.elastic))
+            app = build_app(
+                self.llm, ServerConfig(model_name=g.name, role=spec.role, elastic=spec.elastic)
+            )
         port = free_port(bind_host)
         if url_host is None:
             import ray
+
             url_host = ray.util.get_node_ip_address()
         self._url = f"http://{url_host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=bind_host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host=bind_host, port=port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -73,13 +88,17 @@ class RayBackend:
 
     def start(self, timeout: float = 600.0) -> list[Instance]:
         import ray
+
         specs = plan(self.cfg)
         local = self.cfg.ray_address in LOCAL
         if not ray.is_initialized():
             if local:  # a one-node Ray here; logical CPUs are scheduling tokens, so never too few
                 need = sum(s.group.resources.get("num_cpus", 1) for s in specs)
-                ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
-                         log_to_driver=False)
+                ray.init(
+                    num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
             else:
                 ray.init(address=self.cfg.ray_address, log_to_driver=False)
             self.started_ray = True
@@ -90,7 +109,12 @@ class RayBackend:
             for spec in specs:
                 self.specs[spec.id] = spec
                 self.actors[spec.id] = self._actor(spec)
-            urls = dict(zip(self.actors, ray.get([a.url.remote() for a in self.actors.values()], timeout=timeout)))
+            urls = dict(
+                zip(
+                    self.actors,
+                    ray.get([a.url.remote() for a in self.actors.values()], timeout=timeout),
+                )
+            )
             wait_healthy(urls, timeout=timeout)
         except BaseException:
             self.stop()
@@ -100,10 +124,18 @@ class RayBackend:
 
     def _actor(self, spec: InstanceSpec):
         import ray
+
         res = spec.group.resources
-        return ray.remote(InstanceServer).options(
-            name=None, num_cpus=res.get("num_cpus", 1), num_gpus=res.get("num_gpus", 0),
-            max_restarts=0).remote(spec, *self._hosts)
+        return (
+            ray.remote(InstanceServer)
+            .options(
+                name=None,
+                num_cpus=res.get("num_cpus", 1),
+                num_gpus=res.get("num_gpus", 0),
+                max_restarts=0,
+            )
+            .remote(spec, *self._hosts)
+        )
 
     def rendezvous_host(self) -> str:
         """Where actors reach a store this (driver) process serves: loopback on a one-node Ray
@@ -111,17 +143,20 @@ class RayBackend:
         if self.cfg.ray_address in LOCAL:
             return "127.0.0.1"
         import ray
+
         return ray.util.get_node_ip_address()
 
     def kill(self, instance_id: str) -> None:
         """Kill one instance's actor at once (fault injection)."""
         import ray
+
         ray.kill(self.actors[instance_id], no_restart=True)
 
     def check(self) -> None:
         """An actor that died is reported, then started again (a new actor, at a new URL the
         router is given) or left out."""
         import ray
+
         for iid, actor in list(self.actors.items()):
             if iid in self.left_out or iid not in self.instances:
                 continue
@@ -149,6 +184,7 @@ class RayBackend:
     def stop(self) -> None:
         """Every actor drains at once (up to `stop_timeout_s`), then is killed."""
         import ray
+
         pending = [actor.stop.remote(self.cfg.stop_timeout_s) for actor in self.actors.values()]
         if pending:  # an actor already dead answers with its error: killed below either way
             ray.wait(pending, num_returns=len(pending), timeout=self.cfg.stop_timeout_s + 5)

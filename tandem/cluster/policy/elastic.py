@@ -2,6 +2,7 @@
 pressure on each side (prefill backlog and TTFT against decode KV load and ITL), or from a
 time-of-day schedule. Pure: returns decisions; the caller drains an instance before it
 switches, so no request in flight is lost or restarted."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,13 +16,17 @@ from tandem.config import InstanceRole
 class ElasticConfig:
     min_prefill: int = 1
     min_decode: int = 1
-    prefill_backlog_tokens: int = 8192  # queued prompt tokens per prefill instance that mean "short of P"
+    prefill_backlog_tokens: int = (
+        8192  # queued prompt tokens per prefill instance that mean "short of P"
+    )
     decode_kv_usage: float = 0.8  # mean decode KV usage that means "short of D"
     ttft_slo: float | None = None  # s; a recent p90 above it adds prefill pressure
     itl_slo: float | None = None  # s; a recent p90 above it adds decode pressure
     hysteresis: float = 1.5  # one side's pressure must exceed the other's by this factor
     cooldown_s: float = 30.0  # between two switches
-    persist_checks: int = 3  # a pressure signal must hold for this many checks in a row before a switch
+    persist_checks: int = (
+        3  # a pressure signal must hold for this many checks in a row before a switch
+    )
     min_dwell_s: float = 60.0  # an instance stays at least this long in the role it was switched to
 
     def __post_init__(self) -> None:
@@ -42,12 +47,20 @@ class TimeSchedule:
         return (past[-1] if past else max(self.entries))[1]
 
 
-def pressures(instances: Sequence[InstanceState], cfg: ElasticConfig, ttft_p90: float | None = None,
-              itl_p90: float | None = None) -> tuple[float, float]:
+def pressures(
+    instances: Sequence[InstanceState],
+    cfg: ElasticConfig,
+    ttft_p90: float | None = None,
+    itl_p90: float | None = None,
+) -> tuple[float, float]:
     """(prefill, decode) pressure: 1.0 means a side is at its threshold."""
     p = [i for i in instances if i.role == InstanceRole.PREFILL and i.healthy]
     d = [i for i in instances if i.role == InstanceRole.DECODE and i.healthy]
-    pp = sum(i.waiting_prefill_tokens for i in p) / max(len(p), 1) / cfg.prefill_backlog_tokens if p else 2.0
+    pp = (
+        sum(i.waiting_prefill_tokens for i in p) / max(len(p), 1) / cfg.prefill_backlog_tokens
+        if p
+        else 2.0
+    )
     dp = sum(i.kv_usage for i in d) / max(len(d), 1) / cfg.decode_kv_usage if d else 2.0
     if cfg.ttft_slo and ttft_p90 is not None:
         pp = max(pp, ttft_p90 / cfg.ttft_slo)
@@ -62,18 +75,28 @@ class RoleController:
     in a row, moving only an instance that has been `min_dwell_s` in its role. A time schedule
     is followed as written (no persistence needed)."""
 
-    def __init__(self, cfg: ElasticConfig = ElasticConfig(), schedule: TimeSchedule | None = None) -> None:
+    def __init__(
+        self, cfg: ElasticConfig = ElasticConfig(), schedule: TimeSchedule | None = None
+    ) -> None:
         self.cfg, self.schedule = cfg, schedule
         self.last_switch = float("-inf")
         self.switches: list[tuple[float, str, str]] = []  # (time, instance, new role)
         self._streak = (0, 0)  # (direction wanted: +1 more prefill, -1 more decode, calls in a row)
         self._switched_at: dict[str, float] = {}  # instance -> when it last switched
 
-    def decide(self, now: float, instances: Sequence[InstanceState], ttft_p90: float | None = None,
-               itl_p90: float | None = None) -> tuple[str, str] | None:
+    def decide(
+        self,
+        now: float,
+        instances: Sequence[InstanceState],
+        ttft_p90: float | None = None,
+        itl_p90: float | None = None,
+    ) -> tuple[str, str] | None:
         """(instance_id, new role) or None. Only healthy, non-draining elastic instances move."""
-        live = [i for i in instances
-                if i.healthy and i.role in (InstanceRole.PREFILL, InstanceRole.DECODE)]
+        live = [
+            i
+            for i in instances
+            if i.healthy and i.role in (InstanceRole.PREFILL, InstanceRole.DECODE)
+        ]
         # A draining instance is on its way to the other role: count it there.
         num_p = sum((i.role == InstanceRole.PREFILL) != i.draining for i in live)
         num_d = len(live) - num_p
@@ -81,8 +104,13 @@ class RoleController:
             want, persisted = self.schedule.num_prefill(now) - num_p, True
         else:
             pp, dp = pressures(live, self.cfg, ttft_p90, itl_p90)
-            want = 1 if pp > 1.0 and pp > dp * self.cfg.hysteresis else \
-                -1 if dp > 1.0 and dp > pp * self.cfg.hysteresis else 0
+            want = (
+                1
+                if pp > 1.0 and pp > dp * self.cfg.hysteresis
+                else -1
+                if dp > 1.0 and dp > pp * self.cfg.hysteresis
+                else 0
+            )
             same = want != 0 and self._streak[0] == want
             self._streak = (want, self._streak[1] + 1 if same else int(want != 0))
             persisted = self._streak[1] >= self.cfg.persist_checks
@@ -94,8 +122,14 @@ class RoleController:
             src, dst = InstanceRole.PREFILL, InstanceRole.DECODE
         else:
             return None
-        movable = [i for i in live if i.elastic and i.role == src and not i.draining
-                   and now - self._switched_at.get(i.instance_id, float("-inf")) >= self.cfg.min_dwell_s]
+        movable = [
+            i
+            for i in live
+            if i.elastic
+            and i.role == src
+            and not i.draining
+            and now - self._switched_at.get(i.instance_id, float("-inf")) >= self.cfg.min_dwell_s
+        ]
         if not movable:
             return None
         # The least busy one drains fastest.

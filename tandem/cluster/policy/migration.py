@@ -3,6 +3,7 @@ along and generation continues - to a decode instance with room for it. Pure: a 
 the instances' reported states and the requests decoding on them; the router's loop
 (`migrate_loop.py`) carries the move out. The target must stay well under the shortage mark
 after taking the request, and a moved request stays put for a cooldown, so nothing ping-pongs."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,13 +19,17 @@ class MigrationConfig:
     interval_s: float = 0.5  # between two checks
     kv_usage: float = 0.9  # a decode instance at or above this KV usage is short
     preempted: int = 1  # ... or with this many preempted requests waiting (0: not a signal)
-    target_kv_usage: float = 0.8  # a target's KV usage once it holds the request's quota stays at or under this
+    target_kv_usage: float = (
+        0.8  # a target's KV usage once it holds the request's quota stays at or under this
+    )
     cooldown_s: float = 30.0  # a moved request is not moved again within this
 
     def __post_init__(self) -> None:
         if not 0 < self.target_kv_usage < self.kv_usage <= 1:
-            raise ValueError("migration: 0 < target_kv_usage < kv_usage <= 1 (a target must not become short), "
-                             f"got target_kv_usage={self.target_kv_usage}, kv_usage={self.kv_usage}")
+            raise ValueError(
+                "migration: 0 < target_kv_usage < kv_usage <= 1 (a target must not become short), "
+                f"got target_kv_usage={self.target_kv_usage}, kv_usage={self.kv_usage}"
+            )
         if self.interval_s <= 0 or self.cooldown_s < 0 or self.preempted < 0:
             raise ValueError("migration: interval_s > 0, cooldown_s >= 0 and preempted >= 0")
 
@@ -58,8 +63,13 @@ def usage_after(s: InstanceState, tokens: int) -> float:
     return 1.0 - (s.kv_free_tokens - tokens) / (s.kv_free_tokens / (1.0 - s.kv_usage))
 
 
-def choose_migration(instances: Sequence[InstanceState], requests: Iterable[DecodingRequest],
-                     cfg: MigrationConfig, now: float, moved_at: Mapping[str, float]) -> Migration | None:
+def choose_migration(
+    instances: Sequence[InstanceState],
+    requests: Iterable[DecodingRequest],
+    cfg: MigrationConfig,
+    now: float,
+    moved_at: Mapping[str, float],
+) -> Migration | None:
     """At most one move. Sources: healthy decode instances short of KV, the fullest first.
     From a source, the request holding the most KV that some target can take (room for
     max(quota, KV held), usage after it <= target_kv_usage) and that has not moved within
@@ -76,8 +86,11 @@ def choose_migration(instances: Sequence[InstanceState], requests: Iterable[Deco
     for src in sorted((s for s in decode if short_of_kv(s, cfg)), key=lambda s: -s.kv_usage):
         for r in sorted(by_source.get(src.instance_id, ()), key=lambda r: -r.num_tokens):
             need = max(r.kv_tokens, r.num_tokens)
-            fits = [t for t in targets if t.instance_id != src.instance_id
-                    and usage_after(t, need) <= cfg.target_kv_usage]
+            fits = [
+                t
+                for t in targets
+                if t.instance_id != src.instance_id and usage_after(t, need) <= cfg.target_kv_usage
+            ]
             if fits:
                 dst = max(fits, key=lambda t: (t.kv_free_tokens, -t.num_running))
                 return Migration(r.request_id, src.instance_id, dst.instance_id)

@@ -2,6 +2,7 @@
 overloaded, else the least loaded one; under P/D, a prefill and a decode instance, or an idle
 decode instance alone for a short prompt. Pure functions of reported instance state, so the
 router and the simulator make the very same choices."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -25,7 +26,9 @@ class InstanceState:
     waiting_prefill_tokens: int = 0  # prompt tokens queued and not yet computed
     kv_usage: float = 0.0  # share of the KV pool in use
     kv_free_tokens: int = 0
-    cached_prefixes: frozenset[int] = field(default_factory=frozenset)  # hashes of cached prompt blocks
+    cached_prefixes: frozenset[int] = field(
+        default_factory=frozenset
+    )  # hashes of cached prompt blocks
     num_preempted: int = 0  # waiting requests that were preempted (they lost their seat or KV)
 
     @property
@@ -38,9 +41,13 @@ class RoutingWeights:
     prefix: float = 1.0  # score of a full prefix hit
     load: float = 1.0  # score lost per unit of load
     load_tokens: int = 4096  # queued prompt tokens that count as one unit of load
-    overload_kv_usage: float = 0.95  # above this (or overload_waiting queued) a cache hit earns nothing
+    overload_kv_usage: float = (
+        0.95  # above this (or overload_waiting queued) a cache hit earns nothing
+    )
     overload_waiting: int = 64
-    short_prefill_tokens: int = 256  # P/D: an idle decode instance prefills prompts up to this itself
+    short_prefill_tokens: int = (
+        256  # P/D: an idle decode instance prefills prompts up to this itself
+    )
 
 
 def prefix_match(prefix_hashes: Sequence[int], cached: frozenset[int]) -> int:
@@ -61,9 +68,12 @@ def overloaded(inst: InstanceState, w: RoutingWeights) -> bool:
     return inst.kv_usage >= w.overload_kv_usage or inst.num_waiting >= w.overload_waiting
 
 
-def choose_instance(instances: Iterable[InstanceState], prefix_hashes: Sequence[int] = (),
-                    w: RoutingWeights = RoutingWeights(), role: InstanceRole | None = None
-                    ) -> InstanceState | None:
+def choose_instance(
+    instances: Iterable[InstanceState],
+    prefix_hashes: Sequence[int] = (),
+    w: RoutingWeights = RoutingWeights(),
+    role: InstanceRole | None = None,
+) -> InstanceState | None:
     """Best available instance (of `role`, when given) by prefix hit minus load; None when
     no instance can take the request. Ties go to fewer running requests, then list order."""
     best, best_key = None, None
@@ -82,19 +92,30 @@ def choose_instance(instances: Iterable[InstanceState], prefix_hashes: Sequence[
 def choose_decode(instances: Iterable[InstanceState], kv_tokens: int) -> InstanceState | None:
     """The decode instance with the most free KV that can reserve `kv_tokens` (the request's
     quota, taken before the transfer); None when none has room now."""
-    fits = [d for d in instances
-            if d.available and d.role == InstanceRole.DECODE and d.kv_free_tokens >= kv_tokens]
+    fits = [
+        d
+        for d in instances
+        if d.available and d.role == InstanceRole.DECODE and d.kv_free_tokens >= kv_tokens
+    ]
     return max(fits, key=lambda d: (d.kv_free_tokens, -d.num_running), default=None)
 
 
-def route_pd(instances: Sequence[InstanceState], prompt_tokens: int, kv_tokens: int,
-             prefix_hashes: Sequence[int] = (), w: RoutingWeights = RoutingWeights()
-             ) -> tuple[InstanceState | None, InstanceState | None]:
+def route_pd(
+    instances: Sequence[InstanceState],
+    prompt_tokens: int,
+    kv_tokens: int,
+    prefix_hashes: Sequence[int] = (),
+    w: RoutingWeights = RoutingWeights(),
+) -> tuple[InstanceState | None, InstanceState | None]:
     """(prefill, decode) for a disaggregated request. prefill is None when an idle decode
     instance runs this short prompt itself; decode is None when no decode instance has room
     for the request's KV quota yet (the caller waits and asks again)."""
     decode = choose_decode(instances, kv_tokens)
-    if decode is not None and prompt_tokens <= w.short_prefill_tokens and decode.num_waiting == 0 \
-            and decode.waiting_prefill_tokens == 0:
+    if (
+        decode is not None
+        and prompt_tokens <= w.short_prefill_tokens
+        and decode.num_waiting == 0
+        and decode.waiting_prefill_tokens == 0
+    ):
         return None, decode
     return choose_instance(instances, prefix_hashes, w, role=InstanceRole.PREFILL), decode

@@ -1,6 +1,7 @@
 """The cluster's one entry point: the router's FastAPI app, serving the OpenAI API of `tandem
 serve` (routes.py) over a `Router` (router.py), with the poller and the background loops
 running for the app's lifetime."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +31,9 @@ async def lifespan(app: FastAPI):
     poller, the elastic role loop and the migration loop until shutdown."""
     router: Router = app.state.router
     await router.pool.poll_once()
-    tasks = [asyncio.create_task(loop.run()) for loop in (router.pool, router.roles, router.migration)]
+    tasks = [
+        asyncio.create_task(loop.run()) for loop in (router.pool, router.roles, router.migration)
+    ]
     try:
         yield
     finally:
@@ -39,8 +42,11 @@ async def lifespan(app: FastAPI):
         await router.client.aclose()
 
 
-def build_router(cfg: ClusterConfig, instances: list[Instance],
-                 tokenizers: dict[str, PromptTokenizer] | None = None) -> FastAPI:
+def build_router(
+    cfg: ClusterConfig,
+    instances: list[Instance],
+    tokenizers: dict[str, PromptTokenizer] | None = None,
+) -> FastAPI:
     app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router = Router(cfg, instances, tokenizers)
     app.include_router(api)

@@ -1,5 +1,6 @@
 """Fire-and-forget tasks that must not be garbage-collected mid-flight (asyncio keeps only a
 weak reference to a task): KV sends whose outcome is read later, drains of refused transfers."""
+
 from __future__ import annotations
 
 import asyncio

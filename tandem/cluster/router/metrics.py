@@ -3,6 +3,7 @@
 Each instance's families are parsed and re-emitted once, merged by name, every sample
 labelled with `instance`: a valid exposition (no family repeated) that a Prometheus user
 can sum or split by instance as usual; `_created` pseudo-gauges are dropped."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,14 +33,32 @@ class _PoolCollector:
     def collect(self):
         labels = ["model_name", "instance", "role"]
         for name, doc, get in [
-            ("tandem_router:instance_healthy", "1 if the instance's last state poll succeeded.", lambda i: i.state.healthy),
-            ("tandem_router:instance_draining", "1 while the instance drains for a role switch.", lambda i: i.state.draining),
-            ("tandem_router:instance_inflight", "Requests the router has open on the instance.", lambda i: i.inflight),
-            ("tandem_router:instance_kv_usage", "KV usage the instance last reported (0-1).", lambda i: i.state.kv_usage),
+            (
+                "tandem_router:instance_healthy",
+                "1 if the instance's last state poll succeeded.",
+                lambda i: i.state.healthy,
+            ),
+            (
+                "tandem_router:instance_draining",
+                "1 while the instance drains for a role switch.",
+                lambda i: i.state.draining,
+            ),
+            (
+                "tandem_router:instance_inflight",
+                "Requests the router has open on the instance.",
+                lambda i: i.inflight,
+            ),
+            (
+                "tandem_router:instance_kv_usage",
+                "KV usage the instance last reported (0-1).",
+                lambda i: i.state.kv_usage,
+            ),
         ]:
             g = GaugeMetricFamily(name, doc, labels=labels)
             for i in self.pool.instances.values():
-                g.add_metric([i.model, i.id, i.state.role if i.kind == "chat" else i.kind], float(get(i)))
+                g.add_metric(
+                    [i.model, i.id, i.state.role if i.kind == "chat" else i.kind], float(get(i))
+                )
             yield g
 
 
@@ -47,25 +66,57 @@ class RouterMetrics:
     def __init__(self, pool: InstancePool) -> None:
         self.pool = pool
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("tandem_router:requests", "Requests the router took, by model and endpoint "
-                                "(once each, however many instances it tried).", ["model_name", "endpoint"],
-                                registry=r)
-        self.routed = Counter("tandem_router:requests_routed", "Requests sent to an instance (each attempt).",
-                              ["model_name", "instance"], registry=r)
-        self.retries = Counter("tandem_router:retries", "Requests retried on another instance, by cause.",
-                               ["model_name", "reason"], registry=r)
-        self.failures = Counter("tandem_router:failures", "Requests the router answered with an error, by kind.",
-                                ["model_name", "kind"], registry=r)
-        self.role_switches = Counter("tandem_router:role_switches", "Elastic role switches completed.",
-                                     ["model_name", "role"], registry=r)
-        self.migrations = Counter("tandem_router:migrations", "Decoding requests moved off a decode instance, "
-                                  "by trigger (operator: POST /tandem/migrate; kv_short: the router's policy).",
-                                  ["model_name", "instance", "reason"], registry=r)
-        self.kv_bytes = Counter("tandem_router:kv_transfer_bytes", "KV bytes moved prefill -> decode (and by migrations).",
-                                ["model_name"], registry=r)
-        self.kv_seconds = Histogram("tandem_router:kv_transfer_seconds", "Time of one P/D KV handoff.",
-                                    ["model_name"], registry=r,
-                                    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+        self.requests = Counter(
+            "tandem_router:requests",
+            "Requests the router took, by model and endpoint "
+            "(once each, however many instances it tried).",
+            ["model_name", "endpoint"],
+            registry=r,
+        )
+        self.routed = Counter(
+            "tandem_router:requests_routed",
+            "Requests sent to an instance (each attempt).",
+            ["model_name", "instance"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "tandem_router:retries",
+            "Requests retried on another instance, by cause.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "tandem_router:failures",
+            "Requests the router answered with an error, by kind.",
+            ["model_name", "kind"],
+            registry=r,
+        )
+        self.role_switches = Counter(
+            "tandem_router:role_switches",
+            "Elastic role switches completed.",
+            ["model_name", "role"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "tandem_router:migrations",
+            "Decoding requests moved off a decode instance, "
+            "by trigger (operator: POST /tandem/migrate; kv_short: the router's policy).",
+            ["model_name", "instance", "reason"],
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "tandem_router:kv_transfer_bytes",
+            "KV bytes moved prefill -> decode (and by migrations).",
+            ["model_name"],
+            registry=r,
+        )
+        self.kv_seconds = Histogram(
+            "tandem_router:kv_transfer_seconds",
+            "Time of one P/D KV handoff.",
+            ["model_name"],
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
         r.register(_PoolCollector(pool))
 
     async def exposition(self, client: httpx.AsyncClient, timeout: float = 2.0) -> bytes:

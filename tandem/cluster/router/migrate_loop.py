@@ -3,6 +3,7 @@ looks at each disaggregated group's polled states and the P/D requests decoding 
 move one request off a decode instance short of KV through the operator's path
 (`DecodeChain.migrate`). Decisions wait while a move is under way and then for a poll begun
 after it, so a move the states do not show yet is never made twice."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,10 @@ import logging
 import time
 
 from tandem.cluster.policy.migration import (
-    DecodingRequest, Migration, MigrationConfig, choose_migration,
+    DecodingRequest,
+    Migration,
+    MigrationConfig,
+    choose_migration,
 )
 from tandem.cluster.router.pd_decode import DecodeChain
 from tandem.cluster.router.pool import InstancePool
@@ -44,18 +48,35 @@ class MigrationLoop:
             return None
         self.moved_at = {rid: t for rid, t in self.moved_at.items() if rid in chain.live}
         for model in dict.fromkeys(leg.model for leg in legs):
-            requests = [DecodingRequest(leg.id, leg.dec.id, leg.num_tokens, leg.kv_tokens)
-                        for leg in legs if leg.model == model and leg.num_tokens]  # 0: its first leg is not up
-            move = choose_migration([i.state for i in pool.group(model)], requests, self.cfg, now, self.moved_at)
+            requests = [
+                DecodingRequest(leg.id, leg.dec.id, leg.num_tokens, leg.kv_tokens)
+                for leg in legs
+                if leg.model == model and leg.num_tokens
+            ]  # 0: its first leg is not up
+            move = choose_migration(
+                [i.state for i in pool.group(model)], requests, self.cfg, now, self.moved_at
+            )
             if move is None:
                 continue
-            self.moved_at[move.request_id] = now  # tried: not again within the cooldown, moved or not
+            self.moved_at[move.request_id] = (
+                now  # tried: not again within the cooldown, moved or not
+            )
             resp = await chain.migrate(move.request_id, move.target, reason="kv_short")
             if resp.status_code != 200:
-                log.info("migration of %s %s -> %s not made: %s", move.request_id, move.source, move.target,
-                         resp.body.decode(errors="replace")[:300])
+                log.info(
+                    "migration of %s %s -> %s not made: %s",
+                    move.request_id,
+                    move.source,
+                    move.target,
+                    resp.body.decode(errors="replace")[:300],
+                )
                 return None
-            log.info("migrating %s: %s is short of KV, %s has room", move.request_id, move.source, move.target)
+            log.info(
+                "migrating %s: %s is short of KV, %s has room",
+                move.request_id,
+                move.source,
+                move.target,
+            )
             self.settling = True
             return move
         return None

@@ -6,6 +6,7 @@ there from exactly the tokens streamed so far. The client's stream goes on with 
 twice and none missing; greedy output is that of an unmoved run. A leg that fails (its
 instance refuses it, dies or drops the stream) is resumed the same way on another decode
 instance, which computes the KV of the tokens so far itself."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi.responses import JSONResponse, Response
 
+from tandem.cluster.policy.routing import choose_decode
 from tandem.cluster.router.background import Background
+from tandem.cluster.router.metrics import RouterMetrics
 from tandem.cluster.router.pool import Instance, InstancePool
 from tandem.cluster.router.proxy import json_error
-from tandem.cluster.router.metrics import RouterMetrics
-from tandem.cluster.policy.routing import choose_decode
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,13 @@ def leg_sampling(sampling: dict, max_tokens: int | None, done: int) -> dict:
     return out
 
 
-async def kv_sent(metrics: RouterMetrics, inst: Instance, key: int, resp: httpx.Response,
-                  lines: AsyncIterator[str]) -> None:
+async def kv_sent(
+    metrics: RouterMetrics,
+    inst: Instance,
+    key: int,
+    resp: httpx.Response,
+    lines: AsyncIterator[str],
+) -> None:
     """A sender's last line (NDJSON, or SSE `data:`): the KV send's bytes and seconds, or why
     it failed. `inst` counts as busy until then, so a drain for a role switch waits for it."""
     try:
@@ -115,22 +121,38 @@ async def leg_events(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
 
 
 class DecodeChain:
-    def __init__(self, pool: InstancePool, client: httpx.AsyncClient, metrics: RouterMetrics,
-                 max_attempts: int) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        max_attempts: int,
+    ) -> None:
         self.pool, self.client, self.metrics = pool, client, metrics
         self.max_attempts = max_attempts  # decode instances a request's legs may fail on
         self.live: dict[str, DecodeLeg] = {}  # by response id
         self.background = Background()
 
-    async def events(self, leg: DecodeLeg, src: Instance, tokens: list[int], head: dict, sampling: dict,
-                     max_tokens: int | None, tid: str | None) -> AsyncIterator[dict]:
+    async def events(
+        self,
+        leg: DecodeLeg,
+        src: Instance,
+        tokens: list[int],
+        head: dict,
+        sampling: dict,
+        max_tokens: int | None,
+        tid: str | None,
+    ) -> AsyncIterator[dict]:
         """`head` (the prefill side's token) once the first leg is up, then the decode legs'
         completion chunks. A leg that fails (refused, its instance gone, its stream broken)
         before the request's finish is resumed on another decode instance from the tokens the
         client has, which computes their KV itself (`tid` None). Raises LegFailed (before `head`
         if no leg could start) when no other decode instance can take it."""
         # "length" is only the prefill leg's max_tokens=1; a stop (EOS, stop token or string) is final.
-        head = {**head, "finish_reason": None if head["finish_reason"] == "length" else head["finish_reason"]}
+        head = {
+            **head,
+            "finish_reason": None if head["finish_reason"] == "length" else head["finish_reason"],
+        }
         if head["finish_reason"] is not None:
             yield head
             return
@@ -141,8 +163,13 @@ class DecodeChain:
             while True:
                 dec = leg.dec
                 run = _LegRun(dec.start(0), head)
-                body = {"prompt": tokens, "transfer_id": tid, "kv_peer": src.kv_rank, "request_id": leg.instance_rid,
-                        "sampling": leg_sampling(sampling, max_tokens, done)}
+                body = {
+                    "prompt": tokens,
+                    "transfer_id": tid,
+                    "kv_peer": src.kv_rank,
+                    "request_id": leg.instance_rid,
+                    "sampling": leg_sampling(sampling, max_tokens, done),
+                }
                 async with aclosing(self._stream_leg(leg, run, body, len(tokens), done)) as stream:
                     async for ev in stream:  # closed at once if the client goes
                         yield ev
@@ -157,7 +184,9 @@ class DecodeChain:
                 if run.moved is None:
                     return
                 if leg.move_to is None:
-                    raise RuntimeError(f"decode instance {dec.id} moved the request, but not at the router's asking")
+                    raise RuntimeError(
+                        f"decode instance {dec.id} moved the request, but not at the router's asking"
+                    )
                 self.background.spawn(kv_sent(self.metrics, dec, run.key, run.resp, run.lines))
                 self.metrics.migrations.labels(leg.model, dec.id, leg.move_reason).inc()
                 tokens, done = tokens + run.moved["token_ids"], done + len(run.moved["token_ids"])
@@ -166,8 +195,9 @@ class DecodeChain:
         finally:
             self.live.pop(leg.id, None)
 
-    async def _stream_leg(self, leg: DecodeLeg, run: _LegRun, body: dict, num_prompt: int,
-                          done: int) -> AsyncIterator[dict]:
+    async def _stream_leg(
+        self, leg: DecodeLeg, run: _LegRun, body: dict, num_prompt: int, done: int
+    ) -> AsyncIterator[dict]:
         """One leg on `leg.dec`: `run.head` once it is up, then its chunks with the usage counted
         from the request's start. How it ended goes into `run`; after a migration the response
         stays open for the sender's KV report. `done`: the request's tokens before this leg."""
@@ -177,7 +207,9 @@ class DecodeChain:
             request = self.client.build_request("POST", dec.url + "/tandem/decode", json=body)
             run.resp = await self.client.send(request, stream=True)
             if run.resp.status_code != 200:
-                raise LegFailed(f"answered {run.resp.status_code}: {(await run.resp.aread())[:300]!r}")
+                raise LegFailed(
+                    f"answered {run.resp.status_code}: {(await run.resp.aread())[:300]!r}"
+                )
             dec.first_token(run.key)
             if leg.move_to is dec:  # the move has landed (a new one may be asked for now)
                 leg.move_to = None
@@ -195,7 +227,9 @@ class DecodeChain:
                     ev["usage"]["completion_tokens"] += done
                 if "num_tokens" in ev:  # the leg's tokens so far (not the client's to see)
                     leg.num_tokens = num_prompt + ev.pop("num_tokens")
-                run.finished = run.finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
+                run.finished = run.finished or any(
+                    c.get("finish_reason") for c in ev.get("choices") or ()
+                )
                 yield ev
         except httpx.HTTPError as e:
             if isinstance(e, httpx.TransportError):
@@ -216,34 +250,54 @@ class DecodeChain:
         dst = choose_decode(views, leg.kv_tokens) if len(failed) < self.max_attempts else None
         if dst is None:
             self.metrics.failures.labels(leg.model, "decode_failed").inc()
-            raise LegFailed(f"the decode leg on {failed[-1]} failed ({failure}) and no other decode instance "
-                            f"can resume it (tried {', '.join(failed)})")
+            raise LegFailed(
+                f"the decode leg on {failed[-1]} failed ({failure}) and no other decode instance "
+                f"can resume it (tried {', '.join(failed)})"
+            )
         return self.pool.instances[dst.instance_id]
 
-    async def migrate(self, request_id: str, to: str | None = None, reason: str = "operator") -> Response:
+    async def migrate(
+        self, request_id: str, to: str | None = None, reason: str = "operator"
+    ) -> Response:
         """Move a decoding P/D request to another decode instance (`to`, or the one with the
         most free KV that has room for it)."""
         leg = self.live.get(request_id)
         if leg is None:
-            return json_error(404, f"no P/D request {request_id!r} is decoding (give a response's `id`)")
+            return json_error(
+                404, f"no P/D request {request_id!r} is decoding (give a response's `id`)"
+            )
         if leg.move_to is not None:
             return json_error(409, f"request {request_id!r} is already moving to {leg.move_to.id}")
         if to is not None and to not in self.pool.instances:
             return json_error(404, f"no instance {to!r}; see GET /cluster/state")
         src = leg.dec
-        views = [i.view() for i in self.pool.group(leg.model)
-                 if i.id != src.id and to in (None, i.id)]
+        views = [
+            i.view() for i in self.pool.group(leg.model) if i.id != src.id and to in (None, i.id)
+        ]
         dst = choose_decode(views, leg.kv_tokens)
         if dst is None:
-            return json_error(503, f"no {'' if to is None else to + ' as '}other decode instance with room for "
-                                   f"{leg.kv_tokens} KV tokens")
+            return json_error(
+                503,
+                f"no {'' if to is None else to + ' as '}other decode instance with room for "
+                f"{leg.kv_tokens} KV tokens",
+            )
         leg.move_to = self.pool.instances[dst.instance_id]
         leg.move_reason, leg.transfer_id = reason, uuid.uuid4().hex
         dst_inst = leg.move_to
         try:
-            resp = await self.client.post(src.url + "/tandem/migrate", json={
-                "request_id": leg.instance_rid, "transfer_id": leg.transfer_id, "kv_peer": dst_inst.kv_rank})
-            error = None if resp.status_code == 200 else f"{src.id} answered {resp.status_code}: {resp.text[:300]}"
+            resp = await self.client.post(
+                src.url + "/tandem/migrate",
+                json={
+                    "request_id": leg.instance_rid,
+                    "transfer_id": leg.transfer_id,
+                    "kv_peer": dst_inst.kv_rank,
+                },
+            )
+            error = (
+                None
+                if resp.status_code == 200
+                else f"{src.id} answered {resp.status_code}: {resp.text[:300]}"
+            )
         except httpx.TransportError as e:
             error = f"{src.id}: {type(e).__name__}: {e}"
         if error is not None:

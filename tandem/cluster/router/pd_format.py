@@ -1,5 +1,6 @@
 """The client's side of a P/D request: the prefill side's first token and the decode side's
 completion chunks, reassembled into one ordinary OpenAI response (chat or completions), one id."""
+
 from __future__ import annotations
 
 import time
@@ -25,13 +26,23 @@ class PDFormat:
 
     def chunk(self, text: str, finish: str | None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        choice = {"index": 0, "delta": {"content": text}} if self.chat else {"index": 0, "text": text}
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+        choice = (
+            {"index": 0, "delta": {"content": text}} if self.chat else {"index": 0, "text": text}
+        )
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
+        }
 
     def usage_body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def latency_split(self) -> dict:
         """What a co-located response's `metrics` holds: queue and prefill seconds from the
@@ -39,18 +50,24 @@ class PDFormat:
         last token, across migrations. The KV handoff falls in none of the three."""
         if not self.prefill_split:
             return {}
-        return {"queue_time": self.prefill_split.get("queue_time", 0.0),
-                "prefill_time": self.prefill_split.get("prefill_time", 0.0),
-                "decode_time": time.monotonic() - self.decode_start}
+        return {
+            "queue_time": self.prefill_split.get("queue_time", 0.0),
+            "prefill_time": self.prefill_split.get("prefill_time", 0.0),
+            "decode_time": time.monotonic() - self.decode_start,
+        }
 
-    async def pieces(self, head: dict, events: AsyncIterator[dict]) -> AsyncIterator[tuple[str, str | None]]:
+    async def pieces(
+        self, head: dict, events: AsyncIterator[dict]
+    ) -> AsyncIterator[tuple[str, str | None]]:
         """(text, finish_reason) per step; raises RuntimeError (LegFailed) when the decode side fails."""
         self.completion_tokens, self.prefill_split = 1, head.get("metrics") or {}
         self.decode_start = time.monotonic()
         yield head["text"], head["finish_reason"]
         async for ev in events:
             if ev.get("usage"):
-                self.completion_tokens = ev["usage"]["completion_tokens"]  # every leg's, the first token's too
+                self.completion_tokens = ev["usage"][
+                    "completion_tokens"
+                ]  # every leg's, the first token's too
             for c in ev.get("choices") or ():
                 yield c.get("text", ""), c.get("finish_reason")
 
@@ -63,8 +80,12 @@ class PDFormat:
             async for text, finish in self.pieces(head, events):
                 yield R.sse_event(self.chunk(text, finish))
             if self.usage:
-                last = {**self.chunk("", None), "choices": [], "usage": self.usage_body(),
-                        "metrics": self.latency_split()}
+                last = {
+                    **self.chunk("", None),
+                    "choices": [],
+                    "usage": self.usage_body(),
+                    "metrics": self.latency_split(),
+                }
                 yield R.sse_event(last)
         except (httpx.HTTPError, RuntimeError) as e:
             msg = f"decode side failed mid-stream ({type(e).__name__}: {e}); the response is incomplete"
@@ -79,7 +100,12 @@ class PDFormat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model,
-                "choices": [{**choice, "logprobs": None, "finish_reason": finish}], "usage": self.usage_body(),
-                "metrics": self.latency_split()}
+        return {
+            "id": self.rid,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
+            "usage": self.usage_body(),
+            "metrics": self.latency_split(),
+        }

@@ -1,6 +1,7 @@
 """The router's view of its instances: the state each one last reported (polled), plus what
 the router itself has sent since, so a burst arriving between two polls is spread by the
 routing policy instead of landing on whichever instance looked idle at the last poll."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,10 +29,16 @@ class Instance:
     state: InstanceState = None  # type: ignore[assignment]
     block_size: int = 0  # 0: no prefix hashing (embedding instances)
     inflight: int = 0  # requests the router has open on it
-    pending: dict[int, int] = field(default_factory=dict)  # sent, first token not seen: key -> prompt tokens
-    precision: str | None = None  # the variant it serves by default (None: not reported, an embedding instance)
+    pending: dict[int, int] = field(
+        default_factory=dict
+    )  # sent, first token not seen: key -> prompt tokens
+    precision: str | None = (
+        None  # the variant it serves by default (None: not reported, an embedding instance)
+    )
     precisions: tuple[str, ...] = ()  # every variant a request may name (`model:precision`)
-    kv_rank: int | None = None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
+    kv_rank: int | None = (
+        None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
+    )
     last_error: str | None = None
     failed_at: float = float("-inf")  # when the router last saw it fail (time.monotonic())
     poll_timeouts: int = 0  # state polls in a row that timed out
@@ -45,8 +52,11 @@ class Instance:
         if not self.pending:
             return self.state
         s = self.state
-        return dataclasses.replace(s, num_waiting=max(s.num_waiting, len(self.pending)),
-                                   waiting_prefill_tokens=max(s.waiting_prefill_tokens, sum(self.pending.values())))
+        return dataclasses.replace(
+            s,
+            num_waiting=max(s.num_waiting, len(self.pending)),
+            waiting_prefill_tokens=max(s.waiting_prefill_tokens, sum(self.pending.values())),
+        )
 
     def start(self, prompt_tokens: int) -> int:
         key = next(_ids)
@@ -65,18 +75,31 @@ class Instance:
 class InstancePool:
     """Instances grouped by served model name; a poller keeps their states fresh."""
 
-    def __init__(self, instances: list[Instance], weights: RoutingWeights, client: httpx.AsyncClient,
-                 poll_interval_s: float = 0.5, poll_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        instances: list[Instance],
+        weights: RoutingWeights,
+        client: httpx.AsyncClient,
+        poll_interval_s: float = 0.5,
+        poll_timeout_s: float = 1.0,
+    ) -> None:
         self.instances = {i.id: i for i in instances}
         self.weights, self.client = weights, client
         self.poll_interval_s, self.poll_timeout_s = poll_interval_s, poll_timeout_s
-        self.polled_at = float("-inf")  # when the last full poll began: every state is at least that fresh
+        self.polled_at = float(
+            "-inf"
+        )  # when the last full poll began: every state is at least that fresh
 
     def group(self, model: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.model == model]
 
-    def choose(self, model: str, prefix_hashes: list[int] = (), role: str | None = None,
-               exclude: set[str] = frozenset()) -> Instance | None:
+    def choose(
+        self,
+        model: str,
+        prefix_hashes: list[int] = (),
+        role: str | None = None,
+        exclude: set[str] = frozenset(),
+    ) -> Instance | None:
         views = [i.view() for i in self.group(model) if i.id not in exclude]
         best = choose_instance(views, prefix_hashes, self.weights, role)
         return None if best is None else self.instances[best.instance_id]
@@ -85,8 +108,11 @@ class InstancePool:
         g = self.group(model)
         down = [i.id for i in g if not i.state.healthy]
         draining = [i.id for i in g if i.state.healthy and i.state.draining]
-        parts = [f"{len(g)} instance(s)"] + ([f"unhealthy: {', '.join(down)}"] if down else []) + \
-            ([f"draining: {', '.join(draining)}"] if draining else [])
+        parts = (
+            [f"{len(g)} instance(s)"]
+            + ([f"unhealthy: {', '.join(down)}"] if down else [])
+            + ([f"draining: {', '.join(draining)}"] if draining else [])
+        )
         return f"no healthy instance can take a request for model `{model}` ({'; '.join(parts)})"
 
     def mark_failed(self, inst: Instance, error: str) -> None:
@@ -118,7 +144,10 @@ class InstancePool:
         except httpx.TimeoutException as e:
             inst.poll_timeouts += 1
             if inst.poll_timeouts >= TIMEOUTS_TO_FAIL:
-                self.mark_failed(inst, f"state poll timed out {inst.poll_timeouts} times in a row: {type(e).__name__}")
+                self.mark_failed(
+                    inst,
+                    f"state poll timed out {inst.poll_timeouts} times in a row: {type(e).__name__}",
+                )
             return
         except (httpx.HTTPError, ValueError) as e:
             self.mark_failed(inst, f"state poll failed: {type(e).__name__}: {e}")
@@ -131,8 +160,14 @@ class InstancePool:
             log.info("instance %s (%s) is healthy", inst.id, inst.url)
         s.healthy, inst.last_error = True, None
         s.role, s.elastic = data.get("role", s.role), bool(data.get("elastic", False))
-        for name in ("num_waiting", "num_running", "waiting_prefill_tokens", "kv_usage", "kv_free_tokens",
-                     "num_preempted"):
+        for name in (
+            "num_waiting",
+            "num_running",
+            "waiting_prefill_tokens",
+            "kv_usage",
+            "kv_free_tokens",
+            "num_preempted",
+        ):
             setattr(s, name, data.get(name, 0))
         s.cached_prefixes = frozenset(data.get("cached_prefixes") or ())
         inst.block_size = int(data.get("block_size") or 0)

@@ -3,6 +3,7 @@ connection, instance gone, 429/502/503) moves the request to another instance, s
 has seen nothing yet; a failure after it ends the client's stream with an error event. A
 stream's response is held back until its first token, so a request queued on an instance
 that dies is retried, not lost."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from tandem.cluster.router.pool import Instance, InstancePool
 from tandem.cluster.router.metrics import RouterMetrics
+from tandem.cluster.router.pool import Instance, InstancePool
 from tandem.server import responses as R
 
 RETRY_STATUS = (429, 502, 503)  # overloaded or engine down: another instance may serve it
@@ -51,19 +52,35 @@ def is_progress(line: str) -> bool:
 
 
 class Proxy:
-    def __init__(self, pool: InstancePool, client: httpx.AsyncClient, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, pool: InstancePool, client: httpx.AsyncClient, metrics: RouterMetrics
+    ) -> None:
         self.pool, self.client, self.metrics = pool, client, metrics
 
-    async def attempt(self, inst: Instance, path: str, body: bytes, stream: bool, prompt_tokens: int,
-                      head_out: list[str] | None = None) -> Response | Retry:
+    async def attempt(
+        self,
+        inst: Instance,
+        path: str,
+        body: bytes,
+        stream: bool,
+        prompt_tokens: int,
+        head_out: list[str] | None = None,
+    ) -> Response | Retry:
         """Send to `inst`. For a stream, `head_out` (if given) receives the lines up to the first
         token instead of a response being built (the P/D prefill leg reads them itself)."""
         key = inst.start(prompt_tokens)
         self.metrics.routed.labels(inst.model, inst.id).inc()
         headers = {"content-type": "application/json", "x-tandem-instance": inst.id}
         try:
-            resp = await self.client.send(self.client.build_request(
-                "POST", inst.url + path, content=body, headers={"content-type": "application/json"}), stream=True)
+            resp = await self.client.send(
+                self.client.build_request(
+                    "POST",
+                    inst.url + path,
+                    content=body,
+                    headers={"content-type": "application/json"},
+                ),
+                stream=True,
+            )
         except httpx.TransportError as e:
             inst.finish(key)
             self.pool.mark_failed(inst, f"{type(e).__name__}: {e}")
@@ -72,8 +89,12 @@ class Proxy:
         try:
             if not stream or resp.status_code != 200:
                 content = await resp.aread()
-                out = Response(content, resp.status_code, headers=headers,
-                               media_type=resp.headers.get("content-type"))
+                out = Response(
+                    content,
+                    resp.status_code,
+                    headers=headers,
+                    media_type=resp.headers.get("content-type"),
+                )
                 if resp.status_code in RETRY_STATUS:
                     return Retry("status", f"instance {inst.id} answered {resp.status_code}", out)
                 return out
@@ -90,18 +111,30 @@ class Proxy:
                 head_out.extend(head)
                 return Response(status_code=200)
             handed_over = True
-            return StreamingResponse(self.relay(inst, key, resp, head, lines), media_type="text/event-stream",
-                                     headers={"x-tandem-instance": inst.id})
+            return StreamingResponse(
+                self.relay(inst, key, resp, head, lines),
+                media_type="text/event-stream",
+                headers={"x-tandem-instance": inst.id},
+            )
         except httpx.TransportError as e:
             self.pool.mark_failed(inst, f"{type(e).__name__}: {e}")
-            return Retry("disconnect", f"instance {inst.id} failed before the first token: {type(e).__name__}: {e}")
+            return Retry(
+                "disconnect",
+                f"instance {inst.id} failed before the first token: {type(e).__name__}: {e}",
+            )
         finally:
             if not handed_over:
                 await resp.aclose()
                 inst.finish(key)
 
-    async def relay(self, inst: Instance, key: int, resp: httpx.Response, head: list[str],
-                    lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def relay(
+        self,
+        inst: Instance,
+        key: int,
+        resp: httpx.Response,
+        head: list[str],
+        lines: AsyncIterator[str],
+    ) -> AsyncIterator[str]:
         """Pass the stream through unchanged; end it with an error event if the instance fails."""
         done = any(line.startswith("data: [DONE]") for line in head)
         try:
@@ -115,15 +148,27 @@ class Proxy:
         except httpx.HTTPError as e:
             self.pool.mark_failed(inst, f"{type(e).__name__}: {e}")
             self.metrics.failures.labels(inst.model, "stream_broken").inc()
-            yield R.error_event(f"instance {inst.id} failed mid-stream ({type(e).__name__}: {e}); "
-                                "the response is incomplete", 502)
+            yield R.error_event(
+                f"instance {inst.id} failed mid-stream ({type(e).__name__}: {e}); "
+                "the response is incomplete",
+                502,
+            )
             yield R.SSE_DONE
         finally:
             await resp.aclose()
             inst.finish(key)
 
-    async def forward(self, model: str, path: str, body: bytes, stream: bool, prefix_hashes: list[int],
-                      prompt_tokens: int, max_attempts: int, role: str | None = None) -> Response:
+    async def forward(
+        self,
+        model: str,
+        path: str,
+        body: bytes,
+        stream: bool,
+        prefix_hashes: list[int],
+        prompt_tokens: int,
+        max_attempts: int,
+        role: str | None = None,
+    ) -> Response:
         """Route, send, retry on another instance; 503 with the reason when none can serve."""
         tried: set[str] = set()
         last: Retry | None = None
@@ -143,11 +188,21 @@ class Proxy:
         self.metrics.failures.labels(model, "all_failed").inc()
         if last.response is not None:
             return last.response
-        return json_error(503, f"model `{model}`: every instance tried failed ({', '.join(sorted(tried))}); "
-                               f"last error: {last.message}")
+        return json_error(
+            503,
+            f"model `{model}`: every instance tried failed ({', '.join(sorted(tried))}); "
+            f"last error: {last.message}",
+        )
 
 
 def json_error(status: int, message: str, type_: str | None = None) -> Response:
-    type_ = type_ or ("not_found_error" if status == 404 else "server_error" if status >= 500
-                      else "invalid_request_error")
-    return Response(json.dumps(error_body(status, message, type_)), status, media_type="application/json")
+    type_ = type_ or (
+        "not_found_error"
+        if status == 404
+        else "server_error"
+        if status >= 500
+        else "invalid_request_error"
+    )
+    return Response(
+        json.dumps(error_body(status, message, type_)), status, media_type="application/json"
+    )

@@ -3,6 +3,7 @@ disaggregated group's polled states (or the config's time schedule) and may pick
 instance to switch. A switch drains it first - the router sends it nothing new until its
 requests are done - then tells it its new role, then takes it back: no request in flight is
 moved or restarted."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,11 +28,19 @@ def local_now() -> float:
 
 
 class RoleLoop:
-    def __init__(self, cfg: ClusterConfig, pool: InstancePool, client: httpx.AsyncClient,
-                 metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        pool: InstancePool,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+    ) -> None:
         self.rcfg, self.pool, self.client, self.metrics = cfg.router, pool, client, metrics
-        self.controllers = {g.name: RoleController(self.rcfg.elastic, self.rcfg.elastic_schedule)
-                            for g in cfg.models if g.kind == "chat"}
+        self.controllers = {
+            g.name: RoleController(self.rcfg.elastic, self.rcfg.elastic_schedule)
+            for g in cfg.models
+            if g.kind == "chat"
+        }
         self.switching: set[str] = set()  # models with a switch under way
 
     async def run(self) -> None:
@@ -59,7 +68,11 @@ class RoleLoop:
             deadline = time.monotonic() + rc.drain_timeout_s
             while inst.inflight or inst.state.num_running or inst.state.num_waiting:
                 if time.monotonic() > deadline or not inst.state.healthy:
-                    log.warning("elastic: %s did not drain (healthy=%s); role unchanged", inst.id, inst.state.healthy)
+                    log.warning(
+                        "elastic: %s did not drain (healthy=%s); role unchanged",
+                        inst.id,
+                        inst.state.healthy,
+                    )
                     return False
                 await asyncio.sleep(pool.poll_interval_s / 2)
             r = await self.client.post(inst.url + "/tandem/role", json={"role": role}, timeout=5)

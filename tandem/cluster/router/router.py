@@ -4,6 +4,7 @@ or prefill + decode for a disaggregated group (`pd.py`). Instances are polled fo
 failures are retried elsewhere (`proxy.py`); /metrics aggregates the whole cluster. Background
 loops switch elastic roles (`roles.py`) and move decoding requests off decode instances short
 of KV (`migrate_loop.py`). Each part is given only the collaborators it uses."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,16 +28,28 @@ from tandem.server.precision import split_model
 class Router:
     """State shared by the routes: instances, their poller, the HTTP client, metrics."""
 
-    def __init__(self, cfg: ClusterConfig, instances: list[Instance],
-                 tokenizers: dict[str, PromptTokenizer] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        instances: list[Instance],
+        tokenizers: dict[str, PromptTokenizer] | None = None,
+    ) -> None:
         self.cfg, self.rcfg = cfg, cfg.router
         self.groups: dict[str, ModelGroup] = {g.name: g for g in cfg.models}
         self.tokenizers = tokenizers if tokenizers is not None else {}
         timeout = httpx.Timeout(self.rcfg.request_timeout_s, connect=self.rcfg.connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=timeout, trust_env=False,
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        self.pool = InstancePool(instances, self.rcfg.weights, self.client, self.rcfg.poll_interval_s,
-                                 self.rcfg.poll_timeout_s)
+        self.client = httpx.AsyncClient(
+            timeout=timeout,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.pool = InstancePool(
+            instances,
+            self.rcfg.weights,
+            self.client,
+            self.rcfg.poll_interval_s,
+            self.rcfg.poll_timeout_s,
+        )
         self.metrics = RouterMetrics(self.pool)
         self.proxy = Proxy(self.pool, self.client, self.metrics)
         # These act only on groups whose instances report prefill/decode (or elastic) roles.
@@ -50,8 +63,11 @@ class Router:
     def tokenizer(self, model: str) -> PromptTokenizer:
         if model not in self.tokenizers:  # loaded once, on first use (cheap after that)
             group = self.groups[model]
-            self.tokenizers[model] = PromptTokenizer(group.model, group.engine) if group.kind == "chat" \
+            self.tokenizers[model] = (
+                PromptTokenizer(group.model, group.engine)
+                if group.kind == "chat"
                 else PromptTokenizer(None)
+            )
         return self.tokenizers[model]
 
     def resolve(self, model: object) -> tuple[ModelGroup | None, str | None]:
@@ -69,34 +85,57 @@ class Router:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+        except (
+            ValueError,
+            RecursionError,
+        ) as e:  # RecursionError: nested deeper than the parser goes
             return json_error(400, f"body: invalid JSON ({e})")
         asked = body.get("model") or self.default_model(kind)
         group, suffix = self.resolve(asked)
         if group is None:
-            self.metrics.failures.labels("", "unknown_model").inc()  # not the client's text: one series
-            return json_error(404, f"The model `{asked}` does not exist; this cluster serves "
-                                   f"{', '.join(f'`{m}`' for m in self.groups)}.")
+            self.metrics.failures.labels(
+                "", "unknown_model"
+            ).inc()  # not the client's text: one series
+            return json_error(
+                404,
+                f"The model `{asked}` does not exist; this cluster serves "
+                f"{', '.join(f'`{m}`' for m in self.groups)}.",
+            )
         model = group.name
         if group.kind != kind:
-            return json_error(400, f"model `{model}` is a {group.kind} model; it does not serve {request.url.path}")
+            return json_error(
+                400,
+                f"model `{model}` is a {group.kind} model; it does not serve {request.url.path}",
+            )
         if suffix is not None and kind != "chat":
-            return json_error(400, f"model `{asked}`: a precision suffix applies to chat models; `{model}` is "
-                                   f"an {group.kind} model", "invalid_request_error")
+            return json_error(
+                400,
+                f"model `{asked}`: a precision suffix applies to chat models; `{model}` is "
+                f"an {group.kind} model",
+                "invalid_request_error",
+            )
         path = request.url.path
         stream = bool(body.get("stream")) and kind == "chat"
-        ids = await asyncio.to_thread(self.tokenizer(model).token_ids, path, body) if kind == "chat" else None
+        ids = (
+            await asyncio.to_thread(self.tokenizer(model).token_ids, path, body)
+            if kind == "chat"
+            else None
+        )
         group_insts = self.pool.group(model)
         block_size = next((i.block_size for i in group_insts if i.block_size), 0)
         default = next((i.precision for i in group_insts if i.precision), None)
         precision = body.get("precision") if isinstance(body.get("precision"), str) else suffix
-        salt = precision if precision not in (None, default) else None  # the instance's cache namespace
+        salt = (
+            precision if precision not in (None, default) else None
+        )  # the instance's cache namespace
         hashes = prefix_hashes(ids, block_size, salt) if ids and block_size else []
         num_tokens = len(ids) if ids else len(raw) // 4  # a rough token count when not tokenized
         self.metrics.requests.labels(model, path.removeprefix("/v1/")).inc()
         if suffix is None and self.pd.applies(model):  # a variant is served whole by one instance
             return await self.pd.handle(model, path, body, stream, ids, hashes)
-        return await self.proxy.forward(model, path, raw, stream, hashes, num_tokens, self.rcfg.max_attempts)
+        return await self.proxy.forward(
+            model, path, raw, stream, hashes, num_tokens, self.rcfg.max_attempts
+        )
 
     def model_cards(self) -> list[dict]:
         """Every group, and each chat group's precision variants as a single server lists them
@@ -109,19 +148,35 @@ class Router:
             served = next((i.precisions for i in insts if i.precisions), ())
             cards.append({"id": g.name, **card, **({"precision": default} if default else {})})
             if len(served) > 1:
-                cards += [{"id": f"{g.name}:{p}", **card, "root": g.name, "precision": p} for p in served]
+                cards += [
+                    {"id": f"{g.name}:{p}", **card, "root": g.name, "precision": p} for p in served
+                ]
         return cards
 
     def cluster_state(self) -> dict:
-        return {i.id: {"url": i.url, "model": i.model, "kind": i.kind, "healthy": i.state.healthy,
-                       "draining": i.state.draining, "role": i.state.role, "elastic": i.state.elastic,
-                       "inflight": i.inflight, "num_running": i.state.num_running,
-                       "num_waiting": i.state.num_waiting, "num_preempted": i.state.num_preempted,
-                       "kv_usage": i.state.kv_usage,
-                       "cached_prefixes": len(i.state.cached_prefixes), "last_error": i.last_error}
-                for i in self.pool.instances.values()}
+        return {
+            i.id: {
+                "url": i.url,
+                "model": i.model,
+                "kind": i.kind,
+                "healthy": i.state.healthy,
+                "draining": i.state.draining,
+                "role": i.state.role,
+                "elastic": i.state.elastic,
+                "inflight": i.inflight,
+                "num_running": i.state.num_running,
+                "num_waiting": i.state.num_waiting,
+                "num_preempted": i.state.num_preempted,
+                "kv_usage": i.state.kv_usage,
+                "cached_prefixes": len(i.state.cached_prefixes),
+                "last_error": i.last_error,
+            }
+            for i in self.pool.instances.values()
+        }
 
     def health(self) -> tuple[bool, dict]:
         models = {m: sum(i.state.available for i in self.pool.group(m)) for m in self.groups}
-        return all(models.values()), {"status": "ok" if all(models.values()) else "degraded",
-                                      "available_instances": models}
+        return all(models.values()), {
+            "status": "ok" if all(models.values()) else "degraded",
+            "available_instances": models,
+        }

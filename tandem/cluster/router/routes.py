@@ -1,5 +1,6 @@
 """The router's HTTP routes: module-level handlers reading the `Router` (router.py) from
 `app.state.router`, so each can be served and tested alone."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request

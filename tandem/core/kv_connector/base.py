@@ -1,6 +1,7 @@
 """The scheduler side of a KV connector, as vLLM's KVConnector has one: hooks the scheduler and
 the engine's step loop call at named points of a request's life. A hook a connector has no work
 for is a no-op."""
+
 from __future__ import annotations
 
 from tandem.core.outputs import SchedulerOutput

@@ -4,6 +4,7 @@ instead of recomputed. Here the host blocks are handed out; the copies are the w
 
 Host blocks a swap-in reads are reusable only from the next step: the worker copies a step's
 swap-outs first, so one in the same step would overwrite them before they are read."""
+
 from __future__ import annotations
 
 from tandem.core.kv_cache_coordinator import KVCacheCoordinator, cdiv, flat_block_ids
@@ -65,8 +66,12 @@ class HostTierConnector(KVConnectorScheduler):
         if blocks is None:
             return None
         del self.req_to_host_blocks[req.request_id]
-        pairs = [(h, b.block_id) for hs, bs in zip(zip(*host), zip(*blocks))
-                 for h, b in zip(hs, bs) if h is not None]
+        pairs = [
+            (h, b.block_id)
+            for hs, bs in zip(zip(*host), zip(*blocks))
+            for h, b in zip(hs, bs)
+            if h is not None
+        ]
         self._pending.extend(h for h, _ in pairs)
         return pairs, flat_block_ids(blocks)
 

@@ -3,6 +3,7 @@ before a prefill instance sends it (the request's quota here), indexed in the pr
 written, and pinned until the decode request that reads them is admitted or gone; and, on the
 prefill side, the prompt's cached blocks to export. The worker side, which reads and writes their
 bytes, is executor/kv_transfer/handoff.py."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -70,8 +71,12 @@ class PDConnector(KVConnectorScheduler):
         blocks = []
         for m in c.managers:
             live = m.live_from(n * c.block_size)
-            blocks.append([null if i < live else m.lookup(h, chunk)
-                           for i, (h, chunk) in enumerate(zip(hashes, chunks))])
+            blocks.append(
+                [
+                    null if i < live else m.lookup(h, chunk)
+                    for i, (h, chunk) in enumerate(zip(hashes, chunks))
+                ]
+            )
         fresh = [[i for i, b in enumerate(row) if b is None] for row in blocks]
         pinned = [b for row in blocks for b in row if b is not None and b is not null]
         num_fresh = sum(len(f) for f in fresh)
@@ -83,7 +88,7 @@ class PDConnector(KVConnectorScheduler):
             for row in blocks:
                 if row[i] is None:
                     row[i] = next(new)
-        return KVReservation(list(token_ids[:n * c.block_size]), hashes, blocks, fresh)
+        return KVReservation(list(token_ids[: n * c.block_size]), hashes, blocks, fresh)
 
     def commit(self, res: KVReservation, num_blocks: int) -> None:
         """Index the first `num_blocks` blocks, now written, in the prefix cache, and give back
@@ -93,12 +98,12 @@ class PDConnector(KVConnectorScheduler):
         for i in range(min(num_blocks, res.num_blocks)):
             for m, row, f in zip(c.managers, res.blocks, fresh):
                 if i in f:
-                    chunk = tuple(res.token_ids[i * bs:(i + 1) * bs])
+                    chunk = tuple(res.token_ids[i * bs : (i + 1) * bs])
                     c.pool.cache_block(row[i], m.key(res.hashes[i]), chunk)
         c.pool.free_blocks(c.tail_first([row[num_blocks:] for row in res.blocks]))
         for row in res.blocks:
             del row[num_blocks:]
-        del res.hashes[num_blocks:], res.token_ids[num_blocks * bs:]
+        del res.hashes[num_blocks:], res.token_ids[num_blocks * bs :]
         res.fresh = [[i for i in f if i < num_blocks] for f in res.fresh]
 
     def release(self, res: KVReservation) -> None:
@@ -116,8 +121,11 @@ class PDConnector(KVConnectorScheduler):
         written = sorted({i for f in fresh for i in f if i < num_blocks})
         null = self.coordinator.null_block
         # A block listed fresh is a real one, never the None of a window's gap.
-        ids = [row[i].block_id if i in f else null.block_id  # type: ignore[union-attr]
-               for i in written for row, f in zip(res.blocks, fresh)]
+        ids = [
+            row[i].block_id if i in f else null.block_id  # type: ignore[union-attr]
+            for i in written
+            for row, f in zip(res.blocks, fresh)
+        ]
         return written, ids
 
     def pin(self, request_id: str, res: KVReservation) -> None:

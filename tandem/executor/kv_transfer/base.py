@@ -1,5 +1,6 @@
 """The transport seam: how a payload gets from a prefill instance to a decode instance (shared
 memory, torch.distributed); a transfer is matched by id on both sides."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,8 +20,9 @@ class KVTransport(Protocol):
         """Move the payload out, layer by layer; returns when its buffers may be reused."""
         ...
 
-    def recv(self, transfer_id: str, timeout: float | None = None,
-             on_layer: LayerSink | None = None) -> tuple[KVPayload, TransferStats]:
+    def recv(
+        self, transfer_id: str, timeout: float | None = None, on_layer: LayerSink | None = None
+    ) -> tuple[KVPayload, TransferStats]:
         """Wait up to `timeout` seconds for the transfer to start (TimeoutError after), then
         receive it whole, calling `on_layer(l, kv[l])` as each layer lands."""
         ...

@@ -6,6 +6,7 @@ indexes them in its prefix cache under the same chained hashes; the decode reque
 first token) then finds them through the ordinary prefix lookup and recomputes only the tail,
 less than one block. The blocks stay pinned until that request is admitted or gone, so nothing
 evicts them in between."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +24,12 @@ from tandem.executor.kv_transfer.payload import KVPayload
 class KVHandoff:
     """Engine methods run on the engine thread, between steps; `writer` may run anywhere."""
 
-    def __init__(self, connector: PDConnector, executor: Executor,
-                 in_flight: Callable[[], list[Future]] = list) -> None:
+    def __init__(
+        self,
+        connector: PDConnector,
+        executor: Executor,
+        in_flight: Callable[[], list[Future]] = list,
+    ) -> None:
         self.connector, self.executor = connector, executor
         self.block_size = connector.coordinator.block_size
         # Steps still running (async scheduling): a reserved block may have been freed by a
@@ -41,7 +46,7 @@ class KVHandoff:
         wait(self._in_flight())
         blocks, n = self.connector.cached_prefix(token_ids)
         kv = self.executor.read_kv_blocks(flat_block_ids(blocks))
-        return KVPayload(list(token_ids[:n * self.block_size]), self.block_size, kv)
+        return KVPayload(list(token_ids[: n * self.block_size]), self.block_size, kv)
 
     # ---- decode side --------------------------------------------------------------
     def reserve(self, token_ids: list[int]) -> KVReservation:
@@ -50,8 +55,10 @@ class KVHandoff:
         self._need_caching()
         res = self.connector.reserve(token_ids)
         if res is None:
-            raise KVPoolFullError(f"{len(token_ids) // self.block_size} KV blocks asked for, "
-                                  f"{self.connector.coordinator.pool.num_free_blocks} free")
+            raise KVPoolFullError(
+                f"{len(token_ids) // self.block_size} KV blocks asked for, "
+                f"{self.connector.coordinator.pool.num_free_blocks} free"
+            )
         return res
 
     def writer(self, res: KVReservation) -> LayerSink:
@@ -63,6 +70,7 @@ class KVHandoff:
         def write(layer: int, kv: torch.Tensor) -> None:
             wait(fence)
             self._write(res, kv, layer)
+
         return write
 
     def write(self, res: KVReservation, payload: KVPayload) -> None:
@@ -75,10 +83,12 @@ class KVHandoff:
         keep them pinned until `request_id` is admitted or gone. Releases them and raises
         ValueError when the payload is not the KV of the reserved tokens (or the id is pinned)."""
         bs, n = self.block_size, min(payload.num_blocks, res.num_blocks)
-        same = payload.block_size == bs and payload.token_ids[:n * bs] == res.token_ids[:n * bs]
+        same = payload.block_size == bs and payload.token_ids[: n * bs] == res.token_ids[: n * bs]
         if not same or request_id in self.connector.pins:
             self.connector.release(res)
-            raise ValueError(f"the KV payload does not hold the reserved tokens, or {request_id!r} already has some")
+            raise ValueError(
+                f"the KV payload does not hold the reserved tokens, or {request_id!r} already has some"
+            )
         self.connector.commit(res, n)
         self.connector.pin(request_id, res)
 
@@ -97,4 +107,6 @@ class KVHandoff:
 
     def _need_caching(self) -> None:
         if not self.connector.coordinator.enable_caching:
-            raise ValueError("KV transfer needs the prefix cache (enable_prefix_caching) on both sides")
+            raise ValueError(
+                "KV transfer needs the prefix cache (enable_prefix_caching) on both sides"
+            )

@@ -1,6 +1,7 @@
 """The host tier, worker side: the host copy of the KV cache that swapped-out requests' blocks go
 to, and each step's swap copies. Which blocks go where is the scheduler side's
 (core/kv_connector/host_tier.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,15 @@ class HostTierWorker:
             cache = self.kv.kv_cache
             rows, _, _, heads, dim = cache.shape
             self._host_kv_cache = torch.zeros(
-                rows, 2, self.kv.num_host_blocks * self.kv.block_size, heads, dim,
-                dtype=cache.dtype, device="cpu", pin_memory=cache.device.type == "cuda")
+                rows,
+                2,
+                self.kv.num_host_blocks * self.kv.block_size,
+                heads,
+                dim,
+                dtype=cache.dtype,
+                device="cpu",
+                pin_memory=cache.device.type == "cuda",
+            )
         return self._host_kv_cache
 
     def start_load_kv(self, sched: SchedulerOutput) -> None:

@@ -7,6 +7,7 @@ transfer to one peer never queues behind another peer's. Shared-memory transfers
 pool of their own (a receive may wait for its file). `send` and `recv` return futures, so the
 engine thread that starts a transfer never waits for the peer; the two legs of a transfer run
 concurrently (the prefill side sends while the decode side receives)."""
+
 from __future__ import annotations
 
 import datetime
@@ -21,26 +22,37 @@ from tandem.executor.kv_transfer.payload import KVPayload, TransferStats
 from tandem.executor.kv_transfer.shm import ShmConnector
 from tandem.executor.kv_transfer.torch_dist import TorchDistConnector, init_kv_group
 
-
 SHM_THREADS = 8  # shared-memory transfers at once (a decode leg's receive waits for its file)
 
 
 class KVLinks:
     def __init__(self, shm: ShmConnector | None = None) -> None:
         self.shm = shm or ShmConnector()
-        self.pool = ThreadPoolExecutor(SHM_THREADS, thread_name_prefix="kv-shm")  # shm transfers, group joins
+        self.pool = ThreadPoolExecutor(
+            SHM_THREADS, thread_name_prefix="kv-shm"
+        )  # shm transfers, group joins
         self.rank: int | None = None
         self._links: dict[int, tuple[TorchDistConnector, ThreadPoolExecutor]] = {}
         self._lock = threading.Lock()
 
-    def join(self, rank: int, world_size: int, host: str, port: int, backend: str | None = None,
-             timeout_s: float = 120.0, device: torch.device | None = None) -> None:
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+        device: torch.device | None = None,
+    ) -> None:
         """Join the group whose rendezvous store listens at host:port (the launcher serves it).
         Blocks until every rank has joined. NCCL when `device` is CUDA (unless `backend` says
         otherwise), else gloo; a second join must repeat the first one's rank."""
         if self.rank is not None or dist.is_initialized():
             if rank != self.rank:
-                raise ValueError(f"already in a KV transfer group as rank {self.rank}, asked to join as {rank}")
+                raise ValueError(
+                    f"already in a KV transfer group as rank {self.rank}, asked to join as {rank}"
+                )
             return
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
@@ -61,20 +73,29 @@ class KVLinks:
         if peer is None:
             return self.shm, self.pool
         if self.rank is None:
-            raise ValueError(f"KV transfer to rank {peer} asked for, but this instance is in no group")
+            raise ValueError(
+                f"KV transfer to rank {peer} asked for, but this instance is in no group"
+            )
         if peer == self.rank or not 0 <= peer < dist.get_world_size():
             raise ValueError(f"no KV link from rank {self.rank} to rank {peer}")
         with self._lock:
             if peer not in self._links:
-                self._links[peer] = (TorchDistConnector(peer),
-                                     ThreadPoolExecutor(1, thread_name_prefix=f"kv-link-{peer}"))
+                self._links[peer] = (
+                    TorchDistConnector(peer),
+                    ThreadPoolExecutor(1, thread_name_prefix=f"kv-link-{peer}"),
+                )
             return self._links[peer]
 
     def send(self, peer: int | None, transfer_id: str, payload: KVPayload) -> Future[TransferStats]:
         conn, thread = self.connector(peer)
         return thread.submit(conn.send, transfer_id, payload)
 
-    def recv(self, peer: int | None, transfer_id: str, timeout: float | None = None,
-             on_layer: LayerSink | None = None) -> Future[tuple[KVPayload, TransferStats]]:
+    def recv(
+        self,
+        peer: int | None,
+        transfer_id: str,
+        timeout: float | None = None,
+        on_layer: LayerSink | None = None,
+    ) -> Future[tuple[KVPayload, TransferStats]]:
         conn, thread = self.connector(peer)
         return thread.submit(conn.recv, transfer_id, timeout, on_layer)

@@ -1,5 +1,6 @@
 """What moves between a prefill and a decode instance: the KV of a prompt's whole blocks,
 one contiguous tensor per transfer, plus the small metadata the receiver needs to place it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,9 +18,14 @@ class KVPayload:
     kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
 
     def __post_init__(self) -> None:
-        if len(self.token_ids) != self.num_blocks * self.block_size or self.kv.shape[3] != self.block_size:
-            raise ValueError(f"payload of {self.num_blocks} blocks of {self.block_size} tokens "
-                             f"does not hold {len(self.token_ids)} tokens")
+        if (
+            len(self.token_ids) != self.num_blocks * self.block_size
+            or self.kv.shape[3] != self.block_size
+        ):
+            raise ValueError(
+                f"payload of {self.num_blocks} blocks of {self.block_size} tokens "
+                f"does not hold {len(self.token_ids)} tokens"
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -39,8 +45,13 @@ class KVPayload:
 
     def meta(self, transfer_id: str) -> dict:
         """JSON-able header: everything but the tensor data."""
-        return {"transfer_id": transfer_id, "token_ids": self.token_ids, "block_size": self.block_size,
-                "shape": list(self.kv.shape), "dtype": str(self.kv.dtype).removeprefix("torch.")}
+        return {
+            "transfer_id": transfer_id,
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "shape": list(self.kv.shape),
+            "dtype": str(self.kv.dtype).removeprefix("torch."),
+        }
 
 
 def empty_like_meta(meta: dict, device: torch.device | str = "cpu") -> KVPayload:

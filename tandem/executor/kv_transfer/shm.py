@@ -7,6 +7,7 @@ and maps it: the payload it returns is a view of the shared pages (no copy), fre
 Plain files rather than `multiprocessing.shared_memory`: that module's resource tracker
 unlinks a segment when its creating process exits, before a slow receiver has read it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,19 +47,27 @@ class ShmConnector:
                 head = len(meta).to_bytes(8, "little") + meta
                 f.write(head + bytes(-len(head) % _ALIGN))
                 for layer in range(payload.num_layers):
-                    f.write(as_bytes(payload.kv[layer]).cpu().numpy())  # a GPU payload bounces via host here
+                    f.write(
+                        as_bytes(payload.kv[layer]).cpu().numpy()
+                    )  # a GPU payload bounces via host here
                     stats.layer_seconds.append(time.perf_counter() - start)
             os.rename(tmp, path)  # atomic publish
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         stats.seconds = time.perf_counter() - start
-        log.debug("kv send %s via shm: %d bytes in %.2f ms (%.2f GB/s)", transfer_id, stats.num_bytes,
-                  stats.seconds * 1e3, stats.gbps)
+        log.debug(
+            "kv send %s via shm: %d bytes in %.2f ms (%.2f GB/s)",
+            transfer_id,
+            stats.num_bytes,
+            stats.seconds * 1e3,
+            stats.gbps,
+        )
         return stats
 
-    def recv(self, transfer_id: str, timeout: float | None = None,
-             on_layer: LayerSink | None = None) -> tuple[KVPayload, TransferStats]:
+    def recv(
+        self, transfer_id: str, timeout: float | None = None, on_layer: LayerSink | None = None
+    ) -> tuple[KVPayload, TransferStats]:
         path = self.path(transfer_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-5
@@ -68,7 +77,9 @@ class ShmConnector:
                 break
             except FileNotFoundError:
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"KV transfer {transfer_id!r} did not arrive in {timeout} s") from None
+                    raise TimeoutError(
+                        f"KV transfer {transfer_id!r} did not arrive in {timeout} s"
+                    ) from None
                 time.sleep(delay)
                 delay = min(2 * delay, 1e-3)
         start = time.perf_counter()
@@ -76,11 +87,15 @@ class ShmConnector:
             os.unlink(path)  # the name goes now; the pages live while the mapping does
             size = os.fstat(f.fileno()).st_size
             # Private and writable, for torch; read faults map the shared pages, nothing is copied.
-            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(
+                f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
         head = int.from_bytes(mm[:8], "little")
-        meta = json.loads(mm[8:8 + head])
+        meta = json.loads(mm[8 : 8 + head])
         if meta["transfer_id"] != transfer_id:
-            raise RuntimeError(f"shm file {path} holds transfer {meta['transfer_id']!r}, not {transfer_id!r}")
+            raise RuntimeError(
+                f"shm file {path} holds transfer {meta['transfer_id']!r}, not {transfer_id!r}"
+            )
         payload = empty_like_meta(meta)
         offset = 8 + head + (-(8 + head) % _ALIGN)
         if payload.num_bytes:
@@ -94,6 +109,11 @@ class ShmConnector:
                 on_layer(layer, payload.kv[layer])
             stats.layer_seconds.append(time.perf_counter() - start)
         stats.seconds = time.perf_counter() - start
-        log.debug("kv recv %s via shm: %d bytes in %.2f ms (%.2f GB/s)", transfer_id, stats.num_bytes,
-                  stats.seconds * 1e3, stats.gbps)
+        log.debug(
+            "kv recv %s via shm: %d bytes in %.2f ms (%.2f GB/s)",
+            transfer_id,
+            stats.num_bytes,
+            stats.seconds * 1e3,
+            stats.gbps,
+        )
         return payload, stats

@@ -7,6 +7,7 @@ layer. All layer sends are posted at once and all layer receives are posted as s
 metadata is known, so the transport streams them back to back while the receiver places
 layer l (on_layer) as layer l+1 is still arriving.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,15 +25,27 @@ from tandem.executor.kv_transfer.payload import KVPayload, TransferStats, as_byt
 log = logging.getLogger(__name__)
 
 
-def init_kv_group(rank: int, world_size: int, init_method: str | None = "env://", backend: str | None = None,
-                  store: dist.Store | None = None, timeout: datetime.timedelta | None = None) -> None:
+def init_kv_group(
+    rank: int,
+    world_size: int,
+    init_method: str | None = "env://",
+    backend: str | None = None,
+    store: dist.Store | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
     """Join the default process group the connectors talk over (once per process), by
     `init_method` or an existing rendezvous `store`: NCCL when CUDA is available, else gloo.
     With NCCL, set this process's GPU first."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, init_method=None if store is not None else init_method, rank=rank,
-                                world_size=world_size, store=store, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            init_method=None if store is not None else init_method,
+            rank=rank,
+            world_size=world_size,
+            store=store,
+            timeout=timeout,
+        )
 
 
 class TorchDistConnector:
@@ -45,7 +58,9 @@ class TorchDistConnector:
     def __init__(self, peer: int, group: dist.ProcessGroup | None = None) -> None:
         self.peer, self.group = peer, group
         nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        )
         self._stash: dict[str, tuple[KVPayload, TransferStats]] = {}
         self._header: tuple[_Arrival, torch.Tensor] | None = None
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
@@ -55,29 +70,42 @@ class TorchDistConnector:
             meta = json.dumps(payload.meta(transfer_id)).encode()
             length = torch.tensor([len(meta)], dtype=torch.int64, device=self.device)
             meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
-            kv = payload.kv.to(self.device)  # a no-op for a CUDA payload on NCCL, or a CPU one on gloo
+            kv = payload.kv.to(
+                self.device
+            )  # a no-op for a CUDA payload on NCCL, or a CPU one on gloo
             works = [self._isend(length), self._isend(meta_t)]
             works += [self._isend(as_bytes(kv[layer])) for layer in self._layers(payload)]
             stats = TransferStats(payload.num_bytes)
             for i, work in enumerate(works):
                 work.wait()
-                if i == 0:  # gloo completes a send once the peer receives: time the transfer, not that wait
+                if (
+                    i == 0
+                ):  # gloo completes a send once the peer receives: time the transfer, not that wait
                     start = time.perf_counter()
                 elif i >= 2:
                     stats.layer_seconds.append(time.perf_counter() - start)
             self._sync()
             stats.seconds = time.perf_counter() - start
-        log.debug("kv send %s to rank %d: %d bytes in %.2f ms (%.2f GB/s)", transfer_id, self.peer,
-                  stats.num_bytes, stats.seconds * 1e3, stats.gbps)
+        log.debug(
+            "kv send %s to rank %d: %d bytes in %.2f ms (%.2f GB/s)",
+            transfer_id,
+            self.peer,
+            stats.num_bytes,
+            stats.seconds * 1e3,
+            stats.gbps,
+        )
         return stats
 
-    def recv(self, transfer_id: str, timeout: float | None = None,
-             on_layer: LayerSink | None = None) -> tuple[KVPayload, TransferStats]:
+    def recv(
+        self, transfer_id: str, timeout: float | None = None, on_layer: LayerSink | None = None
+    ) -> tuple[KVPayload, TransferStats]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._recv_lock:
             while transfer_id not in self._stash:
                 meta = self._recv_meta(deadline, timeout)
-                got = self._recv_layers(meta, on_layer if meta["transfer_id"] == transfer_id else None)
+                got = self._recv_layers(
+                    meta, on_layer if meta["transfer_id"] == transfer_id else None
+                )
                 if meta["transfer_id"] == transfer_id:
                     return got
                 self._stash[meta["transfer_id"]] = got
@@ -94,7 +122,9 @@ class TorchDistConnector:
             length = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._header = _Arrival(dist.irecv(length, self.peer, self.group), length), length
         arrival, length = self._header
-        if not arrival.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if not arrival.done.wait(
+            None if deadline is None else max(0.0, deadline - time.monotonic())
+        ):
             raise TimeoutError(f"no KV transfer from rank {self.peer} in {timeout} s")
         self._header = None
         if arrival.error is not None:
@@ -103,10 +133,15 @@ class TorchDistConnector:
         dist.recv(meta, self.peer, self.group)
         return json.loads(bytes(meta.cpu().numpy()))
 
-    def _recv_layers(self, meta: dict, on_layer: LayerSink | None) -> tuple[KVPayload, TransferStats]:
+    def _recv_layers(
+        self, meta: dict, on_layer: LayerSink | None
+    ) -> tuple[KVPayload, TransferStats]:
         start = time.perf_counter()
         payload = empty_like_meta(meta, self.device)
-        works = [dist.irecv(as_bytes(payload.kv[layer]), self.peer, self.group) for layer in self._layers(payload)]
+        works = [
+            dist.irecv(as_bytes(payload.kv[layer]), self.peer, self.group)
+            for layer in self._layers(payload)
+        ]
         stats = TransferStats(payload.num_bytes)
         for layer, work in enumerate(works):
             work.wait()
@@ -115,8 +150,14 @@ class TorchDistConnector:
             stats.layer_seconds.append(time.perf_counter() - start)
         self._sync()
         stats.seconds = time.perf_counter() - start
-        log.debug("kv recv %s from rank %d: %d bytes in %.2f ms (%.2f GB/s)", meta["transfer_id"], self.peer,
-                  stats.num_bytes, stats.seconds * 1e3, stats.gbps)
+        log.debug(
+            "kv recv %s from rank %d: %d bytes in %.2f ms (%.2f GB/s)",
+            meta["transfer_id"],
+            self.peer,
+            stats.num_bytes,
+            stats.seconds * 1e3,
+            stats.gbps,
+        )
         return payload, stats
 
     def _isend(self, t: torch.Tensor) -> dist.Work:
@@ -137,7 +178,9 @@ class _Arrival:
 
     def __init__(self, work: dist.Work, buf: torch.Tensor) -> None:
         self.done, self.error = threading.Event(), None
-        threading.Thread(target=self._wait, args=(work, buf), name="kv-recv-header", daemon=True).start()
+        threading.Thread(
+            target=self._wait, args=(work, buf), name="kv-recv-header", daemon=True
+        ).start()
 
     def _wait(self, work: dist.Work, buf: torch.Tensor) -> None:
         try:

@@ -4,6 +4,7 @@ per step after sampling, with three implementations: prompt lookup (`NgramPropos
 target's own precision variant (`SelfDraftProposer`) and another model (`DraftModelProposer`).
 Every draft is one token per position with certainty (a lookup, or a greedy argmax), which
 makes verification by sampling the target exact (executor/rejection_sampler.py)."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -18,10 +19,16 @@ from tandem.models.architectures.llama import LlamaForCausalLM
 
 
 class Proposer(Protocol):
-    num_forwards: int  # model forwards run proposing (bench spec's cost per forward); 0 for a lookup
+    num_forwards: (
+        int  # model forwards run proposing (bench spec's cost per forward); 0 for a lookup
+    )
 
-    def propose_drafts(self, sched: SchedulerOutput, requests: dict[str, CachedRequestState],
-                       sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+    def propose_drafts(
+        self,
+        sched: SchedulerOutput,
+        requests: dict[str, CachedRequestState],
+        sampled: dict[str, list[int]],
+    ) -> dict[str, list[int]]:
         """Drafts for the next step of requests that sampled in this one (`sampled`: their new
         tokens, already in `requests`' token_ids), after those tokens."""
         ...
@@ -31,14 +38,25 @@ class Proposer(Protocol):
         ...
 
 
-def build_proposer(spec: SpeculativeConfig | None, draft: LlamaForCausalLM | None, kv: KVCache,
-                   builder: InputBuilder) -> Proposer | None:
+def build_proposer(
+    spec: SpeculativeConfig | None,
+    draft: LlamaForCausalLM | None,
+    kv: KVCache,
+    builder: InputBuilder,
+) -> Proposer | None:
     """The proposer of `spec`; `draft` is its model (method "draft"), `builder` the target's."""
     if spec is None:
         return None
     if spec.method == "ngram":
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
     if kv.draft_kv_caches is None:  # a self-draft: the target's layout, KV and inputs
         return SelfDraftProposer(draft, kv.kv_caches, builder)
-    return DraftModelProposer(draft, kv.draft_kv_caches, InputBuilder(
-        builder.block_size, builder.device, builder.attention_backend, draft.cfg.head_dim))
+    return DraftModelProposer(
+        draft,
+        kv.draft_kv_caches,
+        InputBuilder(
+            builder.block_size, builder.device, builder.attention_backend, draft.cfg.head_dim
+        ),
+    )

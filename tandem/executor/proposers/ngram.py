@@ -1,6 +1,7 @@
 """Prompt lookup: the longest suffix of the sequence (prompt and output so far) that occurred
 before, and the tokens that followed it then. It needs no model, and wins where the output
 copies spans of the input (editing, summarising, code)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,10 +17,16 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.num_forwards = 0  # no model runs
 
-    def propose_drafts(self, sched: SchedulerOutput, requests: dict[str, CachedRequestState],
-                       sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+    def propose_drafts(
+        self,
+        sched: SchedulerOutput,
+        requests: dict[str, CachedRequestState],
+        sampled: dict[str, list[int]],
+    ) -> dict[str, list[int]]:
         """k tokens (or fewer, or none) for each request that sampled and takes drafts."""
-        return {r: self.propose(requests[r].token_ids) for r in sampled if requests[r].params.drafts}
+        return {
+            r: self.propose(requests[r].token_ids) for r in sampled if requests[r].params.drafts
+        }
 
     def forget(self, req_ids: set[str]) -> None:
         """Nothing is kept per request."""
@@ -39,5 +46,5 @@ class NgramProposer:
                 # latest one overlaps the end and leaves fewer), else the earliest.
                 full = hits[hits + n + self.k <= len(seq)]
                 start = int(full[-1] if len(full) else hits[0]) + n
-                return seq[start:start + self.k].tolist()
+                return seq[start : start + self.k].tolist()
         return []

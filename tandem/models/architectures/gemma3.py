@@ -8,6 +8,7 @@ Gemma's RMSNorm scales by (1 + w); the weights are stored here with the 1 added 
 fp32, as transformers adds it), so the Llama RMSNorm and its fused native kernels serve them. A
 bf16 variant holds 1 + w rounded to bf16 (transformers multiplies by it in fp32): bf16 is not
 bit-exact with transformers anyway; fp32 is."""
+
 from __future__ import annotations
 
 import functools
@@ -24,11 +25,13 @@ from tandem.models.layers.layernorm import RMSNorm
 from tandem.models.layers.rotary_embedding import RotaryEmbedding
 
 
-def scaled_embedding(embed_tokens: nn.Module, hidden_size: int, input_ids: torch.Tensor) -> torch.Tensor:
+def scaled_embedding(
+    embed_tokens: nn.Module, hidden_size: int, input_ids: torch.Tensor
+) -> torch.Tensor:
     """Gemma's input: the embedding times sqrt(hidden), the scale rounded to the embedding's
     dtype first, as transformers rounds it."""
     x = embed_tokens(input_ids)
-    return x * torch.tensor(hidden_size ** 0.5).to(x.dtype)
+    return x * torch.tensor(hidden_size**0.5).to(x.dtype)
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -38,23 +41,29 @@ class Gemma3DecoderLayer(DecoderLayer):
 
     gate: Gate = Gate.GELU_TANH
 
-    def __init__(self, cfg: ModelConfig, attention: AttentionFactory,
-                 sliding_window: int | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None
+    ) -> None:
         super().__init__(cfg, attention, sliding_window)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def norm_weights(self) -> NormWeights:
-        return NormWeights(self.input_layernorm.weight, self.pre_feedforward_layernorm.weight,
-                           self.post_attention_layernorm.weight,
-                           self.post_feedforward_layernorm.weight)
+        return NormWeights(
+            self.input_layernorm.weight,
+            self.pre_feedforward_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.post_feedforward_layernorm.weight,
+        )
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
         super().__init__(cfg, attention)
         # `rotary` (global layers) is the Llama one: rope_theta and rope_scaling.
-        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
+        self.rotary_local = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None
+        )
 
     @staticmethod
     def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> DecoderLayer:
@@ -73,5 +82,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face-named Gemma 3 weights; every RMSNorm weight w is held as 1 + w."""
-        super().load_weights((name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
-                             for name, tensor in weights)
+        super().load_weights(
+            (name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+            for name, tensor in weights
+        )

@@ -4,6 +4,7 @@ variable-length batches with a paged KV cache.
 The attention backend is given to the model (the model runner passes executor/attention.py's):
 how K/V are cached and attended, and the per-step metadata that says where, belong to the
 executor; the model only projects, rotates and passes them on."""
+
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,12 @@ from torch import nn
 from tandem.models.config import ModelConfig
 from tandem.models.layers.activation import Gate
 from tandem.models.layers.decoder_ops import (
-    DecodeRun, DecoderOps, ModuleOps, NormWeights, OpBinder, run_layers,
+    DecoderOps,
+    DecodeRun,
+    ModuleOps,
+    NormWeights,
+    OpBinder,
+    run_layers,
 )
 from tandem.models.layers.layernorm import RMSNorm, fused_ops_for
 from tandem.models.layers.linear import Linear, can_pack_cpu, cpu_packed_linear, pack_cpu_weight
@@ -24,13 +30,16 @@ from tandem.models.layers.rotary_embedding import RotaryEmbedding, StepRope
 
 
 class AttentionBackend(Protocol):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any
+    ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]: write k, v into kv_cache where `meta` says, attend,
         return [T, Hq * D]. `meta` is the backend's own per-step metadata."""
         ...
 
-    def forward_qkv(self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor | None:
+    def forward_qkv(
+        self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: Any
+    ) -> torch.Tensor | None:
         """The same from the fused projection qkv [T, (Hq + 2 Hkv) D] (RoPE applied) in one
         call, where the backend has such a path for this step; else None."""
         ...
@@ -46,33 +55,57 @@ AttentionFactory = Callable[[int, int, int, float | None, int | None], Attention
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias
+        )
         self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size)
         self.qk_norm = None  # qk_rms_norm_'s q / k weights, heads, head_dim and eps
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-            self.qk_norm = (self.q_norm.weight, self.k_norm.weight, self.nq, self.nkv, self.hd,
-                            cfg.rms_norm_eps)
+            self.qk_norm = (
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.nq,
+                self.nkv,
+                self.hd,
+                cfg.rms_norm_eps,
+            )
         self.attn = attention(self.nq, self.nkv, self.hd, cfg.attn_scale, sliding_window)
 
-    def attend(self, qkv: torch.Tensor, rope: StepRope, kv_cache: torch.Tensor,
-               meta: Any) -> torch.Tensor:
+    def attend(
+        self, qkv: torch.Tensor, rope: StepRope, kv_cache: torch.Tensor, meta: Any
+    ) -> torch.Tensor:
         """QK-norm, RoPE and attention on the fused projection qkv: in place with the native
         kernels where they serve qkv (`attend_native`, the decode plan's call), else on its
         split."""
         ext = fused_ops_for(qkv)
         if ext is not None:
-            out = attend_native(ext, self.attn.forward_qkv, self.qk_norm, self.nq + self.nkv, self.hd,
-                                qkv, rope, kv_cache, meta)
+            out = attend_native(
+                ext,
+                self.attn.forward_qkv,
+                self.qk_norm,
+                self.nq + self.nkv,
+                self.hd,
+                qkv,
+                rope,
+                kv_cache,
+                meta,
+            )
             if out is not None:
                 return out
         t = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q, k, v = q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
+        q, k, v = (
+            q.view(t, self.nq, self.hd),
+            k.view(t, self.nkv, self.hd),
+            v.view(t, self.nkv, self.hd),
+        )
         if ext is None:  # else normed and turned in place above
             if self.qk_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -81,13 +114,22 @@ class Attention(nn.Module):
 
     def prebound(self, ext) -> Callable[..., torch.Tensor | None]:
         """`attend` on the native kernels with its arguments bound once (the decode plan's)."""
-        return functools.partial(attend_native, ext, self.attn.forward_qkv, self.qk_norm,
-                                 self.nq + self.nkv, self.hd)
+        return functools.partial(
+            attend_native, ext, self.attn.forward_qkv, self.qk_norm, self.nq + self.nkv, self.hd
+        )
 
 
-def attend_native(ext, forward_qkv: Callable[..., torch.Tensor | None], qk_norm: tuple | None,
-                  heads: int, head_dim: int, qkv: torch.Tensor, rope: StepRope,
-                  kv_cache: torch.Tensor, meta: Any) -> torch.Tensor | None:
+def attend_native(
+    ext,
+    forward_qkv: Callable[..., torch.Tensor | None],
+    qk_norm: tuple | None,
+    heads: int,
+    head_dim: int,
+    qkv: torch.Tensor,
+    rope: StepRope,
+    kv_cache: torch.Tensor,
+    meta: Any,
+) -> torch.Tensor | None:
     """QK-norm and RoPE in place on qkv with the native kernels, then the backend's attention on
     it (`forward_qkv`: None where this step is not one it runs)."""
     if qk_norm is not None:
@@ -107,8 +149,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     gate: Gate = Gate.SILU
 
-    def __init__(self, cfg: ModelConfig, attention: AttentionFactory,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.rope = 0 if sliding_window is None else 1  # which RoPE table: 1 is Gemma's local one
         self.self_attn = Attention(cfg, attention, sliding_window)
@@ -123,22 +166,36 @@ class DecoderLayer(nn.Module):
         """This layer's step (layers/decoder_ops.py), each op served by the module named here and
         bound by `bind`: ModuleOps for the modules' forwards, or the decode plan's binder."""
         attn, mlp = self.self_attn, self.mlp
-        return DecoderOps(bind.norm, bind.add_norm, self.input_layernorm.eps, self.norm_weights(),
-                          qkv=bind.gemm(attn, "qkv_proj"), attend=bind.attention(attn),
-                          o=bind.gemm(attn, "o_proj"), gate_up=bind.gemm(mlp, "gate_up_proj", mlp.gate),
-                          down=bind.gemm(mlp, "down_proj"), rope=self.rope)
+        return DecoderOps(
+            bind.norm,
+            bind.add_norm,
+            self.input_layernorm.eps,
+            self.norm_weights(),
+            qkv=bind.gemm(attn, "qkv_proj"),
+            attend=bind.attention(attn),
+            o=bind.gemm(attn, "o_proj"),
+            gate_up=bind.gemm(mlp, "gate_up_proj", mlp.gate),
+            down=bind.gemm(mlp, "down_proj"),
+            rope=self.rope,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionFactory) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, attention, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer(cfg, attention, i) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.packed_lm_head: torch.Tensor | None = None
         self.layer_ops = [layer.bind(ModuleOps) for layer in self.layers]
         # a decode-only step as prebound native calls (models/decode_plan.py), set by the builder
@@ -169,21 +226,33 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[torch.Tensor], meta: Any,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
     ) -> torch.Tensor:
         """Hidden states before the final norm (compute_logits applies it), one row per input token.
         `meta`: the attention metadata of every layer, or a list of one per layer."""
         plan = self.decode_plan
-        if plan is not None and (hidden := plan.run(input_ids, positions, kv_caches, meta)) is not None:
+        if (
+            plan is not None
+            and (hidden := plan.run(input_ids, positions, kv_caches, meta)) is not None
+        ):
             return hidden
         return self.forward_modules(input_ids, positions, kv_caches, meta)
 
-    def forward_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
+    def forward_modules(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor:
         """The forward through the layers' modules (any step; `forward` without a plan)."""
-        return run_layers(self.embedding(), self.rotaries(), self.layer_ops, input_ids, positions,
-                          kv_caches, meta)
+        return run_layers(
+            self.embedding(), self.rotaries(), self.layer_ops, input_ids, positions, kv_caches, meta
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a token pass the final norm and the LM head; fp32 logits."""
@@ -197,10 +266,17 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
         cfg = self.cfg
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        q, kv, inter = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.intermediate_size,
+        )
         fused = {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
         }
         params = dict(self.named_parameters())
         loaded = set()
@@ -215,16 +291,24 @@ class LlamaForCausalLM(nn.Module):
             for i, p in enumerate(parts):
                 if p in fused:
                     new, start, size = fused[p]
-                    target = ".".join(parts[:i] + [new] + parts[i + 1:])
+                    target = ".".join(parts[:i] + [new] + parts[i + 1 :])
                     break
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for a {cfg.model_type} model")
             dst = param.data if start is None else param.data.narrow(0, start, size)
             if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            if start is None and (tensor.dtype, tensor.device) == (dst.dtype, dst.device) and tensor.is_contiguous():
-                param.data = tensor  # taken as it is: a large embedding is not held twice while copied
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            if (
+                start is None
+                and (tensor.dtype, tensor.device) == (dst.dtype, dst.device)
+                and tensor.is_contiguous()
+            ):
+                param.data = (
+                    tensor  # taken as it is: a large embedding is not held twice while copied
+                )
             else:
                 dst.copy_(tensor)
             loaded.add(name)
@@ -238,4 +322,6 @@ class LlamaForCausalLM(nn.Module):
             got.add(".".join(parts))
         missing = expected - got
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}"
+            )

@@ -10,6 +10,7 @@ with the kernel's fault-around), so loading would hold the file beside its servi
 The cache folder's config is built from this header too; the tokenizer is left to transformers
 (which reads the file once more, with `GGUFReader`).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 # GGUF value type -> struct format of a scalar (8: string, 9: array)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 # Arrays of numbers up to this length are read (Gemma 3's per-layer sliding-window pattern);
 # longer ones (a tokenizer's scores and token types) are stepped over like strings.
@@ -51,11 +64,15 @@ class GGUFFile:
         try:  # the map is dropped when this returns: the header's pages leave the process
             self.metadata, self.tensors = self._parse(memoryview(np.memmap(self.path, mode="r")))
         except (struct.error, ValueError, IndexError, KeyError) as e:
-            raise ValueError(f"{self.path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{self.path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})"
+            ) from e
         size = self.path.stat().st_size
         for t in self.tensors:
             if t.offset + t.nbytes > size:
-                raise ValueError(f"{self.path}: corrupt or truncated GGUF file (tensor {t.name!r} ends past the end)")
+                raise ValueError(
+                    f"{self.path}: corrupt or truncated GGUF file (tensor {t.name!r} ends past the end)"
+                )
         self._file = open(self.path, "rb", buffering=0)  # read from for the object's life
 
     def read_rows(self, t: TensorInfo, start: int, stop: int) -> np.ndarray:
@@ -94,7 +111,9 @@ class GGUFFile:
             (kind, offset), pos = struct.unpack_from("<IQ", buf, pos), pos + 12
             kind = GGMLQuantizationType(kind)
             block, size = GGML_QUANT_SIZES[kind]
-            tensors.append(TensorInfo(name, kind, tuple(dims), offset, int(np.prod(dims)) * size // block))
+            tensors.append(
+                TensorInfo(name, kind, tuple(dims), offset, int(np.prod(dims)) * size // block)
+            )
         alignment = metadata.get("general.alignment", 32)
         start = -(-pos // alignment) * alignment
         for t in tensors:
@@ -104,7 +123,7 @@ class GGUFFile:
 
 def _string(buf: memoryview, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", buf, pos)
-    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8"), pos + 8 + n
+    return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8"), pos + 8 + n
 
 
 def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
@@ -116,7 +135,9 @@ def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
     if vtype != _ARRAY:
         fmt = _SCALARS[vtype]
         value = struct.unpack_from(fmt, buf, pos)[0]
-        return float(str(np.float32(value))) if vtype == _FLOAT32 else value, pos + struct.calcsize(fmt)
+        return float(str(np.float32(value))) if vtype == _FLOAT32 else value, pos + struct.calcsize(
+            fmt
+        )
     item, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12
     if item in _SCALARS and count <= _ARRAY_READ_MAX:

@@ -4,6 +4,7 @@ generation_config.json and the tokenizer files, written once into the cache (`lo
 The weights stay in the GGUF and are read from it tensor by tensor (`gguf/weights.py`), so the
 cache holds kilobytes of metadata beside the tokenizer, never a float copy of the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,12 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
 }
 
 # Strings whose token ids must survive the tokenizer save/reload round trip.
-_TOKENIZER_PROBES = ["Hello world", "héllo wörld, 日本語 🙂", "  two spaces\n\ttab", "<|im_start|>user"]
+_TOKENIZER_PROBES = [
+    "Hello world",
+    "héllo wörld, 日本語 🙂",
+    "  two spaces\n\ttab",
+    "<|im_start|>user",
+]
 _MISSING = object()
 
 
@@ -39,10 +45,14 @@ def write_model_folder(gguf_path: Path, out_dir: Path) -> None:
     except ValueError as e:  # missing metadata: say which file
         raise ValueError(f"{gguf_path}: {e}") from e
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    generation = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
+    }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if "tokenizer.ggml.tokens" in reader.metadata:
-        _save_tokenizer(reader, gguf_path, out_dir, config["model_type"], config["max_position_embeddings"])
+        _save_tokenizer(
+            reader, gguf_path, out_dir, config["model_type"], config["max_position_embeddings"]
+        )
 
 
 def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
@@ -77,7 +87,10 @@ def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
             config[f"{key}_token_id"] = token_id
     scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        config["rope_scaling"] = {"rope_type": scaling, "factor": metadata(reader, f"{arch}.rope.scaling.factor")}
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": metadata(reader, f"{arch}.rope.scaling.factor"),
+        }
         original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = original
@@ -92,7 +105,11 @@ def _gemma3_config(reader: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     the 62-layer 27B)."""
     layers = config["num_hidden_layers"]
     pattern = metadata(reader, "gemma3.attention.sliding_window_pattern", 6)
-    sliding = list(pattern) if isinstance(pattern, list) else [bool((i + 1) % pattern) for i in range(layers)]
+    sliding = (
+        list(pattern)
+        if isinstance(pattern, list)
+        else [bool((i + 1) % pattern) for i in range(layers)]
+    )
     big = layers == 62
     return {
         "hidden_act": "gelu_pytorch_tanh",
@@ -100,13 +117,17 @@ def _gemma3_config(reader: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         "sliding_window": metadata(reader, "gemma3.attention.sliding_window"),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "rope_local_base_freq": metadata(reader, "gemma3.rope.freq_base_swa", 10000.0),
-        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"],
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
+        if big
+        else config["head_dim"],
         "final_logit_softcapping": metadata(reader, "gemma3.final_logit_softcapping", None),
         "attn_logit_softcapping": None,
     }
 
 
-def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type: str, context_length: int) -> None:
+def _save_tokenizer(
+    reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type: str, context_length: int
+) -> None:
     """Build the fast tokenizer transformers derives from the GGUF, save it, and check the reload
     matches. Naming the model type picks the class AutoTokenizer would pick from the model's
     config, without its reading that config from the GGUF: for some architectures (Gemma 3)
@@ -115,7 +136,9 @@ def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     kind = model_type if model_type in TOKENIZER_MAPPING_NAMES else None
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, tokenizer_type=kind)
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, tokenizer_type=kind
+    )
     tokenizer.chat_template = metadata(reader, "tokenizer.chat_template", None)
     tokenizer.model_max_length = context_length
     # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader finds it.
@@ -125,7 +148,9 @@ def _save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path, model_type
     probes = list(_TOKENIZER_PROBES)
     if tokenizer.chat_template:
         chat = [{"role": "user", "content": "What is the capital of France?"}]
-        probes.append(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+        probes.append(
+            tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        )
     for text in probes:
         if tokenizer(text).input_ids != reloaded(text).input_ids:
             raise ValueError(f"{gguf_path}: saved tokenizer does not round-trip {text!r}")
@@ -135,7 +160,9 @@ def architecture(reader: GGUFFile, path: Path) -> str:
     """The `general.architecture` value, checked against what the converter supports."""
     arch = metadata(reader, "general.architecture", None)
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     return arch
 
 

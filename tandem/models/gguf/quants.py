@@ -20,6 +20,7 @@ int4 layer's weights are within a few ulp of the reference's, not bit-exact
 (`k_quant_rows`): the integer kernel holds those, and forms d sc q - dmin m as the reference does;
 elsewhere `KQuantScales.scales_zeros` maps them as in the table.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,15 +31,23 @@ QK_K = 256
 GROUP_SIZE = 32
 # (weights per block, bytes per block)
 BLOCKS: dict[Q, tuple[int, int]] = {
-    Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q5_1: (32, 24), Q.Q8_0: (32, 34),
-    Q.Q4_K: (QK_K, 144), Q.Q5_K: (QK_K, 176), Q.Q6_K: (QK_K, 210),
+    Q.Q4_0: (32, 18),
+    Q.Q4_1: (32, 20),
+    Q.Q5_0: (32, 22),
+    Q.Q5_1: (32, 24),
+    Q.Q8_0: (32, 34),
+    Q.Q4_K: (QK_K, 144),
+    Q.Q5_K: (QK_K, 176),
+    Q.Q6_K: (QK_K, 210),
 }
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 FIVE_BIT_KINDS = (Q.Q5_0, Q.Q5_1, Q.Q5_K)
 K_QUANT_KINDS = (Q.Q4_K, Q.Q5_K)
 INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, *K_QUANT_KINDS)  # read by the int4 layer as they are
 
-Int4Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
+Int4Arrays = tuple[
+    np.ndarray, np.ndarray, np.ndarray
+]  # codes [N, K] uint8, scales, zeros [N, K // 32] fp32
 # codes [N, K] uint8, d, dmin [N, K // 256] fp16, sc, m [N, K // 32] uint8
 KQuantArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -92,14 +101,20 @@ def k_quant_rows(data: np.ndarray, kind: Q) -> KQuantArrays:
     rows = data.shape[0]
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[kind][1])
     sc, m = _k_sub_scales(blocks)
-    codes = _nibbles_k(blocks[:, 16:]) if kind == Q.Q4_K else _nibbles_k(blocks[:, 48:]) | _high_k(blocks)
-    d, dmin = (_half(blocks, at).astype(np.float16).reshape(rows, -1) for at in (0, 2))  # fp16 -> fp32 -> fp16: exact
+    codes = (
+        _nibbles_k(blocks[:, 16:])
+        if kind == Q.Q4_K
+        else _nibbles_k(blocks[:, 48:]) | _high_k(blocks)
+    )
+    d, dmin = (
+        _half(blocks, at).astype(np.float16).reshape(rows, -1) for at in (0, 2)
+    )  # fp16 -> fp32 -> fp16: exact
     return codes.reshape(rows, -1), d, dmin, sc.reshape(rows, -1), m.reshape(rows, -1)
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
     """The fp16 at byte `at` of every block, as fp32 [B, 1]."""
-    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -129,7 +144,11 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     """Q4_K / Q5_K: d, dmin [B, 1] and the sub-block scales and mins [B, 8], as fp32 [B, 8, 1]
     products' factors."""
     as_factor = lambda a: a.astype(np.float32)[..., None]  # noqa: E731
-    return (as_factor(_half(blocks, 0)), as_factor(_half(blocks, 2)), *(as_factor(a) for a in _k_sub_scales(blocks)))
+    return (
+        as_factor(_half(blocks, 0)),
+        as_factor(_half(blocks, 2)),
+        *(as_factor(a) for a in _k_sub_scales(blocks)),
+    )
 
 
 def _q4_0(blocks: np.ndarray) -> np.ndarray:
@@ -154,11 +173,15 @@ def _high_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks: np.ndarray) -> np.ndarray:
-    return _half(blocks, 0) * ((_nibbles(blocks[:, 6:]) | _high(blocks[:, 2:6])).astype(np.float32) - 16)
+    return _half(blocks, 0) * (
+        (_nibbles(blocks[:, 6:]) | _high(blocks[:, 2:6])).astype(np.float32) - 16
+    )
 
 
 def _q5_1(blocks: np.ndarray) -> np.ndarray:
-    return _half(blocks, 0) * (_nibbles(blocks[:, 8:]) | _high(blocks[:, 4:8])).astype(np.float32) + _half(blocks, 2)
+    return _half(blocks, 0) * (_nibbles(blocks[:, 8:]) | _high(blocks[:, 4:8])).astype(
+        np.float32
+    ) + _half(blocks, 2)
 
 
 def _q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -180,7 +203,9 @@ def q8_0_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[N, bytes per row] raw Q8_0 rows -> codes [N, K] int8 and d [N, K // 32] fp16: w = d q."""
     rows = data.shape[0]
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[Q.Q8_0][1])
-    return blocks[:, 2:].view(np.int8).reshape(rows, -1), blocks[:, :2].copy().view(np.float16).reshape(rows, -1)
+    return blocks[:, 2:].view(np.int8).reshape(rows, -1), blocks[:, :2].copy().view(
+        np.float16
+    ).reshape(rows, -1)
 
 
 def q6k_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -189,7 +214,11 @@ def q6k_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rows = data.shape[0]
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, BLOCKS[Q.Q6_K][1])
     codes, sc = _q6k_codes(blocks), blocks[:, 192:208].view(np.int8)
-    return codes.reshape(rows, -1), sc.reshape(rows, -1), blocks[:, 208:210].copy().view(np.float16).reshape(rows, -1)
+    return (
+        codes.reshape(rows, -1),
+        sc.reshape(rows, -1),
+        blocks[:, 208:210].copy().view(np.float16).reshape(rows, -1),
+    )
 
 
 def _q6k_codes(blocks: np.ndarray) -> np.ndarray:
@@ -211,4 +240,13 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return d[..., None] * q
 
 
-_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_DECODERS = {
+    Q.Q4_0: _q4_0,
+    Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.Q8_0: _q8_0,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+}

@@ -7,6 +7,7 @@ float copy of it. Layout differences are undone here: llama.cpp permutes the row
 (whole rows, so codes and block scales are unpermuted alike) and stores Gemma 3's norm weights
 as 1 + w.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,15 +22,27 @@ from gguf import GGMLQuantizationType
 from tandem.models.gguf.file import GGUFFile, TensorInfo
 from tandem.models.gguf.model_folder import SUPPORTED_ARCHS
 from tandem.models.gguf.quants import (
-    INT4_KINDS, K_QUANT_KINDS, dequantize_rows, int4_rows, k_quant_rows, q6k_rows, q8_0_rows,
+    INT4_KINDS,
+    K_QUANT_KINDS,
+    dequantize_rows,
+    int4_rows,
+    k_quant_rows,
+    q6k_rows,
+    q8_0_rows,
 )
 from tandem.models.quantization.int4 import KQuantScales
 
 # codes [N, K] uint8, then scales, zeros [N, K // 32] fp32, or a K-quant's factors and None (Int4Linear's arguments)
 Int4Codes = tuple[torch.Tensor, torch.Tensor | KQuantScales, torch.Tensor | None]
-Q6KCodes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] uint8, sc [N, K // 16] int8, d [N, K // 256] fp16
+Q6KCodes = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor
+]  # codes [N, K] uint8, sc [N, K // 16] int8, d [N, K // 256] fp16
 
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -45,16 +58,30 @@ _LAYER_TENSORS = {
 }
 # Architectures whose layers name some tensors otherwise (Gemma's norms around attention and MLP).
 _ARCH_LAYER_TENSORS = {
-    "gemma3": {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
-               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": {
+        **_LAYER_TENSORS,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # llama.cpp's convert_hf_to_gguf stores Gemma 3's RMSNorm weights w as 1 + w (its `norm_shift`,
 # the (1 + w) of Gemma3RMSNorm): every `*norm.weight` tensor, undone here.
 _NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
 _Q = GGMLQuantizationType
-_CODE_BITS = {_Q.Q4_0: 4, _Q.Q4_1: 4, _Q.Q4_K: 4, _Q.Q5_0: 5, _Q.Q5_1: 5, _Q.Q5_K: 5, _Q.Q6_K: 6, _Q.Q8_0: 8,
-              _Q.F16: 16, _Q.BF16: 16}
+_CODE_BITS = {
+    _Q.Q4_0: 4,
+    _Q.Q4_1: 4,
+    _Q.Q4_K: 4,
+    _Q.Q5_0: 5,
+    _Q.Q5_1: 5,
+    _Q.Q5_K: 5,
+    _Q.Q6_K: 6,
+    _Q.Q8_0: 8,
+    _Q.F16: 16,
+    _Q.BF16: 16,
+}
 # A tensor is decoded this many weights at a time (whole rows): the decoders' temporaries are
 # several times their chunk, so a chunk of a 1B model's whole down_proj raised the load's peak.
 _WEIGHTS_PER_CHUNK = 1 << 20
@@ -78,8 +105,10 @@ class GGUFWeights:
         meta = self.file.metadata
         self.arch = meta.get("general.architecture")
         if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"{self.path}: unsupported GGUF architecture {self.arch!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+            raise ValueError(
+                f"{self.path}: unsupported GGUF architecture {self.arch!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
         n_head = meta.get(f"{self.arch}.attention.head_count")
         n_head_kv = meta.get(f"{self.arch}.attention.head_count_kv", n_head)
         self.tensors: dict[str, GGUFTensor] = {}
@@ -126,7 +155,9 @@ class GGUFWeights:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of a 2-D tensor, fp32: a large one is requantised a slice at a time. A
         permuted q/k is decoded in whole heads (llama.cpp permuted rows within each head)."""
-        return self._by_rows(name, start, stop, lambda t, first, last: (self._decode(t, first, last),))[0]
+        return self._by_rows(
+            name, start, stop, lambda t, first, last: (self._decode(t, first, last),)
+        )[0]
 
     def _by_rows(self, name: str, start: int, stop: int, read) -> tuple[torch.Tensor, ...]:
         """Per-row arrays `read(tensor, first, last)` of rows start:stop of a 2-D tensor, as
@@ -140,7 +171,9 @@ class GGUFWeights:
         head_rows = t.shape[0] // t.heads
         first, last = start // head_rows * head_rows, -(-stop // head_rows) * head_rows
         arrays = (unpermute_qk(a, (last - first) // head_rows) for a in read(t, first, last))
-        return tuple(torch.from_numpy(np.ascontiguousarray(a[start - first:stop - first])) for a in arrays)
+        return tuple(
+            torch.from_numpy(np.ascontiguousarray(a[start - first : stop - first])) for a in arrays
+        )
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows start:stop of the tensor's bytes as stored: [rows, bytes per row]."""
@@ -154,7 +187,9 @@ class GGUFWeights:
         try:
             for i in range(start, stop, rows_per_chunk):
                 end = min(i + rows_per_chunk, stop)
-                w[i - start:end - start] = dequantize_rows(self.file.read_rows(t.info, i, end), t.kind)
+                w[i - start : end - start] = dequantize_rows(
+                    self.file.read_rows(t.info, i, end), t.kind
+                )
         except ValueError as e:
             raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from e
         return w
@@ -207,4 +242,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf `LlamaModel.permute`) for rotate-half RoPE."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )

@@ -1,4 +1,5 @@
 """Activations of the gated MLPs: act(gate) * up of a fused [gate | up] projection."""
+
 from __future__ import annotations
 
 import enum
@@ -22,6 +23,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 class Gate(enum.IntEnum):
     """A gated MLP's activation: act(gate) * up of its [gate | up] projection. The values are the
     integer kernel's (kernels/cpu_quant_gemm.cpp), whose epilogue computes it."""
+
     SILU = 1
     GELU_TANH = 2
 

@@ -7,6 +7,7 @@ logits change in the last bits with the batch it lands in, and greedy tokens fol
 quantised layers keep their kernels: torch's int8 / int4 CPU kernels and the integer-activation kernel
 already compute a row the same way whatever M (tests/test_deterministic_kernels.py checks).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,14 +41,18 @@ class InvariantLinear(nn.Module):
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in words, what the deterministic mode cannot honour here."""
     if device.type != "cpu":
-        raise ValueError("deterministic serving runs on CPU only for now: on CUDA it needs a batch-invariant "
-                         "configuration of the Triton kernels, which this version does not have")
+        raise ValueError(
+            "deterministic serving runs on CPU only for now: on CUDA it needs a batch-invariant "
+            "configuration of the Triton kernels, which this version does not have"
+        )
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"deterministic serving computes in float32 or bfloat16, not {dtype}")
     if cpu_invariant_gemm() is None:
-        raise ValueError("deterministic serving needs the native batch-invariant GEMM (kernels/"
-                         "cpu_invariant_gemm.cpp), which could not be built here: a C++ compiler is needed "
-                         "and TANDEM_NO_NATIVE must not be 1")
+        raise ValueError(
+            "deterministic serving needs the native batch-invariant GEMM (kernels/"
+            "cpu_invariant_gemm.cpp), which could not be built here: a C++ compiler is needed "
+            "and TANDEM_NO_NATIVE must not be 1"
+        )
 
 
 def make_batch_invariant(model: nn.Module) -> None:
@@ -58,6 +63,10 @@ def make_batch_invariant(model: nn.Module) -> None:
         if type(module) is Linear:
             parent, _, attr = name.rpartition(".")
             bias = None if module.bias is None else module.bias.data
-            setattr(model.get_submodule(parent) if parent else model, attr, InvariantLinear(module.weight.data, bias))
+            setattr(
+                model.get_submodule(parent) if parent else model,
+                attr,
+                InvariantLinear(module.weight.data, bias),
+            )
     if model.lm_head is None:
         model.lm_head = InvariantLinear(model.embed_tokens.weight.data, None)

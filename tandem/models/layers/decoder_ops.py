@@ -6,6 +6,7 @@ which look their linear up at each call: the builder replaces linears after the 
 The decode plan (models/decode_plan.py) binds the same declaration to prebound native calls, so
 its steps are the modules' bit for bit: the calls and their order are this one `step`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,6 +28,7 @@ Gemm = Callable[[torch.Tensor], torch.Tensor]
 class NormWeights(NamedTuple):
     """A layer's RMSNorm weights: before the attention and before the MLP (after the residual
     add); Gemma's also on the attention's and the MLP's outputs."""
+
     input: torch.Tensor
     mlp_input: torch.Tensor
     after_attention: torch.Tensor | None = None
@@ -49,8 +51,14 @@ class DecoderOps:
     down: Gemm
     rope: int  # which of the model's RoPE tables this layer turns by (its `rotaries()`)
 
-    def step(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
-             kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: StepRope,
+        kv_cache: torch.Tensor,
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the add of the two is left
         to the next layer's input norm (one fused add + norm, vLLM's residual passing).
         `residual` None: x is the embedding (the first layer)."""
@@ -105,23 +113,35 @@ def _forward(modules: dict[str, nn.Module], name: str, x: torch.Tensor) -> torch
     return modules[name].forward(x)
 
 
-def _forward_gated(modules: dict[str, nn.Module], name: str, gate: Gate,
-                   x: torch.Tensor) -> torch.Tensor:
+def _forward_gated(
+    modules: dict[str, nn.Module], name: str, gate: Gate, x: torch.Tensor
+) -> torch.Tensor:
     return modules[name].forward_gated(x, gate)
 
 
 class DecodeRun(Protocol):
     """A model's stand-in forward for the steps it takes (the decode plan)."""
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: Any) -> torch.Tensor | None:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor | None:
         """Hidden states, or None: not such a step (run the modules)."""
         ...
 
 
-def run_layers(embed: Callable[[torch.Tensor], torch.Tensor], rotaries: list[RotaryEmbedding],
-               layers: list[DecoderOps], input_ids: torch.Tensor, positions: torch.Tensor,
-               kv_caches: list[torch.Tensor], meta: Any) -> torch.Tensor:
+def run_layers(
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    rotaries: list[RotaryEmbedding],
+    layers: list[DecoderOps],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: Any,
+) -> torch.Tensor:
     """The decoder stack: the embedding, each layer's step in turn, the last residual add;
     hidden states before the final norm, one row per input token."""
     x, residual = embed(input_ids), None

@@ -1,4 +1,5 @@
 """RMSNorm, and the residual add fused into it, on flattened [num_tokens, hidden] batches."""
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, its norm), in one native pass where the kernel serves x."""
     ext = fused_ops_for(x)
     if ext is not None:

@@ -1,12 +1,13 @@
 """The float linear layer, and its oneDNN-packed form on CPU, for flattened [num_tokens, hidden]
 batches."""
+
 from __future__ import annotations
 
 import functools
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from tandem.models.layers.activation import Gate
 
@@ -47,7 +48,9 @@ def can_pack_cpu(weight: torch.Tensor) -> bool:
 def _onednn_bf16_packing() -> bool:
     """oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT) and says so only when called:
     on an AVX2 CPU it raises, and bf16 linears stay on F.linear."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    ):
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
@@ -60,7 +63,9 @@ def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
-def cpu_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def cpu_packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """oneDNN keeps a primitive, with its scratch memory, for every row count it has seen and never
     frees one, so a server whose steps take every size up to max_num_batched_tokens grows for as
     long as it sees new sizes. Rows are padded (with zeros) to one of few sizes instead (`padded_rows`)."""

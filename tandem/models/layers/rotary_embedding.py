@@ -1,12 +1,12 @@
 """Rotary position embedding (rotate-half, the Hugging Face layout), with Llama-3 and linear
 scaling."""
+
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import nn
-
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -28,7 +28,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)"
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,7 +43,9 @@ class RotaryEmbedding(nn.Module):
 
     MIN_POSITIONS = 4096
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
+    ) -> None:
         super().__init__()
         self.max_positions = max_positions
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
@@ -57,10 +61,12 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(self.cos_sin.shape[0]).to(self.cos_sin.device)
 
     def _table(self, n: int) -> torch.Tensor:
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq)
+        freqs = torch.outer(
+            torch.arange(n, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq
+        )
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.rounding).float()
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRope":
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
         if positions.device.type == "cpu" and positions.numel():
             need = int(positions.max()) + 1
             if need > self.cos_sin.shape[0]:

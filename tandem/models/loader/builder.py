@@ -23,6 +23,7 @@ A quantised Linear is built straight from its file tensors, so no float copy of 
 layers is ever held; the float modules it replaces are never written (their untouched pages
 cost no memory).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,18 +56,33 @@ log = logging.getLogger(__name__)
 
 QUANTIZED = ("int8", "int4")
 # Our fused modules and the Hugging Face tensors they hold, in row order.
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 # GGUF types by the precision that serves them without losing what they store: 4- and 5-bit
 # blocks int4 (their own codes), 6- and 8-bit int8.
-_STORED_AS = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int4", Q.Q5_1: "int4", Q.Q5_K: "int4",
-              Q.Q6_K: "int8", Q.Q8_0: "int8", Q.F16: "fp16", Q.BF16: "bf16"}
+_STORED_AS = {
+    Q.Q4_0: "int4",
+    Q.Q4_1: "int4",
+    Q.Q4_K: "int4",
+    Q.Q5_0: "int4",
+    Q.Q5_1: "int4",
+    Q.Q5_K: "int4",
+    Q.Q6_K: "int8",
+    Q.Q8_0: "int8",
+    Q.F16: "fp16",
+    Q.BF16: "bf16",
+}
 _FOLDER_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def resolve_precision(precision: str | None, dtype: torch.dtype, device: torch.device) -> tuple[str, str, torch.dtype]:
+def resolve_precision(
+    precision: str | None, dtype: torch.dtype, device: torch.device
+) -> tuple[str, str, torch.dtype]:
     """(precision name, weight format, activation dtype). A float precision sets the dtype; fp16
     is the device's 16-bit float: the engine's dtype when that is 16-bit (bf16 on AVX-512 CPUs
     and sm80+ GPUs), else bf16 on CPU and float16 on CUDA. int8 / int4 keep `dtype`."""
@@ -102,8 +118,15 @@ def _gguf_stored(weights: GGUFWeights) -> str | None:
     return max(sizes, key=lambda kind: (sizes[kind], wider.index(kind))) if sizes else None
 
 
-def build_model(source: GGUFWeights | FolderWeights, cfg: ModelConfig, weights: str, device: torch.device,
-                dtype: torch.dtype, attention: AttentionFactory, deterministic: bool = False) -> LlamaForCausalLM:
+def build_model(
+    source: GGUFWeights | FolderWeights,
+    cfg: ModelConfig,
+    weights: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionFactory,
+    deterministic: bool = False,
+) -> LlamaForCausalLM:
     """weights: "float" (the activation dtype) or one of QUANTIZED, read from `source` (a GGUF,
     or a folder's safetensors: `weight_source`, opened once per load and shared by its variants).
     deterministic: float GEMMs on the batch-invariant kernel (layers/batch_invariant.py) instead
@@ -120,19 +143,27 @@ def build_model(source: GGUFWeights | FolderWeights, cfg: ModelConfig, weights: 
     if weights in QUANTIZED:
         native = 0
         # int4 of a file mostly in 4-5 bit blocks keeps its wider tensors wide (see the docstring)
-        keep_wide = weights == "int4" and isinstance(source, GGUFWeights) and _gguf_stored(source) == "int4"
+        keep_wide = (
+            weights == "int4" and isinstance(source, GGUFWeights) and _gguf_stored(source) == "int4"
+        )
         for name, module in list(model.named_modules()):
             if isinstance(module, Linear) and module is not model.lm_head:
                 parent, _, attr = name.rpartition(".")
-                quantised, parts, from_file = _quantise(name, module, weights, dtype, source, keep_wide)
+                quantised, parts, from_file = _quantise(
+                    name, module, weights, dtype, source, keep_wide
+                )
                 native += from_file
                 consumed.update(parts)
                 setattr(model.get_submodule(parent), attr, quantised)
                 trim_heap()
                 move_to_huge_pages(_tensors(quantised))
         if native:
-            log.info("%s from %s: %d of the linear layers' tensors are served as the file stores them",
-                     weights, source.path, native)
+            log.info(
+                "%s from %s: %d of the linear layers' tensors are served as the file stores them",
+                weights,
+                source.path,
+                native,
+            )
         consumed |= _quantise_vocab(model, source, weights, dtype)
         move_to_huge_pages(_tensors(model.lm_head, model.embed_tokens))
     model.load_weights((name, source.get(name)) for name in source.names() if name not in consumed)
@@ -155,7 +186,9 @@ def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights the variant holds: parameters, buffers (the rotary table excluded) and
     the kernel-packed copies that replaced plain weights."""
-    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if not n.endswith("cos_sin")]
+    tensors = list(model.parameters()) + [
+        b for n, b in model.named_buffers() if not n.endswith("cos_sin")
+    ]
     for module in model.modules():
         tensors += [getattr(module, a, None) for a in ("packed", "codes", "packed_lm_head")]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -173,8 +206,9 @@ def _retype(model: nn.Module, dtype: torch.dtype) -> None:
             rotary.round_through(dtype)
 
 
-def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights, weights: str,
-                    dtype: torch.dtype) -> set[str]:
+def _quantise_vocab(
+    model: LlamaForCausalLM, source: GGUFWeights | FolderWeights, weights: str, dtype: torch.dtype
+) -> set[str]:
     """The LM head as a quantised table, and the embedding read from it (tied) or from its own
     table (`_vocab_table`); returns the file tensors taken."""
     device = model.embed_tokens.weight.device
@@ -186,8 +220,13 @@ def _quantise_vocab(model: LlamaForCausalLM, source: GGUFWeights | FolderWeights
     return {embed, head}
 
 
-def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
-                 device: torch.device) -> Int4Linear | Int8Linear | Q6KLinear:
+def _vocab_table(
+    source: GGUFWeights | FolderWeights,
+    name: str,
+    weights: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Int4Linear | Int8Linear | Q6KLinear:
     """One vocabulary table: the file's own Q6_K or Q8_0 blocks, or its 4- / 5-bit codes in an
     int4 variant, on the integer kernel (nothing requantised; 4-6 bit codes are also fewer bytes
     a step than int8), else int8 per channel."""
@@ -197,8 +236,14 @@ def _vocab_table(source: GGUFWeights | FolderWeights, name: str, weights: str, d
     return stored_layer(fmt, source, [name], None, dtype, device)[0]
 
 
-def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, source: GGUFWeights | FolderWeights,
-              keep_wide: bool) -> tuple[nn.Module, list[str], int]:
+def _quantise(
+    name: str,
+    module: Linear,
+    weights: str,
+    dtype: torch.dtype,
+    source: GGUFWeights | FolderWeights,
+    keep_wide: bool,
+) -> tuple[nn.Module, list[str], int]:
     """The quantised replacement of one Linear, the file tensors it took, and how many of them
     it took as the file's own codes. In the int8 variant, and in int4 of a file stored mostly in
     4-5 bits (keep_wide), each part is served as it is stored where a kernel reads that
@@ -210,8 +255,12 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, sourc
     device = module.weight.device
     bias = None
     if module.bias is not None:
-        bias = torch.cat([source.get(p.removesuffix(".weight") + ".bias") for p in parts]).to(device)
-    names = parts + ([p.removesuffix(".weight") + ".bias" for p in parts] if bias is not None else [])
+        bias = torch.cat([source.get(p.removesuffix(".weight") + ".bias") for p in parts]).to(
+            device
+        )
+    names = parts + (
+        [p.removesuffix(".weight") + ".bias" for p in parts] if bias is not None else []
+    )
     if not (weights == "int8" or keep_wide):
         layer, native = stored_layer(LayerFormat.INT4, source, parts, bias, dtype, device)
         return layer, names, native
@@ -220,7 +269,9 @@ def _quantise(name: str, module: Linear, weights: str, dtype: torch.dtype, sourc
     for fmt, group in itertools.groupby(zip(formats, parts), key=lambda pair: pair[0]):
         group = [p for _, p in group]
         rows = sum(source.shape(p)[0] for p in group)
-        layer, from_file = stored_layer(fmt, source, group, None if bias is None else bias[at:at + rows], dtype, device)
+        layer, from_file = stored_layer(
+            fmt, source, group, None if bias is None else bias[at : at + rows], dtype, device
+        )
         layers.append(layer)
         native += from_file
         at += rows

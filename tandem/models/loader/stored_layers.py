@@ -3,6 +3,7 @@ or Q8_0 blocks, its 4- and 5-bit codes as int4, or int8 / int4 quantised from fl
 read a tensor (and a large tensor a slice of rows) at a time, each slice's temporaries handed
 back before the next, so loading never holds a layer twice or in floats.
 """
+
 from __future__ import annotations
 
 import enum
@@ -15,7 +16,11 @@ from tandem.models.loader.folder_weights import FolderWeights
 from tandem.models.quantization import base
 from tandem.models.quantization.host_memory import huge_empty, trim_heap
 from tandem.models.quantization.int4 import (
-    DEFAULT_INT4_GROUP, Int4Linear, KQuantScales, int4_concatenates, quantize_int4,
+    DEFAULT_INT4_GROUP,
+    Int4Linear,
+    KQuantScales,
+    int4_concatenates,
+    quantize_int4,
 )
 from tandem.models.quantization.int8 import Int8Linear, quantize_int8
 from tandem.models.quantization.q6k import Q6KLinear, q6k_kernel
@@ -24,14 +29,21 @@ from tandem.models.quantization.q6k import Q6KLinear, q6k_kernel
 class LayerFormat(enum.Enum):
     """What a layer is served as: the file's own Q6_K or Q8_0 blocks, int4 codes (the file's 4-
     or 5-bit ones, or quantised), int8 per output channel (quantised)."""
+
     Q6_K = enum.auto()
     Q8_0 = enum.auto()
     INT4 = enum.auto()
     INT8 = enum.auto()
 
 
-def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 2048) -> Q6KLinear:
+def _q6k_linear(
+    source: GGUFWeights | FolderWeights,
+    names: list[str],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows_per_chunk: int = 2048,
+) -> Q6KLinear:
     """The row-concatenation of `names` (a vocabulary, or a fused layer's parts) from the file's
     own Q6_K blocks, packed a slice of rows at a time."""
     sizes = [source.shape(name) for name in names]
@@ -39,14 +51,22 @@ def _q6k_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: tor
     at = 0
     for name, (rows, _) in zip(names, sizes):
         for start in range(0, rows, rows_per_chunk):
-            layer.load(at + start, *(t.to(device) for t in source.q6k(name, start, start + rows_per_chunk)))
+            layer.load(
+                at + start, *(t.to(device) for t in source.q6k(name, start, start + rows_per_chunk))
+            )
             trim_heap()
         at += rows
     return layer
 
 
-def _q8_0_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 4096) -> Int8Linear:
+def _q8_0_linear(
+    source: GGUFWeights | FolderWeights,
+    names: list[str],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows_per_chunk: int = 4096,
+) -> Int8Linear:
     """Int8Linear of the row-concatenation of `names` from the file's own Q8_0 blocks (codes and
     fp16 d per 32), read a slice of rows at a time into the one table."""
     sizes = [source.shape(name) for name in names]
@@ -56,14 +76,22 @@ def _q8_0_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
     for name, (rows, _) in zip(names, sizes):
         for start in range(0, rows, rows_per_chunk):
             stop = min(start + rows_per_chunk, rows)
-            qweight[at + start:at + stop], d[at + start:at + stop] = source.q8_0(name, start, stop)
+            qweight[at + start : at + stop], d[at + start : at + stop] = source.q8_0(
+                name, start, stop
+            )
             trim_heap()
         at += rows
     return Int8Linear(qweight, d, bias, dtype)
 
 
-def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device, rows_per_chunk: int = 512) -> Int8Linear:
+def _int8_linear(
+    source: GGUFWeights | FolderWeights,
+    names: list[str],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows_per_chunk: int = 512,
+) -> Int8Linear:
     """Int8Linear.from_float of the row-concatenation of `names` (a vocabulary, or a fused
     layer's parts) without holding it in floats: by row slices, each one's temporaries handed
     back before the next."""
@@ -74,15 +102,21 @@ def _int8_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
     for name, (rows, _) in zip(names, sizes):
         for start in range(0, rows, rows_per_chunk):
             stop = min(start + rows_per_chunk, rows)
-            qweight[at + start:at + stop], scales[at + start:at + stop] = quantize_int8(
-                source.rows(name, start, stop).to(device))
+            qweight[at + start : at + stop], scales[at + start : at + stop] = quantize_int8(
+                source.rows(name, start, stop).to(device)
+            )
             trim_heap()
         at += rows
     return Int8Linear(qweight, scales, bias, dtype)
 
 
-def served_as(source: GGUFWeights | FolderWeights, name: str, weights: str, dtype: torch.dtype,
-              device: torch.device) -> LayerFormat:
+def served_as(
+    source: GGUFWeights | FolderWeights,
+    name: str,
+    weights: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LayerFormat:
     """The format one stored tensor is served in where a variant keeps what the file stores:
     Q6_K and Q8_0 blocks as they are where the integer kernel serves them, 4- and 5-bit codes
     int4 (in int4), anything else int8 per channel."""
@@ -94,8 +128,14 @@ def served_as(source: GGUFWeights | FolderWeights, name: str, weights: str, dtyp
     return LayerFormat.INT4 if weights == "int4" and bits <= 5 else LayerFormat.INT8
 
 
-def stored_layer(fmt: LayerFormat, source: GGUFWeights | FolderWeights, names: list[str],
-                 bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, int]:
+def stored_layer(
+    fmt: LayerFormat,
+    source: GGUFWeights | FolderWeights,
+    names: list[str],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[nn.Module, int]:
     """The layer of tensors `names` (row parts) in format `fmt` (`served_as`), and how many of
     them it holds as the file stores them."""
     if fmt == LayerFormat.Q6_K:
@@ -107,8 +147,13 @@ def stored_layer(fmt: LayerFormat, source: GGUFWeights | FolderWeights, names: l
     return _int8_linear(source, names, bias, dtype, device), 0
 
 
-def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device) -> tuple[Int4Linear, int]:
+def _int4_linear(
+    source: GGUFWeights | FolderWeights,
+    names: list[str],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Int4Linear, int]:
     """An Int4Linear of the row-concatenation of `names`, and how many of them it holds as the
     file's own codes: 4- and 5-bit codes as they are (5 bits where a part has them: 4-bit codes
     are 5-bit codes too), every other part quantised from its floats."""
@@ -121,14 +166,26 @@ def _int4_linear(source: GGUFWeights | FolderWeights, names: list[str], bias: to
         native += codes is not None
         codes = codes or quantize_int4(source.get(name).to(device), DEFAULT_INT4_GROUP, bits)
         # packed as it comes where the kernel serves the layer: one part's one-byte codes at a time
-        pieces.append(Int4Linear(*(t if t is None else t.to(device) for t in codes), None, dtype, bits) if by_part else codes)
+        pieces.append(
+            Int4Linear(*(t if t is None else t.to(device) for t in codes), None, dtype, bits)
+            if by_part
+            else codes
+        )
         del codes
     if by_part:
         return Int4Linear.concat(pieces, bias, dtype), native
     codes = torch.cat([piece[0] for piece in pieces]).to(device)
     if all(isinstance(piece[1], KQuantScales) for piece in pieces):  # joined as K-quant factors
-        return Int4Linear(codes, KQuantScales(*(torch.cat(f).to(device) for f in zip(*(p[1] for p in pieces)))),
-                          None, bias, dtype, bits), native
-    pieces = [(c, *s.scales_zeros()) if isinstance(s, KQuantScales) else (c, s, z) for c, s, z in pieces]
+        return Int4Linear(
+            codes,
+            KQuantScales(*(torch.cat(f).to(device) for f in zip(*(p[1] for p in pieces)))),
+            None,
+            bias,
+            dtype,
+            bits,
+        ), native
+    pieces = [
+        (c, *s.scales_zeros()) if isinstance(s, KQuantScales) else (c, s, z) for c, s, z in pieces
+    ]
     s, z = (torch.cat([piece[i] for piece in pieces]).to(device) for i in (1, 2))
     return Int4Linear(codes, s, z, bias, dtype, bits), native

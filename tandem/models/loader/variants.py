@@ -8,6 +8,7 @@ the default's dtype when it is a float precision and `dtype` is auto, else the e
 A variant that fails to build is recorded with its reason; its requests go to the fallback,
 which must itself build.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,10 +22,21 @@ from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
 from tandem.models.config import ModelConfig
 from tandem.models.gguf.weights import GGUFWeights
 from tandem.models.loader.builder import (
-    FLOAT_NAMES, QUANTIZED, build_model, resolve_precision, stored_precision, weight_bytes,
+    FLOAT_NAMES,
+    QUANTIZED,
+    build_model,
+    resolve_precision,
+    stored_precision,
+    weight_bytes,
 )
 from tandem.models.loader.folder_weights import FolderWeights
-from tandem.models.loader.model_files import gguf_source, load_config, load_tokenizer, resolve_model, weight_source
+from tandem.models.loader.model_files import (
+    gguf_source,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+    weight_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +52,9 @@ class ModelVariants:
     source: GGUFWeights | FolderWeights | None = None
 
 
-def auto_precision(source: GGUFWeights | FolderWeights, config_dtype: str, dtype: torch.dtype) -> str:
+def auto_precision(
+    source: GGUFWeights | FolderWeights, config_dtype: str, dtype: torch.dtype
+) -> str:
     """What `quantization: auto` serves: the precision the weights are stored in; for float
     weights a dtype asked for (`config_dtype` not auto) wins, and fp32 weights take `dtype`."""
     stored = stored_precision(source)
@@ -49,9 +63,17 @@ def auto_precision(source: GGUFWeights | FolderWeights, config_dtype: str, dtype
     return stored
 
 
-def build_variants(quant: QuantizationConfig, model_name: str, dtype_name: str, model_dir: Path,
-                   cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                   attention: AttentionFactory, deterministic: bool = False) -> ModelVariants:
+def build_variants(
+    quant: QuantizationConfig,
+    model_name: str,
+    dtype_name: str,
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionFactory,
+    deterministic: bool = False,
+) -> ModelVariants:
     """`model_name`, `dtype_name`: as the engine was given them; `dtype`: that dtype resolved
     for the device (the executor's choice)."""
     source = weight_source(model_dir, gguf_source(model_name))
@@ -65,16 +87,23 @@ def build_variants(quant: QuantizationConfig, model_name: str, dtype_name: str, 
         _, weights, variant_dtype = resolve_precision(name, dtype, device)
         try:
             if variant_dtype != dtype:
-                raise ValueError(f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
-                                 "variants share one KV pool")
-            model = build_model(source, cfg, weights, device, dtype, attention,
-                                deterministic=deterministic)
+                raise ValueError(
+                    f"it computes in {variant_dtype} but the engine's dtype is {dtype}: "
+                    "variants share one KV pool"
+                )
+            model = build_model(
+                source, cfg, weights, device, dtype, attention, deterministic=deterministic
+            )
         except (ValueError, RuntimeError) as e:
             if quant.precision_fallback in (None, name):  # nothing could serve its requests
                 what = "the fallback " if name == quant.precision_fallback else ""
                 raise ValueError(f"{what}precision {name} cannot be built here: {e}") from e
-            log.warning("precision %s cannot be built here (%s); its requests go to the fallback %s",
-                        name, e, quant.precision_fallback)
+            log.warning(
+                "precision %s cannot be built here (%s); its requests go to the fallback %s",
+                name,
+                e,
+                quant.precision_fallback,
+            )
             variants.unavailable[name] = str(e)
             continue
         variants.models[name] = model
@@ -83,8 +112,15 @@ def build_variants(quant: QuantizationConfig, model_name: str, dtype_name: str, 
     return variants
 
 
-def build_draft(variants: ModelVariants, precision: str | None, name: str, model_dir: Path,
-                cfg: ModelConfig, device: torch.device, attention: AttentionFactory) -> LlamaForCausalLM:
+def build_draft(
+    variants: ModelVariants,
+    precision: str | None,
+    name: str,
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    attention: AttentionFactory,
+) -> LlamaForCausalLM:
     """A speculative draft: the target at `precision` (a self-draft: a variant the engine already
     holds, or a new one built in the engine's dtype), or else the model `name` sharing the
     tokenizer (an alias or a path). Its weight bytes join `variants.weight_bytes` as
@@ -92,13 +128,19 @@ def build_draft(variants: ModelVariants, precision: str | None, name: str, model
     if precision is None:
         return _external_draft(variants, name, model_dir, cfg, device, attention)
     if precision in variants.models:
-        log.info("speculative draft self:%s: the engine's own %s variant (no extra weights)", precision, precision)
+        log.info(
+            "speculative draft self:%s: the engine's own %s variant (no extra weights)",
+            precision,
+            precision,
+        )
         return variants.models[precision]
     _, weights, dtype = resolve_precision(precision, variants.dtype, device)
     if dtype != variants.dtype:
-        raise ValueError(f"speculative model self:{precision} computes in {dtype} but the engine's dtype is "
-                         f"{variants.dtype}: a self-draft reads the target's KV, so it shares its dtype "
-                         f"(use self:int4 or self:int8, whose activations are the engine's)")
+        raise ValueError(
+            f"speculative model self:{precision} computes in {dtype} but the engine's dtype is "
+            f"{variants.dtype}: a self-draft reads the target's KV, so it shares its dtype "
+            f"(use self:int4 or self:int8, whose activations are the engine's)"
+        )
     try:
         model = build_model(variants.source, cfg, weights, device, dtype, attention)
     except (ValueError, RuntimeError) as e:
@@ -108,21 +150,44 @@ def build_draft(variants: ModelVariants, precision: str | None, name: str, model
     return model
 
 
-def _external_draft(variants: ModelVariants, name: str, model_dir: Path, cfg: ModelConfig, device: torch.device,
-                    attention: AttentionFactory) -> LlamaForCausalLM:
+def _external_draft(
+    variants: ModelVariants,
+    name: str,
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    attention: AttentionFactory,
+) -> LlamaForCausalLM:
     """Another model as the draft, in the engine's dtype, once its vocabulary and tokenizer are
     the target's (a draft's token ids must mean the target's tokens)."""
     draft_dir = resolve_model(name)
     draft_cfg = ModelConfig.from_hf(load_config(draft_dir))
     if draft_cfg.vocab_size != cfg.vocab_size:
-        raise ValueError(f"speculative model {name!r} has a vocabulary of {draft_cfg.vocab_size} tokens, the "
-                         f"target's has {cfg.vocab_size}: a draft must share the target's tokenizer")
+        raise ValueError(
+            f"speculative model {name!r} has a vocabulary of {draft_cfg.vocab_size} tokens, the "
+            f"target's has {cfg.vocab_size}: a draft must share the target's tokenizer"
+        )
     ours, theirs = load_tokenizer(model_dir), load_tokenizer(draft_dir)
-    if (ours is None) != (theirs is None) or (ours is not None and ours.get_vocab() != theirs.get_vocab()):
-        raise ValueError(f"speculative model {name!r} has another tokenizer than the target's: "
-                         "a draft must share the target's tokenizer")
-    model = build_model(weight_source(draft_dir, gguf_source(name)), draft_cfg, "float", device, variants.dtype,
-                        attention)
+    if (ours is None) != (theirs is None) or (
+        ours is not None and ours.get_vocab() != theirs.get_vocab()
+    ):
+        raise ValueError(
+            f"speculative model {name!r} has another tokenizer than the target's: "
+            "a draft must share the target's tokenizer"
+        )
+    model = build_model(
+        weight_source(draft_dir, gguf_source(name)),
+        draft_cfg,
+        "float",
+        device,
+        variants.dtype,
+        attention,
+    )
     variants.weight_bytes[f"draft:{name}"] = weight_bytes(model)
-    log.info("weights of draft %s (%d layers): %.1f MiB", name, draft_cfg.num_layers, weight_bytes(model) / 2**20)
+    log.info(
+        "weights of draft %s (%d layers): %.1f MiB",
+        name,
+        draft_cfg.num_layers,
+        weight_bytes(model) / 2**20,
+    )
     return model

@@ -15,6 +15,7 @@ Elsewhere int8 and int4 run on torch's own kernels where this device, dtype and 
 dequantise, then `F.linear`. Whether a kernel takes a shape is found by calling it once when
 the layer is built (the ops' constraints differ between torch versions), never assumed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,7 +74,12 @@ def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def int8_act_gated(layer: nn.Module, x: torch.Tensor, gate: Gate) -> torch.Tensor:
     """act(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
     the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
-    if layer.int8_act and layer._buffers["bias"] is None and x.dim() == 2 and layer.out_features % 32 == 0:
+    if (
+        layer.int8_act
+        and layer._buffers["bias"] is None
+        and x.dim() == 2
+        and layer.out_features % 32 == 0
+    ):
         return layer._int8_act(x.contiguous(), gate)
     return gate(layer(x))
 
@@ -94,7 +100,9 @@ def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if device.type == "cpu" else dtype
 
 
-def kernel_accepts(kernel, in_features: int, dtype: torch.dtype, device: torch.device, what: str) -> bool:
+def kernel_accepts(
+    kernel, in_features: int, dtype: torch.dtype, device: torch.device, what: str
+) -> bool:
     """Call the kernel once on a one-row input: the only reliable test of the op's constraints."""
     try:
         kernel(torch.zeros(1, in_features, dtype=dtype, device=device))

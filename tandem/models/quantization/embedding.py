@@ -1,4 +1,5 @@
 """A quantised vocabulary table read as an embedding."""
+
 from __future__ import annotations
 
 import torch

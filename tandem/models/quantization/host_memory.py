@@ -12,6 +12,7 @@ instead of 12-15), so only what the decode streams, the tables, moves. Not the K
 its pages would arrive as requests first write them. Not every large allocation, as torch's
 `THP_MEM_ALLOC_ENABLE` would: the loader's temporaries too.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -67,7 +68,7 @@ def huge_bytes(nbytes: int) -> torch.Tensor:
     weakref.finalize(mapping, _MAPPED.discard, address)
     start = -whole.data_ptr() % HUGE_PAGE
     mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    return whole[start:start + nbytes]
+    return whole[start : start + nbytes]
 
 
 def on_huge_pages(t: torch.Tensor) -> bool:
@@ -103,7 +104,11 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         return 0
     views: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
     for t in tensors:
-        if _in_host_memory(t) and not on_huge_pages(t) and t.untyped_storage().nbytes() >= HUGE_PAGE:
+        if (
+            _in_host_memory(t)
+            and not on_huge_pages(t)
+            and t.untyped_storage().nbytes() >= HUGE_PAGE
+        ):
             views[t.untyped_storage().data_ptr()][id(t)] = t
     moved = 0
     with torch.no_grad():
@@ -116,7 +121,12 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             new.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (old.nbytes(),)))
             base = new.storage_offset()  # bytes into the mapping
             for t in group.values():
-                t.set_(new.untyped_storage(), base // t.element_size() + t.storage_offset(), t.shape, t.stride())
+                t.set_(
+                    new.untyped_storage(),
+                    base // t.element_size() + t.storage_offset(),
+                    t.shape,
+                    t.stride(),
+                )
             moved += old.nbytes()
             del old
             trim_heap()

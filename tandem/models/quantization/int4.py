@@ -6,6 +6,7 @@ scale = d, zero = 0, so either loads without requantising. The int4 layer also h
 codes (q in [0, 31], same convention): GGUF's Q5 blocks as they are (with a fused layer's other
 parts, whose codes then fit 5 bits too). Only the integer kernel and the reference path read them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,11 @@ import torch.nn.functional as F
 from tandem.kernels import cpu_quant_gemm
 from tandem.models.quantization import base
 from tandem.models.quantization.base import (
-    IntegerKernelLayer, block_tiles, int8_act_forward, kernel_accepts, kernel_dtype,
+    IntegerKernelLayer,
+    block_tiles,
+    int8_act_forward,
+    kernel_accepts,
+    kernel_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -29,6 +34,7 @@ DEFAULT_INT4_GROUP = 32
 class KQuantScales(NamedTuple):
     """A GGUF K-quant's (Q4_K, Q5_K) factors as the file stores them, w = d sc q - dmin m: fp16 d
     and dmin [N, K // 256], 6-bit sc and m [N, K // 32] uint8."""
+
     d: torch.Tensor
     dmin: torch.Tensor
     sc: torch.Tensor
@@ -40,7 +46,7 @@ class KQuantScales(NamedTuple):
         scales = per_block(self.d) * self.sc.float()
         return scales, 8 * scales - per_block(self.dmin) * self.m.float()
 
-    def to(self, device: torch.device) -> "KQuantScales":
+    def to(self, device: torch.device) -> KQuantScales:
         return KQuantScales(*(t.to(device) for t in self))
 
 
@@ -48,8 +54,15 @@ class Int4Linear(IntegerKernelLayer):
     """y = x W^T + b with W[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g], q of
     `bits` bits (4, or 5 for a GGUF's 5-bit blocks)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor | KQuantScales, zeros: torch.Tensor | None,
-                 bias: torch.Tensor | None, dtype: torch.dtype, bits: int = 4) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor | KQuantScales,
+        zeros: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        bits: int = 4,
+    ) -> None:
         """codes: [N, K] integers in [0, 2^bits - 1]; scales, zeros: [N, K // group]; or scales a
         K-quant's factors (zeros None), which the integer kernel holds as they are: u8 sc and m per
         32 inputs and fp16 d and dmin per 256, 4.625 bits a weight where fp16 d and m per 32 take 5
@@ -60,7 +73,9 @@ class Int4Linear(IntegerKernelLayer):
         if k_quant is not None:
             if codes.shape[1] % 256:
                 raise ValueError(f"int4: K-quant factors need K % 256 == 0, not K={codes.shape[1]}")
-            scales = zeros = None  # formed below only where the integer kernel does not serve the layer
+            scales = zeros = (
+                None  # formed below only where the integer kernel does not serve the layer
+            )
         if bits not in (4, 5):
             raise ValueError(f"int4: codes of {bits} bits (4 or 5 are held)")
         if codes.numel() and int(codes.max()) >> bits:
@@ -72,16 +87,30 @@ class Int4Linear(IntegerKernelLayer):
         if self.group_size * groups != self.in_features:
             raise ValueError(f"int4: {groups} groups do not divide K={self.in_features}")
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        ext = base.int8_act_kernel(codes.device, dtype, *codes.shape) if self.group_size == 32 else None
+        ext = (
+            base.int8_act_kernel(codes.device, dtype, *codes.shape)
+            if self.group_size == 32
+            else None
+        )
         self.int8_act = ext is not None
         if self.int8_act:
             self.register_buffer("qpacked", ext.pack_int4(codes))
             self.register_buffer("qhigh", ext.pack_high_bits(codes) if bits == 5 else None)
-            if k_quant is not None:  # d and -dmin [N/16, K/256, 2, 16] fp16, sc and m [N/16, K/32, 2, 16] uint8
-                self.register_buffer("d", torch.stack([block_tiles(k_quant.d), block_tiles(-k_quant.dmin.float())], 2))
+            if (
+                k_quant is not None
+            ):  # d and -dmin [N/16, K/256, 2, 16] fp16, sc and m [N/16, K/32, 2, 16] uint8
+                self.register_buffer(
+                    "d",
+                    torch.stack([block_tiles(k_quant.d), block_tiles(-k_quant.dmin.float())], 2),
+                )
                 self.register_buffer("m", None)
-                self.register_buffer("sc_m", torch.stack([block_tiles(k_quant.sc, torch.uint8),
-                                                          block_tiles(k_quant.m, torch.uint8)], 2))
+                self.register_buffer(
+                    "sc_m",
+                    torch.stack(
+                        [block_tiles(k_quant.sc, torch.uint8), block_tiles(k_quant.m, torch.uint8)],
+                        2,
+                    ),
+                )
             else:  # fp16 d and m (w = d q + m) in [N/16, K/32, 16] tiles: a GGUF's own values
                 self.register_buffer("d", block_tiles(scales))
                 self.register_buffer("m", block_tiles(zeros.float() - 8 * scales.float()))
@@ -96,31 +125,44 @@ class Int4Linear(IntegerKernelLayer):
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
         self.register_buffer("scales_zeros", scales_zeros.to(self.kernel_dtype))
         self.packed = _pack_int4(codes, dtype) if bits == 4 else None  # torch's kernels take 4 bits
-        if self.packed is not None and not kernel_accepts(self._kernel, self.in_features, self.kernel_dtype,
-                                                           codes.device, "int4"):
+        if self.packed is not None and not kernel_accepts(
+            self._kernel, self.in_features, self.kernel_dtype, codes.device, "int4"
+        ):
             self.packed = None
         if self.packed is None:  # the reference path dequantises in the activation dtype
             self.scales_zeros = scales_zeros.to(dtype)
         # The reference path keeps 4-bit codes two to a byte (even k in the low nibble), 5-bit ones a byte each.
         self.codes = None
         if self.packed is None:
-            self.codes = (codes[:, ::2] | (codes[:, 1::2] << 4) if bits == 4 else codes).to(torch.uint8)
+            self.codes = (codes[:, ::2] | (codes[:, 1::2] << 4) if bits == 4 else codes).to(
+                torch.uint8
+            )
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   group_size: int = DEFAULT_INT4_GROUP, bits: int = 4) -> "Int4Linear":
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        group_size: int = DEFAULT_INT4_GROUP,
+        bits: int = 4,
+    ) -> Int4Linear:
         return cls(*quantize_int4(weight, group_size, bits), bias, dtype, bits)
 
     @classmethod
-    def concat(cls, parts: list["Int4Linear"], bias: torch.Tensor | None, dtype: torch.dtype) -> "Int4Linear":
+    def concat(
+        cls, parts: list[Int4Linear], bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> Int4Linear:
         """One layer of the row parts (a fused qkv or gate_up), each already packed for the
         integer kernel with a multiple of 16 rows: built part by part, loading holds one part's
         one-byte codes rather than the whole layer's beside their concatenation. Takes over the
         first part."""
         layer = parts[0]
         if not all(p.int8_act and p.out_features % 16 == 0 and p.bits == layer.bits for p in parts):
-            raise ValueError("int4: only parts packed for the integer kernel, 16 rows at a time, "
-                             "with codes of one width, concatenate")
+            raise ValueError(
+                "int4: only parts packed for the integer kernel, 16 rows at a time, "
+                "with codes of one width, concatenate"
+            )
         if len({p.sc_m is None for p in parts}) > 1:
             for p in parts:
                 p._unfactor()
@@ -136,44 +178,63 @@ class Int4Linear(IntegerKernelLayer):
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.packed.device.type == "cuda":
             return torch._weight_int4pack_mm(x2d, self.packed, self.group_size, self.scales_zeros)
-        y = torch._weight_int4pack_mm_for_cpu(x2d.to(self.kernel_dtype), self.packed, self.group_size, self.scales_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(
+            x2d.to(self.kernel_dtype), self.packed, self.group_size, self.scales_zeros
+        )
         return y.to(x2d.dtype)
 
-    def _block_scales(self, tiles: torch.Tensor, lane: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block_scales(
+        self, tiles: torch.Tensor, lane: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The integer kernel's d and m (w = d q + m) of packed tiles `tiles`, fp32 [tiles, K/32,
         16], or of one column `lane` of each [tiles, K/32]: a K-quant's formed as the kernel forms
         them, d sc and -dmin m."""
-        pick = (lambda v: v[tiles].float()) if lane is None else (lambda v: v[tiles, ..., lane].float())  # noqa: E731
+        pick = (
+            (lambda v: v[tiles].float())
+            if lane is None
+            else (lambda v: v[tiles, ..., lane].float())
+        )  # noqa: E731
         if self.sc_m is None:
             return pick(self.d), pick(self.m)
-        d_m = pick(self.d).repeat_interleave(8, 1) * pick(self.sc_m)  # (d, -dmin) times (sc, m) on axis 2
+        d_m = pick(self.d).repeat_interleave(8, 1) * pick(
+            self.sc_m
+        )  # (d, -dmin) times (sc, m) on axis 2
         return d_m[:, :, 0], d_m[:, :, 1]
 
     def _unfactor(self) -> None:
         """Hold a K-quant's scales as fp16 d and m per block (to join parts that hold those)."""
         if self.sc_m is not None:
-            self.d, self.m = (v.half() for v in self._block_scales(torch.arange(self.out_features // 16)))
+            self.d, self.m = (
+                v.half() for v in self._block_scales(torch.arange(self.out_features // 16))
+            )
             self.sc_m = None
             self._view_tables()
 
     def _view_tables(self) -> None:
         """The integer kernel's view of the tables (`gemm_weights`), made again wherever one is
         replaced: it holds the tensors it was given."""
-        self.gemm_weights = [cpu_quant_gemm().int4_weight(self.qpacked, self.d, self.m, self.out_features, self.qhigh,
-                                                          self.sc_m)]
+        self.gemm_weights = [
+            cpu_quant_gemm().int4_weight(
+                self.qpacked, self.d, self.m, self.out_features, self.qhigh, self.sc_m
+            )
+        ]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """On the integer-activation and reference paths (torch's packed layouts are its own)."""
         if self.int8_act:
             tiles = torch.arange(self.out_features // 16)
             codes = self._tile_codes(tiles).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
-            untile = lambda t: t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)  # noqa: E731
+            untile = lambda t: (
+                t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)
+            )  # noqa: E731
             d, m = self._block_scales(tiles)
             return (codes.float() * untile(d) + untile(m)).to(dtype)
         codes = self.codes
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], -1).reshape(self.out_features, -1)
-        return int4_dequantize(codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()).to(dtype)
+        return int4_dequantize(
+            codes, self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()
+        ).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of W, dequantised as `dequantize` does: an embedding lookup in this table
@@ -182,7 +243,9 @@ class Int4Linear(IntegerKernelLayer):
         if not self.int8_act:
             raise ValueError("int4: rows are read from the integer kernel's tiles only")
         t, lane = ids // 16, ids % 16  # row r is lane r % 16 of tile r // 16
-        p = self.qpacked.view(-1, self.in_features // 32, 4, 16, 4)[t, :, :, lane]  # [ids, K/32, 4 (j), 4 (i)]
+        p = self.qpacked.view(-1, self.in_features // 32, 4, 16, 4)[
+            t, :, :, lane
+        ]  # [ids, K/32, 4 (j), 4 (i)]
         codes = torch.stack([p & 15, p >> 4], 2)
         if self.bits == 5:
             codes = codes | (self._fifth_bits(t)[torch.arange(len(ids)), :, :, :, lane] << 4)
@@ -204,7 +267,9 @@ class Int4Linear(IntegerKernelLayer):
         if cpu_quant_gemm().vector_bits == 512:  # [j][nibble][64 bits, bit 4n + i]
             return bits.reshape(-1, self.in_features // 32, 4, 2, 16, 4).transpose(2, 3)
         # AVX2: [group j // 2][byte 4n' + i] of bit 4 (j % 2) + 2 nibble + h, column n = 8h + n'
-        bits = bits.reshape(-1, self.in_features // 32, 2, 8, 4, 8).permute(0, 1, 2, 5, 3, 4)  # [g, bit, n', i]
+        bits = bits.reshape(-1, self.in_features // 32, 2, 8, 4, 8).permute(
+            0, 1, 2, 5, 3, 4
+        )  # [g, bit, n', i]
         bits = bits.reshape(-1, self.in_features // 32, 4, 2, 2, 8, 4)  # [j, nibble, h, n', i]
         return bits.transpose(2, 3).reshape(-1, self.in_features // 32, 2, 4, 16, 4)
 
@@ -217,8 +282,9 @@ class Int4Linear(IntegerKernelLayer):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int, bits: int = 4,
-                  rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, bits: int = 4, rows_per_chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per group of `group_size` inputs (as GGUF Q4_1; Q5_1 with bits=5): codes [N, K],
     scales and zeros [N, K // g]. A chunk of rows at a time: each row's groups are its own, and the fp32
     temporaries of a whole layer (a 1B model's 8192 x 2048 down_proj: 64 MiB each) set the peak of
@@ -252,7 +318,9 @@ def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 def int4_concatenates(device: torch.device, dtype: torch.dtype, rows: list[int], k: int) -> bool:
     """Whether int4 parts of these row counts (of k inputs), each packed as it is read, join
     into one layer (Int4Linear.concat): on the integer kernel, 16 rows a tile."""
-    return base.int8_act_kernel(device, dtype, sum(rows), k) is not None and all(r % 16 == 0 for r in rows)
+    return base.int8_act_kernel(device, dtype, sum(rows), k) is not None and all(
+        r % 16 == 0 for r in rows
+    )
 
 
 def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -267,6 +335,9 @@ def _pack_int4(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
                 return None
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
             return torch._convert_weight_to_int4pack(pairs, inner_k_tiles)
-    except (RuntimeError, AttributeError) as e:  # an op missing in this torch, or a shape it rejects
+    except (
+        RuntimeError,
+        AttributeError,
+    ) as e:  # an op missing in this torch, or a shape it rejects
         log.debug("int4 pack rejected %s: %s", tuple(codes.shape), e)
     return None

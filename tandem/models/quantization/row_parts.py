@@ -1,4 +1,5 @@
 """A fused layer whose row parts are stored in different formats."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the conversation through the one chat prompt (engine/chat.py),
 tool calls read by the served family's parser (tool_calls.py), whole or streamed."""
+
 from __future__ import annotations
 
 import time
@@ -25,16 +26,20 @@ from tandem.server.tool_parsers.base import ToolParser
 router = APIRouter()
 
 
-def tool_plan(req: ChatCompletionRequest, so: StructuredOutputsParams | None,
-              family: ToolParser) -> ToolCallPlan | None:
+def tool_plan(
+    req: ChatCompletionRequest, so: StructuredOutputsParams | None, family: ToolParser
+) -> ToolCallPlan | None:
     try:
         tools = plan_tool_calls(req, family)
     except ValueError as e:
         raise APIError(400, str(e), param="tool_choice") from None
     if tools is not None and so is not None:
-        raise APIError(400, "tool calls force their own output schema: drop response_format / "
-                       "structured_outputs / guided_*, or set tool_choice to 'none'",
-                       param="tool_choice")
+        raise APIError(
+            400,
+            "tool calls force their own output schema: drop response_format / "
+            "structured_outputs / guided_*, or set tool_choice to 'none'",
+            param="tool_choice",
+        )
     return tools
 
 
@@ -42,8 +47,9 @@ def check_request(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs `logprobs: true`", param="top_logprobs")
     if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs are not streamed (vLLM's rule)",
-                       param="prompt_logprobs")
+        raise APIError(
+            400, "prompt_logprobs are not streamed (vLLM's rule)", param="prompt_logprobs"
+        )
 
 
 @dataclass(slots=True)
@@ -91,25 +97,45 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     state = serving_state(request)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
     run = await start_chat(req, request, rid)
-    fmt = ChatFormat(R.Tokens(state.facts.tokenizer, req.return_tokens_as_token_ids), req.logprobs,
-                     run.tools, run.think, req.prompt_logprobs, S.continuous_usage(req))
+    fmt = ChatFormat(
+        R.Tokens(state.facts.tokenizer, req.return_tokens_as_token_ids),
+        req.logprobs,
+        run.tools,
+        run.think,
+        req.prompt_logprobs,
+        S.continuous_usage(req),
+    )
     if not req.stream:
         out = (await S.collect(request, [run.gen]))[0]
         return chat_body(rid, model, created, out, fmt)
     return S.sse(chat_chunks(req, rid, model, created, run.gen, fmt, run.prompt_len))
 
 
-async def chat_chunks(req: ChatCompletionRequest, rid: str, model: str, created: int,
-                      gen: AsyncIterator[RequestOutput], fmt: ChatFormat,
-                      prompt_len: int) -> AsyncIterator[dict]:
+async def chat_chunks(
+    req: ChatCompletionRequest,
+    rid: str,
+    model: str,
+    created: int,
+    gen: AsyncIterator[RequestOutput],
+    fmt: ChatFormat,
+    prompt_len: int,
+) -> AsyncIterator[dict]:
     """The role chunk, the deltas, then the usage chunk if asked for."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     role = {"role": "assistant", "content": ""}
-    first = {**head, "choices": [{"index": i, "delta": role, "logprobs": None,
-                                  "finish_reason": None} for i in range(req.n)]}
+    first = {
+        **head,
+        "choices": [
+            {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            for i in range(req.n)
+        ],
+    }
     if fmt.continuous_usage:
-        first["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": 0,
-                          "total_tokens": prompt_len}
+        first["usage"] = {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": 0,
+            "total_tokens": prompt_len,
+        }
     yield first
     final, sent = None, ChatSent()
     async for out in gen:
@@ -118,5 +144,9 @@ async def chat_chunks(req: ChatCompletionRequest, rid: str, model: str, created:
         if chunk:
             yield chunk
     if req.stream_options and req.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": R.usage([final]),
-               "metrics": R.latency_split([final])}
+        yield {
+            **head,
+            "choices": [],
+            "usage": R.usage([final]),
+            "metrics": R.latency_split([final]),
+        }

@@ -1,6 +1,7 @@
 """POST /v1/completions: one or several prompts, n choices each (the best n of best_of), the
 prompt echoed before them (with its logprobs: `echo`, `max_tokens` 0 for the prompt alone),
 whole or streamed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,14 +32,21 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
 
 def check_request(req: CompletionRequest) -> None:
     if req.max_tokens == 0 and not req.echo:
-        raise APIError(400, "max_tokens 0 answers with the prompt alone: it needs `echo: true`",
-                       param="max_tokens")
+        raise APIError(
+            400,
+            "max_tokens 0 answers with the prompt alone: it needs `echo: true`",
+            param="max_tokens",
+        )
     if req.best_of is not None and (req.best_of < req.n or req.stream):
-        raise APIError(400, f"best_of must be at least n ({req.n}), and is not streamed",
-                       param="best_of")
+        raise APIError(
+            400, f"best_of must be at least n ({req.n}), and is not streamed", param="best_of"
+        )
     if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs are not streamed (vLLM's rule): use echo with "
-                       "logprobs", param="prompt_logprobs")
+        raise APIError(
+            400,
+            "prompt_logprobs are not streamed (vLLM's rule): use echo with logprobs",
+            param="prompt_logprobs",
+        )
 
 
 @router.post("/v1/completions")
@@ -47,20 +55,27 @@ async def create_completion(req: CompletionRequest, request: Request):
     check_request(req)
     S.check_admission(state, req.model, req.best_of or req.n)
     prompts = prompts_of(req)
-    encoded = [S.encode(state, p, req.add_special_tokens, req.truncate_prompt_tokens)
-               for p in prompts]
+    encoded = [
+        S.encode(state, p, req.add_special_tokens, req.truncate_prompt_tokens) for p in prompts
+    ]
     so = S.constraint_of(req)
     prompt_only = req.echo and req.max_tokens == 0  # one token runs for the prompt's logprobs
     max_tokens = 1 if prompt_only else req.max_tokens
     logprobs = req.logprobs if req.best_of is None else req.logprobs or 0  # best_of ranks by them
     fanout = {"n": req.best_of or req.n, "prompt_logprobs": engine_prompt_logprobs(req)}
-    params = [dataclasses.replace(S.sampling_params(state, req, len(ids), max_tokens, logprobs, so),
-                                  **fanout) for ids in encoded]
+    params = [
+        dataclasses.replace(
+            S.sampling_params(state, req, len(ids), max_tokens, logprobs, so), **fanout
+        )
+        for ids in encoded
+    ]
     how = S.choose(state, req, request)  # before the compile: a refused precision costs nothing
     await S.compile_constraint(state, so)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
-    gens = [S.generate(state, ids, sp, how, f"{rid}-{i}")
-            for i, (ids, sp) in enumerate(zip(encoded, params))]
+    gens = [
+        S.generate(state, ids, sp, how, f"{rid}-{i}")
+        for i, (ids, sp) in enumerate(zip(encoded, params))
+    ]
     if prompt_only:
         gens = [without_output(g) for g in gens]
     fmt = answer_format(req, prompts, encoded, state.facts.tokenizer)
@@ -79,13 +94,20 @@ def engine_prompt_logprobs(req: CompletionRequest) -> int | None:
     return max((k for k in asked if k is not None), default=None)
 
 
-def answer_format(req: CompletionRequest, prompts: list[str | list[int]], encoded: list[list[int]],
-                  tokenizer) -> R.CompletionFormat:
+def answer_format(
+    req: CompletionRequest, prompts: list[str | list[int]], encoded: list[list[int]], tokenizer
+) -> R.CompletionFormat:
     echo = None
     if req.echo:
         echo = [echo_text(p, ids, req, tokenizer) for p, ids in zip(prompts, encoded)]
-    return R.CompletionFormat(req.n, R.Tokens(tokenizer, req.return_tokens_as_token_ids),
-                              req.logprobs, echo, req.prompt_logprobs, S.continuous_usage(req))
+    return R.CompletionFormat(
+        req.n,
+        R.Tokens(tokenizer, req.return_tokens_as_token_ids),
+        req.logprobs,
+        echo,
+        req.prompt_logprobs,
+        S.continuous_usage(req),
+    )
 
 
 def echo_text(prompt: str | list[int], ids: list[int], req: CompletionRequest, tokenizer) -> str:
@@ -110,14 +132,23 @@ async def without_output(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[Req
 def best_n(out: RequestOutput, n: int, keep_logprobs: bool) -> RequestOutput:
     """best_of: the n choices of highest cumulative logprob, best first."""
     ranked = sorted(out.outputs, key=lambda c: sum(e[0][1] for e in c.logprobs or []), reverse=True)
-    return dataclasses.replace(out, outputs=[
-        dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None)
-        for i, c in enumerate(ranked[:n])])
+    return dataclasses.replace(
+        out,
+        outputs=[
+            dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None)
+            for i, c in enumerate(ranked[:n])
+        ],
+    )
 
 
-async def completion_chunks(req: CompletionRequest, rid: str, model: str, created: int,
-                            gens: list[AsyncIterator[RequestOutput]],
-                            fmt: R.CompletionFormat) -> AsyncIterator[dict]:
+async def completion_chunks(
+    req: CompletionRequest,
+    rid: str,
+    model: str,
+    created: int,
+    gens: list[AsyncIterator[RequestOutput]],
+    fmt: R.CompletionFormat,
+) -> AsyncIterator[dict]:
     """The prompts' streams merged as their outputs come, then the usage chunk if asked for."""
     finals: list[RequestOutput | None] = [None] * len(gens)
     sent = [R.Sent() for _ in gens]
@@ -130,6 +161,7 @@ async def completion_chunks(req: CompletionRequest, rid: str, model: str, create
         except Exception as e:
             await queue.put((i, e))
         await queue.put((i, None))
+
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     try:
         remaining = len(gens)
@@ -145,8 +177,15 @@ async def completion_chunks(req: CompletionRequest, rid: str, model: str, create
             if chunk:
                 yield chunk
         if req.stream_options and req.stream_options.include_usage:
-            yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [], "usage": R.usage(finals), "metrics": R.latency_split(finals)}
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": R.usage(finals),
+                "metrics": R.latency_split(finals),
+            }
     finally:
         for t in tasks:
             t.cancel()

@@ -1,4 +1,5 @@
 """GET /health (503 once the engine loop is gone) and GET /metrics (Prometheus)."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -20,4 +21,6 @@ async def health(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    return Response(generate_latest(serving_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(
+        generate_latest(serving_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

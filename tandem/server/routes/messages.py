@@ -1,6 +1,7 @@
 """POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens: the request
 runs as the chat request it means (routes/chat.py), and its output comes back as Anthropic's
 content blocks (text, tool_use), stop_reason and usage, whole or as Anthropic's stream events."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,12 @@ async def create_message(req: MessagesRequest, request: Request):
 
 
 def _tool_use(name: str, arguments: dict, input_: dict | None = None) -> dict:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name,
-            "input": arguments if input_ is None else input_}
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": name,
+        "input": arguments if input_ is None else input_,
+    }
 
 
 def _stop(c: CompletionOutput, called: bool) -> dict:
@@ -79,9 +84,15 @@ def message_body(rid: str, model: str, out: RequestOutput, run: ChatRun) -> dict
     content = [_thinking(got.reasoning)] if got.reasoning else []
     content += [{"type": "text", "text": got.content}] if got.content else []
     content += [_tool_use(name, args) for name, args in got.calls]
-    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
-            **_stop(c, bool(got.calls)),
-            "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        **_stop(c, bool(got.calls)),
+        "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)},
+    }
 
 
 def _event(name: str, data: dict) -> str:
@@ -93,10 +104,21 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
     and text blocks as their text comes, a tool_use block as each call completes);
     message_delta with the stop_reason and usage; message_stop. An error after the start is an
     `error` event."""
-    yield _event("message_start", {"message": {
-        "id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": run.prompt_len, "output_tokens": 0}}})
+    yield _event(
+        "message_start",
+        {
+            "message": {
+                "id": rid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": run.prompt_len, "output_tokens": 0},
+            }
+        },
+    )
     index, open_, sent, thought, calls, c = 0, None, 0, 0, 0, None
     try:
         async for out in run.gen:
@@ -128,8 +150,10 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
                 index, calls = index + 1, calls + 1
         if open_ is not None:
             yield _event("content_block_stop", {"index": index})
-        yield _event("message_delta", {"delta": _stop(c, calls > 0),
-                                       "usage": {"output_tokens": len(c.token_ids)}})
+        yield _event(
+            "message_delta",
+            {"delta": _stop(c, calls > 0), "usage": {"output_tokens": len(c.token_ids)}},
+        )
         yield _event("message_stop", {})
     except (APIError, RuntimeError) as e:
         message = e.message if isinstance(e, APIError) else str(e)

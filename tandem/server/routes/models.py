@@ -1,4 +1,5 @@
 """GET /v1/models: the served model, and one `name:precision` entry per variant."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -12,5 +13,9 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(request: Request):
     state = serving_state(request)
-    return {"object": "list", "data": model_cards(state.config.served_model_names, state.facts.precisions,
-                                                  state.facts.max_model_len)}
+    return {
+        "object": "list",
+        "data": model_cards(
+            state.config.served_model_names, state.facts.precisions, state.facts.max_model_len
+        ),
+    }

@@ -2,6 +2,7 @@
 runs as the chat request it means (routes/chat.py) after the stored conversation of
 previous_response_id; its output comes back as output items (a message, function calls), whole
 or as the typed event stream, and is stored unless `store` is false (response_store.py)."""
+
 from __future__ import annotations
 
 import json
@@ -42,26 +43,44 @@ class Answer:
         finished its usage and whether it was cut short."""
         req = self.req
         effort = req.reasoning.effort if req.reasoning else None
-        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": None, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "model": self.state.config.model_name,
-                "output": items, "parallel_tool_calls": req.parallel_tool_calls,
-                "previous_response_id": req.previous_response_id, "store": req.store,
-                "reasoning": {"effort": effort, "summary": None}, "temperature": req.temperature,
-                "text": req.text.model_dump(by_alias=True) if req.text else TEXT,
-                "tool_choice": req.tool_choice or "auto", "top_p": req.top_p,
-                "tools": [t.model_dump() for t in req.tools or []], "truncation": "disabled",
-                "metadata": req.metadata or {}, "user": req.user, "usage": None}
+        body = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.state.config.model_name,
+            "output": items,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "store": req.store,
+            "reasoning": {"effort": effort, "summary": None},
+            "temperature": req.temperature,
+            "text": req.text.model_dump(by_alias=True) if req.text else TEXT,
+            "tool_choice": req.tool_choice or "auto",
+            "top_p": req.top_p,
+            "tools": [t.model_dump() for t in req.tools or []],
+            "truncation": "disabled",
+            "metadata": req.metadata or {},
+            "user": req.user,
+            "usage": None,
+        }
         if out is not None:
             c = out.outputs[0]
             if c.finish_reason == "length":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
             prompt, output = len(out.prompt_token_ids), len(c.token_ids)
             cached = out.metrics.num_cached_tokens
-            body["usage"] = {"input_tokens": prompt, "output_tokens": output,
-                             "total_tokens": prompt + output,
-                             "input_tokens_details": {"cached_tokens": cached},
-                             "output_tokens_details": {"reasoning_tokens": 0}}
+            body["usage"] = {
+                "input_tokens": prompt,
+                "output_tokens": output,
+                "total_tokens": prompt + output,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
         return body
 
     def message(self, text: str, status: str, c: CompletionOutput | None = None) -> dict:
@@ -69,17 +88,28 @@ class Answer:
         if c is not None and self.req.top_logprobs is not None:
             logprobs = chat_logprobs(self.tokens, c.logprobs or [])["content"]
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
-                "role": "assistant", "content": [part]}
+        return {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex}",
+            "status": status,
+            "role": "assistant",
+            "content": [part],
+        }
 
     def finish(self, out: RequestOutput, items: list[dict], messages: list[dict]) -> dict:
         """The final body, kept (with the conversation) unless store is false."""
         c = out.outputs[0]
         body = self.body("incomplete" if c.finish_reason == "length" else "completed", items, out)
         if self.req.store:
-            calls = [{"id": i["call_id"], "type": "function",
-                      "function": {"name": i["name"], "arguments": i["arguments"]}}
-                     for i in items if i["type"] == "function_call"]
+            calls = [
+                {
+                    "id": i["call_id"],
+                    "type": "function",
+                    "function": {"name": i["name"], "arguments": i["arguments"]},
+                }
+                for i in items
+                if i["type"] == "function_call"
+            ]
             text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
             turn = {"role": "assistant", "content": text or None}
             if calls:
@@ -92,14 +122,24 @@ class Answer:
 
 
 def reasoning_item(text: str) -> dict:
-    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-            "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "type": "reasoning",
+        "id": f"rs_{uuid.uuid4().hex}",
+        "summary": [],
+        "status": "completed",
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def function_call(name: str, arguments: dict, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "status": status,
-            "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": name,
-            "arguments": json.dumps(arguments)}
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "status": status,
+        "call_id": f"call_{uuid.uuid4().hex[:24]}",
+        "name": name,
+        "arguments": json.dumps(arguments),
+    }
 
 
 @router.post("/v1/responses")
@@ -109,8 +149,12 @@ async def create_response(req: ResponsesRequest, request: Request):
     if req.previous_response_id is not None:
         previous = state.responses.get(presented_key(request), req.previous_response_id)
         if previous is None:
-            raise APIError(404, NOT_FOUND.format(req.previous_response_id), "not_found_error",
-                           "previous_response_id")
+            raise APIError(
+                404,
+                NOT_FOUND.format(req.previous_response_id),
+                "not_found_error",
+                "previous_response_id",
+            )
         history = previous.messages
     answer = Answer(req, request, history)
     try:
@@ -154,6 +198,7 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
     def event(kind: str, /, **data) -> str:
         data = {"type": kind, "sequence_number": next(seq), **data}
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
     yield event("response.created", response=answer.body("in_progress", []))
     yield event("response.in_progress", response=answer.body("in_progress", []))
     items: list[dict] = []
@@ -172,30 +217,58 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
                 if message is None:
                     message = answer.message("", "in_progress")
                     yield event("response.output_item.added", **where, item=message)
-                    yield event("response.content_part.added", item_id=message["id"], **where,
-                                content_index=0, part=message["content"][0])
-                yield event("response.output_text.delta", item_id=message["id"], **where,
-                            content_index=0, delta=got.content[len(text):], logprobs=[])
+                    yield event(
+                        "response.content_part.added",
+                        item_id=message["id"],
+                        **where,
+                        content_index=0,
+                        part=message["content"][0],
+                    )
+                yield event(
+                    "response.output_text.delta",
+                    item_id=message["id"],
+                    **where,
+                    content_index=0,
+                    delta=got.content[len(text) :],
+                    logprobs=[],
+                )
                 text = got.content
-            for name, args in got.calls[sum(i["type"] == "function_call" for i in items):]:
+            for name, args in got.calls[sum(i["type"] == "function_call" for i in items) :]:
                 if message is not None:
                     for line in _message_done(event, answer, message, text, items, c):
                         yield line
                     message = None
                 call = function_call(name, args)
-                yield event("response.output_item.added", output_index=len(items),
-                            item={**call, "arguments": "", "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", item_id=call["id"],
-                            output_index=len(items), delta=call["arguments"])
-                yield event("response.function_call_arguments.done", item_id=call["id"],
-                            output_index=len(items), arguments=call["arguments"], name=name)
+                yield event(
+                    "response.output_item.added",
+                    output_index=len(items),
+                    item={**call, "arguments": "", "status": "in_progress"},
+                )
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=call["id"],
+                    output_index=len(items),
+                    delta=call["arguments"],
+                )
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=call["id"],
+                    output_index=len(items),
+                    arguments=call["arguments"],
+                    name=name,
+                )
                 yield event("response.output_item.done", output_index=len(items), item=call)
                 items.append(call)
         if message is None and not items:  # no text, no call: an empty message all the same
             message = answer.message("", "in_progress")
             yield event("response.output_item.added", output_index=0, item=message)
-            yield event("response.content_part.added", item_id=message["id"], output_index=0,
-                        content_index=0, part=message["content"][0])
+            yield event(
+                "response.content_part.added",
+                item_id=message["id"],
+                output_index=0,
+                content_index=0,
+                part=message["content"][0],
+            )
         if message is not None:
             for line in _message_done(event, answer, message, text, items, out.outputs[0]):
                 yield line
@@ -210,20 +283,26 @@ def _reasoning_events(event, item: dict) -> list[str]:
     """A reasoning item, whole once the reasoning has ended."""
     where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
     text = item["content"][0]["text"]
-    return [event("response.output_item.added", output_index=0, item={**item, "content": []}),
-            event("response.reasoning_text.delta", **where, delta=text),
-            event("response.reasoning_text.done", **where, text=text),
-            event("response.output_item.done", output_index=0, item=item)]
+    return [
+        event("response.output_item.added", output_index=0, item={**item, "content": []}),
+        event("response.reasoning_text.delta", **where, delta=text),
+        event("response.reasoning_text.done", **where, text=text),
+        event("response.output_item.done", output_index=0, item=item),
+    ]
 
 
-def _message_done(event, answer: Answer, message: dict, text: str, items: list[dict],
-                  c: CompletionOutput) -> list[str]:
+def _message_done(
+    event, answer: Answer, message: dict, text: str, items: list[dict], c: CompletionOutput
+) -> list[str]:
     done = answer.message(text, "completed", c)
     done["id"] = message["id"]
     index = len(items)
     items.append(done)
     where = {"item_id": done["id"], "output_index": index, "content_index": 0}
-    return [event("response.output_text.done", **where, text=text,
-                  logprobs=done["content"][0]["logprobs"]),
-            event("response.content_part.done", **where, part=done["content"][0]),
-            event("response.output_item.done", output_index=index, item=done)]
+    return [
+        event(
+            "response.output_text.done", **where, text=text, logprobs=done["content"][0]["logprobs"]
+        ),
+        event("response.content_part.done", **where, part=done["content"][0]),
+        event("response.output_item.done", output_index=index, item=done),
+    ]

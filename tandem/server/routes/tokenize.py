@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize (vLLM's): a prompt, or messages rendered exactly as a chat
 request renders them (its add_generation_prompt, tools and chat_template_kwargs), to token ids
 and the context they must fit; token ids back to text."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -26,7 +27,9 @@ async def tokenize(req: TokenizeRequest, request: Request):
         else:
             ids = facts.tokenizer.encode(text, add_special_tokens=False)
     except ValueError as e:
-        raise APIError(400, str(e), param="prompt" if req.prompt is not None else "messages") from None
+        raise APIError(
+            400, str(e), param="prompt" if req.prompt is not None else "messages"
+        ) from None
     return {"tokens": ids, "count": len(ids), "max_model_len": facts.max_model_len}
 
 

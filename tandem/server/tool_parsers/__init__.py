@@ -1,6 +1,7 @@
 """Tool-call parsers, one per model family's output format (vLLM's names), chosen by
 `--tool-call-parser` or from the chat template (the markers it renders calls with); a template
 with none gets the generic format (generic.py)."""
+
 from __future__ import annotations
 
 from tandem.engine.chat import template_variables

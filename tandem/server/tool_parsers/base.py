@@ -1,6 +1,7 @@
 """What every tool-call parser does: split a model's output into its text and its tool calls,
 whole or as far as a stream has come, and constrain a call's arguments to its tool's schema
 (an xgrammar structural tag: free text until a call starts, then the schema)."""
+
 from __future__ import annotations
 
 import json
@@ -75,7 +76,7 @@ class ToolParser:
             if not found:
                 tail = text[pos:]
                 held = 0 if final else partial_marker(tail, self.markers)
-                out.content += tail[:len(tail) - held]
+                out.content += tail[: len(tail) - held]
                 return out
             start = min(found)
             out.content += text[pos:start]
@@ -91,23 +92,31 @@ class ToolParser:
                 while pos < len(text) and text[pos].isspace():  # the newlines between calls
                     pos += 1
 
-    def prompt(self, messages: list[dict], tools: list[dict] | None, choice: str | None
-               ) -> tuple[list[dict], list[dict] | None]:
+    def prompt(
+        self, messages: list[dict], tools: list[dict] | None, choice: str | None
+    ) -> tuple[list[dict], list[dict] | None]:
         """The messages and tools the chat template renders: as given, for a family whose
         template knows its own tool format."""
         return messages, tools
 
-    def constraint(self, tools: list[dict], choice: str | None, parallel: bool
-                   ) -> StructuredOutputsParams | None:
+    def constraint(
+        self, tools: list[dict], choice: str | None, parallel: bool
+    ) -> StructuredOutputsParams | None:
         """The output's constraint where it may call `tools` (choice None: it may also answer;
         "required": at least one call; a name: that function's call alone); None where the
         family's markers cannot be matched as text."""
         tags = [self.tag(f["name"], f.get("parameters") or {}) for f in chosen(tools, choice)]
         if choice not in (None, "required"):
             return _structural_tag(tags[0])
-        return _structural_tag({"type": "triggered_tags", "triggers": list(self.triggers),
-                                "tags": tags, "at_least_one": choice == "required",
-                                "stop_after_first": not parallel})
+        return _structural_tag(
+            {
+                "type": "triggered_tags",
+                "triggers": list(self.triggers),
+                "tags": tags,
+                "at_least_one": choice == "required",
+                "stop_after_first": not parallel,
+            }
+        )
 
     def tag(self, name: str, parameters: dict) -> dict:
         """One function's call: begin text, its arguments' schema, end text."""
@@ -125,5 +134,9 @@ def _structural_tag(fmt: dict) -> StructuredOutputsParams:
 
 
 def schema_tag(begin: str, parameters: dict, end: str) -> dict:
-    return {"type": "tag", "begin": begin, "end": end,
-            "content": {"type": "json_schema", "json_schema": parameters}}
+    return {
+        "type": "tag",
+        "begin": begin,
+        "end": end,
+        "content": {"type": "json_schema", "json_schema": parameters},
+    }

@@ -3,6 +3,7 @@ format): the tools are described in the system prompt and the output is constrai
 {"tool_calls": [{"name": ..., "arguments": {...}}]} to call them or {"response": "..."} to
 answer. A template that cannot show earlier calls and their results gets them in words: the
 assistant's "I called get_weather with {...}.", then a user turn "get_weather returned: ..."."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,11 @@ from tandem.server.tool_parsers.base import Extracted, ToolParser, call_of, chos
 
 RESPONSE = '{"response": "'  # how the constrained answer starts (JSON laid out as json.dumps)
 _CUT_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9a-fA-F]{0,3})?)$")  # an escape cut short
-PROMPT = ("You can call these tools:\n{tools}\n\nAnswer with a JSON object: "
-          '{{"tool_calls": [{{"name": <the tool\'s name>, "arguments": <its arguments>}}]}} '
-          "to call tools{answer}.")
+PROMPT = (
+    "You can call these tools:\n{tools}\n\nAnswer with a JSON object: "
+    '{{"tool_calls": [{{"name": <the tool\'s name>, "arguments": <its arguments>}}]}} '
+    "to call tools{answer}."
+)
 ANSWER = ', or {"response": <your answer>} to answer'
 
 
@@ -29,7 +32,7 @@ class GenericToolParser(ToolParser):
 
     def extract(self, text: str, final: bool) -> Extracted:
         if text.startswith(RESPONSE):
-            return Extracted(_json_string(text[len(RESPONSE):]))
+            return Extracted(_json_string(text[len(RESPONSE) :]))
         if not final:
             return Extracted()
         try:
@@ -40,8 +43,9 @@ class GenericToolParser(ToolParser):
         calls = [call_of(c) for c in items] if isinstance(items, list) and items else [None]
         return Extracted("", calls) if all(calls) else Extracted(text)
 
-    def prompt(self, messages: list[dict], tools: list[dict] | None, choice: str | None
-               ) -> tuple[list[dict], list[dict] | None]:
+    def prompt(
+        self, messages: list[dict], tools: list[dict] | None, choice: str | None
+    ) -> tuple[list[dict], list[dict] | None]:
         if not self.renders_calls:
             messages = calls_as_text(messages)
         if tools is None or self.renders_tools:
@@ -53,11 +57,19 @@ class GenericToolParser(ToolParser):
             return [first, *messages[1:]], None
         return [{"role": "system", "content": text}, *messages], None
 
-    def constraint(self, tools: list[dict], choice: str | None, parallel: bool
-                   ) -> StructuredOutputsParams:
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            _object({"name": {"const": f["name"]}, "arguments": f.get("parameters") or {}})
-            for f in chosen(tools, choice)]}}
+    def constraint(
+        self, tools: list[dict], choice: str | None, parallel: bool
+    ) -> StructuredOutputsParams:
+        calls = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    _object({"name": {"const": f["name"]}, "arguments": f.get("parameters") or {}})
+                    for f in chosen(tools, choice)
+                ]
+            },
+        }
         if not parallel:
             calls["maxItems"] = 1
         schema = _object({"tool_calls": calls})
@@ -67,8 +79,12 @@ class GenericToolParser(ToolParser):
 
 
 def _object(properties: dict) -> dict:
-    return {"type": "object", "properties": properties, "required": list(properties),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
 def _json_string(body: str) -> str:
@@ -80,7 +96,7 @@ def _json_string(body: str) -> str:
         pass
     cut = _CUT_ESCAPE.search(body)
     if cut is not None:
-        body = body[:cut.start(1)]
+        body = body[: cut.start(1)]
     try:
         text = scanstring(body + '"', 0)[0]
     except ValueError:
@@ -99,8 +115,10 @@ def calls_as_text(messages: list[dict]) -> list[dict]:
             said = []
             for c in m["tool_calls"]:
                 names[c.get("id")] = c["function"]["name"]
-                said.append(f"I called {c['function']['name']} with "
-                            f"{json.dumps(c['function'].get('arguments'))}.")
+                said.append(
+                    f"I called {c['function']['name']} with "
+                    f"{json.dumps(c['function'].get('arguments'))}."
+                )
             said = [m["content"], *said] if m.get("content") else said
             m = {"role": m["role"], "content": " ".join(said)}
         elif m["role"] == "tool":

@@ -1,6 +1,7 @@
 """Hermes / Qwen 2.5 / Qwen 3 tool calls (vLLM's `hermes`):
 <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>, after any
 text, one block per call."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ class HermesToolParser(ToolParser):
         if end == -1:
             return None
         try:
-            call = call_of(json.loads(text[start + len(BEGIN):end]))
+            call = call_of(json.loads(text[start + len(BEGIN) : end]))
         except ValueError:
             call = None
         return ([call] if call else None), end + len(END)

@@ -1,6 +1,7 @@
 """Llama 3.1 / 3.2 / 3.3 JSON tool calls (vLLM's `llama3_json`):
 {"name": "get_weather", "parameters": {"city": "Paris"}}, alone or after <|python_tag|>, several
 separated by ";"."""
+
 from __future__ import annotations
 
 import json

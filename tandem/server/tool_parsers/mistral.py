@@ -2,6 +2,7 @@
 (v3 templates), or [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} (v11 and later).
 [TOOL_CALLS] is a special token: the text keeps it (skip_special_tokens off), and a grammar
 cannot match it as text, so calls are parsed, not constrained."""
+
 from __future__ import annotations
 
 from tandem.core.sampling_params import StructuredOutputsParams
@@ -32,6 +33,7 @@ class MistralToolParser(ToolParser):
         name = text[pos:args].strip()
         return ([(name, value)] if name and isinstance(value, dict) else None), end
 
-    def constraint(self, tools: list[dict], choice: str | None, parallel: bool
-                   ) -> StructuredOutputsParams | None:
+    def constraint(
+        self, tools: list[dict], choice: str | None, parallel: bool
+    ) -> StructuredOutputsParams | None:
         return None
