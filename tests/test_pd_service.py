@@ -16,9 +16,11 @@ from test_kv_transfer import (
     _llm,
     _prompts,
     _run,
-    assert_no_blocks_held,  # noqa: F401
+    assert_no_blocks_held,
     greedy,
-)  # the fixtures too
+    llama,
+    reference,
+)
 
 from tandem.core.kv_connector.pd import KVPoolFullError
 from tandem.engine import pd_service
