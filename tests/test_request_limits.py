@@ -110,6 +110,11 @@ CHAT_LIMITS = [
         "nests deeper",
     ),
     ("top_logprobs", {"logprobs": True, "top_logprobs": 21}, "logprobs must be in [0, 20]"),
+    (
+        "messages.1.tool_calls",
+        {"messages": [*HI, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+        "each tool call needs",
+    ),
 ]
 
 

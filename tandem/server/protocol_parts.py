@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.limits import Choices, ConstraintText, Schema, SchemaOrText
@@ -88,6 +88,17 @@ class ChatMessage(Base):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call it answers
     reasoning_content: str | None = None  # an assistant turn's reasoning (templates may show it)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_name_a_function(cls, calls: list[dict[str, Any]] | None) -> Any:
+        """Each earlier call names its function, as OpenAI's `{"function": {"name": ...}}`:
+        the templates and the parsers read it."""
+        for call in calls or ():
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError('each tool call needs "function": {"name": ..., "arguments": ...}')
+        return calls
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (tool fields only where given; a call's
