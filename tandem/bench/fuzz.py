@@ -47,7 +47,8 @@ def hostile_raw(fields: list[str], rng: random.Random) -> tuple[bytes, str]:
         ).encode(), "application/json"  # deep nesting
     if kind == 3:
         return (
-            f'{{"{name}": {rng.choice(["1e999", "-1e999", "NaN", "Infinity", "9" * 5000])}}}'.encode(),
+            f'{{"{name}": '
+            f"{rng.choice(['1e999', '-1e999', 'NaN', 'Infinity', '9' * 5000])}}}".encode(),
             "application/json",
         )
     if kind == 4:
@@ -105,6 +106,8 @@ def fuzz_schema(
     for result in schema.get_all_operations():
         op = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            # `one` runs at once below, while `where` still names this operation and mode
+            where = f"{mode.value} {op.label}"
 
             @hseed(seed)
             @settings(
@@ -119,11 +122,9 @@ def fuzz_schema(
                 start = time.monotonic()
                 try:
                     r = case.call(base_url=url, headers=headers, timeout=timeout)
-                    tally.add(
-                        f"{mode.value} {op.label}", r.status_code, time.monotonic() - start, r.text
-                    )
+                    tally.add(where, r.status_code, time.monotonic() - start, r.text)  # noqa: B023
                 except Exception as e:  # no answer within the timeout, or the connection dropped
-                    tally.add(f"{mode.value} {op.label}", None, time.monotonic() - start, repr(e))
+                    tally.add(where, None, time.monotonic() - start, repr(e))  # noqa: B023
                 if progress:
                     progress()
 

@@ -310,7 +310,8 @@ def main(args: argparse.Namespace) -> dict:
         report[name] = fn()
         report.setdefault("seconds", {})[name] = time.perf_counter() - t0
         print(
-            f"== {name} ({report['seconds'][name]:.1f} s)\n{json.dumps(report[name], indent=1)[:6000]}",
+            f"== {name} ({report['seconds'][name]:.1f} s)\n"
+            f"{json.dumps(report[name], indent=1)[:6000]}",
             flush=True,
         )
         (out_dir / "gpu_check.json").write_text(

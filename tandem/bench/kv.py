@@ -49,7 +49,8 @@ def main(args: argparse.Namespace) -> dict:
     total = args.prompt_len + args.output_len
     block_size = 16
     blocks = -(-total // block_size)
-    # room for the full-attention layout of the request, so the figure is what it holds, not what fits
+    # room for the full-attention layout of the request, so the figure is what it holds,
+    # not what fits
     per_token_fp32 = cfg.kv_bytes_per_token(torch.float32)
     llm = LLM(
         **given(args, ENGINE_OPTIONS),
@@ -94,7 +95,8 @@ def main(args: argparse.Namespace) -> dict:
     print(
         f"{args.model} ({report['dtype']} KV), {args.prompt_len} + {args.output_len} tokens, "
         f"{len(kv.group_windows)} KV group(s) of {cache.groups.layers_per_group} layers: "
-        f"held while decoding {mib(report['held_bytes_last_step'])} ({report['last_step_vs_full']}x), "
+        f"held while decoding {mib(report['held_bytes_last_step'])} "
+        f"({report['last_step_vs_full']}x), "
         f"peak {mib(report['peak_held_bytes'])} ({report['peak_vs_full']}x); "
         f"full attention in every layer: {mib(full_bytes)}"
     )

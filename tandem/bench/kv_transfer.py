@@ -129,7 +129,8 @@ def main(args: argparse.Namespace) -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     print(
-        f"{'connector':<10}{'device':<8}{'tokens':>8}{'MiB':>9}{'latency ms':>12}{'min ms':>9}{'GB/s':>8}"
+        f"{'connector':<10}{'device':<8}{'tokens':>8}{'MiB':>9}"
+        f"{'latency ms':>12}{'min ms':>9}{'GB/s':>8}"
     )
     for kind in args.connectors.split(","):
         for row in measure(
@@ -145,7 +146,8 @@ def main(args: argparse.Namespace) -> None:
         ):
             rows.append(row)
             print(
-                f"{row['connector']:<10}{row['device']:<8}{row['tokens']:>8}{row['bytes'] / 2**20:>9.2f}"
+                f"{row['connector']:<10}{row['device']:<8}{row['tokens']:>8}"
+                f"{row['bytes'] / 2**20:>9.2f}"
                 f"{row['latency_ms']:>12.3f}{row['min_ms']:>9.3f}{row['gbps']:>8.2f}"
             )
     if args.json:

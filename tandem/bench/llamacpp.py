@@ -41,7 +41,8 @@ def llama_cpp_tool(name: str, path: str | None) -> Path:
 
 def parse_batched_bench(text: str) -> dict[int, dict[str, float]]:
     """llama-batched-bench's markdown table -> {B: {column: value}}, columns by their header
-    names (PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s, ...), log lines around it ignored."""
+    names (PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s, ...), log lines around it
+    ignored."""
     header: list[str] | None = None
     rows: dict[int, dict[str, float]] = {}
     for line in text.splitlines():
@@ -222,7 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--output-len",
         type=int,
         default=128,
-        help="tokens out per request; llama.cpp decodes output_len - 1 after its prompt (default 128)",
+        help="tokens out per request; llama.cpp decodes output_len - 1 after its prompt "
+        "(default 128)",
     )
     p.add_argument(
         "--repeats",

@@ -152,10 +152,13 @@ def main(args: argparse.Namespace) -> dict:
         report["load_peak_rss_above_baseline"] / report["file_bytes"], 2
     )
     print(
-        f"{report['model']}: file {mib(report['file_bytes'])}, cache written {mib(report['cache_bytes_written'])} "
-        f"(resolve {report['resolve_s']} s, peak +{mib(report['resolve_peak_rss_above_baseline'])}); "
+        f"{report['model']}: file {mib(report['file_bytes'])}, "
+        f"cache written {mib(report['cache_bytes_written'])} "
+        f"(resolve {report['resolve_s']} s, "
+        f"peak +{mib(report['resolve_peak_rss_above_baseline'])}); "
         f"load {'+'.join(report['precisions'])} ({report['dtype']}) {report['load_s']} s, "
-        f"peak RSS +{mib(report['load_peak_rss_above_baseline'])} ({report['peak_over_file']}x the file), "
+        f"peak RSS +{mib(report['load_peak_rss_above_baseline'])} "
+        f"({report['peak_over_file']}x the file), "
         f"held +{mib(report['held_rss_above_baseline'])}"
     )
     if args.json_path:

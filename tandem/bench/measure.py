@@ -46,7 +46,7 @@ def in_subprocess(fn, args, requests) -> dict:
                     raise RuntimeError(
                         f"the benchmark's process died (exit code {proc.exitcode}) "
                         "before it answered"
-                    )
+                    ) from None
     except BaseException:
         proc.terminate()
         proc.join()

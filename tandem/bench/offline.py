@@ -86,8 +86,8 @@ def run_tandem(args, requests) -> dict:
 
 
 def gpu_step_ms(before, after) -> dict:
-    """CUDA: the GPU busy per step and idle between steps, from CUDA events (executor/step_events.py),
-    between two StepCounters; None off CUDA."""
+    """CUDA: the GPU busy per step and idle between steps, from CUDA events
+    (executor/step_events.py), between two StepCounters; None off CUDA."""
     if after.gpu_num_steps is None:
         return {"gpu_busy_ms": None, "gpu_gap_ms": None}
     return {
@@ -165,23 +165,27 @@ def _print_run(t: dict) -> None:
     print(
         f"tandem (async scheduling {'on' if t['async_scheduling'] else 'off'}"
         f"{', deterministic' if t['deterministic'] else ''}): {t['output_tokens']} tokens "
-        f"in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s ({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)"
+        f"in {t['seconds']:.1f}s = {t['output_throughput']:.1f} tok/s "
+        f"({t['dtype']}, peak RSS {t['peak_rss_mb']:.0f} MiB)"
     )
     ms = t["ms_per_step"]
     print(
-        f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, execute {ms['execute']:.2f} ms "
+        f"        {t['steps']} steps; per step: schedule {ms['schedule']:.2f} ms, "
+        f"execute {ms['execute']:.2f} ms "
         f"(input building {ms['prepare']:.2f} ms), update {ms['update']:.2f} ms; "
         f"gap between steps {ms['gap']:.3f} ms ({t['gap_share_of_execute']:.2%} of execute)"
     )
     print(
-        f"        KV utilisation (tokens / capacity of blocks held) mean {t['kv_utilization_mean']:.1%}, "
+        f"        KV utilisation (tokens / capacity of blocks held) "
+        f"mean {t['kv_utilization_mean']:.1%}, "
         f"peak pool usage {t['kv_usage_peak']:.1%}, {t['preemptions']} preemptions"
     )
     if t.get("spec_decode"):
         sd = t["spec_decode"]
         print(
-            f"        speculative decoding: acceptance rate {sd['acceptance_rate']:.1%}, mean accepted length "
-            f"{sd['mean_accepted_length']:.2f} tokens per verify step ({sd['num_drafts']} verify steps)"
+            f"        speculative decoding: acceptance rate {sd['acceptance_rate']:.1%}, "
+            f"mean accepted length {sd['mean_accepted_length']:.2f} tokens per verify step "
+            f"({sd['num_drafts']} verify steps)"
         )
 
 
@@ -233,7 +237,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare-deterministic",
         action="store_true",
-        help="--quantization: each precision with and without --deterministic, alternating, and the ratio",
+        help="--quantization: each precision with and without --deterministic, alternating, "
+        "and the ratio",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument(
@@ -243,7 +248,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compare",
         choices=["hf"],
         default=None,
-        help="also run Hugging Face transformers on the same requests, side by side (default: tandem alone)",
+        help="also run Hugging Face transformers on the same requests, side by side "
+        "(default: tandem alone)",
     )
     p.add_argument(
         "--hf-batch-size",
@@ -333,7 +339,8 @@ def _refuse_the_other_runs_options(args: argparse.Namespace) -> None:
             + (
                 "read by the request run only, not by --quantization's precision table"
                 if args.quantization
-                else "read by --quantization's precision table only (add --quantization, or leave them out)"
+                else "read by --quantization's precision table only "
+                "(add --quantization, or leave them out)"
             )
         )
 
@@ -367,7 +374,8 @@ def main(args: argparse.Namespace) -> dict:
         h = report["hf"] = in_subprocess(run_hf, args, requests)
         report["ratio"] = t["output_throughput"] / h["output_throughput"]
         print(
-            f"hf:     {h['output_tokens']} tokens in {h['seconds']:.1f}s = {h['output_throughput']:.1f} tok/s "
+            f"hf:     {h['output_tokens']} tokens in {h['seconds']:.1f}s = "
+            f"{h['output_throughput']:.1f} tok/s "
             f"({h['dtype']}, batch {h['batch_size']}, peak RSS {h['peak_rss_mb']:.0f} MiB)"
         )
         print(f"ratio tandem/hf: {report['ratio']:.2f}x")

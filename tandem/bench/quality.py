@@ -219,18 +219,20 @@ def main(args: argparse.Namespace) -> dict:
                 det, batch, p, args.max_tokens
             )[1]
     print(
-        f"{report['text_tokens']} text tokens; {len(batch)} prompts x {args.max_tokens} greedy tokens; "
+        f"{report['text_tokens']} text tokens; "
+        f"{len(batch)} prompts x {args.max_tokens} greedy tokens; "
         f"reference {precisions[0]}; KV cache {report['kv_cache_dtype']}"
         f"{'; deterministic' if report['deterministic'] else ''}"
     )
     both = args.deterministic == "both"
     print(
-        f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} {'batch-dependent':>16}"
-        + (f" {'with --deterministic':>21}" if both else "")
+        f"{'precision':10} {'perplexity':>10} {'agreement':>10} {'identical':>10} "
+        f"{'batch-dependent':>16}" + (f" {'with --deterministic':>21}" if both else "")
     )
     for p, r in report["variants"].items():
         print(
-            f"{p:10} {r['perplexity']:>10.3f} {r['agreement']:>10.1%} {r['identical_outputs']:>7}/{len(batch)}"
+            f"{p:10} {r['perplexity']:>10.3f} {r['agreement']:>10.1%} "
+            f"{r['identical_outputs']:>7}/{len(batch)}"
             f" {r['batch_dependent_prompts']:>13}/{len(batch)}"
             + (f" {r['batch_dependent_prompts_deterministic']:>18}/{len(batch)}" if both else "")
         )

@@ -159,7 +159,8 @@ def _print_table(best: dict[str, dict]) -> None:
             f"{r['decode_tok_s'][b]:>13.1f} {r['ms_per_step'][b]:>8.2f}" for b in batches
         )
         print(
-            f"{p:10} {r['weight_mib']:>11.1f} {r['rss_after_load_mb']:>8.0f} {r['peak_rss_mb']:>12.0f} {cells}"
+            f"{p:10} {r['weight_mib']:>11.1f} {r['rss_after_load_mb']:>8.0f} "
+            f"{r['peak_rss_mb']:>12.0f} {cells}"
         )
     if base is not first or "bf16" in best:
         print(

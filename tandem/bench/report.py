@@ -38,7 +38,8 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
             ) from None
         if key not in GOODPUT_KEYS or ms <= 0:
             raise ValueError(
-                f"--goodput: {part!r}: keys are {', '.join(GOODPUT_KEYS)} with positive milliseconds"
+                f"--goodput: {part!r}: keys are {', '.join(GOODPUT_KEYS)} "
+                "with positive milliseconds"
             )
         slo[GOODPUT_KEYS[key]] = ms / 1000.0
     return slo
@@ -128,7 +129,8 @@ def summarize(
         if not multi
         else (
             f"{len(multi)} of {len(ok)} requests streamed fewer chunks than output tokens "
-            f"({sum(r['output_tokens'] for r in multi) / sum(r['num_chunks'] for r in multi):.2f} tokens/chunk): "
+            f"({sum(r['output_tokens'] for r in multi) / sum(r['num_chunks'] for r in multi):.2f} "
+            "tokens/chunk): "
             "ITL is measured per chunk, TPOT per token"
         )
     )
@@ -207,7 +209,8 @@ def format_run(
     lines = [
         f"==== tandem bench serve: {run['base_url']} ====",
         f"workload:  {workload['description']}",
-        f"tokenizer: {workload['tokenizer']}{workload.get('tokenizer_note', '')}; prompts with the exact token count: {pt['exact']}/{pt['prompts']}"
+        f"tokenizer: {workload['tokenizer']}{workload.get('tokenizer_note', '')}; "
+        f"prompts with the exact token count: {pt['exact']}/{pt['prompts']}"
         + (f" ({pt['off']} off by up to {pt['max_abs_diff']} tokens)" if pt["off"] else ""),
     ]
     lines.append(
@@ -250,7 +253,8 @@ def format_run(
         g = s["goodput"]
         lines.append(
             f"goodput ({', '.join(f'{k}<={v:g}s' for k, v in g['slo_s'].items())}): "
-            f"{g['rate']:.2f} req/s, {g['requests']}/{s['total']} requests ({g['share']:.1%}) met all SLOs"
+            f"{g['rate']:.2f} req/s, {g['requests']}/{s['total']} requests "
+            f"({g['share']:.1%}) met all SLOs"
         )
     if split:
         lines.append(
@@ -328,7 +332,8 @@ def format_compare(run1: dict, run2: dict, r: dict) -> str:
 
 
 def write_plots(folder: Path, runs: list[dict]) -> list[str]:
-    """TTFT CDF, ITL CDF, output tokens/s over time, requests in flight over time (one line per run)."""
+    """TTFT CDF, ITL CDF, output tokens/s over time, requests in flight over time
+    (one line per run)."""
     from tandem.workload.plots import pyplot, save_figure
 
     plt = pyplot()

@@ -107,7 +107,8 @@ def main(args: argparse.Namespace) -> dict:
     print(f"{'running':>8} {'ms/step (median)':>17} {'ms/step (mean)':>15} {'us/request':>11}")
     for r in rows:
         print(
-            f"{r['running']:>8} {r['ms_per_step_median']:>17.3f} {r['ms_per_step_mean']:>15.3f} {r['us_per_request']:>11.2f}"
+            f"{r['running']:>8} {r['ms_per_step_median']:>17.3f} {r['ms_per_step_mean']:>15.3f} "
+            f"{r['us_per_request']:>11.2f}"
         )
     report = {"policy": args.policy, "results": rows}
     if args.json_path:

@@ -62,7 +62,10 @@ def run_counters(before: dict | None, after: dict | None) -> dict | None:
 
 def format_counters(c: dict | None) -> str:
     if c is None:
-        return "server counters: the endpoint serves no tandem /metrics (prefix-cache hit ratio unknown)"
+        return (
+            "server counters: the endpoint serves no tandem /metrics "
+            "(prefix-cache hit ratio unknown)"
+        )
     ratio = c.get("prefix_cache_hit_ratio")
     hit = (
         f"prefix cache hit {ratio:.1%} of prompt tokens ({c['prefix_cache_hits']:.0f} of "
@@ -75,7 +78,8 @@ def format_counters(c: dict | None) -> str:
         f"recompute {c.get('preemptions_recompute', 0):.0f})"
     )
     kv = (
-        f"; P/D KV transfers {c['kv_transfers']:.0f}, {c.get('kv_transfer_bytes', 0) / 1e6:.1f} MB in "
+        f"; P/D KV transfers {c['kv_transfers']:.0f}, "
+        f"{c.get('kv_transfer_bytes', 0) / 1e6:.1f} MB in "
         f"{c.get('kv_transfer_seconds', 0):.2f} s"
         if c.get("kv_transfers")
         else ""
@@ -125,15 +129,20 @@ def format_ideal(counters: dict | None, ideal: dict) -> str:
     got = (counters or {}).get("prefix_cache_hit_ratio")
     bounded = ideal["cache_size"] or ideal["unbounded"]
     line = (
-        f"ideal prefix hit ratio at block size {ideal['unbounded']['block_size']}: {ideal['unbounded']['token_ratio']:.1%} "
+        f"ideal prefix hit ratio at block size {ideal['unbounded']['block_size']}: "
+        f"{ideal['unbounded']['token_ratio']:.1%} "
         f"(unbounded), {bounded['token_ratio']:.1%} (within {bounded['capacity_blocks']} KV blocks)"
     )
     if got is not None and bounded["token_ratio"]:
-        line += f"; achieved {got:.1%} = {got / bounded['token_ratio']:.0%} of the ideal the cache size allows"
+        line += (
+            f"; achieved {got:.1%} = {got / bounded['token_ratio']:.0%} "
+            "of the ideal the cache size allows"
+        )
     if got is not None and got > ideal["unbounded"]["token_ratio"] + WARM_MARGIN:
         line += (
-            "\nWARNING: the server hit more than this run's prompts share among themselves: it had "
-            "them cached from an earlier run (the same --seed?), so its latency is not a cold server's"
+            "\nWARNING: the server hit more than this run's prompts share among themselves: "
+            "it had them cached from an earlier run (the same --seed?), "
+            "so its latency is not a cold server's"
         )
     return line
 
@@ -145,6 +154,7 @@ def warm_mismatch(counters: list[dict | None]) -> str | None:
     if None in ratios or abs(ratios[0] - ratios[1]) <= WARM_MARGIN:
         return None
     return (
-        f"WARNING: the two runs hit the prefix cache on {ratios[0]:.1%} and {ratios[1]:.1%} of prompt "
-        "tokens: one server had these prompts cached, so the ratios below are not like for like"
+        f"WARNING: the two runs hit the prefix cache on {ratios[0]:.1%} and {ratios[1]:.1%} "
+        "of prompt tokens: one server had these prompts cached, "
+        "so the ratios below are not like for like"
     )

@@ -197,7 +197,8 @@ def dataset_of(args) -> str:
     kind = trace_format(resolve_trace(args.trace))
     if kind not in SHIPPED_TRACES:
         raise ValueError(
-            f"--trace {args.trace} is a {kind}; bench serve replays {' and '.join(SHIPPED_TRACES)} traces"
+            f"--trace {args.trace} is a {kind}; "
+            f"bench serve replays {' and '.join(SHIPPED_TRACES)} traces"
         )
     if name not in (None, kind):
         raise ValueError(
@@ -334,7 +335,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace",
         default=None,
         help="a trace file (Azure CSV or Mooncake JSONL, .xz/.gz read "
-        "compressed), or azure / mooncake for the shipped traces; default: the --dataset-name trace",
+        "compressed), or azure / mooncake for the shipped traces; "
+        "default: the --dataset-name trace",
     )
     g.add_argument(
         "--window-start", type=float, default=0.0, help="seconds into the trace (default 0)"
@@ -379,7 +381,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="KEY:MS",
-        help="goodput SLOs in milliseconds, vLLM's syntax: ttft:500 tpot:100 e2el:10000 (default none)",
+        help="goodput SLOs in milliseconds, vLLM's syntax: ttft:500 tpot:100 e2el:10000 "
+        "(default none)",
     )
     g.add_argument(
         "--percentile-metrics",
@@ -400,7 +403,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--result-filename",
         default=None,
-        help="file name of the saved result (default: tandem-<dataset>-<rate>qps-<concurrency>conc-<time>.json)",
+        help="file name of the saved result "
+        "(default: tandem-<dataset>-<rate>qps-<concurrency>conc-<time>.json)",
     )
     g.add_argument("--plot", dest="plot_dir", default=None, help="write PNG plots into this folder")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -411,7 +415,8 @@ def _report_options(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
     metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
     if not metrics or set(metrics) - set(report.METRICS):
         raise ValueError(
-            f"--percentile-metrics: {args.percentile_metrics!r}; give some of {', '.join(report.METRICS)}"
+            f"--percentile-metrics: {args.percentile_metrics!r}; "
+            f"give some of {', '.join(report.METRICS)}"
         )
     try:
         pcts = tuple(float(p) for p in args.metric_percentiles.split(","))
@@ -419,7 +424,8 @@ def _report_options(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
         pcts = ()
     if not pcts or not all(0 < p <= 100 for p in pcts):
         raise ValueError(
-            f"--metric-percentiles: {args.metric_percentiles!r}; give e.g. 50,90,99 (each in (0, 100])"
+            f"--metric-percentiles: {args.metric_percentiles!r}; "
+            "give e.g. 50,90,99 (each in (0, 100])"
         )
     return metrics, pcts
 

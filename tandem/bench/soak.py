@@ -197,7 +197,8 @@ def progress(elapsed: float, duration: float, tally: Outcomes) -> None:
     bar = "#" * int(done * 30)
     sys.stderr.write(
         f"\r[{bar:<30}] {done:4.0%} sent {tally.sent} answered {tally.answered} refused "
-        f"{tally.refused} left {tally.left} errors {len(tally.errors)} lost {len(tally.lost)} hung {tally.hung}"
+        f"{tally.refused} left {tally.left} errors {len(tally.errors)} lost {len(tally.lost)} "
+        f"hung {tally.hung}"
     )
     sys.stderr.flush()
 

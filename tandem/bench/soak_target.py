@@ -137,8 +137,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cluster",
         default=None,
-        help="start `tandem cluster up` of this YAML (P/D: examples/cluster-pd.yaml) instead, and kill "
-        "one decode instance halfway (the launcher restarts it)",
+        help="start `tandem cluster up` of this YAML (P/D: examples/cluster-pd.yaml) instead, "
+        "and kill one decode instance halfway (the launcher restarts it)",
     )
     # Of each instance started: a small KV pool, so that requests are preempted.
     add_engine_arguments(

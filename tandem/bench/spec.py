@@ -1,9 +1,9 @@
 """`tandem bench spec`: speculative decoding off and with each proposer asked for (`--method
 ngram,draft`, the drafts of `--speculative-model self:int4,self:int8`), side by side in one
-run, on the two prompt sets shipped in bench/data/spec_prompts.json: `grounded` (edit a given text: the answer
-copies spans of the prompt) and `chat` (open questions). Batch 1 runs the prompts one at a
-time (single-stream decode); batch B submits B chat prompts at once (cycled). Greedy, chat
-template applied.
+run, on the two prompt sets shipped in bench/data/spec_prompts.json: `grounded` (edit a given
+text: the answer copies spans of the prompt) and `chat` (open questions). Batch 1 runs the
+prompts one at a time (single-stream decode); batch B submits B chat prompts at once (cycled).
+Greedy, chat template applied.
 
 Each configuration keeps a process of its own for the whole run (its peak RSS is its own), and
 the cases alternate between them: a case runs in every configuration before the next case
@@ -307,7 +307,8 @@ def policy_cost(path: str, batch_sizes: list[int]) -> list[dict]:
             }
         )
         print(
-            f"{proposer:10} batch {batch:3} round {round_}: {drafting} drafting steps, extra {extra * 1e3:6.0f} ms, "
+            f"{proposer:10} batch {batch:3} round {round_}: {drafting} drafting steps, "
+            f"extra {extra * 1e3:6.0f} ms, "
             f"{100 * extra / total:4.1f}% of {total:.2f} s"
         )
     return rows
@@ -326,7 +327,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-model",
         default="self:int4",
-        help="comma-separated drafts of --method draft (self:int4, self:int8, self:bf16, or a model alias or path)",
+        help="comma-separated drafts of --method draft "
+        "(self:int4, self:int8, self:bf16, or a model alias or path)",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -354,7 +356,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=2,
-        help="times every case runs in every configuration, alternating (the first with AdaptiveK new)",
+        help="times every case runs in every configuration, alternating "
+        "(the first with AdaptiveK new)",
     )
     p.add_argument(
         "--json",
@@ -400,15 +403,17 @@ def main(args: argparse.Namespace) -> dict:
     off = summaries["off"]
     mode = ", deterministic" if args.deterministic else ""
     print(
-        f"{args.model} {off['dtype']}{mode}, greedy, {args.max_tokens} tokens max, k={args.num_speculative_tokens}"
+        f"{args.model} {off['dtype']}{mode}, greedy, {args.max_tokens} tokens max, "
+        f"k={args.num_speculative_tokens}"
         f"{'' if args.adaptive else ' (fixed)'}, {args.rounds} alternating round(s); peak RSS off "
         f"{off['peak_rss_mb']:.0f} MiB, "
         + ", ".join(f"{n} {summaries[n]['peak_rss_mb']:.0f} MiB" for n in specs)
         + f" (async overlap {'on' if off['async_scheduling'] else 'off'})"
     )
     print(
-        f"{'proposer':10} {'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'per round':>16} "
-        f"{'accept':>7} {'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} {'gap off/on':>10} {'verifies':>8} "
+        f"{'proposer':10} {'set':9} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} "
+        f"{'per round':>16} {'accept':>7} {'mean len':>8} {'off ms/step':>11} {'on ms/step':>10} "
+        f"{'gap off/on':>10} {'verifies':>8} "
         f"{'prop. ms':>8} {'ms/fwd':>6} {'equal':>7}"
     )
     for row in rows:
@@ -416,11 +421,14 @@ def main(args: argparse.Namespace) -> dict:
         fwd = f"{b['draft_ms_per_forward']:.1f}" if b["draft_ms_per_forward"] is not None else "-"
         per_round = "/".join(f"{x:.2f}" for x in row["ratios"])
         print(
-            f"{row['proposer']:10} {row['set']:9} {row['batch']:>5} {a['output_throughput']:>10.1f} "
-            f"{b['output_throughput']:>9.1f} {row['ratio']:>6.2f}x {per_round:>16} {sd['acceptance_rate']:>7.1%} "
-            f"{sd['mean_accepted_length']:>8.2f} {a['ms_per_step']:>11.1f} {b['ms_per_step']:>10.1f} "
+            f"{row['proposer']:10} {row['set']:9} {row['batch']:>5} "
+            f"{a['output_throughput']:>10.1f} {b['output_throughput']:>9.1f} "
+            f"{row['ratio']:>6.2f}x {per_round:>16} {sd['acceptance_rate']:>7.1%} "
+            f"{sd['mean_accepted_length']:>8.2f} {a['ms_per_step']:>11.1f} "
+            f"{b['ms_per_step']:>10.1f} "
             f"{a['gap_ms_per_step']:>4.1f}/{b['gap_ms_per_step']:<5.1f} {sd['num_drafts']:>8} "
-            f"{b['propose_ms_per_step']:>8.1f} {fwd:>6} {row['equal_outputs']:>3}/{row['num_outputs']}"
+            f"{b['propose_ms_per_step']:>8.1f} {fwd:>6} "
+            f"{row['equal_outputs']:>3}/{row['num_outputs']}"
         )
     runs = {
         name: [

@@ -98,6 +98,7 @@ def main(args: argparse.Namespace) -> None:
     if masked:
         busy = sum(s["seconds"] for s in steps) or 1.0
         print(
-            f"grammar masks: {len(masked)} steps, {sum(masked) * 1e3:.1f} ms ({sum(masked) / busy:.1%} of busy "
-            f"time), p50 {statistics.median(masked) * 1e3:.2f} ms per masked step"
+            f"grammar masks: {len(masked)} steps, {sum(masked) * 1e3:.1f} ms "
+            f"({sum(masked) / busy:.1%} of busy time), "
+            f"p50 {statistics.median(masked) * 1e3:.2f} ms per masked step"
         )

@@ -193,13 +193,16 @@ def main(args: argparse.Namespace) -> None:
     result = run(args)
     for name, a in result["arms"].items():
         print(
-            f"{name:12s} {a['output_throughput']:8.1f} output tok/s  ({a['tokens']} tokens in {a['seconds']:.1f} s; "
+            f"{name:12s} {a['output_throughput']:8.1f} output tok/s  "
+            f"({a['tokens']} tokens in {a['seconds']:.1f} s; "
             f"masks {a['mask_share_of_execute']:.1%} of executor time)"
         )
     c = result["compile"]
     print(
-        f"constrained / none: {result['throughput_ratio']:.3f}; schema compile: first {c['schema_first_s'] * 1e3:.1f} ms, "
-        f"cached {c['schema_cached_s'] * 1e6:.0f} us (tokenizer info, once: {c['tokenizer_info_s']:.2f} s); "
+        f"constrained / none: {result['throughput_ratio']:.3f}; "
+        f"schema compile: first {c['schema_first_s'] * 1e3:.1f} ms, "
+        f"cached {c['schema_cached_s'] * 1e6:.0f} us "
+        f"(tokenizer info, once: {c['tokenizer_info_s']:.2f} s); "
         f"peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
     if args.json:

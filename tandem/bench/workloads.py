@@ -123,8 +123,9 @@ def random_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
         "request_rate": args.request_rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
-        "description": f"random: {len(reqs)} prompts, input {args.input_len} / output {args.output_len} "
-        f"tokens (+-{args.range_ratio:.0%}), {_schedule(args)}",
+        "description": f"random: {len(reqs)} prompts, "
+        f"input {args.input_len} / output {args.output_len} tokens "
+        f"(+-{args.range_ratio:.0%}), {_schedule(args)}",
     }
     return reqs, desc
 
@@ -162,7 +163,8 @@ def mixed_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "priority_by_class": bool(args.priority_by_class),
-        "description": f"mixed: {len(long_ids)} long ({args.long_input_len}->{args.long_output_len} tokens) + "
+        "description": f"mixed: {len(long_ids)} long "
+        f"({args.long_input_len}->{args.long_output_len} tokens) + "
         f"{n - len(long_ids)} short ({args.short_input_len}->{args.short_output_len}), "
         f"{_schedule(args)}" + (", priority by class" if args.priority_by_class else ""),
     }

@@ -68,7 +68,8 @@ def _gib(n: float) -> str:
 
 def _print(r: dict) -> None:
     print(
-        f"trace {r['trace']} ({r['format']}): {r['requests']:,} requests over {r['duration_s'] / 60:.1f} min, "
+        f"trace {r['trace']} ({r['format']}): {r['requests']:,} requests "
+        f"over {r['duration_s'] / 60:.1f} min, "
         f"{len(r['skipped'])} malformed line(s) skipped"
     )
     cols = ("mean", "p50", "p75", "p95", "p99", "max")
@@ -81,27 +82,32 @@ def _print(r: dict) -> None:
         print(
             f"{key.replace('_', ' '):14}"
             + "".join(f"{s[c]:>8.0f}" for c in cols)
-            + f"{s[f'share_under_{SHORT_PROMPT_TOKENS}']:>8.1%}{s[f'share_over_{LONG_PROMPT_TOKENS}']:>8.1%}"
+            + f"{s[f'share_under_{SHORT_PROMPT_TOKENS}']:>8.1%}"
+            f"{s[f'share_over_{LONG_PROMPT_TOKENS}']:>8.1%}"
         )
     print(f"prompt:output tokens {r['prompt_output_ratio']:.1f}:1")
     rate = r["rate"]
     print(
-        f"requests/s per {rate['bin_seconds']:g} s: mean {rate['mean_rps']:.2f}, peak {rate['peak_rps']:.2f}, "
+        f"requests/s per {rate['bin_seconds']:g} s: mean {rate['mean_rps']:.2f}, "
+        f"peak {rate['peak_rps']:.2f}, "
         f"trough {rate['trough_rps']:.2f}; busiest second {rate['peak_rps_1s']} requests"
     )
     f = r["in_flight"]
     print(
-        f"tokens in flight: peak {f['peak_tokens']:,} ({f['peak_requests']} requests), mean {f['mean_tokens']:,.0f}"
+        f"tokens in flight: peak {f['peak_tokens']:,} ({f['peak_requests']} requests), "
+        f"mean {f['mean_tokens']:,.0f}"
     )
     print(
-        f"peak KV demand ({f['model']}, {f['dtype_bytes']}-byte KV, {f['kv_bytes_per_token'] / 1024:g} KiB/token): "
+        f"peak KV demand ({f['model']}, {f['dtype_bytes']}-byte KV, "
+        f"{f['kv_bytes_per_token'] / 1024:g} KiB/token): "
         f"{_gib(f['peak_kv_bytes'])}; mean {_gib(f['mean_tokens'] * f['kv_bytes_per_token'])}"
     )
     print(f"  assumption: {f['assumption']}")
     if (p := r["prefix_reuse"]) is not None:
         print(
-            f"prefix reuse (ideal infinite cache, {p['block_tokens']}-token blocks): {p['block_ratio']:.1%} of "
-            f"blocks, {p['token_ratio']:.1%} of prompt tokens; {p['requests_with_hit']:.0%} of requests hit"
+            f"prefix reuse (ideal infinite cache, {p['block_tokens']}-token blocks): "
+            f"{p['block_ratio']:.1%} of blocks, {p['token_ratio']:.1%} of prompt tokens; "
+            f"{p['requests_with_hit']:.0%} of requests hit"
         )
     rec = r["recommendation"]
     print(f"recommendation: {rec['mode']}")

@@ -23,7 +23,8 @@ def request_splits(path: Path) -> list[tuple[float, float]]:
     rows, bad = read_request_log(path)
     if bad:
         raise ValueError(
-            f"{path}:{bad[0]['line']}: {bad[0]['error']}; is this a `tandem serve --request-log` file?"
+            f"{path}:{bad[0]['line']}: {bad[0]['error']}; "
+            "is this a `tandem serve --request-log` file?"
         )
     if not rows:
         raise ValueError(f"{path}: holds no requests (empty)")
@@ -34,7 +35,8 @@ def request_splits(path: Path) -> list[tuple[float, float]]:
 
 
 def bench_run(path: Path) -> tuple[list[tuple[float, float]], dict | None]:
-    """(queue, e2e) per successful request with a server latency split, and the server's counters."""
+    """(queue, e2e) per successful request with a server latency split, and the server's
+    counters."""
     try:
         data = json.loads(path.read_text())
     except OSError as e:

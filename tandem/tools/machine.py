@@ -80,8 +80,9 @@ def profile_warning(info: dict, kind: str) -> str | None:
     recorded = info.get("machine")
     if not recorded:
         return (
-            "warning: this CPU profile does not record the machine it was measured on; CPU step times "
-            "differ by several times between CPUs: run `tandem profile` here for figures of this machine"
+            "warning: this CPU profile does not record the machine it was measured on; "
+            "CPU step times differ by several times between CPUs: "
+            "run `tandem profile` here for figures of this machine"
         )
     here = machine_info()
     diffs = [

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--trace-format",
         default="auto",
-        help="azure | mooncake | request-log (a tandem request log) | auto: from the file (default auto)",
+        help="azure | mooncake | request-log (a tandem request log) | auto: from the file "
+        "(default auto)",
     )
     t.add_argument("--strict", action="store_true", help="a malformed trace line is an error")
     t.add_argument("--rate", type=float, default=None, help="requests/s")
@@ -148,18 +149,24 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
     ttft_prompt, context = t.ttft_prompt or t.prompt_mean, t.prompt_mean + t.output_mean / 2
     steps = 1 + math.ceil(ttft_prompt / pre.size)
     lines = [
-        f"traffic: {t.rate:.3f} req/s, prompt mean {t.prompt_mean:.0f} tok (TTFT judged at {ttft_prompt:.0f}), "
-        f"output mean {t.output_mean:.0f} tok; SLO TTFT {slo.ttft} s, ITL {slo.itl} s; target utilisation u = {u}",
+        f"traffic: {t.rate:.3f} req/s, prompt mean {t.prompt_mean:.0f} tok "
+        f"(TTFT judged at {ttft_prompt:.0f}), output mean {t.output_mean:.0f} tok; "
+        f"SLO TTFT {slo.ttft} s, ITL {slo.itl} s; target utilisation u = {u}",
         f"prefill demand = {t.rate:.3f} req/s x {t.prompt_mean:.0f} tok = {dp:,.0f} tok/s",
         f"decode demand  = {t.rate:.3f} req/s x {t.output_mean:.0f} tok = {dd:,.0f} tok/s",
-        f"X (prefill instance): steps of {pre.size} tokens take {pre.step * 1e3:.1f} ms -> X = {pre.throughput:,.0f} "
-        f"tok/s; TTFT = (1 + ceil({ttft_prompt:.0f}/{pre.size})) x {pre.latency / steps * 1e3:.1f} ms (its chunks) "
-        f"+ KV transfer {transfer * 1e3:.2f} ms = {pre.latency + transfer:.3f} s <= {slo.ttft} s (stopped by {pre.limit})",
-        f"Y (decode instance): batch {dec.size} at context {context:.0f} tok (KV {dec.size * context:,.0f} of "
+        f"X (prefill instance): steps of {pre.size} tokens take {pre.step * 1e3:.1f} ms "
+        f"-> X = {pre.throughput:,.0f} tok/s; "
+        f"TTFT = (1 + ceil({ttft_prompt:.0f}/{pre.size})) x {pre.latency / steps * 1e3:.1f} ms "
+        f"(its chunks) + KV transfer {transfer * 1e3:.2f} ms = {pre.latency + transfer:.3f} s "
+        f"<= {slo.ttft} s (stopped by {pre.limit})",
+        f"Y (decode instance): batch {dec.size} at context {context:.0f} tok "
+        f"(KV {dec.size * context:,.0f} of "
         f"{cm.kv_capacity_tokens:,} tokens), step {dec.step * 1e3:.1f} ms <= ITL {slo.itl} s -> "
         f"Y = {dec.throughput:,.0f} tok/s (stopped by {dec.limit})",
-        f"P = ceil({dp:,.0f} / ({pre.throughput:,.0f} x {u})) = ceil({dp / (pre.throughput * u):.3f}) = {p.num_prefill}",
-        f"D = ceil({dd:,.0f} / ({dec.throughput:,.0f} x {u})) = ceil({dd / (dec.throughput * u):.3f}) = {p.num_decode}",
+        f"P = ceil({dp:,.0f} / ({pre.throughput:,.0f} x {u})) "
+        f"= ceil({dp / (pre.throughput * u):.3f}) = {p.num_prefill}",
+        f"D = ceil({dd:,.0f} / ({dec.throughput:,.0f} x {u})) "
+        f"= ceil({dd / (dec.throughput * u):.3f}) = {p.num_decode}",
     ]
     if co is None:
         lines.append(
@@ -167,11 +174,12 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
         )
     else:
         lines += [
-            f"co-located: each step carries T = {co.prefill_tokens} prompt tokens with B = {co.decode_batch} decodes: "
-            f"{co.step * 1e3:.1f} ms <= ITL {slo.itl} s; the B decodes alone take {co.decode_only_step * 1e3:.1f} ms, so "
-            f"the chunk adds {(co.step - co.decode_only_step) * 1e3:.1f} ms to every ITL (interference); "
-            f"TTFT {co.ttft:.3f} s; one instance serves min(T/{t.prompt_mean:.0f}, B/{t.output_mean:.0f}) / step "
-            f"= {co.rate:.3f} req/s",
+            f"co-located: each step carries T = {co.prefill_tokens} prompt tokens "
+            f"with B = {co.decode_batch} decodes: {co.step * 1e3:.1f} ms <= ITL {slo.itl} s; "
+            f"the B decodes alone take {co.decode_only_step * 1e3:.1f} ms, so the chunk adds "
+            f"{(co.step - co.decode_only_step) * 1e3:.1f} ms to every ITL (interference); "
+            f"TTFT {co.ttft:.3f} s; one instance serves "
+            f"min(T/{t.prompt_mean:.0f}, B/{t.output_mean:.0f}) / step = {co.rate:.3f} req/s",
             f"  prefill time = {busy[0]:.3f} s/s + decode time = {busy[1]:.3f} s/s; "
             f"instances = ceil({sum(busy):.3f} / {u}) = {p.num_colocated}",
         ]
@@ -206,7 +214,8 @@ def main(args: argparse.Namespace) -> dict:
     print("\n".join(provenance_lines(cm.info, cm.kind)))
     print("\n".join(explain(result, cm)))
     print(
-        f"=> disaggregated P = {result.num_prefill}, D = {result.num_decode}; co-located {result.num_colocated}"
+        f"=> disaggregated P = {result.num_prefill}, D = {result.num_decode}; "
+        f"co-located {result.num_colocated}"
     )
     report = {
         "cost_model": {k: v for k, v in cm.to_json().items() if k != "info"}
@@ -216,12 +225,14 @@ def main(args: argparse.Namespace) -> dict:
     if buckets:
         el = elastic(cm, buckets, slo, args.bucket_minutes * 60)
         print(
-            f"\nelastic schedule, buckets of {args.bucket_minutes:g} min (same SLOs and headroom per bucket):"
+            f"\nelastic schedule, buckets of {args.bucket_minutes:g} min "
+            "(same SLOs and headroom per bucket):"
         )
         print(f"  {'start':>5} {'req/s':>8} {'prompt':>7} {'output':>7} {'P':>4} {'D':>4}")
         for b in el.buckets:
             print(
-                f"  {_clock(b['start']):>5} {b['rate']:>8.2f} {b['prompt_mean']:>7.0f} {b['output_mean']:>7.0f} "
+                f"  {_clock(b['start']):>5} {b['rate']:>8.2f} {b['prompt_mean']:>7.0f} "
+                f"{b['output_mean']:>7.0f} "
                 + (
                     f"{b['P']:>4} {b['D']:>4}"
                     if b["P"] is not None
@@ -229,18 +240,21 @@ def main(args: argparse.Namespace) -> dict:
                 )
             )
         print(
-            f"  pool: {el.total} instances = {el.fixed_prefill} always prefill + {el.fixed_decode} always decode "
+            f"  pool: {el.total} instances = {el.fixed_prefill} always prefill "
+            f"+ {el.fixed_decode} always decode "
             f"+ {el.elastic} elastic"
         )
         for s in el.switches or [{"start": None}]:
             print(
                 "  no switch needed: the split holds all trace long"
                 if s["start"] is None
-                else f"  switch at {_clock(s['start'])}: P {s['P'][0]} -> {s['P'][1]}, D {s['D'][0]} -> {s['D'][1]}"
+                else f"  switch at {_clock(s['start'])}: P {s['P'][0]} -> {s['P'][1]}, "
+                f"D {s['D'][0]} -> {s['D'][1]}"
             )
         if len(el.buckets) == 1:
             print(
-                "  (the trace fits one bucket: a smaller --bucket-minutes shows how the split moves)"
+                "  (the trace fits one bucket: "
+                "a smaller --bucket-minutes shows how the split moves)"
             )
         report["elastic"] = asdict(el)
     if args.json_path:

@@ -74,7 +74,8 @@ class Driver:
     def run(
         self, decodes: tuple[int, int], prefills: tuple[int, int, int]
     ) -> tuple[BatchShape, float] | None:
-        """(decode batch, context), (prefill requests, chunk, before): the median step and its shape."""
+        """(decode batch, context), (prefill requests, chunk, before): the median step and its
+        shape."""
         from tandem.core.outputs import CachedRequestData, SchedulerOutput
 
         (batch, context), (num_pre, chunk, before) = decodes, prefills
@@ -210,7 +211,8 @@ def report(cm: CostModel) -> None:
         f"{cm.host_kv_capacity_tokens:,} on host; host link {cm.host_bandwidth / 1e9:.1f} GB/s"
     )
     print(
-        f"  step = {cm.overhead * 1e3:.3f} ms + sum over terms of max(compute, memory), per unit of:"
+        f"  step = {cm.overhead * 1e3:.3f} ms + sum over terms of max(compute, memory), "
+        "per unit of:"
     )
     for name, t in cm.terms.items():
         for kind in ("compute", "memory"):
@@ -219,16 +221,19 @@ def report(cm: CostModel) -> None:
                 print(f"    {name} {kind}: " + ", ".join(nz))
     if "fit" in i:
         print(
-            f"  fit over {len(i['samples'])} steps: median relative error {i['fit']['median_rel_error']:.1%}, "
+            f"  fit over {len(i['samples'])} steps: "
+            f"median relative error {i['fit']['median_rel_error']:.1%}, "
             f"max {i['fit']['max_rel_error']:.1%}"
         )
         for row in i["prefill_table"]:
             print(
-                f"  X prefill {row['tokens']:>5} tokens ({row['pairs']:>9,} pairs): {row['tok_per_s']:>9,.0f} tok/s"
+                f"  X prefill {row['tokens']:>5} tokens ({row['pairs']:>9,} pairs): "
+                f"{row['tok_per_s']:>9,.0f} tok/s"
             )
         for row in i["decode_table"]:
             print(
-                f"  Y decode batch {row['batch']:>3} context {row['context']:>5}: {row['tok_per_s']:>9,.0f} tok/s"
+                f"  Y decode batch {row['batch']:>3} context {row['context']:>5}: "
+                f"{row['tok_per_s']:>9,.0f} tok/s"
             )
     print(
         f"  X at {cm.max_num_batched_tokens} tokens: {cm.prefill_throughput():,.0f} tok/s; "

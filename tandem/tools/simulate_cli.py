@@ -147,7 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill",
         type=int,
         default=None,
-        help="P/D prefill instances at the start (default: pd searches for the best by goodput; elastic starts at N/2)",
+        help="P/D prefill instances at the start "
+        "(default: pd searches for the best by goodput; elastic starts at N/2)",
     )
     g.add_argument("--policy", default="fcfs", help="comma list of fcfs, multilevel")
     g.add_argument(
@@ -163,7 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefix-weight",
         type=float,
         default=RoutingWeights().prefix,
-        help="routing score of a full prefix-cache hit against load (router.weights.prefix); 0: by load alone",
+        help="routing score of a full prefix-cache hit against load (router.weights.prefix); "
+        "0: by load alone",
     )
     g = p.add_argument_group("engine (each instance)")
     g.add_argument(
@@ -177,7 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["ttft:2000", "tpot:100"],
         metavar="KEY:MS",
-        help="goodput SLOs in milliseconds, vLLM's syntax: ttft, tpot, e2el (default ttft:2000 tpot:100)",
+        help="goodput SLOs in milliseconds, vLLM's syntax: ttft, tpot, e2el "
+        "(default ttft:2000 tpot:100)",
     )
     p.add_argument(
         "--json",
@@ -229,8 +232,8 @@ def _yaml_engine(path: str | None) -> dict:
     values = load_yaml(path, "engine") if path else {}
     if values.pop("speculative_config", None) is not None:
         print(
-            f"tandem simulate: {path}: serving.speculative_decoding is not simulated (the simulated executor "
-            "proposes no drafts); simulating without speculation",
+            f"tandem simulate: {path}: serving.speculative_decoding is not simulated "
+            "(the simulated executor proposes no drafts); simulating without speculation",
             file=sys.stderr,
         )
     return values
@@ -313,7 +316,8 @@ def _rank(r: dict) -> tuple[float, float]:
 
 
 def _search_pd(args, cost, engine, n: int, mode: str, slo: dict, bar) -> tuple[dict, list[dict]]:
-    """Best initial prefill count by goodput (see _rank): a coarse grid over P/N, then the best one's neighbours."""
+    """Best initial prefill count by goodput (see _rank): a coarse grid over P/N, then the best
+    one's neighbours."""
     tried: dict[int, dict] = {}
 
     def run(p: int) -> None:
@@ -429,8 +433,9 @@ def main(args: argparse.Namespace) -> dict:
                 searched += tried
     print(table([HEAD] + [_row(r) for r in results]))
     print(
-        "prefix hit: share of prompt tokens the instances' caches served; ideal: an unbounded cache on the "
-        "same prompts and block size; ideal @size: one LRU cache as large as all instances' KV pools; "
+        "prefix hit: share of prompt tokens the instances' caches served; "
+        "ideal: an unbounded cache on the same prompts and block size; "
+        "ideal @size: one LRU cache as large as all instances' KV pools; "
         "as placed: each instance's own LRU cache on the prompts routed to it"
     )
     if searched:
