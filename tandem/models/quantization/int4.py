@@ -224,9 +224,10 @@ class Int4Linear(IntegerKernelLayer):
         if self.int8_act:
             tiles = torch.arange(self.out_features // 16)
             codes = self._tile_codes(tiles).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
-            untile = lambda t: (
-                t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)
-            )  # noqa: E731
+
+            def untile(t: torch.Tensor) -> torch.Tensor:
+                return t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)
+
             d, m = self._block_scales(tiles)
             return (codes.float() * untile(d) + untile(m)).to(dtype)
         codes = self.codes
