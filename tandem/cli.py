@@ -195,7 +195,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "--top-p",
         type=float,
         default=1.0,
-        help="nucleus sampling: keep the smallest set of tokens with this probability mass (default 1: all)",
+        help="nucleus sampling: keep the smallest set of tokens with this probability mass "
+        "(default 1: all)",
     )
     p.add_argument(
         "--seed",

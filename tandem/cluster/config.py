@@ -7,7 +7,8 @@ backend: local            # local | ray
 ray: {address: null}      # null/"local": start a one-node Ray here; "auto" or host:port: join
 stop_timeout_s: 45        # on SIGTERM/SIGINT: how long instances may drain before SIGKILL
 router: {host: 127.0.0.1, port: 8000, weights: {prefix: 1.0, load: 1.0}, migration: {kv_usage: 0.9}}
-kv_transfer: {connector: shm}  # shm (one host) | torch_dist (gloo / NCCL point-to-point, across hosts)
+kv_transfer: {connector: shm}  # shm (one host) | torch_dist (gloo / NCCL point-to-point,
+                               # across hosts)
 models:
   - name: smollm2-135m
     model: smollm2-135m   # alias, .gguf file or Hugging Face folder

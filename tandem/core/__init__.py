@@ -1,1 +1,2 @@
-"""Torch-free policy core: requests, KV block pool, scheduler. Shared by the engine and the simulator."""
+"""Torch-free policy core: requests, KV block pool, scheduler. Shared by the engine and the
+simulator."""

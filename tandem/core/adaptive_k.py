@@ -82,7 +82,8 @@ class AdaptiveK:
         )  # scheduled-token counts seen (a step at a new one is no sample)
         self._since_probe: dict[int, int] = {}  # bucket -> choices since its last probe
         self._proposal_seconds = 0.0  # the last step's proposal (what the next verify step pays)
-        # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step seen.
+        # Pure recording (`tandem bench spec --trace-adaptive`): one dict per choice and per step
+        # seen.
         self.trace: Callable[[dict], None] | None = None
 
     def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
@@ -150,7 +151,8 @@ class AdaptiveK:
         return self._accepted / self._trials
 
     def _tokens_per_verify(self, k: int) -> float:
-        """E(k): tokens a request with k drafts emits in a verify step, at the measured acceptance."""
+        """E(k): tokens a request with k drafts emits in a verify step, at the measured
+        acceptance."""
         a = self.acceptance
         return (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
 
@@ -191,7 +193,8 @@ class AdaptiveK:
         return median(s for s, *_ in self._samples[(bucket, drafted)])
 
     def step_cost(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
+        """(fixed seconds, seconds per token), or None while the steps seen cannot tell them
+        apart."""
         n, x, xx, y, xy = self._fit
         if n < 2:
             return None

@@ -120,7 +120,8 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def newest_cached_hashes(self, limit: int) -> list[int]:
-        """The hashes of up to `limit` cached blocks, newest first (the pool keeps caching order)."""
+        """The hashes of up to `limit` cached blocks, newest first (the pool keeps caching
+        order)."""
         # A dict's keys are reversible; typeshed's KeysView does not say so.
         hashes = reversed(self.pool.cached_hashes)  # type: ignore[call-overload]
         return list(itertools.islice(hashes, limit))

@@ -56,7 +56,8 @@ class Request:
     max_model_len: int = 1 << 30
     priority: int = 2  # 1 interactive, 2 standard, 3 background (as asked)
     level: int = 2  # the queue it is scheduled in (all 2 under the fcfs policy)
-    # n > 1: siblings wait until this request's prompt is in the prefix cache, then share its blocks.
+    # n > 1: siblings wait until this request's prompt is in the prefix cache, then share its
+    # blocks.
     prefill_after: Request | None = None
     precision: str | None = None  # the model variant it runs on (None: the engine's only one)
     cache_salt: str | None = None  # prefix-cache namespace: KV of another variant is never reused
@@ -112,7 +113,8 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def check_stop(self) -> bool:
-        """Stop on max_tokens, EOS or a stop token id. Stop strings are checked by the detokenizer."""
+        """Stop on max_tokens, EOS or a stop token id. Stop strings are checked by the
+        detokenizer."""
         params = self.sampling_params
         last = self.all_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:

@@ -154,8 +154,8 @@ class SamplingParams:
                 bad("structured_outputs must be a StructuredOutputsParams")
             if self.min_tokens:
                 bad(
-                    "min_tokens cannot be combined with structured outputs: the grammar decides where "
-                    "the output may end"
+                    "min_tokens cannot be combined with structured outputs: the grammar "
+                    "decides where the output may end"
                 )
 
     @property

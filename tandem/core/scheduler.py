@@ -34,6 +34,10 @@ from tandem.core.spec_decode import SpecDecodeStats
 from tandem.core.spec_planner import SpecPlanner, Speculation
 from tandem.core.step_budget import StepBudget, adapt_throttle
 
+# Frozen, so one shared instance serves as every default
+DEFAULT_COSTS = PreemptionCosts()
+NO_SPECULATION = Speculation()
+
 
 class Scheduler(Admission):
     """Its parts, one job each: admission of waiting requests (admission.py), preemption
@@ -45,8 +49,8 @@ class Scheduler(Admission):
         kv_manager: KVCacheManager,
         clock: Callable[[], float],
         max_model_len: int,
-        costs: PreemptionCosts = PreemptionCosts(),
-        speculation: Speculation = Speculation(),
+        costs: PreemptionCosts = DEFAULT_COSTS,
+        speculation: Speculation = NO_SPECULATION,
     ) -> None:
         capacity = kv_manager.token_capacity(config.max_num_batched_tokens)
         if capacity < max_model_len:

@@ -3,9 +3,9 @@
 It owns the policy (AdaptiveK, or a fixed k), the k chosen one step ahead, the lookahead slots
 of a draft model, the rollback after a verify step and the acceptance counters. The scheduler
 calls it at named points of a step: `plan` as a step is planned, `num_drafts` and `lookahead`
-while a request is fitted into it, `schedule` or `admit` once it is, and `after_step` when the step's
-tokens are known. The engine asks `will_draft` before planning a step and reports each step's
-cost to `observe_step`.
+while a request is fitted into it, `schedule` or `admit` once it is, and `after_step` when the
+step's tokens are known. The engine asks `will_draft` before planning a step and reports each
+step's cost to `observe_step`.
 """
 
 from __future__ import annotations

@@ -290,7 +290,8 @@ class EngineCore:
             self.pipeline.submit(sched)
         if done is None:
             if len(self.pipeline) == 0 or (self.pipeline.overlap and not sched.is_empty):
-                return None  # idle, or the first step of a busy spell: it runs while the caller returns
+                # idle, or the first step of a busy spell: it runs while the caller returns
+                return None
             done = self.pipeline.pop()
         return self._finish(done)
 

@@ -94,7 +94,8 @@ class KVSent(msgspec.Struct, tag="kv_sent"):
 
 
 class ReceiveKV(msgspec.Struct, tag="receive_kv"):
-    """Decode side: reserve blocks for the prompt and receive into them: {kv_blocks, ...} or {error}."""
+    """Decode side: reserve blocks for the prompt and receive into them: {kv_blocks, ...} or
+    {error}."""
 
     token_ids: list[int]
     transfer_id: str

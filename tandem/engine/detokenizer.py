@@ -55,8 +55,8 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], finished: bool = False) -> str:
         """Add sampled tokens; return the new text delta ("" while nothing new is safe to show).
 
-        After a stop string matched (stop_reason set) the request is over and further calls return "".
-        The caller drops a terminating EOS / stop token id itself if its text must not appear.
+        After a stop string matched (stop_reason set) the request is over and further calls return
+        "". The caller drops a terminating EOS / stop token id itself if its text must not appear.
         """
         self.stop_token_count = None
         if self.tokenizer is None or self.stop_reason is not None:
@@ -86,8 +86,8 @@ class IncrementalDetokenizer:
     def _decode_next(self, flush: bool) -> str:
         """Decode the window with and without the unread tokens; the difference is the new text.
 
-        Returns "" (and keeps the offsets) while the text ends in U+FFFD, i.e. a multi-byte character
-        is still incomplete, unless flushing.
+        Returns "" (and keeps the offsets) while the text ends in U+FFFD, i.e. a multi-byte
+        character is still incomplete, unless flushing.
         """
         ids = self._token_ids
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
@@ -100,7 +100,8 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        # No clean-up of tokenisation spaces: it rewrites text near the window's edges, so is not incremental.
+        # No clean-up of tokenisation spaces: it rewrites text near the window's edges, so is not
+        # incremental.
         if self._backend is not None:
             return self._backend.decode(
                 token_ids, skip_special_tokens=self.params.skip_special_tokens
@@ -112,7 +113,8 @@ class IncrementalDetokenizer:
         )
 
     def _check_stop(self, old_len: int) -> None:
-        """Cut the text at the earliest stop string that ends in the new text (at old_len or later)."""
+        """Cut the text at the earliest stop string that ends in the new text (at old_len or
+        later)."""
         matches = []
         for stop in self.params.stop:
             index = self._text.find(stop, max(0, old_len - len(stop) + 1))
@@ -127,7 +129,8 @@ class IncrementalDetokenizer:
         self.stop_reason = stop
 
     def _partial_stop_len(self) -> int:
-        """Length of the longest tail of the text that a later token could complete into a stop string."""
+        """Length of the longest tail of the text that a later token could complete into a stop
+        string."""
         for k in range(min(len(self._text), self._max_stop_len - 1), 0, -1):
             tail = self._text[-k:]
             if any(stop.startswith(tail) for stop in self.params.stop):

@@ -61,7 +61,8 @@ class InputProcessor:
         precision: str | None = None,
     ) -> EngineCoreRequest:
         """Raises ValueError (a 400 at the server) on bad input. `priority` 1/2/3; None:
-        classified by length. `precision`: the variant asked for; None: the class's, else the default."""
+        classified by length. `precision`: the variant asked for; None: the class's, else the
+        default."""
         token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids)
         if params.logit_bias:

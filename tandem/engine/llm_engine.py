@@ -96,7 +96,8 @@ class LLMEngine:
 
     # ---- read-only figures (the benches) ------------------------------------------
     def info(self) -> EngineInfo:
-        """What the engine built: dtype, KV pool, precision variants and their weight bytes, graphs."""
+        """What the engine built: dtype, KV pool, precision variants and their weight bytes,
+        graphs."""
         return engine_info(self.core)
 
     def step_counters(self) -> StepCounters:

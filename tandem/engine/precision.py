@@ -17,7 +17,8 @@ class PrecisionRouter:
     def __init__(
         self, config: QuantizationConfig, default: str, unavailable: dict[str, str]
     ) -> None:
-        """default: the default variant's name; unavailable: variants that failed to build, and why."""
+        """default: the default variant's name; unavailable: variants that failed to build, and
+        why."""
         self.default = default
         self.fallback = config.precision_fallback
         self.classes = dict(config.precision_classes or {})

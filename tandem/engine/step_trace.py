@@ -46,7 +46,8 @@ class StepTrace:
                     "preemptions": scheduler.num_preemptions,
                     "max_num_seqs": cfg.max_num_seqs,
                     "token_budget": cfg.max_num_batched_tokens,
-                    "structured_output_seconds": done.result.structured_output_time,  # grammar masks, within `seconds`
+                    # grammar masks, within `seconds`
+                    "structured_output_seconds": done.result.structured_output_time,
                 }
             )
             + "\n"

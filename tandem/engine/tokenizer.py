@@ -94,7 +94,8 @@ def get_tokenizer(
     if template is not None:
         if tok is None:
             raise ValueError(
-                f"--chat-template: {model} ships no tokenizer to apply it with; give --tokenizer too"
+                f"--chat-template: {model} ships no tokenizer to apply it with; "
+                "give --tokenizer too"
             )
         tok = copy.copy(tok)  # the shared one keeps its own template
         tok.chat_template = template

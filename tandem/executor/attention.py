@@ -217,9 +217,10 @@ def resolve_attention_backend(name: AttentionBackend, device: torch.device) -> A
 
 
 class TorchAttention:
-    """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when meta.triton.
-    KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations' dtype or, under
-    fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as they are read)."""
+    """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when
+    meta.triton. KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations'
+    dtype or, under fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as
+    they are read)."""
 
     def __init__(
         self,
@@ -312,7 +313,8 @@ class TorchAttention:
 
     @staticmethod
     def decodes_qkv(meta: AttentionMetadata, rows: int) -> bool:
-        """Whether forward_qkv runs a step of `rows` rows with this metadata (given a contiguous qkv)."""
+        """Whether forward_qkv runs a step of `rows` rows with this metadata (given a contiguous
+        qkv)."""
         return meta.decode_kernel is not None and not meta.triton and meta.num_decodes == rows
 
     def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:

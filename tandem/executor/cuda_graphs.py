@@ -97,7 +97,8 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest batch first, all in one memory pool (a smaller graph reuses the larger's memory)."""
+        """Largest batch first, all in one memory pool (a smaller graph reuses the larger's
+        memory)."""
         torch.cuda.synchronize()
         start, before = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()

@@ -56,8 +56,8 @@ def resolve_kv_cache_dtype(
         return kv_dtype
     if dtype != torch.float32 or kv_dtype == torch.float32:
         raise ValueError(
-            f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations: the cache "
-            f"holds the activations' dtype, or bfloat16 / float16 under float32"
+            f"kv_cache_dtype {name} under {str(dtype).removeprefix('torch.')} activations: "
+            "the cache holds the activations' dtype, or bfloat16 / float16 under float32"
         )
     if device.type != "cpu" or attention_backend != AttentionBackend.TORCH:
         raise ValueError(

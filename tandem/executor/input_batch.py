@@ -77,8 +77,9 @@ class InputBuilder:
         self.deterministic = deterministic
         if deterministic and self.decode_kernel is None:
             raise ValueError(
-                "deterministic serving attends on the native CPU paged kernel (attention_backend torch "
-                f"on CPU, head_dim 64 or 128, a C++ compiler); here: {attention_backend} on "
+                "deterministic serving attends on the native CPU paged kernel "
+                "(attention_backend torch on CPU, head_dim 64 or 128, a C++ compiler); "
+                f"here: {attention_backend} on "
                 f"{device.type}, head_dim {head_dim}"
             )
 

@@ -48,7 +48,8 @@ class KVCache:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes holds no KV block (one block is {per_block} bytes)"
             )
-        # one block more for the KV manager's null block, where a sliding group's freed entries point
+        # one block more for the KV manager's null block, where a sliding group's freed entries
+        # point
         self.num_slots = (
             self.num_kv_blocks + any(w is not None for w in groups.windows)
         ) * self.block_size

@@ -118,7 +118,8 @@ class ModelRunner:
         )
         self.kv_caches, self.kv_device = self.kv.kv_caches, self.kv.kv_cache.device
         if self.device.type == "cpu":
-            cpu_fused_ops()  # built (or found in the cache) now, not inside the first request's step
+            # built (or found in the cache) now, not inside the first request's step
+            cpu_fused_ops()
         max_len = model.max_model_len or min(cfg.max_position_embeddings, self.kv.num_slots)
         self.graph_runner = capture_graphs(
             self.model,

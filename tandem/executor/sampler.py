@@ -59,7 +59,8 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
-    """Ragged id lists -> [B, max len]; numpy fills it several times faster than torch.tensor would."""
+    """Ragged id lists -> [B, max len]; numpy fills it several times faster than torch.tensor
+    would."""
     padded = np.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=np.int64)
     for i, ids in enumerate(rows):
         padded[i, : len(ids)] = ids
@@ -103,7 +104,8 @@ class SamplingMetadata:
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
     ) -> SamplingMetadata:
-        """vocab_size must be the logits' last dimension (it pads token lists and disables top-k)."""
+        """vocab_size must be the logits' last dimension (it pads token lists and disables
+        top-k)."""
         params = [r.params for r in rows]
         greedy = [p.greedy for p in params]
 
@@ -178,7 +180,8 @@ class SamplingMetadata:
 def _min_tokens_blocked(
     rows: list[SamplingRow], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row indices, token ids) of the stop tokens blocked in rows short of min_tokens; None if none."""
+    """(row indices, token ids) of the stop tokens blocked in rows short of min_tokens; None if
+    none."""
     blocked_rows: list[int] = []
     blocked_ids: list[int] = []
     for i, r in enumerate(rows):
@@ -215,7 +218,8 @@ def _logit_bias(
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, L] padded ids -> [B, V] occurrence counts (the pad id vocab_size lands in a dropped column)."""
+    """[B, L] padded ids -> [B, V] occurrence counts (the pad id vocab_size lands in a dropped
+    column)."""
     counts = torch.zeros(
         token_ids.shape[0], vocab_size + 1, dtype=torch.long, device=token_ids.device
     )
@@ -318,8 +322,8 @@ class Sampler:
             threshold = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             probs.masked_fill_(probs < threshold, 0.0)
         # Exponential race: argmax(probs / q), q ~ Exp(1), draws token i with probability
-        # probs[i] / sum(probs), without renormalising and batched. Seeded rows draw q from their own
-        # generator so their tokens do not depend on the batch.
+        # probs[i] / sum(probs), without renormalising and batched. Seeded rows draw q from their
+        # own generator so their tokens do not depend on the batch.
         q = torch.empty_like(probs)
         if len(md.generators) < q.shape[0]:
             q.exponential_()

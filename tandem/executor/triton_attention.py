@@ -57,7 +57,8 @@ if triton is not None:
 
     @triton.jit
     def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
-        """Sequence s owns q blocks [qsl[s] // BLOCK_Q + s, ...): the last s whose first block <= q_block."""
+        """Sequence s owns q blocks [qsl[s] // BLOCK_Q + s, ...): the last s whose first block
+        <= q_block."""
         lo, hi = 0, num_seqs - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -80,7 +81,8 @@ if triton is not None:
         d,
         d_ok,
     ):
-        """K and V of the positions k_pos (masked by k_ok) of one sequence, one KV head, through its block table."""
+        """K and V of the positions k_pos (masked by k_ok) of one sequence, one KV head, through
+        its block table."""
         block = tl.load(block_table_ptr + k_pos // block_size, mask=k_ok, other=0)
         slot = block * block_size + k_pos % block_size
         kv_off = slot[:, None] * stride_cs + head_off + d[None, :]

@@ -142,9 +142,10 @@ def cpu_fused_ops():
 @functools.cache
 def cpu_quant_gemm():
     """int8-activation GEMMs for the int4 / int8 linears (kernels/cpu_quant_gemm.cpp), or None;
-    `supported()` says whether this CPU runs it (AVX512-VNNI, or AVX2 with FMA). OpenMP here is torch's own runtime
-    (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's thread team. Its FMAs
-    are its intrinsics', so its unit's -ffp-contract=off changes nothing in it."""
+    `supported()` says whether this CPU runs it (AVX512-VNNI, or AVX2 with FMA). OpenMP here is
+    torch's own runtime (the libgomp.so.1 torch loaded first), so at::parallel_for uses torch's
+    thread team. Its FMAs are its intrinsics', so its unit's -ffp-contract=off changes nothing in
+    it."""
     return _kernel("cpu_quant_gemm")
 
 
@@ -216,7 +217,8 @@ def _build_spec(unit: str) -> tuple[bytes, Path, list[str], str]:
 
 
 def _built(unit: str, build: Path | None = None) -> Path:
-    """Where unit `unit`'s extension file is once built (in `build`, its build folder, when known)."""
+    """Where unit `unit`'s extension file is once built (in `build`, its build folder, when
+    known)."""
     if build is None:
         text, root, _, key = _build_spec(unit)
         build = _build_folder(text, root, key)
@@ -249,8 +251,8 @@ def _load(unit: str) -> ModuleType | None:
         name = built.stem
         if not built.exists():
             log.info(
-                "building native kernels %s in %s (once per machine and toolchain; `tandem prepare` "
-                "builds them ahead)",
+                "building native kernels %s in %s (once per machine and toolchain; "
+                "`tandem prepare` builds them ahead)",
                 ", ".join(UNITS[unit][0]),
                 build,
             )
@@ -303,7 +305,10 @@ def prepare() -> dict[str, bool]:
     being built (its folder's lock) builds in a process of its own, all at once: a build is one
     compiler on one core. A unit another process is building is waited for."""
     if os.environ.get("TANDEM_NO_NATIVE") != "1":
-        code = "import sys, logging, tandem.kernels as k; logging.basicConfig(level=logging.INFO); k._load(sys.argv[1])"
+        code = (
+            "import sys, logging, tandem.kernels as k; "
+            "logging.basicConfig(level=logging.INFO); k._load(sys.argv[1])"
+        )
         builds = [
             subprocess.Popen([sys.executable, "-c", code, unit])
             for unit in UNITS

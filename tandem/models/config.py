@@ -44,7 +44,8 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if model_type == "mistral" and hf.get("sliding_window"):
             if hf["sliding_window"] < hf.get("max_position_embeddings", 0):

@@ -90,7 +90,8 @@ def _delta(now: dict, then: dict | None, key: str) -> float:
 
 
 def _window_quantile(q: float, name: str, cur: dict, window: dict | None) -> float | None:
-    """Milliseconds: the q-quantile of the observations of histogram `name` made within the window."""
+    """Milliseconds: the q-quantile of the observations of histogram `name` made within the
+    window."""
     b = cur["buckets"].get(name, {})
     old = window["buckets"].get(name, {}) if window else {}
     x = quantile(q, {le: c - old.get(le, 0.0) for le, c in b.items()})

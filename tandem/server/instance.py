@@ -2,9 +2,10 @@
 
 The load report is computed in the engine-core process with each step (engine/core_stats.py)
 and arrives with the step's outputs, so the HTTP side never reads engine structures. GET
-/tandem/state serves the latest one as JSON whose keys are `tandem.cluster.policy.routing.InstanceState`'s
-fields plus a few extras (block size, per level), with this instance's model, role, elastic
-flag and precision variants (default, then every one a request may name); POST /tandem/role sets the role.
+/tandem/state serves the latest one as JSON whose keys are
+`tandem.cluster.policy.routing.InstanceState`'s fields plus a few extras (block size, per
+level), with this instance's model, role, elastic flag and precision variants (default, then
+every one a request may name); POST /tandem/role sets the role.
 """
 
 from __future__ import annotations

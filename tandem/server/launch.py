@@ -43,14 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-niceness",
         type=int,
         default=0,
-        help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few cores "
-        "the API process then runs as soon as it wakes",
+        help="CPU niceness of the engine-core process, 0-19 (default 0): on a machine with few "
+        "cores the API process then runs as soon as it wakes",
     )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM: seconds the requests in flight may take to finish before they are aborted (default 30)",
+        help="on SIGTERM: seconds the requests in flight may take to finish before they are "
+        "aborted (default 30)",
     )
     add_option_arguments(p.add_argument_group("server (YAML: serving.server)"), SERVER_OPTIONS)
     # Flags override --config; YAML: serving.engine, or the key named in the help.

@@ -30,8 +30,9 @@ LIMITS_HELP = (
     f"max_model_len, {MAX_STOP} stop strings of {MAX_STOP_CHARS} characters, {MAX_STOP_TOKEN_IDS} "
     f"stop_token_ids, logprobs / top_logprobs <= 20, {MAX_MESSAGES} messages, {MAX_TOOLS} tools, "
     f"{MAX_LOGIT_BIAS} logit_bias entries, "
-    f"{MAX_PROMPTS} prompts per batch, {MAX_CHOICES} choice strings, {MAX_CONSTRAINT_CHARS} characters "
-    f"of regex / grammar / JSON schema, schema nesting {MAX_SCHEMA_DEPTH}; the body: "
+    f"{MAX_PROMPTS} prompts per batch, {MAX_CHOICES} choice strings, "
+    f"{MAX_CONSTRAINT_CHARS} characters of regex / grammar / JSON schema, "
+    f"schema nesting {MAX_SCHEMA_DEPTH}; the body: "
     f"--max-request-bytes (413)."
 )
 

@@ -148,7 +148,8 @@ class _EngineCollector:
 
 
 def _precision_families(llm: AsyncLLM, model: str):
-    """Requests per precision served, fallbacks (requested, served, reason), weight bytes per variant."""
+    """Requests per precision served, fallbacks (requested, served, reason), weight bytes per
+    variant."""
     router, lbl = llm.precisions, ["model_name"]
     by_precision = CounterMetricFamily(
         "tandem:requests_by_precision",

@@ -220,8 +220,8 @@ class ChatCompletionRequest(SamplingFields):
         min_length=1,
         max_length=MAX_MESSAGES,
         description=(
-            "Text content (parts of type text), tool calls and tool results, through the model's chat "
-            "template."
+            "Text content (parts of type text), tool calls and tool results, through the model's "
+            "chat template."
         ),
     )
     max_tokens: Count | None = doc(None, "Older name of max_completion_tokens.")

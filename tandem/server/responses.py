@@ -49,7 +49,8 @@ def latency_split(outs: list[RequestOutput]) -> dict:
 
 
 def _logprob(lp: float) -> float:
-    """A token masked out by a grammar has logprob -inf, which JSON cannot carry: -9999 (as vLLM)."""
+    """A token masked out by a grammar has logprob -inf, which JSON cannot carry: -9999 (as
+    vLLM)."""
     return max(lp, -9999.0)
 
 

@@ -166,8 +166,8 @@ async def collect(
 
     async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         out = None
-        async for out in gen:
-            pass
+        async for item in gen:
+            out = item
         return out
 
     tasks = [asyncio.ensure_future(last(g)) for g in gens]

@@ -42,7 +42,8 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one instance")
         if self.mode != "colocated" and not 1 <= self.num_prefill < self.num_instances:
             raise ValueError(
-                f"P/D needs 1 <= prefill < instances, got {self.num_prefill} of {self.num_instances}"
+                "P/D needs 1 <= prefill < instances, "
+                f"got {self.num_prefill} of {self.num_instances}"
             )
 
 

@@ -115,7 +115,10 @@ class CostModel:
     def describe(self) -> str:
         i = self.info
         if "accelerator" in i:
-            return f"{self.kind}, {i.get('model_shape')} on {i.get('tensor_parallel', 1)} x {i['accelerator']['name']}"
+            return (
+                f"{self.kind}, {i.get('model_shape')} on "
+                f"{i.get('tensor_parallel', 1)} x {i['accelerator']['name']}"
+            )
         return (
             f"{self.kind}, {i.get('model', 'unnamed model')} on {i.get('device', 'unknown device')}"
         )

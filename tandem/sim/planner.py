@@ -11,7 +11,9 @@ utilisation u (default 0.75): at 75% load a batched queue waits about one to two
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 
 from tandem.sim.cost_model import BatchShape, CostModel, prefill_shape
 
@@ -56,12 +58,12 @@ def _ceil(x: float) -> int:
     return math.ceil(round(x, 9))
 
 
-def _largest(fits, hi: int) -> int:
-    """The largest n in [0, hi] with fits(n), for fits true up to some n and false after."""
+def _largest(step_at: Callable[[int], float], itl: float, hi: int) -> int:
+    """The largest batch n in [0, hi] with step_at(n) <= itl, for step_at growing with n."""
     lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        lo, hi = (mid, hi) if step_at(mid) <= itl else (lo, mid - 1)
     return lo
 
 
@@ -80,7 +82,8 @@ def prefill_point(cm: CostModel, prompt_mean: float, ttft_prompt: float, ttft: f
     feasible = [q for q in points if isinstance(q, Point)]
     if not feasible:
         raise ValueError(
-            f"no prefill step meets the TTFT SLO ({ttft:.3f} s) for a {ttft_prompt:.0f}-token prompt"
+            f"no prefill step meets the TTFT SLO ({ttft:.3f} s) for a "
+            f"{ttft_prompt:.0f}-token prompt"
         )
     top = max(q.throughput for q in feasible)
     i = next(j for j, q in enumerate(points) if isinstance(q, Point) and q.throughput >= 0.95 * top)
@@ -97,7 +100,10 @@ def prefill_point(cm: CostModel, prompt_mean: float, ttft_prompt: float, ttft: f
 
 def decode_point(cm: CostModel, context: float, itl: float) -> Point:
     """The largest decode batch whose step fits `itl` and whose KV (batch x context) fits."""
-    step_at = lambda b: cm.step_time(BatchShape(num_decode_seqs=b, decode_context=int(b * context)))  # noqa: E731
+
+    def step_at(b: int) -> float:
+        return cm.step_time(BatchShape(num_decode_seqs=b, decode_context=int(b * context)))
+
     if step_at(1) > itl:
         raise ValueError(
             f"ITL SLO {itl} s is below one decode step ({step_at(1):.4f} s at batch 1)"
@@ -105,9 +111,10 @@ def decode_point(cm: CostModel, context: float, itl: float) -> Point:
     kv_cap = min(MAX_DECODE_BATCH, int(cm.kv_capacity_tokens // max(context, 1)))
     if kv_cap < 1:
         raise ValueError(
-            f"one request's KV ({context:.0f} tokens) exceeds the pool ({cm.kv_capacity_tokens} tokens)"
+            f"one request's KV ({context:.0f} tokens) exceeds the pool "
+            f"({cm.kv_capacity_tokens} tokens)"
         )
-    b = _largest(lambda n: step_at(n) <= itl, kv_cap)
+    b = _largest(step_at, itl, kv_cap)
     limit = (
         "ITL SLO" if b < kv_cap else ("KV capacity" if kv_cap < MAX_DECODE_BATCH else "max batch")
     )
@@ -133,15 +140,17 @@ def colocated_point(cm: CostModel, t: Traffic, slo: SLO) -> Mixed | None:
     prompt, out = max(t.prompt_mean, 1.0), max(t.output_mean, 1.0)
     ttft_prompt, context = t.ttft_prompt or prompt, prompt + out / 2
     kv_cap = min(MAX_DECODE_BATCH, int(cm.kv_capacity_tokens // context))
+
+    def mixed_step(pre: BatchShape, b: int) -> float:
+        """A step of the prompt chunk `pre` and b decodes."""
+        return cm.step_time(replace(pre, num_decode_seqs=b, decode_context=int(b * context)))
+
     best = None
     for tokens in range(16, CHUNKS[-1] + 1, 16):
-        pre = prefill_shape(tokens, int(prompt))
-        step_at = lambda b: cm.step_time(
-            BatchShape(tokens, pre.prefill_attention, b, int(b * context))
-        )  # noqa: E731
+        step_at = partial(mixed_step, prefill_shape(tokens, int(prompt)))
         if step_at(0) > slo.itl:
             break
-        b = _largest(lambda n: step_at(n) <= slo.itl, min(kv_cap, math.ceil(tokens * out / prompt)))
+        b = _largest(step_at, slo.itl, min(kv_cap, math.ceil(tokens * out / prompt)))
         step = step_at(b)
         ttft = step * (1 + math.ceil(ttft_prompt / tokens))
         rate = min(tokens / prompt, b / out) / step

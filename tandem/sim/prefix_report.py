@@ -12,8 +12,8 @@ def prefix_figures(sim: ClusterSim, reqs: list[SimRequest]) -> dict:
     """The cache's hit ratio over all instances against the ideal on the same prompts and block
     size: unbounded; bounded by the instances' KV blocks taken together (the best placement
     could do); and as placed (each instance's ideal cache on the prompts routed to it, so
-    hit / as-placed is the cache's own efficiency, as-placed / bounded the routing's). Co-located only:
-    under P/D a decode instance's lookups hit the KV it was sent, which is no reuse."""
+    hit / as-placed is the cache's own efficiency, as-placed / bounded the routing's). Co-located
+    only: under P/D a decode instance's lookups hit the KV it was sent, which is no reuse."""
     queries = sum(i.kv.stats.queries for i in sim.instances)
     hits = sum(i.kv.stats.hits for i in sim.instances)
     ordered = sorted(reqs, key=lambda r: r.arrival)

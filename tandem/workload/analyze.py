@@ -163,8 +163,8 @@ def recommend(
     l1_share = float(((prompts <= l1p) & (outputs <= l1o)).mean())
     l1 = (
         f"L1 classifier: l1_max_prompt_tokens={l1p} (p50 of the {int(short.sum())} prompts <= "
-        f"{LONG_PROMPT_TOKENS} tokens), l1_max_tokens={l1o} (p75 of their outputs): {l1_share:.0%} of "
-        "requests would be L1"
+        f"{LONG_PROMPT_TOKENS} tokens), l1_max_tokens={l1o} (p75 of their outputs): "
+        f"{l1_share:.0%} of requests would be L1"
     )
     notes = []
     if mode == "disaggregated":
@@ -187,8 +187,8 @@ def recommend(
         and peak_rps >= BURSTY_PEAK_TO_TROUGH * trough_rps
     ):
         notes.append(
-            f"bursty: per-bin rate from {trough_rps:.2f} to {peak_rps:.2f} req/s; size for the peak "
-            "or let elastic instances switch roles"
+            f"bursty: per-bin rate from {trough_rps:.2f} to {peak_rps:.2f} req/s; "
+            "size for the peak or let elastic instances switch roles"
         )
     return Recommendation(mode, [why, l1], l1p, l1o, l1_share, notes)
 

@@ -134,8 +134,8 @@ def step_times(steps: list[dict]) -> Layer:
     causes = []
     if _median(slow, "prefill_tokens") > 2 * _median(fast, "prefill_tokens") + 16:
         causes.append(
-            f"long prefill chunks ({_median(slow, 'prefill_tokens'):.0f} prompt tokens per slow step, "
-            f"{_median(fast, 'prefill_tokens'):.0f} per fast one)"
+            f"long prefill chunks ({_median(slow, 'prefill_tokens'):.0f} prompt tokens per slow "
+            f"step, {_median(fast, 'prefill_tokens'):.0f} per fast one)"
         )
     if _share(slow, _swaps) > _share(fast, _swaps) + 0.2:
         causes.append(
@@ -144,7 +144,8 @@ def step_times(steps: list[dict]) -> Layer:
         )
     if _median(slow, "decodes") > 1.5 * max(_median(fast, "decodes"), 1):
         causes.append(
-            f"many decodes ({_median(slow, 'decodes'):.0f} per slow step, {_median(fast, 'decodes'):.0f} per fast one)"
+            f"many decodes ({_median(slow, 'decodes'):.0f} per slow step, "
+            f"{_median(fast, 'decodes'):.0f} per fast one)"
         )
     why = (
         "; ".join(causes)
@@ -181,8 +182,9 @@ def transfers(steps: list[dict], counters: dict | None, e2e_total: float) -> Lay
         and figs["kv_transfer_share_of_latency"] > TRANSFER_LIMIT
     ):
         found.append(
-            f"P/D KV handoffs take {figs['kv_transfer_share_of_latency']:.0%} of the requests' latency "
-            f"({n:.0f} transfers, {kv_s / max(n, 1) * 1e3:.0f} ms each, {figs['kv_transfer_mb']:.0f} MB)"
+            f"P/D KV handoffs take {figs['kv_transfer_share_of_latency']:.0%} of the requests' "
+            f"latency ({n:.0f} transfers, {kv_s / max(n, 1) * 1e3:.0f} ms each, "
+            f"{figs['kv_transfer_mb']:.0f} MB)"
         )
     if figs["swap_step_share_of_busy"] and figs["swap_step_share_of_busy"] > TRANSFER_LIMIT:
         found.append(
@@ -209,7 +211,10 @@ def _held_by(s: dict) -> str:
     if s.get("token_budget") and s["tokens"] >= s["token_budget"]:
         return f"the token budget (max_num_batched_tokens {s['token_budget']})"
     if s.get("throttled_prefill_tokens") and s.get("throttle", 0) < s.get("token_budget", 0):
-        return f"a level's share (lower levels held to {s['throttle']} prompt tokens a step while L1 runs)"
+        return (
+            f"a level's share (lower levels held to {s['throttle']} prompt tokens a step "
+            "while L1 runs)"
+        )
     if s.get("swapped") and s.get("host_total_blocks") and not s.get("host_free_blocks"):
         return "the host tier full (swapped requests cannot leave room)"
     return "nothing the step trace records (a waiting prompt larger than the free KV?)"

@@ -203,8 +203,8 @@ READERS: dict[str, Callable[[Path, bool], tuple[list[Row], list[dict]]]] = {
 
 
 def trace_format(path: Path) -> str:
-    """'azure' for a .csv (or .csv.xz / .csv.gz, or a TIMESTAMP header), else 'mooncake' or 'request-log' from the
-    fields of the first JSON object among the first lines."""
+    """'azure' for a .csv (or .csv.xz / .csv.gz, or a TIMESTAMP header), else 'mooncake' or
+    'request-log' from the fields of the first JSON object among the first lines."""
     compressed = path.suffix.lower() in (".xz", ".gz")
     if (Path(path.stem) if compressed else path).suffix.lower() == ".csv":
         return "azure"

@@ -1,1 +1,2 @@
-"""Launching: `tandem cluster up` starts instances (local processes or Ray actors) and the router."""
+"""Launching: `tandem cluster up` starts instances (local processes or Ray actors) and the
+router."""

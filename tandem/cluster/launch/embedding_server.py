@@ -57,8 +57,8 @@ class Embedder:
         self.lock = threading.Lock()
 
     def embed(self, inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, int]:
-        """(unit vectors [n, dim], tokens read). Token-id inputs are word-piece ids without [CLS]/[SEP].
-        Not thread-safe: callers hold `self.lock`."""
+        """(unit vectors [n, dim], tokens read). Token-id inputs are word-piece ids without
+        [CLS]/[SEP]. Not thread-safe: callers hold `self.lock`."""
         import torch
 
         if isinstance(inputs[0], str):

@@ -1,1 +1,2 @@
-"""Pure cluster policies (routing, migration, elastic roles): the router and the simulator import them unchanged."""
+"""Pure cluster policies (routing, migration, elastic roles): the router and the simulator
+import them unchanged."""

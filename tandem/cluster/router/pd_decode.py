@@ -50,7 +50,8 @@ class DecodeLeg:
 
 @dataclass(slots=True)
 class _LegRun:
-    """How one decode leg went: the tokens it streamed and why it ended (finished, moved, failed)."""
+    """How one decode leg went: the tokens it streamed and why it ended (finished, moved,
+    failed)."""
 
     key: int  # the instance's busy mark
     head: dict | None  # the prefill side's token, until a leg is up to follow it
@@ -148,7 +149,8 @@ class DecodeChain:
         before the request's finish is resumed on another decode instance from the tokens the
         client has, which computes their KV itself (`tid` None). Raises LegFailed (before `head`
         if no leg could start) when no other decode instance can take it."""
-        # "length" is only the prefill leg's max_tokens=1; a stop (EOS, stop token or string) is final.
+        # "length" is only the prefill leg's max_tokens=1; a stop (EOS, stop token or string) is
+        # final.
         head = {
             **head,
             "finish_reason": None if head["finish_reason"] == "length" else head["finish_reason"],
@@ -185,7 +187,8 @@ class DecodeChain:
                     return
                 if leg.move_to is None:
                     raise RuntimeError(
-                        f"decode instance {dec.id} moved the request, but not at the router's asking"
+                        f"decode instance {dec.id} moved the request, but not at the "
+                        "router's asking"
                     )
                 self.background.spawn(kv_sent(self.metrics, dec, run.key, run.resp, run.lines))
                 self.metrics.migrations.labels(leg.model, dec.id, leg.move_reason).inc()

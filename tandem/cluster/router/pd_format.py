@@ -59,7 +59,8 @@ class PDFormat:
     async def pieces(
         self, head: dict, events: AsyncIterator[dict]
     ) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, finish_reason) per step; raises RuntimeError (LegFailed) when the decode side fails."""
+        """(text, finish_reason) per step; raises RuntimeError (LegFailed) when the decode side
+        fails."""
         self.completion_tokens, self.prefill_split = 1, head.get("metrics") or {}
         self.decode_start = time.monotonic()
         yield head["text"], head["finish_reason"]
@@ -88,7 +89,10 @@ class PDFormat:
                 }
                 yield R.sse_event(last)
         except (httpx.HTTPError, RuntimeError) as e:
-            msg = f"decode side failed mid-stream ({type(e).__name__}: {e}); the response is incomplete"
+            msg = (
+                f"decode side failed mid-stream ({type(e).__name__}: {e}); "
+                "the response is incomplete"
+            )
             yield R.error_event(msg, 502)
         yield R.SSE_DONE
 

@@ -48,7 +48,8 @@ class PromptTokenizer:
             )
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids as the instance will see them (first prompt of a batch), or None."""
+        """The prompt's token ids as the instance will see them (first prompt of a batch), or
+        None."""
         try:
             if path.endswith("/chat/completions"):
                 if self.tokenizer is None:

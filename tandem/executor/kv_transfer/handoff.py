@@ -87,7 +87,8 @@ class KVHandoff:
         if not same or request_id in self.connector.pins:
             self.connector.release(res)
             raise ValueError(
-                f"the KV payload does not hold the reserved tokens, or {request_id!r} already has some"
+                "the KV payload does not hold the reserved tokens, or "
+                f"{request_id!r} already has some"
             )
         self.connector.commit(res, n)
         self.connector.pin(request_id, res)

@@ -45,7 +45,8 @@ class AttentionBackend(Protocol):
         ...
 
     def decodes_qkv(self, meta: Any, rows: int) -> bool:
-        """Whether forward_qkv runs a step of `rows` rows with this metadata (given a contiguous qkv)."""
+        """Whether forward_qkv runs a step of `rows` rows with this metadata (given a contiguous
+        qkv)."""
         ...
 
 
@@ -323,5 +324,6 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - got
         if missing:
             raise ValueError(
-                f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}"
+                f"checkpoint is missing weights: {sorted(missing)[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}"
             )

@@ -71,7 +71,8 @@ class GGUFFile:
         for t in self.tensors:
             if t.offset + t.nbytes > size:
                 raise ValueError(
-                    f"{self.path}: corrupt or truncated GGUF file (tensor {t.name!r} ends past the end)"
+                    f"{self.path}: corrupt or truncated GGUF file "
+                    f"(tensor {t.name!r} ends past the end)"
                 )
         self._file = open(self.path, "rb", buffering=0)  # read from for the object's life
 

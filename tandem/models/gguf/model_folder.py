@@ -1,5 +1,6 @@
 """The Hugging Face folder a llama.cpp GGUF file describes, without its weights: config.json,
-generation_config.json and the tokenizer files, written once into the cache (`loader/model_files.resolve_model`).
+generation_config.json and the tokenizer files, written once into the cache
+(`loader/model_files.resolve_model`).
 
 The weights stay in the GGUF and are read from it tensor by tensor (`gguf/weights.py`), so the
 cache holds kilobytes of metadata beside the tokenizer, never a float copy of the model.
@@ -16,7 +17,8 @@ from tandem.models.tokenizer_record import write_record
 
 # Bump when the folder's contents change so stale cached folders are not reused.
 FOLDER_VERSION = 3
-TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # the class AutoTokenizer picks for the folder (models/tokenizer_record.py)
+# the class AutoTokenizer picks for the folder (models/tokenizer_record.py)
+TOKENIZER_CLASS_FILE = "tokenizer_class.json"
 
 # GGUF `general.architecture` -> (HF model_type, HF architecture class).
 SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
@@ -56,7 +58,8 @@ def write_model_folder(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
-    """HF config.json from the `<arch>.*` metadata; vocab size comes from the embedding, which is authoritative."""
+    """HF config.json from the `<arch>.*` metadata; vocab size comes from the embedding, which is
+    authoritative."""
     shapes = {t.name: list(t.dims) for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise ValueError("no token_embd.weight tensor")
@@ -141,7 +144,8 @@ def _save_tokenizer(
     )
     tokenizer.chat_template = metadata(reader, "tokenizer.chat_template", None)
     tokenizer.model_max_length = context_length
-    # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader finds it.
+    # Keep the chat template inside tokenizer_config.json (not a side .jinja file) so any reader
+    # finds it.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     reloaded = AutoTokenizer.from_pretrained(out_dir)
     write_record(out_dir / TOKENIZER_CLASS_FILE, type(reloaded))  # later loads skip AutoTokenizer
@@ -161,7 +165,8 @@ def architecture(reader: GGUFFile, path: Path) -> str:
     arch = metadata(reader, "general.architecture", None)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"{path}: unsupported GGUF architecture {arch!r} "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
         )
     return arch
 

@@ -32,7 +32,8 @@ from tandem.models.gguf.quants import (
 )
 from tandem.models.quantization.int4 import KQuantScales
 
-# codes [N, K] uint8, then scales, zeros [N, K // 32] fp32, or a K-quant's factors and None (Int4Linear's arguments)
+# codes [N, K] uint8, then scales, zeros [N, K // 32] fp32, or a K-quant's factors and None
+# (Int4Linear's arguments)
 Int4Codes = tuple[torch.Tensor, torch.Tensor | KQuantScales, torch.Tensor | None]
 Q6KCodes = tuple[
     torch.Tensor, torch.Tensor, torch.Tensor
@@ -241,7 +242,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf `LlamaModel.permute`) for rotate-half RoPE."""
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf `LlamaModel.permute`) for
+    rotate-half RoPE."""
     return (
         w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
         .swapaxes(1, 2)

@@ -4,8 +4,9 @@ kernel whose per-row arithmetic does not depend on how many rows share the call
 
 MKL's fp32 GEMM and oneDNN's bf16 GEMM choose their blocking by the row count, so a request's
 logits change in the last bits with the batch it lands in, and greedy tokens follow. The
-quantised layers keep their kernels: torch's int8 / int4 CPU kernels and the integer-activation kernel
-already compute a row the same way whatever M (tests/test_deterministic_kernels.py checks).
+quantised layers keep their kernels: torch's int8 / int4 CPU kernels and the integer-activation
+kernel already compute a row the same way whatever M (tests/test_deterministic_kernels.py
+checks).
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def cpu_packed_linear(
 ) -> torch.Tensor:
     """oneDNN keeps a primitive, with its scratch memory, for every row count it has seen and never
     frees one, so a server whose steps take every size up to max_num_batched_tokens grows for as
-    long as it sees new sizes. Rows are padded (with zeros) to one of few sizes instead (`padded_rows`)."""
+    long as it sees new sizes. Rows are padded (with zeros) to one of few sizes instead
+    (`padded_rows`)."""
     rows = x.shape[0]
     padded = padded_rows(rows)
     if padded == rows or x.dim() != 2:
@@ -81,7 +82,8 @@ def cpu_packed_linear(
 
 def padded_rows(rows: int) -> int:
     """`rows` up to 32, else rounded up to keep its top five bits: 16 sizes per doubling, at most
-    1/16 more rows (the small steps, memory-bound, stay exact; the padding costs only large ones)."""
+    1/16 more rows (the small steps, memory-bound, stay exact; the padding costs only large
+    ones)."""
     if rows <= 32:
         return rows
     shift = rows.bit_length() - 5

@@ -60,7 +60,8 @@ class FolderWeights:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files: the shards named by model.safetensors.index.json, else every *.safetensors."""
+    """The folder's safetensors files: the shards named by model.safetensors.index.json, else
+    every *.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:

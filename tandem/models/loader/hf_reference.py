@@ -1,6 +1,7 @@
 """transformers' model of a `--model` value on the very weights tandem reads: a GGUF's
 dequantised tensors (the fp32 the decoders give, bit for bit the `gguf` package's), a folder's
-safetensors as they are. The reference of the exactness tests and of `bench offline --compare hf`."""
+safetensors as they are. The reference of the exactness tests and of
+`bench offline --compare hf`."""
 
 from __future__ import annotations
 

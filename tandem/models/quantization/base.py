@@ -4,10 +4,10 @@ the kernel each runs on, chosen when the layer is built.
 On a CPU with AVX512-VNNI or AVX2, with bf16 or fp32 activations, they run on
 `kernels/cpu_quant_gemm.cpp`: the activations are quantised to int8 in blocks of 32
 (W8A8 / W4A8, as llama.cpp's Q8_0 / Q4_1 dot products), 1.9-7x faster than torch's kernels at
-every batch size measured on AVX2 (torch's CPU kernels round activations to bf16 and dequantise every
-weight); a gate_up layer's activation-and-mul runs in that kernel's epilogue (`forward_gated`),
-which saves a pass over the intermediate activations. The tests that compare a quantised engine
-with transformers token for token take the weight-only reference path.
+every batch size measured on AVX2 (torch's CPU kernels round activations to bf16 and
+dequantise every weight); a gate_up layer's activation-and-mul runs in that kernel's epilogue
+(`forward_gated`), which saves a pass over the intermediate activations. The tests that compare
+a quantised engine with transformers token for token take the weight-only reference path.
 
 Elsewhere int8 and int4 run on torch's own kernels where this device, dtype and shape are accepted
 (`torch._weight_int8pack_mm`; `torch._weight_int4pack_mm_for_cpu` on CPU,

@@ -41,7 +41,8 @@ class KQuantScales(NamedTuple):
     m: torch.Tensor
 
     def scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int4 convention's fp32 scale = d sc (exact) and zero = 8 scale - dmin m (rounded once)."""
+        """The int4 convention's fp32 scale = d sc (exact) and zero = 8 scale - dmin m (rounded
+        once)."""
         per_block = lambda v: v.float().repeat_interleave(8, 1)  # noqa: E731
         scales = per_block(self.d) * self.sc.float()
         return scales, 8 * scales - per_block(self.dmin) * self.m.float()
@@ -131,7 +132,8 @@ class Int4Linear(IntegerKernelLayer):
             self.packed = None
         if self.packed is None:  # the reference path dequantises in the activation dtype
             self.scales_zeros = scales_zeros.to(dtype)
-        # The reference path keeps 4-bit codes two to a byte (even k in the low nibble), 5-bit ones a byte each.
+        # The reference path keeps 4-bit codes two to a byte (even k in the low nibble), 5-bit ones
+        # a byte each.
         self.codes = None
         if self.packed is None:
             self.codes = (codes[:, ::2] | (codes[:, 1::2] << 4) if bits == 4 else codes).to(
@@ -224,9 +226,10 @@ class Int4Linear(IntegerKernelLayer):
         if self.int8_act:
             tiles = torch.arange(self.out_features // 16)
             codes = self._tile_codes(tiles).permute(0, 4, 1, 2, 3, 5).reshape(self.out_features, -1)
-            untile = lambda t: (
-                t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)
-            )  # noqa: E731
+
+            def untile(t: torch.Tensor) -> torch.Tensor:
+                return t.transpose(1, 2).reshape(self.out_features, -1).repeat_interleave(32, 1)
+
             d, m = self._block_scales(tiles)
             return (codes.float() * untile(d) + untile(m)).to(dtype)
         codes = self.codes
@@ -286,9 +289,9 @@ def quantize_int4(
     weight: torch.Tensor, group_size: int, bits: int = 4, rows_per_chunk: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per group of `group_size` inputs (as GGUF Q4_1; Q5_1 with bits=5): codes [N, K],
-    scales and zeros [N, K // g]. A chunk of rows at a time: each row's groups are its own, and the fp32
-    temporaries of a whole layer (a 1B model's 8192 x 2048 down_proj: 64 MiB each) set the peak of
-    loading a file whose 6-bit layers are requantised."""
+    scales and zeros [N, K // g]. A chunk of rows at a time: each row's groups are its own, and the
+    fp32 temporaries of a whole layer (a 1B model's 8192 x 2048 down_proj: 64 MiB each) set the
+    peak of loading a file whose 6-bit layers are requantised."""
     n, k = weight.shape
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
