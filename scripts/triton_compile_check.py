@@ -81,5 +81,6 @@ if __name__ == "__main__":
             for label, max_query_len in (("decode", 1), ("mixed", 300)):
                 seconds, smem = attention(dtype, group, head_dim, max_query_len)
                 print(
-                    f"{dtype} group {group} head_dim {head_dim:3} {label:6}: {seconds:5.1f} s, {smem / 1024:5.1f} KiB shared"
+                    f"{dtype} group {group} head_dim {head_dim:3} {label:6}: "
+                    f"{seconds:5.1f} s, {smem / 1024:5.1f} KiB shared"
                 )

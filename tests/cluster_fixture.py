@@ -51,7 +51,8 @@ def router_for(groups: list[dict], router: dict | None = None):
 def tiny_cluster(
     model_dir: str, n: int = 3, router: dict | None = None, roles: list[str] | None = None, **engine
 ):
-    """n tiny instances of model `tiny` behind a router. Yields (router url, Router, [(url, llm, server)])."""
+    """n tiny instances of model `tiny` behind a router.
+    Yields (router url, Router, [(url, llm, server)])."""
     with ExitStack() as stack:
         roles = roles or ["colocated"] * n
         insts = [stack.enter_context(tiny_instance(model_dir, role=r, **engine)) for r in roles]

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints written as Hugging Face folders."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints written as
+Hugging Face folders."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ its length (`fake_token_from_length`), so runs can be compared.
 Speculative steps (`propose=fake_propose`): after each token the executor proposes up to
 MAX_DRAFTS drafts, a deterministic mix of the true continuation and wrong tokens, so the
 acceptance varies. With num_lookahead_tokens (a draft model), drafts come only where the
-scheduler gave lookahead slots, and the executor writes draft "KV" (DRAFT_KV) into them. A verify step writes the drafts' "KV", samples the true token after each
+scheduler gave lookahead slots, and the executor writes draft "KV" (DRAFT_KV) into them. A
+verify step writes the drafts' "KV", samples the true token after each
 accepted prefix and keeps the longest run that matches, as the real verifier does; the
 scheduler must then roll back to exactly the tokens kept (the next step's num_computed_tokens
 is checked), and every block in the prefix index must hold exactly the tokens it is indexed by.
@@ -402,7 +403,8 @@ def check_state(s: Scheduler, unverified: dict[str, int] | None = None) -> None:
 
 
 def bandwidth_bound(out: SchedulerOutput) -> float:
-    """A step's seconds where extra positions are cheap (so drafting pays when some are accepted)."""
+    """A step's seconds where extra positions are cheap (so drafting pays when some are
+    accepted)."""
     return 0.01 + 1e-4 * out.total_num_scheduled_tokens
 
 

@@ -1,6 +1,6 @@
 """A tiny random Llama with a real (fast, byte-level BPE) tokenizer of its whole 512-token
-vocabulary, all of it ASCII, and a plain chat template, so any token sequence decodes to clean text: what structured-output
-tests need (the grammar engine matches bytes of tokens)."""
+vocabulary, all of it ASCII, and a plain chat template, so any token sequence decodes to clean
+text: what structured-output tests need (the grammar engine matches bytes of tokens)."""
 
 from __future__ import annotations
 

@@ -274,7 +274,8 @@ def test_verify_query_as_one_token_rows_equals_its_causal_chunk(
         pytest.skip("no C++ toolchain: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(2)
     heads, kv_heads, d, bs, num_blocks = 9, 3, 64, 16, 64
-    # request 0: a decode at 40 cached; 1: a verify of 5 positions at 30 cached; 2: a 7-token chunk at 20
+    # request 0: a decode at 40 cached; 1: a verify of 5 positions at 30 cached;
+    # 2: a 7-token chunk at 20
     cached, qlens = np.array([40, 30, 20]), np.array([1, 5, 7])
     tables = np.stack(
         [torch.randperm(num_blocks, generator=g)[:4].numpy() for _ in range(3)]

@@ -24,7 +24,8 @@ from tandem.bench.measure import in_subprocess
 
 # Captured SAMPLE_PLACEHOLDER
 SAMPLE = """\
-main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, \
+is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
 
 |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
 |-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
@@ -174,7 +175,8 @@ def test_auto_is_the_precision_the_file_stores(monkeypatch):
 
 def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_path, capsys):
     """Each round rotates the order of the sides, each keeps its best figure, a side asked for as
-    `auto` is labelled with the precision it resolved to, and the table gives each side's peak RSS."""
+    `auto` is labelled with the precision it resolved to, and the table gives each side's peak
+    RSS."""
     order = []
     runs = iter([10.0, 30.0, 20.0, 5.0])
 

@@ -144,7 +144,7 @@ def bench_args(url: str, *extra: str) -> argparse.Namespace:
     )
 
 
-# ---- load tests against the fake server -------------------------------------------------------------
+# ---- load tests against the fake server --------------------------------------------------------
 def test_random_workload_at_fixed_concurrency(server_url):
     CFG["tokens_per_chunk"] = 2  # the ITL note must explain chunks carrying >1 token
     out = serve.main(
@@ -327,7 +327,7 @@ def test_mixed_workload_per_class_with_priority_over_chat(server_url):
     assert all(b["messages"][0]["role"] == "user" for b in STATE["bodies"])
 
 
-# ---- prompt synthesis --------------------------------------------------------------------------------
+# ---- prompt synthesis --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def synth():
     _, tok = serve._tokenizer("smollm2-135m", "smollm2-135m")
@@ -349,7 +349,7 @@ def test_arrivals_schedule():
     assert t[-1] / 1999 == pytest.approx(1 / 50, rel=0.1)
 
 
-# ---- traces --------------------------------------------------------------------------------------------
+# ---- traces ------------------------------------------------------------------------------------
 def trace_args(kind: str, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     serve.add_arguments(p)

@@ -243,10 +243,10 @@ def test_hash_block_is_deterministic_across_processes():
     import tandem.core.block_pool as bp
 
     code = (
-        "import sys, importlib.util as u; s = u.spec_from_file_location('bp', %r); "
+        f"import sys, importlib.util as u; s = u.spec_from_file_location('bp', {bp.__file__!r}); "
         "m = sys.modules['bp'] = u.module_from_spec(s); s.loader.exec_module(m); "
         "h = m.hash_block; "
-        "print(h(h(None, (1, 2, 3)), (4, 5, 6)))" % bp.__file__
+        "print(h(h(None, (1, 2, 3)), (4, 5, 6)))"
     )
     outs = {
         subprocess.run(

@@ -19,7 +19,8 @@ from tandem.server.routes import chat, tokenize
 from tandem.server.state import EngineFacts, ServerConfig, ServingState
 
 TEMPLATE = (
-    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
     "{% if m.tool_calls %} calls {{ m.tool_calls | length }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"

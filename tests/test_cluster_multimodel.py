@@ -72,7 +72,8 @@ def test_a_precision_suffix_routes_on_the_base_name(cluster):
     assert (
         a.precisions.requests_by_precision["int4"] == 1 and not b.precisions.requests_by_precision
     )
-    # the router hashes the int4 prompt in the int4 variant's cache namespace, as the instance holds it
+    # the router hashes the int4 prompt in the int4 variant's cache namespace, as the instance
+    # holds it
     salted, plain = set(prefix_hashes(prompt, 16, "int4")), set(prefix_hashes(prompt, 16))
     inst = router.pool.instances["a-url0"]
     assert wait_for(lambda: salted <= inst.state.cached_prefixes, 5)
@@ -285,7 +286,8 @@ def test_openai_client_against_a_multimodel_cluster(cluster_up):
         samples[("tandem:requests_by_precision_total", "smollm2-135m", "smollm2-135m-0", "int4")]
         == 1
     )
-    # the Q4_K_M file, mostly Q5_0, is served as int4 (auto: its own 5-bit codes), one completion; the refused chat ran nothing
+    # the Q4_K_M file, mostly Q5_0, is served as int4 (auto: its own 5-bit codes), one
+    # completion; the refused chat ran nothing
     assert (
         samples[("tandem:requests_by_precision_total", "summariser", "summariser-0", "int4")] == 1
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -187,7 +188,8 @@ def test_pd_burst_all_complete(pd):
     assert all(r.json()["usage"]["completion_tokens"] == 10 for r in rs)
 
 
-@pytest.mark.slow  # two `tandem serve` processes (each with its engine-core process), or two Ray actors: 5-10 s each
+# two `tandem serve` processes (each with its engine-core process), or two Ray actors: 5-10 s each
+@pytest.mark.slow
 # gloo between local processes is test_kv_transfer.py's; the local launcher is the shm case's
 @pytest.mark.parametrize("backend,connector", [("ray", "torch_dist"), ("local", "shm")])
 def test_pd_across_processes_equals_colocated(tiny_model_dirs, tmp_path, backend, connector):
@@ -346,7 +348,7 @@ def test_migration_keeps_the_stream_whole(pd_words):
     # two KV transfers: the prefill side's and the move's
     assert wait_for(lambda: metric_sum(url, "tandem_router:kv_transfer_seconds_count") == 2)
     for dec, _, _ in insts[1:]:
-        assert wait_for(lambda: no_kv_held(dec))
+        assert wait_for(functools.partial(no_kv_held, dec))
 
 
 def test_migrate_bad_input(pd_words):
@@ -396,7 +398,8 @@ def test_a_decode_instance_short_of_kv_sheds_a_request(tiny_model_dirs, tmp_path
             if line.startswith("tandem_router:migrations_total{")
         ]
         assert moves == [
-            'tandem_router:migrations_total{instance="tiny-url1",model_name="tiny",reason="kv_short"} 1.0'
+            'tandem_router:migrations_total{instance="tiny-url1",model_name="tiny",'
+            'reason="kv_short"} 1.0'
         ]
         for dec in (u1, u2):
-            assert wait_for(lambda: no_kv_held(dec))
+            assert wait_for(functools.partial(no_kv_held, dec))

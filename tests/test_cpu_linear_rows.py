@@ -1,5 +1,6 @@
 """bf16 linears on oneDNN see few distinct row counts: a primitive (and its scratch memory) is
-cached per row count and never freed, so padding the rows bounds what a long-running server holds."""
+cached per row count and never freed, so padding the rows bounds what a long-running server
+holds."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def updates(dom: str) -> int:
 
 @contextmanager
 def load(url: str, prompt_of, stop_after: float = 60.0):
-    """Requests sent back to back from two threads (a shared prefix, so the cache hits) while the block runs."""
+    """Requests sent back to back from two threads (a shared prefix, so the cache hits) while the
+    block runs."""
     done, sent = threading.Event(), []
 
     def client(k: int) -> None:

@@ -47,7 +47,8 @@ def _assert_the_plans_steps_equal_the_modules(llm: LLM, monkeypatch) -> None:
     ids=["q4_k_m-row-parts", "q8_0"],
 )
 def test_the_plans_steps_equal_the_modules(tmp_path, monkeypatch, kinds, default) -> None:
-    # no prefix cache: the second pass would prefill less, so its logits could differ in the last bits
+    # no prefix cache: the second pass would prefill less, so its logits could differ in the
+    # last bits
     llm = LLM(
         str(write_quantised_gguf(Path(tmp_path) / "m.gguf", kinds, default)),
         dtype="float32",

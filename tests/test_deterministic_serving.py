@@ -58,7 +58,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def _prompts() -> list[list[int]]:
-    """Mixed lengths; some share a 40-token prefix (prefix hits), some repeat a pattern (n-gram drafts)."""
+    """Mixed lengths; some share a 40-token prefix (prefix hits), some repeat a pattern (n-gram
+    drafts)."""
     rng = random.Random(5)
     shared = [rng.randrange(512) for _ in range(40)]
     plain = [[rng.randrange(512) for _ in range(rng.randint(2, 70))] for _ in range(4)]
@@ -91,7 +92,8 @@ def _llm(path: str, precision: str, **options) -> LLM:
 
 @pytest.fixture(scope="module")
 def alone(model_dirs) -> dict:
-    """(kind, precision, seeded) -> each prompt's tokens, run alone (one request at a time, no prefix cache)."""
+    """(kind, precision, seeded) -> each prompt's tokens, run alone (one request at a time, no
+    prefix cache)."""
     out = {}
     for kind, path in model_dirs.items():
         for precision in PRECISIONS:

@@ -23,7 +23,8 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk_sizes=(1,)) -> list[str]:
-    """Feed token_ids in chunks (cycling through chunk_sizes), checking the invariant after each update."""
+    """Feed token_ids in chunks (cycling through chunk_sizes), checking the invariant after each
+    update."""
     deltas, start, i = [], 0, 0
     while start < len(token_ids):
         end = start + chunk_sizes[i % len(chunk_sizes)]
@@ -70,7 +71,8 @@ def test_special_tokens(tokenizer):
 
 
 def test_prompt_context_keeps_the_leading_space():
-    """SentencePiece-style decoders drop the space of a text's first word: the prompt tail avoids that."""
+    """SentencePiece-style decoders drop the space of a text's first word: the prompt tail avoids
+    that."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 

@@ -197,7 +197,8 @@ def test_a_real_runs_step_trace_shows_the_sequence_cap(tmp_path, tiny_model_dirs
         ("--requests", "", "r.txt: holds no requests (empty)"),
         (
             "--requests",
-            '{"arrival_time": 1, "prompt_tokens": 3, "output_tokens": 2, "queue_time": 0.1, "e2e_latency": 1}\n'
+            '{"arrival_time": 1, "prompt_tokens": 3, "output_tokens": 2, "queue_time": 0.1, '
+            '"e2e_latency": 1}\n'
             '{"arrival_time": 2, "prompt_t',
             "r.txt:2: JSONDecodeError",
         ),

@@ -42,10 +42,10 @@ def _opts(model_dir: str) -> dict:
 
 
 async def _final(llm: AsyncLLM, prompt, params, **kw):
-    out = None
+    final = None
     async for out in llm.generate(prompt, params, **kw):
-        pass
-    return out
+        final = out
+    return final
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,8 @@ def test_the_front_end_imports_no_torch(tiny_model_dirs, tmp_path):
     code = (
         "import sys; from tandem.cli import build_parser; build_parser(['serve'])\n"
         "import tandem.server.api_server, tandem.engine.core_client, tandem.cluster.router.app\n"
-        "from tandem.engine.tokenizer import get_tokenizer; assert get_tokenizer('smollm2-135m') is not None\n"
+        "from tandem.engine.tokenizer import get_tokenizer; "
+        "assert get_tokenizer('smollm2-135m') is not None\n"
         f"assert get_tokenizer({tiny_model_dirs['llama']!r}) is None\n"
         f"assert get_tokenizer({folder!r}) is not None\n"
         "assert 'torch' not in sys.modules, 'torch imported'"

@@ -85,7 +85,8 @@ def test_rope_table_grows_with_the_positions_seen():
 
 @DTYPES
 def test_qk_norm_in_place_on_qkv(dtype):
-    """Each q head normed with q's weight, each k head with k's, v untouched: the modules' result."""
+    """Each q head normed with q's weight, each k head with k's, v untouched: the modules'
+    result."""
     torch.manual_seed(2)
     nq, nkv, hd, t = 4, 1, 256, 3
     q_norm, k_norm = _norm(hd, dtype), _norm(hd, dtype)

@@ -35,7 +35,8 @@ _HALVES = {
 
 
 def random_rows(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """[rows, bytes] of random blocks whose fp16 fields are finite (normal and subnormal, both signs)."""
+    """[rows, bytes] of random blocks whose fp16 fields are finite (normal and subnormal, both
+    signs)."""
     rng = np.random.default_rng(seed)
     size, nbytes = BLOCKS[kind]
     blocks = rng.integers(0, 256, (rows * cols // size, nbytes), dtype=np.uint8)

@@ -1,7 +1,7 @@
 """A quantised GGUF served as it is stored: `quantization: auto` picks the file's precision, int4
-layers hold the file's Q4_K and Q5_0 codes, fp32 serving equals transformers on the file's dequantised
-weights, and a precision the file cannot give is refused in words. Tiny random Llama files
-whose layers mix the types of a Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms)."""
+layers hold the file's Q4_K and Q5_0 codes, fp32 serving equals transformers on the file's
+dequantised weights, and a precision the file cannot give is refused in words. Tiny random Llama
+files whose layers mix the types of a Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms)."""
 
 from __future__ import annotations
 
@@ -326,7 +326,8 @@ def test_a_precision_the_file_cannot_give_is_refused_in_words(tmp_path) -> None:
 
 
 def test_rows_of_a_permuted_q_are_the_tensors_rows(q4_k_m) -> None:
-    """A layer is requantised by row slices: a q/k slice is un-permuted in whole heads, any bounds."""
+    """A layer is requantised by row slices: a q/k slice is un-permuted in whole heads, any
+    bounds."""
     weights = GGUFWeights(Path(q4_k_m))
     for name in (
         "model.layers.0.self_attn.q_proj.weight",

@@ -42,7 +42,8 @@ def _unit(module: str) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every tandem module `path` imports (`from a import b` names a.b too, which may be a module)."""
+    """Every tandem module `path` imports (`from a import b` names a.b too, which may be a
+    module)."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()

@@ -1,6 +1,6 @@
-"""One load report: the real instance's (engine/core_stats.py, in the engine-core process) and the simulated
-instance (sim/instance.py) build it with the same function, so the same scheduler state gives
-the same figures to the router and to the simulated router, chunked prefills (a running
+"""One load report: the real instance's (engine/core_stats.py, in the engine-core process) and the
+simulated instance (sim/instance.py) build it with the same function, so the same scheduler state
+gives the same figures to the router and to the simulated router, chunked prefills (a running
 request's prompt tokens still to compute) and preempted requests included."""
 
 from __future__ import annotations

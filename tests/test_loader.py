@@ -1,4 +1,5 @@
-"""Model loading: alias / .gguf / Hugging Face folder -> HF folder, GGUF conversion and caching, clear errors."""
+"""Model loading: alias / .gguf / Hugging Face folder -> HF folder, GGUF conversion and caching,
+clear errors."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="session")
 def smollm() -> Path:
-    """The SmolLM2 folder in the default cache, so the whole suite (and later runs) write it once."""
+    """The SmolLM2 folder in the default cache, so the whole suite (and later runs) write it
+    once."""
     return resolve_model("smollm2-135m")
 
 
@@ -278,7 +280,7 @@ def test_hf_folder_resolves_as_is(tmp_path: Path, layout: str) -> None:
     assert load_tokenizer(tmp_path) is None
 
 
-# ---------------------------------------------------------------- synthetic GGUFs (llama.cpp layout)
+# ---------------------------------------------------------------- synthetic GGUFs, llama.cpp layout
 
 # HF name piece -> llama.cpp name piece, written independently of the converter's own table.
 _TO_GGUF = {
@@ -326,7 +328,8 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _write_gguf(
     model: torch.nn.Module, path: Path, arch: str, rope_scaling: float | None = None
 ) -> None:
-    """Write `model` the way llama.cpp's converter would (q/k permuted for llama only), without a tokenizer."""
+    """Write `model` the way llama.cpp's converter would (q/k permuted for llama only), without a
+    tokenizer."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)

@@ -27,19 +27,21 @@ SLOS = SLO(ttft=1.0, itl=0.0505, utilization=0.5)
 def test_plan_by_hand():
     p = plan(LINEAR, Traffic(rate=10, prompt_mean=1000, output_mean=100), SLOS)
     assert p.prefill_demand == 10_000 and p.decode_demand == 1_000
-    # Decode: 0.01 + 0.001 B <= 0.0505 -> B = 40 (KV 40 x 1050 fits 100k); Y = 40 / 0.05 = 800 tok/s.
+    # Decode: 0.01 + 0.001 B <= 0.0505 -> B = 40 (KV 40 x 1050 fits 100k);
+    # Y = 40 / 0.05 = 800 tok/s.
     assert (p.decode.size, p.decode.throughput, p.decode.limit) == (
         40,
         pytest.approx(800),
         "ITL SLO",
     )
     assert p.num_decode == 3  # ceil(1000 / (800 x 0.5)) = ceil(2.5)
-    # Prefill: chunk 4096 is the fastest that meets TTFT (2 steps of 0.4196 s); 2048 is within 5% of it
-    # (9,534 vs 9,762 tok/s) at half the latency.
+    # Prefill: chunk 4096 is the fastest that meets TTFT (2 steps of 0.4196 s); 2048 is within 5%
+    # of it (9,534 vs 9,762 tok/s) at half the latency.
     assert p.prefill.size == 2048 and p.prefill.throughput == pytest.approx(2048 / 0.2148)
     assert p.prefill.limit == "bigger steps add < 5%"
     assert p.num_prefill == 3  # ceil(10000 / (9534.6 x 0.5)) = ceil(2.098)
-    # Co-located: T = 192 prompt tokens + B = 20 decodes = 0.0492 s <= ITL; min(0.192, 0.2) / 0.0492 req/s.
+    # Co-located: T = 192 prompt tokens + B = 20 decodes = 0.0492 s <= ITL;
+    # min(0.192, 0.2) / 0.0492 req/s.
     co = p.colocated
     assert (co.prefill_tokens, co.decode_batch) == (192, 20) and co.step == pytest.approx(0.0492)
     assert co.rate == pytest.approx(0.192 / 0.0492) and co.decode_only_step == pytest.approx(0.03)
@@ -212,7 +214,8 @@ def test_sim_modules_do_not_import_torch():
     import sys
 
     code = (
-        "import sys, tandem.sim.cost_model, tandem.sim.hardware, tandem.sim.planner, tandem.tools.plan_cli; "
+        "import sys, tandem.sim.cost_model, tandem.sim.hardware, tandem.sim.planner, "
+        "tandem.tools.plan_cli; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

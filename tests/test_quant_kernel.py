@@ -155,7 +155,8 @@ def _k_quant_weights(codes: torch.Tensor, k_quant: KQuantScales) -> torch.Tensor
 
 
 def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random Q8_0 codes (-128 among them: a file may hold it) and fp16 d per 32, as a file holds them."""
+    """Random Q8_0 codes (-128 among them: a file may hold it) and fp16 d per 32, as a file holds
+    them."""
     g = torch.Generator().manual_seed(seed)
     return (
         torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
@@ -206,12 +207,11 @@ def test_q6_k_blocks_as_stored(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
-    """int4, 5-bit, int8 (per channel and Q8_0's per block), Q6_K and K-quant tiles against the exact
-    product of their weights with the activations as the kernel rounds them (per 32 inputs, per 256
-    against Q4_K), at K = 8192, with
-    activations of mixed sign and all positive (where an offset added to every product and taken
-    off late in fp32 would cancel ~1e-4 of the output), every row count of a tile (1-8) and one
-    more."""
+    """int4, 5-bit, int8 (per channel and Q8_0's per block), Q6_K and K-quant tiles against the
+    exact product of their weights with the activations as the kernel rounds them (per 32 inputs,
+    per 256 against Q4_K), at K = 8192, with activations of mixed sign and all positive (where an
+    offset added to every product and taken off late in fp32 would cancel ~1e-4 of the output),
+    every row count of a tile (1-8) and one more."""
     n, k = 32, 8192
     torch.manual_seed(9)
     w = torch.randn(n, k) / 64
@@ -239,7 +239,8 @@ def test_every_format_is_the_exact_product_with_its_rounded_activations(dtype):
                     exact,
                     rtol=tol,
                     atol=tol * exact.abs().max().item(),
-                    msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}",
+                    # called inside assert_close, while layer and rows are this iteration's
+                    msg=lambda m: f"{type(layer).__name__} rows={rows}: {m}",  # noqa: B023
                 )
 
 
@@ -576,7 +577,10 @@ def _avx512_build() -> bool:
 def test_the_avx2_build_passes_these_tests_too():
     """On an AVX-512 CPU the AVX2 build runs this file's kernel tests as well (built once into the
     shared cache): CI on either kind of machine checks the build an AVX2-only CPU serves with."""
-    tests = "reference or five_bit or packed or batch or silu or fused_gate or unknown_gate or asked_for or q6_k or q8_0 or exact"
+    tests = (
+        "reference or five_bit or packed or batch or silu or fused_gate or unknown_gate "
+        "or asked_for or q6_k or q8_0 or exact"
+    )
     run = subprocess.run(
         [
             sys.executable,

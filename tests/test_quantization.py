@@ -40,7 +40,8 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture
 def torch_kernels(monkeypatch):
-    """The weight-only torch-kernel path, as on a CPU without AVX2 or AVX512-VNNI (the integer kernel: test_quant_kernel.py)."""
+    """The weight-only torch-kernel path, as on a CPU without AVX2 or AVX512-VNNI (the integer
+    kernel: test_quant_kernel.py)."""
     monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
 
 
@@ -81,7 +82,8 @@ def test_quantization_error_is_bounded():
 
 
 def test_rejected_kernel_falls_back_to_reference(monkeypatch, torch_kernels):
-    """Where an op rejects a shape (or this torch lacks it) the layer runs dequantise-then-F.linear."""
+    """Where an op rejects a shape (or this torch lacks it) the layer runs
+    dequantise-then-F.linear."""
 
     def reject(*args):
         raise RuntimeError("shape rejected")
@@ -185,8 +187,8 @@ def test_smollm2_int4_holds_the_gguf_q4_1_weights():
 @pytest.mark.parametrize("int8_act", [False, True])
 def test_int8_embedding_rows_are_the_tables_dequantised_rows(int8_act):
     """An int8 variant's embedding reads rows of its LM head's table: the rows `dequantize`
-    gives, on the plain layout and on the integer kernel's tiles ([N/16, K/4, 16, 4] bytes of q + 128,
-    laid out here by hand: this CPU may not have the kernel)."""
+    gives, on the plain layout and on the integer kernel's tiles ([N/16, K/4, 16, 4] bytes of
+    q + 128, laid out here by hand: this CPU may not have the kernel)."""
     layer = Int8Linear.from_float(torch.randn(48, 64), None, torch.float32)
     if int8_act:
         q = layer.qweight.to(torch.int16) + 128

@@ -107,7 +107,8 @@ def test_ngram_proposes_what_followed_the_longest_suffix():
 
 def test_a_seeded_stream_drops_the_rejected_positions_draws():
     """Verifying drafts draws one row of noise per position; after a rejection the generator is
-    where sampling the emitted tokens alone would have left it, so later tokens equal speculation off."""
+    where sampling the emitted tokens alone would have left it, so later tokens equal speculation
+    off."""
     torch.manual_seed(0)
     logits, params = torch.randn(4, V), SamplingParams(temperature=1.0, seed=3, max_tokens=8)
     spec, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)

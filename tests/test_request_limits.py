@@ -187,9 +187,12 @@ def test_context_limits_on_a_real_engine(tiny_model_dirs):
         model=tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 20, max_model_len=64
     )
     with running_server(engine, ServerConfig(model_name="tiny", max_n=2)) as (url, _):
-        post = lambda **body: httpx.post(
-            url + "/v1/completions", json={"prompt": [1] * 10, **body}, timeout=60
-        )
+
+        def post(**body):
+            return httpx.post(
+                url + "/v1/completions", json={"prompt": [1] * 10, **body}, timeout=60
+            )
+
         r = post(prompt=[1] * 64)
         assert r.status_code == 400 and "the prompt has 64 tokens" in r.json()["error"]["message"]
         r = post(max_tokens=55)

@@ -19,12 +19,16 @@ from tandem.engine.tokenizer import get_tokenizer, read_chat_template
 from tandem.server.api_server import ServerConfig
 from tandem.server.launch import build_configs
 
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 ASK = [{"role": "user", "content": "<1> <2> <3>"}]
 
 
 def word_tokenizer(dst, size: int, chat_template: str | None = None) -> str:
-    """A folder holding only a tokenizer of `size` tokens, each id decoding to its own word `<id>`."""
+    """A folder holding only a tokenizer of `size` tokens, each id decoding to its own word
+    `<id>`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -19,7 +19,8 @@ from tandem.server.routes import chat, completions, health, models, tokenize
 from tandem.server.state import EngineFacts, ServerConfig, ServingState
 
 TEMPLATE = (
-    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if style is defined %}style: {{ style }}\n{% endif %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"

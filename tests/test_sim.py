@@ -193,8 +193,9 @@ def test_simulate_cli_reports_and_rejects_bad_trace_lines(tmp_path, capsys):
 
 def test_policy_core_and_simulator_import_without_torch():
     code = (
-        "import sys, tandem.sim.cluster, tandem.cluster.policy.routing, tandem.cluster.policy.elastic, "
-        "tandem.tools.simulate_cli; assert 'torch' not in sys.modules"
+        "import sys, tandem.sim.cluster, tandem.cluster.policy.routing, "
+        "tandem.cluster.policy.elastic, tandem.tools.simulate_cli; "
+        "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,9 +1,9 @@
 """Speculative decoding on tiny Llama / Qwen2 / Qwen3 in fp32, each proposer (n-gram, the int4
-self-draft, and another model: the target truncated to its first layer), and on Gemma 3 with n-gram: greedy output with
-speculation equals without it, token for token, under mixed batches, chunked prefill, prefix
-hits, preemption (swap and recompute), multilevel, async on and off, n > 1, stop tokens and
-max_tokens inside an accepted run, and on a P/D decode instance; a request may opt out; seeded
-sampling is reproducible.
+self-draft, and another model: the target truncated to its first layer), and on Gemma 3 with n-gram:
+greedy output with speculation equals without it, token for token, under mixed batches, chunked
+prefill, prefix hits, preemption (swap and recompute), multilevel, async on and off, n > 1, stop
+tokens and max_tokens inside an accepted run, and on a P/D decode instance; a request may opt out;
+seeded sampling is reproducible.
 
 The models are the conftest ones with a small initialisation (0.1): their greedy outputs
 repeat spans, so prompt lookup is accepted often and rejected often, and so is the int4 variant
@@ -386,7 +386,8 @@ def test_metrics_and_request_log(copy_models, tmp_path):
     from tandem.server.metrics import ServerMetrics
 
     llm = _llm(copy_models["llama"], True)
-    # what the server's metrics read: the engine core's stats (sent after each step) and its precisions
+    # what the server's metrics read: the engine core's stats (sent after each step) and its
+    # precisions
     served = SimpleNamespace(
         precisions=llm.engine.precisions, weight_bytes={}, tokenizer=llm.tokenizer
     )
@@ -401,8 +402,8 @@ def test_metrics_and_request_log(copy_models, tmp_path):
         in text
     )
     assert (
-        f'tandem:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(stats.num_accepted_tokens)}'
-        in text
+        'tandem:spec_decode_num_accepted_tokens_total{model_name="tiny"} '
+        f"{float(stats.num_accepted_tokens)}" in text
     )
     assert 'tandem:spec_decode_num_draft_tokens_total{model_name="tiny"}' in text
     assert (

@@ -14,7 +14,8 @@ from tandem.core.spec_decode import SpecDecodeStats, num_drafts
 
 
 def _trained(acceptance: float, fixed: float, per_token: float, k_max: int = 4) -> AdaptiveK:
-    """A policy that saw verify steps with this acceptance and steps costing fixed + per_token * tokens."""
+    """A policy that saw verify steps with this acceptance and steps costing fixed + per_token *
+    tokens."""
     policy = AdaptiveK(k_max)
     for i in range(200):
         accepted = int(i * acceptance) - int((i - 1) * acceptance) if i else 0  # a steady share
@@ -65,7 +66,8 @@ def _decode_step(
 
 
 def _plain_steps(policy: AdaptiveK, batch: int, seconds: float) -> None:
-    """Enough plain steps for the bucket to be judged: the first (maybe a new shape) and min_samples."""
+    """Enough plain steps for the bucket to be judged: the first (maybe a new shape) and
+    min_samples."""
     for _ in range(1 + policy.min_samples):
         _decode_step(policy, batch, False, seconds)
 
@@ -173,7 +175,7 @@ def test_an_unlucky_first_probe_is_soon_retried():
     verify steps are known, probes come every probe_every / 8 choices, so drafting is on soon."""
     policy = AdaptiveK(4)
     ks, accepted = [policy.choose(1)], []
-    for step in range(120):
+    for _ in range(120):
         k, k_next = ks[-1], policy.choose(1)
         if k:
             accepted.append(0 if not accepted else k)  # the first verify: all rejected
@@ -212,8 +214,8 @@ def test_probes_of_a_costly_draft_are_rarer():
 def test_a_drafting_probe_is_charged_its_proposal():
     """A self-draft's forwards run in the step before the one that verifies them. A probe is a
     plain step that proposes, then a verify step that does not: drafting must be charged the
-    proposal, and the proposing step is a plain sample without it. Here a verify step costs 1.2 plain
-    steps but the proposal 4 more, so drafting (4.7 tokens for 5.2 steps) loses."""
+    proposal, and the proposing step is a plain sample without it. Here a verify step costs 1.2
+    plain steps but the proposal 4 more, so drafting (4.7 tokens for 5.2 steps) loses."""
     policy = _trained(0.93, fixed=0.01, per_token=0.0001)
     ks = _serve(
         policy,
@@ -287,7 +289,8 @@ def test_bench_spec_policy_cost_reads_a_trace(tmp_path):
         + "\n"
     )
     [row] = policy_cost(str(trace), [4])
-    # 2 requests at E(2) = 1.75 tokens and 2 at 1, at 0.01 s a token: 0.055 s; plus the 0.005 s proposal
+    # 2 requests at E(2) = 1.75 tokens and 2 at 1, at 0.01 s a token: 0.055 s; plus the 0.005 s
+    # proposal
     assert (row["drafting_steps"], row["step_s"]) == (1, pytest.approx(0.15))
     assert row["extra_s"] == pytest.approx(0.005 + 0.005)
 

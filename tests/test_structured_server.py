@@ -317,7 +317,7 @@ def test_unsatisfiable_within_max_tokens_ends_by_length_and_metrics_count(server
 def test_nan_and_infinity_in_a_float_field_are_a_400(server, field, literal):
     """JSON's NaN / Infinity literals (which Python's json reads) get a 400, not a sampler fault."""
     url, _ = server
-    raw = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, literal)
+    raw = f'{{"prompt": "x", "max_tokens": 2, "{field}": {literal}}}'
     r = httpx.post(
         url + "/v1/completions",
         content=raw,

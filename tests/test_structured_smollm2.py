@@ -1,6 +1,7 @@
 """The issue's "must show", with the official openai client against a live server on the default
-model (SmolLM2-135M-Instruct), over 30 prompts: JSON mode parses (or, cut short by max_tokens, is a valid JSON prefix), JSON Schema validates, regex
-and choice match, and tool_choice="required" gives tool calls whose arguments validate."""
+model (SmolLM2-135M-Instruct), over 30 prompts: JSON mode parses (or, cut short by max_tokens, is a
+valid JSON prefix), JSON Schema validates, regex and choice match, and tool_choice="required" gives
+tool calls whose arguments validate."""
 
 from __future__ import annotations
 

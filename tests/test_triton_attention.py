@@ -18,7 +18,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def _interpreter_runs_loops() -> bool:
     """Triton 3.6's interpreter cannot take a loop bound read at run time under numpy 2 (its
-    tensors' __index__ is int() of a 1-element array); 3.9's can. Compiled kernels are unaffected."""
+    tensors' __index__ is int() of a 1-element array); 3.9's can. Compiled kernels are
+    unaffected."""
     if DEVICE.type == "cuda" or not triton_attention.available():
         return True
     import triton
@@ -164,7 +165,8 @@ def test_kv_write_skips_padding_slots():
     assert cache[:, [i for i in range(16) if i not in (0, 5)]].eq(0).all()
 
 
-# head_dim 16 (GQA) and 32; Gemma 3 (sliding windows shorter than the prompts) takes ~30 s interpreted
+# head_dim 16 (GQA) and 32; Gemma 3 (sliding windows shorter than the prompts) takes ~30 s
+# interpreted
 @pytest.mark.parametrize("kind", ["llama", "qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_engine_on_triton_matches_hf(kind, tiny_model_dirs):
     """Through the model runner: mixed batches, chunked prefill and prefix hits on the Triton
