@@ -74,7 +74,7 @@ async def _one(client, args, req: Request, t0: float, sem, bar) -> dict:
             )
         except (asyncio.TimeoutError, TimeoutError):
             out["error"] = f"timeout after {args.request_timeout:g}s"
-        except Exception as e:  # noqa: BLE001 - any transport or protocol failure is a failed request
+        except Exception as e:  # noqa: BLE001 - any transport or protocol failure fails the request
             out["error"] = f"{type(e).__name__}: {e}"
         end = time.perf_counter() - t0
     bar.update(1)

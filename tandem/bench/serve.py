@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from tandem.bench import report
+from tandem.bench import report, report_plots, report_tables
 from tandem.bench.endpoint_request import run_requests
 from tandem.bench.scrape import (
     format_counters,
@@ -178,7 +178,7 @@ def main(args: argparse.Namespace) -> dict:
         "workload": workload,
         "results": runs[0],
     }
-    print(report.format_run(runs[0], workload, metrics, shown))
+    print(report_tables.format_run(runs[0], workload, metrics, shown))
     for run in runs:
         print(f"{run['base_url']}: {format_counters(run['server_counters'])}")
         if run["prefix_ideal"]:
@@ -191,9 +191,9 @@ def main(args: argparse.Namespace) -> dict:
         warning = warm_mismatch([run["server_counters"] for run in runs])
         if warning:
             print(warning)
-        print(report.format_compare(runs[0], runs[1], out["ratios"]))
+        print(report_tables.format_compare(runs[0], runs[1], out["ratios"]))
     if args.plot_dir:
-        out["plots"] = report.write_plots(Path(args.plot_dir), runs)
+        out["plots"] = report_plots.write_plots(Path(args.plot_dir), runs)
     if save:
         save.parent.mkdir(parents=True, exist_ok=True)
         save.write_text(json.dumps(report.jsonable(out), indent=2))
