@@ -1,13 +1,11 @@
 """Figures for `tandem bench serve`: per-run summary (throughput, TTFT / ITL / TPOT / E2E
-percentiles, SLO goodput, queue / prefill / decode split), aligned text tables, the
-side-by-side comparison with ratios, and PNG plots."""
+percentiles, SLO goodput, queue / prefill / decode split), the ratios of two runs, and the
+number and table formatting the bench reports share."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 
@@ -176,6 +174,25 @@ def build_run(
     }
 
 
+def flat_figures(d: dict, prefix: str = "") -> dict:
+    """Every numeric figure of a summary under its dotted key ("ttft_ms.p99")."""
+    out = {}
+    for k, v in d.items():
+        if k in ("errors", "failures_by_status", "slo_s") or k.endswith("_note"):
+            continue
+        if isinstance(v, dict):
+            out.update(flat_figures(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[prefix + k] = v
+    return out
+
+
+def ratios(s1: dict, s2: dict) -> dict:
+    """summary2 / summary1 for every numeric figure (None where undefined)."""
+    a, b = flat_figures(s1), flat_figures(s2)
+    return {k: (b[k] / a[k] if a[k] and b.get(k) is not None else None) for k in a}
+
+
 def mib(num_bytes: float) -> str:
     """Bytes as the reports print them: "12.3 MiB"."""
     return f"{num_bytes / 2**20:.1f} MiB"
@@ -195,208 +212,6 @@ def table(rows: list[list[str]]) -> str:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
         for r in rows
     )
-
-
-def format_run(
-    run: dict,
-    workload: dict,
-    metrics: tuple[str, ...] = tuple(METRICS),
-    pcts: tuple[float, ...] = PCTS,
-) -> str:
-    """The run as tables; the latency table shows `metrics` (--percentile-metrics) at `pcts`
-    (--metric-percentiles), the JSON holds them all."""
-    s, pt = run["summary"], workload["prompt_tokens"]
-    lines = [
-        f"==== tandem bench serve: {run['base_url']} ====",
-        f"workload:  {workload['description']}",
-        f"tokenizer: {workload['tokenizer']}{workload.get('tokenizer_note', '')}; "
-        f"prompts with the exact token count: {pt['exact']}/{pt['prompts']}"
-        + (f" ({pt['off']} off by up to {pt['max_abs_diff']} tokens)" if pt["off"] else ""),
-    ]
-    lines.append(
-        table(
-            [
-                [k, fmt(v)]
-                for k, v in (
-                    ("completed", s["completed"]),
-                    ("failed", s["failed"]),
-                    ("duration (s)", s["duration_s"]),
-                    ("request throughput (req/s)", s["request_throughput"]),
-                    ("input throughput (tok/s)", s["input_throughput"]),
-                    ("output throughput (tok/s)", s["output_throughput"]),
-                    ("total input tokens", s["total_input_tokens"]),
-                    ("total output tokens", s["total_output_tokens"]),
-                )
-            ]
-        )
-    )
-    if s["failed"]:
-        lines.append(
-            "failures by status: "
-            + ", ".join(f"{k}: {v}" for k, v in s["failures_by_status"].items())
-        )
-        lines.append(f"first error: {s['errors'][0]['error'][:200]}")
-    cols = ["mean"] + [f"p{p:g}" for p in pcts]
-    head = ["latency (ms)", *cols]
-    rows = [[METRICS[m][0]] + [fmt(s[METRICS[m][1]][c]) for c in cols] for m in metrics]
-    split = s["latency_split"]
-    if split:
-        rows += [
-            [f"server {k}"] + [fmt(split[f"{k}_ms"].get(c)) for c in cols]
-            for k in ("queue", "prefill", "decode")
-        ]
-    lines.append(table([head] + rows))
-    for note in (s["itl_note"], s["usage_note"]):
-        if note:
-            lines.append(f"note: {note}")
-    if s["goodput"]:
-        g = s["goodput"]
-        lines.append(
-            f"goodput ({', '.join(f'{k}<={v:g}s' for k, v in g['slo_s'].items())}): "
-            f"{g['rate']:.2f} req/s, {g['requests']}/{s['total']} requests "
-            f"({g['share']:.1%}) met all SLOs"
-        )
-    if split:
-        lines.append(
-            f"latency split over {split['requests']} requests: queue {split['queue_share']:.1%}, "
-            f"prefill {split['prefill_share']:.1%}, decode {split['decode_share']:.1%}, "
-            f"other {split['other_share']:.1%} of E2E; queue share at >= p90 E2E "
-            f"{split['tail_queue_share']:.1%}"
-            + (
-                "  <-- over 40%: a scheduling problem (MISSION D.14)"
-                if split["scheduling_problem"]
-                else ""
-            )
-        )
-    if run["per_class"]:
-        rows = [
-            [
-                "class",
-                "done",
-                "failed",
-                "TTFT p50",
-                "TTFT p99",
-                "TPOT p50",
-                "TPOT p99",
-                "E2E p99",
-                "out tok/s",
-            ]
-        ]
-        for c, cs in run["per_class"].items():
-            rows.append(
-                [
-                    c,
-                    str(cs["completed"]),
-                    str(cs["failed"]),
-                    fmt(cs["ttft_ms"]["p50"]),
-                    fmt(cs["ttft_ms"]["p99"]),
-                    fmt(cs["tpot_ms"]["p50"]),
-                    fmt(cs["tpot_ms"]["p99"]),
-                    fmt(cs["e2e_ms"]["p99"]),
-                    fmt(cs["output_throughput"]),
-                ]
-            )
-        lines.append(table(rows))
-    return "\n".join(lines)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if k in ("errors", "failures_by_status", "slo_s") or k.endswith("_note"):
-            continue
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[prefix + k] = v
-    return out
-
-
-def ratios(s1: dict, s2: dict) -> dict:
-    """summary2 / summary1 for every numeric figure (None where undefined)."""
-    a, b = _flat(s1), _flat(s2)
-    return {k: (b[k] / a[k] if a[k] and b.get(k) is not None else None) for k in a}
-
-
-_SHOWN = re.compile(
-    r"(completed|failed|duration_s|\w+_throughput|total_\w+_tokens"
-    r"|(ttft|itl|tpot|e2e)_ms\.(mean|p50|p99)|goodput\.(rate|share)|latency_split\.(queue_share|tail_queue_share))"
-)
-
-
-def format_compare(run1: dict, run2: dict, r: dict) -> str:
-    a, b = _flat(run1["summary"]), _flat(run2["summary"])
-    rows = [["figure", run1["base_url"], run2["base_url"], "ratio 2/1"]]
-    rows += [[k, fmt(a[k]), fmt(b.get(k)), fmt(r[k], 3)] for k in a if _SHOWN.fullmatch(k)]
-    return "==== comparison (every figure's ratio is in --json) ====\n" + table(rows)
-
-
-def write_plots(folder: Path, runs: list[dict]) -> list[str]:
-    """TTFT CDF, ITL CDF, output tokens/s over time, requests in flight over time
-    (one line per run)."""
-    from tandem.workload.plots import pyplot, save_figure
-
-    plt = pyplot()
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-
-    def save(name: str, title: str, xlabel: str, ylabel: str, draw) -> None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for i, run in enumerate(runs):
-            draw(
-                ax,
-                [r for r in run["_raw"] if r["success"]],
-                {**run, "label": f"{i + 1}: {run['base_url']}"},
-            )
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save_figure(fig, folder / name, 100)
-        paths.append(str(folder / name))
-
-    def cdf(values):
-        return lambda ax, ok, run: ax.plot(
-            np.sort(values(ok)) * 1000, np.linspace(0, 1, len(values(ok))), label=run["label"]
-        )
-
-    def throughput(ax, ok, run):
-        dur = run["summary"]["duration_s"]
-        width = max(0.05, dur / 60)
-        times = [r["start"] + t for r in ok for t in r["chunk_times"]]
-        weights = [r["output_tokens"] / r["num_chunks"] for r in ok for _ in r["chunk_times"]]
-        hist, edges = np.histogram(
-            times, bins=max(1, math.ceil(dur / width)), range=(0, max(dur, width)), weights=weights
-        )
-        ax.step(edges[:-1], hist / (edges[1] - edges[0]), where="post", label=run["label"])
-
-    def inflight(ax, ok, run):
-        events = sorted(
-            [(r["start"], 1) for r in run["_raw"]] + [(r["end"], -1) for r in run["_raw"]]
-        )
-        ax.step(
-            [0.0] + [t for t, _ in events],
-            np.cumsum([0] + [d for _, d in events]),
-            where="post",
-            label=run["label"],
-        )
-
-    save(
-        "ttft_cdf.png",
-        "TTFT CDF",
-        "TTFT (ms)",
-        "fraction of requests",
-        cdf(lambda ok: [r["ttft"] for r in ok]),
-    )
-    save(
-        "itl_cdf.png",
-        "ITL CDF",
-        "inter-token latency (ms)",
-        "fraction of gaps",
-        cdf(lambda ok: [g for r in ok for g in r["itl"]]),
-    )
-    save("throughput.png", "output throughput", "time (s)", "output tokens/s", throughput)
-    save("inflight.png", "requests in flight", "time (s)", "requests", inflight)
-    return paths
 
 
 def jsonable(x):
