@@ -15,7 +15,6 @@ real one)."""
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import tempfile
@@ -23,8 +22,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tandem.bench import offline
-from tandem.bench.measure import in_subprocess, until_first_tokens
+from tandem.bench import offline_runs
+from tandem.bench.measure import (
+    gpu_step_ms,
+    in_subprocess,
+    new_llm,
+    replace_args,
+    until_first_tokens,
+)
 from tandem.config.args import add_engine_arguments
 
 
@@ -49,19 +54,6 @@ def _tiny_model(folder: Path) -> str:
     )
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return str(folder)
-
-
-def _new_llm(model: str, **options):
-    """An LLM, after the memory of the ones before it is given back (an engine is a reference
-    cycle: only the collector frees it)."""
-    import torch
-
-    from tandem import LLM
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return LLM(model, **options)
 
 
 def _hf_greedy(model: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
@@ -125,7 +117,7 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
     report = {}
     for name, (opts, ps, expected) in cases.items():
         for eager in (False, True):
-            llm = _new_llm(
+            llm = new_llm(
                 model,
                 dtype="float32",
                 quantization="fp32",
@@ -156,7 +148,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
     """Per batch size: ms per decode step (engine.step, steady state) and the roofline."""
     from tandem import SamplingParams
 
-    llm = _new_llm(
+    llm = new_llm(
         args.model,
         dtype=args.dtype,
         device=args.device,
@@ -200,7 +192,7 @@ def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
             "achieved_gb_s": read / step_s / 1e9,
             "roofline_fraction": read / step_s / args.peak_bandwidth,
             "roofline_ms": read / args.peak_bandwidth * 1e3,
-            **offline.gpu_step_ms(before, engine.step_counters()),
+            **gpu_step_ms(before, engine.step_counters()),
         }
         if profile and b == max(batches):
             out["profile"] = _profile(engine, 5)
@@ -348,14 +340,14 @@ def main(args: argparse.Namespace) -> dict:
         enforce_eager=False,
         **wl,
     )
-    requests = offline.make_requests(oargs, vocab)
+    requests = offline_runs.make_requests(oargs, vocab)
 
     def throughput() -> dict:
-        eager = argparse.Namespace(**{**vars(oargs), "enforce_eager": True})
+        eager = replace_args(oargs, enforce_eager=True)
         runs = {
-            "tandem_graphs": in_subprocess(offline.run_tandem, oargs, requests),
-            "tandem_eager": in_subprocess(offline.run_tandem, eager, requests),
-            "hf_generate": in_subprocess(offline.run_hf, oargs, requests),
+            "tandem_graphs": in_subprocess(offline_runs.run_tandem, oargs, requests),
+            "tandem_eager": in_subprocess(offline_runs.run_tandem, eager, requests),
+            "hf_generate": in_subprocess(offline_runs.run_hf, oargs, requests),
         }
         runs["workload"] = {
             **wl,

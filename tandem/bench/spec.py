@@ -32,8 +32,7 @@ from collections import defaultdict
 from importlib import resources
 from statistics import median
 
-from tandem.bench.measure import peak_rss_mb
-from tandem.bench.offline import _replace, spec_summary
+from tandem.bench.measure import peak_rss_mb, replace_args, spec_summary
 from tandem.config.args import add_engine_arguments, given
 
 # With --deterministic every output must equal speculation off's.
@@ -205,7 +204,9 @@ def run_interleaved(args, specs: dict[str, dict | None]) -> tuple[dict, dict]:
     configuration, its summary and its case results by (case index, round)."""
     from tqdm import tqdm
 
-    procs = {name: ConfigProcess(name, _replace(args, spec=spec)) for name, spec in specs.items()}
+    procs = {
+        name: ConfigProcess(name, replace_args(args, spec=spec)) for name, spec in specs.items()
+    }
     for p in procs.values():  # all built and warm before anything is timed
         p.recv()  # "ready"
     results: dict[str, dict] = {name: {} for name in procs}
