@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.bench import offline, quantization
+from tandem.bench import offline, offline_runs, quantization
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -76,8 +76,8 @@ def test_bench_offline_and_quantization_report_from_the_public_figures(tiny_mode
         5,
     )
     args.kv_cache_memory = 1 << 22
-    requests = offline.make_requests(args, 100)
-    r = offline.run_tandem(args, requests)
+    requests = offline_runs.make_requests(args, 100)
+    r = offline_runs.run_tandem(args, requests)
     assert r["output_tokens"] == sum(out for _, out in requests) and r["dtype"] == "float32"
     assert r["steps"] >= max(out for _, out in requests) and r["ms_per_step"]["prepare"] > 0
     assert r["gpu_busy_ms"] is None and r["spec_decode"] is None

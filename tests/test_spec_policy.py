@@ -266,7 +266,7 @@ def test_the_trace_records_every_choice_and_step_and_changes_nothing():
 def test_bench_spec_policy_cost_reads_a_trace(tmp_path):
     """`bench spec --policy-cost`: a drafting step costs its seconds beyond the plain rate for
     the tokens its drafts are expected to yield; a plain step, the proposal it made."""
-    from tandem.bench.spec import policy_cost
+    from tandem.bench.spec_policy_cost import policy_cost
 
     case = {"proposer": "ngram", "set": "chat", "batch": 4, "round": 0}
     step = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.bench.spec import load_prompt_sets
+from tandem.bench.spec_runner import load_prompt_sets
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 48

@@ -15,16 +15,16 @@ real one)."""
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import random
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tandem.bench import offline
-from tandem.bench.measure import in_subprocess, until_first_tokens
+from tandem.bench import offline_runs
+from tandem.bench.gpu_decode import decode_steps
+from tandem.bench.gpu_equality import check_equality
+from tandem.bench.measure import in_subprocess, replace_args
 from tandem.config.args import add_engine_arguments
 
 
@@ -49,188 +49,6 @@ def _tiny_model(folder: Path) -> str:
     )
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return str(folder)
-
-
-def _new_llm(model: str, **options):
-    """An LLM, after the memory of the ones before it is given back (an engine is a reference
-    cycle: only the collector frees it)."""
-    import torch
-
-    from tandem import LLM
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return LLM(model, **options)
-
-
-def _hf_greedy(model: str, prompts: list[list[int]], max_new: int, device) -> list[list[int]]:
-    import torch
-
-    from tandem.models.loader.hf_reference import hf_model
-
-    model = hf_model(model, torch.float32).to(device)
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
-def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) -> dict:
-    """{case: {"graphs"|"eager": {"equal", "mismatched", ...}}} against transformers' greedy tokens,
-    in fp32 (a GGUF's weights dequantised on both sides)."""
-    import torch
-
-    from tandem import SamplingParams
-    from tandem.models.config import ModelConfig
-    from tandem.models.loader.model_files import load_config, resolve_model
-
-    rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 200))] for _ in range(n)]
-    shared = [rng.randrange(vocab) for _ in range(64)]
-    prefixed = [
-        shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(3)
-    ]
-    ref = _hf_greedy(model, prompts + prefixed, max_new, torch.device(device))
-    longest = max(map(len, prompts)) + max_new
-    per_block = (
-        ModelConfig.from_hf(load_config(resolve_model(model))).kv_bytes_per_token(torch.float32)
-        * 16
-    )
-    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
-    cases = {  # name: (engine options, prompts, reference)
-        "mixed_batch": ({}, prompts, ref[:n]),
-        "chunked_prefill_preemption": (
-            {
-                "max_num_batched_tokens": 64,
-                "enable_prefix_caching": False,
-                # room for the longest request and two blocks more: preemptions
-                "kv_cache_memory": per_block * (longest // 16 + 3),
-            },
-            prompts,
-            ref[:n],
-        ),
-        "prefix_hits": ({}, prefixed, ref[n:]),
-    }
-    report = {}
-    for name, (opts, ps, expected) in cases.items():
-        for eager in (False, True):
-            llm = _new_llm(
-                model,
-                dtype="float32",
-                quantization="fp32",
-                device=device,
-                enforce_eager=eager,
-                **{"kv_cache_memory": 256 << 20, **opts},
-            )
-            if name == "prefix_hits":
-                outs = llm.generate(ps[:1], params) + llm.generate(ps[1:], params)
-            else:
-                outs = llm.generate(ps, params)
-            got = [o.outputs[0].token_ids for o in outs]
-            mismatched = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
-            counters = llm.engine.step_counters()
-            report.setdefault(name, {})["eager" if eager else "graphs"] = {
-                "equal": not mismatched,
-                "mismatched": mismatched,
-                "requests": len(ps),
-                "graphs_captured": llm.engine.info().graphs_captured,
-                "preemptions": counters.num_preemptions,
-                "prefix_hit_tokens": counters.prefix_hit_tokens,
-            }
-            llm.engine.shutdown()
-    return report
-
-
-def decode_steps(args, batches: list[int], eager: bool, profile: bool) -> dict:
-    """Per batch size: ms per decode step (engine.step, steady state) and the roofline."""
-    from tandem import SamplingParams
-
-    llm = _new_llm(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=max(batches),
-        max_num_batched_tokens=8192,
-        kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=eager,
-    )
-    engine, info = llm.engine, llm.engine.info()
-    weight_bytes, kv_per_token = info.decode_weight_bytes, info.kv_bytes_per_token
-    rng = random.Random(1)
-    out = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "batches": {}}
-    if info.graphs_captured:
-        out["capture_seconds"], out["capture_mib"] = (
-            info.graph_capture_seconds,
-            info.graph_capture_bytes / 2**20,
-        )
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    for b in batches:
-        ids = [
-            engine.add_request(
-                [rng.randrange(engine.vocab_size) for _ in range(args.decode_prompt)], params
-            )
-            for _ in range(b)
-        ]
-        until_first_tokens(engine, ids)
-        for _ in range(3):  # steady state: every request decoding, the pipeline full
-            engine.step()
-        before = engine.step_counters()
-        start = time.perf_counter()
-        for _ in range(args.decode_steps):
-            engine.step()
-        step_s = (time.perf_counter() - start) / args.decode_steps
-        context = (
-            args.decode_prompt + 3 + args.decode_steps // 2
-        )  # mean context over the timed steps
-        read = weight_bytes + b * context * kv_per_token
-        out["batches"][b] = {
-            "ms_per_step": step_s * 1e3,
-            "bytes_read_per_step": read,
-            "achieved_gb_s": read / step_s / 1e9,
-            "roofline_fraction": read / step_s / args.peak_bandwidth,
-            "roofline_ms": read / args.peak_bandwidth * 1e3,
-            **offline.gpu_step_ms(before, engine.step_counters()),
-        }
-        if profile and b == max(batches):
-            out["profile"] = _profile(engine, 5)
-        for i in ids:
-            engine.abort_request(i)
-        while engine.has_unfinished_requests():
-            engine.step()
-    llm.engine.shutdown()
-    return out
-
-
-def _profile(engine, steps: int) -> str:
-    import torch
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + (
-        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-    )
-    try:  # the steps run on the executor's worker thread (async scheduling)
-        config = _ExperimentalConfig(profile_all_threads=True)
-    except (
-        TypeError
-    ):  # an older torch: CUDA kernels are still recorded, host ops of that thread not
-        config = None
-    with profile(activities=activities, experimental_config=config) as prof:
-        for _ in range(steps):
-            engine.step()
-    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=20)
 
 
 def _environment(args) -> dict:
@@ -348,14 +166,14 @@ def main(args: argparse.Namespace) -> dict:
         enforce_eager=False,
         **wl,
     )
-    requests = offline.make_requests(oargs, vocab)
+    requests = offline_runs.make_requests(oargs, vocab)
 
     def throughput() -> dict:
-        eager = argparse.Namespace(**{**vars(oargs), "enforce_eager": True})
+        eager = replace_args(oargs, enforce_eager=True)
         runs = {
-            "tandem_graphs": in_subprocess(offline.run_tandem, oargs, requests),
-            "tandem_eager": in_subprocess(offline.run_tandem, eager, requests),
-            "hf_generate": in_subprocess(offline.run_hf, oargs, requests),
+            "tandem_graphs": in_subprocess(offline_runs.run_tandem, oargs, requests),
+            "tandem_eager": in_subprocess(offline_runs.run_tandem, eager, requests),
+            "hf_generate": in_subprocess(offline_runs.run_hf, oargs, requests),
         }
         runs["workload"] = {
             **wl,
@@ -386,9 +204,8 @@ def main(args: argparse.Namespace) -> dict:
     return report
 
 
-if (
-    __name__ == "__main__"
-):  # scripts/gpu_check.sh: without the CLI, which imports every command's module
+# scripts/gpu_check.sh: without the CLI, which imports every command's module
+if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -5,50 +5,25 @@ text: the answer copies spans of the prompt) and `chat` (open questions). Batch 
 prompts one at a time (single-stream decode); batch B submits B chat prompts at once (cycled).
 Greedy, chat template applied.
 
-Each configuration keeps a process of its own for the whole run (its peak RSS is its own), and
-the cases alternate between them: a case runs in every configuration before the next case
-starts, the order rotating by one from one case to the next (A B C, B C A, C A B: reversing it
-would keep B in the middle every time, and a bias of the position would land on B), for
-`--rounds` rounds. Run one
-configuration to its end and then the next, and a shared machine's drift between them can
-move a ratio as much as speculation does; alternating takes each on/off pair within seconds.
-The first round meets AdaptiveK's buckets new (a fresh server's probes); later rounds find
-them measured. A row gives each round's ratio and their geometric
-mean. Tokens equal to speculation off are counted, since a verify step's GEMM shapes differ
-from a one-token step's and low precision can flip a near-tie; with `--deterministic` every
-output must equal speculation off, in any precision.
+The configurations take turns case by case, for `--rounds` rounds (bench/spec_runner.py). A
+row gives each round's ratio and their geometric mean. Tokens equal to speculation off are
+counted, since a verify step's GEMM shapes differ from a one-token step's and low precision can
+flip a near-tie; with `--deterministic` every output must equal speculation off, in any
+precision.
 
 `--policy-cost FILE` runs nothing: it reads a `--trace-adaptive` file and prints what
-AdaptiveK's own choices cost."""
+AdaptiveK's own choices cost (bench/spec_policy_cost.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import multiprocessing as mp
-import time
-from collections import defaultdict
-from importlib import resources
-from statistics import median
 
-from tandem.bench.measure import peak_rss_mb
-from tandem.bench.offline import _replace, spec_summary
-from tandem.config.args import add_engine_arguments, given
-
-# With --deterministic every output must equal speculation off's.
-ENGINE_OPTIONS = ("model", "dtype", "num_threads", "deterministic")
-
-
-def load_prompt_sets() -> dict[str, list[str]]:
-    doc = json.loads(resources.files("tandem.bench").joinpath("data/spec_prompts.json").read_text())
-    return {"grounded": doc["grounded"], "chat": doc["chat"]}
-
-
-def _cases(args) -> list[tuple[str, int]]:
-    return [(name, 1) for name in ("grounded", "chat")] + [
-        ("chat", b) for b in args.batch_sizes if b > 1
-    ]
+from tandem.bench.measure import spec_summary
+from tandem.bench.spec_policy_cost import policy_cost
+from tandem.bench.spec_runner import ENGINE_OPTIONS, case_list, run_interleaved
+from tandem.config.args import add_engine_arguments
 
 
 def proposers(args) -> dict[str, dict]:
@@ -68,156 +43,6 @@ def proposers(args) -> dict[str, dict]:
     for spec in out.values():
         spec.update(num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive)
     return out
-
-
-class CaseRunner:
-    """One configuration's engine, warmed up, running cases (a prompt set at a batch size) and
-    measuring each: tokens/s, step and draft costs, the speculation counters' increase."""
-
-    def __init__(self, args) -> None:
-        from tandem import LLM, SamplingParams
-
-        self.args, self.spec, self.sets = args, args.spec, load_prompt_sets()
-        self.llm = LLM(
-            **given(args, ENGINE_OPTIONS),
-            max_num_seqs=max(args.batch_sizes),
-            speculative_config=self.spec,
-            enable_prefix_caching=False,
-        )
-        self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-        self.llm.chat(
-            [{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4)
-        )  # warm-up
-        self.engine = self.llm.engine
-        self.case: dict = {}  # the case running, for --trace-adaptive's lines
-        self.trace = self._open_trace()
-
-    def _open_trace(self):
-        """--trace-adaptive: AdaptiveK's choices and the steps it saw, one JSON line each, labelled
-        with the proposer and the case running; None when off."""
-        if not self.args.trace_adaptive or not self.spec:
-            return None
-        f = open(self.args.trace_adaptive, "a", buffering=1)  # processes take turns appending
-        label = self.spec.get("model") or self.spec["method"]
-        if not self.engine.trace_adaptive_k(
-            lambda event: f.write(json.dumps({"proposer": label, **self.case, **event}) + "\n")
-        ):
-            f.close()
-            return None
-        return f
-
-    def run(self, name: str, batch: int, round_: int) -> dict:
-        self.case.update(set=name, batch=batch, round=round_)
-        sets, engine = self.sets, self.engine
-        prompts = (
-            sets[name][: self.args.num_prompts]
-            if batch == 1
-            else [sets[name][i % len(sets[name])] for i in range(batch)]
-        )
-        engine.reset_stats()
-        before = engine.step_counters()
-        started_at, start, outs = time.time(), time.perf_counter(), []
-        for group in [[p] for p in prompts] if batch == 1 else [prompts]:
-            outs += self.llm.chat([[{"role": "user", "content": p}] for p in group], self.params)
-        seconds = time.perf_counter() - start
-        tokens, st = [o.outputs[0].token_ids for o in outs], engine.step_counters()
-        delta = type(st.spec)(
-            st.spec.num_drafts - before.spec.num_drafts,
-            st.spec.num_draft_tokens - before.spec.num_draft_tokens,
-            st.spec.num_accepted_tokens - before.spec.num_accepted_tokens,
-        )
-        forwards = st.draft_forwards - before.draft_forwards
-        return {
-            "set": name,
-            "batch": batch,
-            "round": round_,
-            "started_at": started_at,
-            "output_tokens": sum(map(len, tokens)),
-            "seconds": seconds,
-            "output_throughput": sum(map(len, tokens)) / seconds,
-            "steps": st.num_steps,
-            "execute_s": st.phase_times["execute"],
-            "gap_s": st.phase_times[
-                "gap"
-            ],  # the executor idle between steps (a drafting step's hand-back)
-            # proposing drafts (within execute: a draft model's forwards, prompt lookup), and
-            # a draft model's one-token forwards
-            "propose_s": st.phase_times["propose"],
-            "draft_forwards": forwards,
-            "spec_decode": spec_summary(delta) if self.spec else None,
-            "token_ids": tokens,
-        }
-
-    def close(self) -> dict:
-        if self.trace is not None:
-            self.trace.close()
-        info = self.engine.info()
-        return {
-            "dtype": info.dtype,
-            "peak_rss_mb": peak_rss_mb(),
-            "async_scheduling": info.async_scheduling,
-        }
-
-
-def _serve_cases(args, conn) -> None:
-    """A configuration's process: build its CaseRunner, say so, run the cases it is sent until
-    None, then send its summary."""
-    runner = CaseRunner(args)
-    conn.send("ready")
-    while (case := conn.recv()) is not None:
-        conn.send(runner.run(*case))
-    conn.send(runner.close())
-
-
-class ConfigProcess:
-    """A configuration's process, seen from the parent."""
-
-    def __init__(self, name: str, args) -> None:
-        self.name = name
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_cases, args=(args, child), daemon=True)
-        self.proc.start()
-
-    def recv(self):
-        try:
-            return self.conn.recv()
-        except EOFError:
-            self.proc.join()
-            raise SystemExit(
-                f"bench spec: the {self.name} process ended (exit code {self.proc.exitcode}); "
-                "its error is above"
-            ) from None
-
-    def run(self, case: tuple[str, int, int]) -> dict:
-        self.conn.send(case)
-        return self.recv()
-
-    def close(self) -> dict:
-        self.conn.send(None)
-        summary = self.recv()
-        self.proc.join()
-        return summary
-
-
-def run_interleaved(args, specs: dict[str, dict | None]) -> tuple[dict, dict]:
-    """Every case in every configuration, alternating the order (see the module): per
-    configuration, its summary and its case results by (case index, round)."""
-    from tqdm import tqdm
-
-    procs = {name: ConfigProcess(name, _replace(args, spec=spec)) for name, spec in specs.items()}
-    for p in procs.values():  # all built and warm before anything is timed
-        p.recv()  # "ready"
-    results: dict[str, dict] = {name: {} for name in procs}
-    cases, names = _cases(args), list(procs)
-    with tqdm(total=args.rounds * len(cases) * len(names), desc="bench spec", unit="run") as bar:
-        for r in range(args.rounds):
-            for i, (set_name, batch) in enumerate(cases):
-                shift = (r * len(cases) + i) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    results[name][i, r] = procs[name].run((set_name, batch, r))
-                    bar.update()
-    return {name: p.close() for name, p in procs.items()}, results
 
 
 def _sum(runs: list[dict], key: str) -> float:
@@ -263,55 +88,6 @@ def _row(name: str, off: list[dict], on: list[dict]) -> dict:
         "equal_outputs": min(equal),
         "num_outputs": len(ref[0]),
     }
-
-
-def policy_cost(path: str, batch_sizes: list[int]) -> list[dict]:
-    """Per proposer, batch and round of a --trace-adaptive file: the seconds of the drafting
-    steps beyond what plain steps (the round's median per request) would have taken for the
-    tokens they emitted (each request credited E(k) at the round's last acceptance), plus the
-    proposals made in plain steps, and that as a share of the round's step seconds."""
-    cases = defaultdict(list)
-    with open(path) as f:
-        for line in f:
-            e = json.loads(line)
-            if e["batch"] in batch_sizes:
-                cases[e["proposer"], e["batch"], e["round"]].append(e)
-    rows = []
-    for (proposer, batch, round_), events in sorted(cases.items()):
-        steps = [e for e in events if e["event"] == "observe_step"]
-        a = [e for e in events if e["event"] == "choose"][-1]["acceptance"]
-        plain = [
-            e["seconds"] / e["decodes"]
-            for e in steps
-            if e["decodes"] and not e["drafted"] and not e["proposal_seconds"]
-        ]
-        per_token, extra, drafting = median(plain), 0.0, 0
-        for e in steps:
-            if e["drafted"] and e["decodes"]:
-                drafting += 1
-                emitted = sum((1 - a ** (k + 1)) / (1 - a) if k else 1 for k in e["draft_counts"])
-                extra += (
-                    e["seconds"] - (emitted + e["decodes"] - len(e["draft_counts"])) * per_token
-                )
-            elif not e["drafted"]:
-                extra += e["proposal_seconds"]
-        total = sum(e["seconds"] for e in steps)
-        rows.append(
-            {
-                "proposer": proposer,
-                "batch": batch,
-                "round": round_,
-                "drafting_steps": drafting,
-                "extra_s": extra,
-                "step_s": total,
-            }
-        )
-        print(
-            f"{proposer:10} batch {batch:3} round {round_}: {drafting} drafting steps, "
-            f"extra {extra * 1e3:6.0f} ms, "
-            f"{100 * extra / total:4.1f}% of {total:.2f} s"
-        )
-    return rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -390,7 +166,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.trace_adaptive:
         open(args.trace_adaptive, "w").close()  # each configuration's process appends its lines
     summaries, results = run_interleaved(args, {"off": None, **specs})
-    ncases = len(_cases(args))
+    ncases = len(case_list(args))
     rows = [
         _row(
             name,
