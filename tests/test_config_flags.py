@@ -18,7 +18,7 @@ from tandem.config.engine import OPTIONS
 from tandem.config.serving_yaml import YAML_KEYS
 from tandem.server import launch
 from tandem.server.state import ServerConfig
-from tandem.tools.simulate_cli import ENGINE_DEFAULTS as SIMULATE_DEFAULTS
+from tandem.tools.simulate_args import ENGINE_DEFAULTS as SIMULATE_DEFAULTS
 
 PARSER = build_parser()
 

@@ -1,6 +1,6 @@
-"""Prometheus metrics (Tandem's, and vLLM's names for those dashboards read: vllm_metrics.py)
-and the per-request JSON-lines log, fed from AsyncLLM's receiver thread with each step's
-outputs and the engine core's stats."""
+"""Prometheus metrics (Tandem's series: metric_series.py; the engine's state: engine_metrics.py;
+vLLM's names for those dashboards read: vllm_metrics.py) and the per-request JSON-lines log, fed
+from AsyncLLM's receiver thread with each step's outputs and the engine core's stats."""
 
 from __future__ import annotations
 
@@ -9,37 +9,12 @@ import threading
 import time
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from tandem.config.request_class import LEVELS
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.output_processor import RequestOutput
+from tandem.server.engine_metrics import EngineCollector
+from tandem.server.metric_series import MetricSeries
 from tandem.server.vllm_metrics import VllmNames
-
-_LATENCY = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_COMPILE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_ITL = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 def request_timings(out: RequestOutput) -> dict[str, float]:
@@ -57,250 +32,14 @@ def request_timings(out: RequestOutput) -> dict[str, float]:
     }
 
 
-class _EngineCollector:
-    """Engine state read at scrape time from the engine core's latest stats (sent with each
-    step): queue sizes, KV pool, prefix cache, preemptions; precisions from the front end."""
-
-    def __init__(self, llm: AsyncLLM, model: str) -> None:
-        self.llm, self.model = llm, model
-
-    def collect(self):
-        s = self.llm.stats
-        labels = ["model_name"]
-        for name, doc, value in [
-            ("tandem:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("tandem:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            (
-                "tandem:kv_cache_usage_perc",
-                "Share of KV blocks owned by requests (0-1).",
-                s.kv_usage,
-            ),
-            (
-                "tandem:kv_cache_free_blocks",
-                "KV blocks free (including evictable cached ones).",
-                s.kv_free_blocks,
-            ),
-            ("tandem:kv_cache_total_blocks", "KV blocks in the pool.", s.kv_total_blocks),
-            (
-                "tandem:kv_cache_utilization",
-                "Tokens stored / capacity of owned blocks.",
-                s.kv_utilization,
-            ),
-            ("tandem:kv_host_free_blocks", "Host-tier (swap) KV blocks free.", s.host_free_blocks),
-            (
-                "tandem:kv_host_total_blocks",
-                "Host-tier (swap) KV blocks (0: no swap space).",
-                s.host_total_blocks,
-            ),
-            (
-                "tandem:num_requests_swapped",
-                "Preempted requests whose KV is in the host tier.",
-                s.num_swapped,
-            ),
-        ]:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self.model], value)
-            yield g
-        for name, doc, value in [
-            (
-                "tandem:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                s.prefix_queries,
-            ),
-            (
-                "tandem:prefix_cache_hits",
-                "Prompt tokens served from the prefix cache.",
-                s.prefix_hits,
-            ),
-            (
-                "tandem:num_preemptions",
-                "Requests preempted (swap or recompute).",
-                s.num_preemptions,
-            ),
-        ]:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model], value)
-            yield c
-        yield from _precision_families(self.llm, self.model)
-        yield from _spec_decode_families(s, self.model)
-        by_mode = CounterMetricFamily(
-            "tandem:preemptions_by_mode", "Preemptions by mode.", labels=labels + ["mode"]
-        )
-        for mode in ("swap", "recompute"):
-            by_mode.add_metric([self.model, mode], s.preemptions_by_mode.get(mode, 0))
-        yield by_mode
-        for name, doc, counts in [
-            (
-                "tandem:num_requests_running_by_level",
-                "Running requests per queue level.",
-                s.running_by_level,
-            ),
-            (
-                "tandem:num_requests_waiting_by_level",
-                "Waiting requests per queue level.",
-                s.waiting_by_level,
-            ),
-        ]:
-            g = GaugeMetricFamily(name, doc, labels=labels + ["level"])
-            for level in LEVELS:
-                g.add_metric([self.model, f"L{level}"], counts.get(f"L{level}", 0))
-            yield g
-
-
-def _precision_families(llm: AsyncLLM, model: str):
-    """Requests per precision served, fallbacks (requested, served, reason), weight bytes per
-    variant."""
-    router, lbl = llm.precisions, ["model_name"]
-    by_precision = CounterMetricFamily(
-        "tandem:requests_by_precision",
-        "Requests by the precision that served them.",
-        labels=lbl + ["precision"],
-    )
-    for precision in router.served:
-        by_precision.add_metric([model, precision], router.requests_by_precision[precision])
-    yield by_precision
-    fallback = CounterMetricFamily(
-        "tandem:precision_fallback",
-        "Requests served by the fallback precision.",
-        labels=lbl + ["requested", "served", "reason"],
-    )
-    for (requested, served, reason), count in router.fallbacks.items():
-        fallback.add_metric([model, requested, served, reason], count)
-    yield fallback
-    weights = GaugeMetricFamily(
-        "tandem:model_weight_bytes",
-        "Bytes of weights each variant holds.",
-        labels=lbl + ["precision"],
-    )
-    for precision, size in llm.weight_bytes.items():
-        weights.add_metric([model, precision], size)
-    yield weights
-
-
-def _spec_decode_families(stats: SchedulerStats, model: str):
-    """vLLM's speculative decoding counters (each exposed with a _total suffix)."""
-    for name, doc, value in [
-        (
-            "tandem:spec_decode_num_drafts",
-            "Verify steps: a request with drafts in a step.",
-            stats.spec_num_drafts,
-        ),
-        (
-            "tandem:spec_decode_num_draft_tokens",
-            "Draft tokens verified.",
-            stats.spec_num_draft_tokens,
-        ),
-        (
-            "tandem:spec_decode_num_accepted_tokens",
-            "Draft tokens accepted.",
-            stats.spec_num_accepted_tokens,
-        ),
-    ]:
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
-        c.add_metric([model], value)
-        yield c
-    per_pos = CounterMetricFamily(
-        "tandem:spec_decode_num_accepted_tokens_per_pos",
-        "Draft tokens accepted, by position in the draft (0 = first).",
-        labels=["model_name", "position"],
-    )
-    for pos, value in enumerate(stats.spec_accepted_per_pos):
-        per_pos.add_metric([model, str(pos)], value)
-    yield per_pos
-
-
-class ServerMetrics:
+class ServerMetrics(MetricSeries):
     def __init__(
         self, llm: AsyncLLM, model: str, request_log: str | None = None, log_text: bool = False
     ) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         self._log_text, self._tokenizer = log_text, llm.tokenizer
         self.model = model
-        r, lbl = self.registry, ["model_name"]
-        by_level = lbl + ["level"]
-        self.ttft = Histogram(
-            "tandem:time_to_first_token_seconds",
-            "Time to first token.",
-            by_level,
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "tandem:inter_token_latency_seconds",
-            "Time between output tokens.",
-            lbl,
-            buckets=_ITL,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "tandem:time_per_output_token_seconds",
-            "Decode time per output token.",
-            lbl,
-            buckets=_ITL,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "tandem:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            lbl,
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.queue = Histogram(
-            "tandem:request_queue_time_seconds",
-            "Arrival to first schedule.",
-            by_level,
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.prefill = Histogram(
-            "tandem:request_prefill_time_seconds",
-            "First schedule to first token.",
-            lbl,
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.decode = Histogram(
-            "tandem:request_decode_time_seconds",
-            "First token to finish.",
-            lbl,
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.step = Histogram(
-            "tandem:iteration_time_seconds",
-            "Engine step (iteration) time.",
-            lbl,
-            buckets=_ITL,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "tandem:prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r
-        )
-        self.generation_tokens = Counter(
-            "tandem:generation_tokens", "Generated tokens.", lbl, registry=r
-        )
-        self.finished = Counter(
-            "tandem:request_success",
-            "Finished requests by reason.",
-            lbl + ["finished_reason"],
-            registry=r,
-        )
-        self.structured_requests = Counter(
-            "tandem:structured_output_requests",
-            "Requests with an output constraint, by kind "
-            "(json, json_object, regex, choice, grammar, tool_calls).",
-            lbl + ["kind"],
-            registry=r,
-        )
-        self.grammar_compile = Histogram(
-            "tandem:grammar_compile_time_seconds",
-            "Grammar compile time (cache misses).",
-            lbl + ["kind"],
-            buckets=_COMPILE,
-            registry=r,
-        )
-        engine = _EngineCollector(llm, model)
+        engine = EngineCollector(llm, model)
         self.registry.register(engine)
         self.registry.register(
             VllmNames(
