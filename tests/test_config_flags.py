@@ -148,11 +148,7 @@ def _derived(a: argparse.Action) -> bool:
 
 def test_the_samples_cover_every_option():
     assert ENGINE_SAMPLES.keys() == OPTIONS.keys()
-    server = {
-        f
-        for f in ServerConfig.__dataclass_fields__
-        if ServerConfig.__dataclass_fields__[f].metadata.get("flag") is not False
-    }
+    server = {n for n, o in launch.SERVER_OPTIONS.items() if o.field.metadata["flag"] is not False}
     assert SERVER_SAMPLES.keys() == server
 
 
@@ -257,3 +253,14 @@ def test_unknown_options_are_refused_in_words(tmp_path):
         ValueError, match="scheduling_policy must be one of fcfs, multilevel, got 'lifo'"
     ):
         EngineConfig.from_kwargs(**load_yaml(path))
+
+
+@pytest.mark.parametrize("key", ["model_name", "model_aliases"])
+def test_the_served_names_are_served_model_name_in_yaml(tmp_path, key):
+    path = tmp_path / "serving.yaml"
+    path.write_text(yaml.safe_dump({"serving": {"server": {key: "foo"}}}))
+    with pytest.raises(ValueError, match=f"serving.server.{key}.*serving.server.served_model_name"):
+        launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+    path.write_text(yaml.safe_dump({"serving": {"server": {"served_model_name": ["foo", "bar"]}}}))
+    _, server = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+    assert (server.model_name, server.model_aliases) == ("foo", ("bar",))

@@ -49,9 +49,10 @@ def add_engine_arguments(
 
 
 def dataclass_options(cls: type) -> dict[str, Option]:
-    """A config dataclass's fields as options (ServerConfig's, for `tandem serve`)."""
+    """A config dataclass's fields declared with option() (ServerConfig's, for `tandem serve`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: Option("", f, hints[f.name]) for f in dataclasses.fields(cls)}
+    fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    return {f.name: Option("", f, hints[f.name]) for f in fields}
 
 
 def add_arguments(

@@ -42,15 +42,18 @@ def table(title: str, options: Mapping[str, Option], yaml_keys: Mapping[str, lis
     ]
     for name, opt in options.items():
         meta = opt.field.metadata
-        flag = flag_name(name, opt)
-        keys = ", ".join(f"`{k}`" for k in yaml_keys.get(name, [])) or "-"
-        default = default_text(opt.field.default, meta) if "help" in meta else "-"
-        text = meta.get("help", "").replace("|", "\\|")
-        rows.append(
-            f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit(meta)} | "
-            f"{default} | {text} |"
-        )
+        keys, default = yaml_keys.get(name, []), default_text(opt.field.default, meta)
+        rows.append(row(name, flag_name(name, opt), keys, unit(meta), default, meta["help"]))
     return "\n".join(rows) + "\n"
+
+
+def row(
+    name: str, flag: str | None, yaml_keys: list[str], unit: str, default: str, text: str
+) -> str:
+    """A table's row, for an option that no field declares too (`served_model_name`)."""
+    keys = ", ".join(f"`{k}`" for k in yaml_keys) or "-"
+    text = text.replace("|", "\\|")
+    return f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit} | {default} | {text} |"
 
 
 def unit(meta: Mapping) -> str:
