@@ -264,3 +264,14 @@ def test_the_served_names_are_served_model_name_in_yaml(tmp_path, key):
     path.write_text(yaml.safe_dump({"serving": {"server": {"served_model_name": ["foo", "bar"]}}}))
     _, server = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
     assert (server.model_name, server.model_aliases) == ("foo", ("bar",))
+
+
+def test_sizes_with_a_unit_are_bytes_under_engine_and_server(tmp_path):
+    path = tmp_path / "serving.yaml"
+    server = {"max_body_bytes": "8MiB", "responses_max_bytes": "1GiB"}
+    path.write_text(
+        yaml.safe_dump({"serving": {"engine": {"swap_space": "1GiB"}, "server": server}})
+    )
+    engine, got = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+    assert engine.cache_config.swap_space == 1 << 30
+    assert (got.max_body_bytes, got.responses_max_bytes) == (8 << 20, 1 << 30)

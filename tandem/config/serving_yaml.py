@@ -7,12 +7,13 @@ name (sizes as "4GiB"); `serving.<section>.<key>` takes the fields whose `yaml` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tandem.config.engine import OPTIONS, SECTIONS
+from tandem.config.engine import OPTIONS, SECTIONS, Option
 from tandem.config.option import parse_size
 from tandem.config.speculative import SpeculativeConfig
 
@@ -37,7 +38,8 @@ SECTION_NAMES = ("engine", "server", *dict.fromkeys(k.partition(".")[0] for k in
 
 def load_yaml(path: str | Path, section: str = "engine") -> dict[str, Any]:
     """section "engine": the flat engine options of the file (EngineConfig.from_kwargs takes
-    them); "server": serving.server as written (server options, e.g. api_key)."""
+    them); "server": serving.server as written (server options, e.g. api_key; parse_sizes
+    reads their sizes)."""
     try:
         doc = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -59,11 +61,17 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict[str, Any]:
             out[YAML_KEYS[key]] = value
         elif key not in ("engine", "server") and key in SECTION_NAMES and value is not None:
             out.update(_section(path, key, value))
-    for name, value in out.items():  # a size: bytes, or with its unit ("4GiB")
-        size = name in OPTIONS and OPTIONS[name].field.metadata["unit"] == "bytes"
-        if size and isinstance(value, str):
-            out[name] = parse_size(value)
-    return out
+    return parse_sizes(out, OPTIONS)
+
+
+def parse_sizes(values: Mapping[str, Any], options: Mapping[str, Option]) -> dict[str, Any]:
+    """`values` with each size option written with its unit ("4GiB") in bytes, as its field's
+    unit says (a bare number is bytes); the engine's options and serving.server's alike."""
+
+    def is_size(name: str) -> bool:
+        return name in options and options[name].field.metadata["unit"] == "bytes"
+
+    return {n: parse_size(v) if is_size(n) and isinstance(v, str) else v for n, v in values.items()}
 
 
 def _section(path, key: str, value: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 from tandem.config import EngineConfig, load_yaml
 from tandem.config.args import add_arguments as add_option_arguments
 from tandem.config.args import add_engine_arguments, dataclass_options, given
+from tandem.config.serving_yaml import parse_sizes
 from tandem.server.state import ServerConfig
 
 SERVER_OPTIONS = dataclass_options(ServerConfig)
@@ -87,7 +88,8 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     """The engine's and the server's config: --config's `serving:` values, flags over them."""
     engine_opts, server_opts = {}, {}
     if args.config:
-        engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
+        engine_opts = load_yaml(args.config)
+        server_opts = parse_sizes(load_yaml(args.config, section="server"), SERVER_OPTIONS)
     model = model_of(args)
     for name, value in {**given(args), **({"model": model} if model else {})}.items():
         if isinstance(value, dict) and isinstance(engine_opts.get(name), dict):
