@@ -77,6 +77,7 @@ SERVER_SAMPLES = {
     "responses_max_bytes": 1 << 20,
     "responses_ttl_s": 60.0,
 }
+SERVER_YAML_ONLY = {"max_n": 4, "api_key_classes": {"k2": "background"}}  # no flag
 # Flags named as an engine option with another meaning in their command, not the engine's:
 # seeds of random prompts or traffic, lists of precisions compared, a client's or a payload's
 # settings, byte counts of a trace.
@@ -150,6 +151,7 @@ def test_the_samples_cover_every_option():
     assert ENGINE_SAMPLES.keys() == OPTIONS.keys()
     server = {n for n, o in launch.SERVER_OPTIONS.items() if o.field.metadata["flag"] is not False}
     assert SERVER_SAMPLES.keys() == server
+    assert SERVER_SAMPLES.keys() | SERVER_YAML_ONLY.keys() == launch.SERVER_OPTIONS.keys()
 
 
 def test_no_command_restates_an_engine_flag():
@@ -200,6 +202,20 @@ def test_each_server_flag_reaches_the_server_config(name):
         PARSER.parse_args(["serve", *_flag_argv(action, SERVER_SAMPLES[name])])
     )
     assert getattr(server, name) == SERVER_SAMPLES[name] != getattr(ServerConfig(), name)
+
+
+@pytest.mark.parametrize("name", [*SERVER_SAMPLES, *SERVER_YAML_ONLY])
+def test_each_serving_server_key_reaches_the_server_config(tmp_path, name):
+    """As written in YAML, and a size also with its unit."""
+    value = {**SERVER_SAMPLES, **SERVER_YAML_ONLY}[name]
+    written = [value]
+    if launch.SERVER_OPTIONS[name].field.metadata["unit"] == "bytes":
+        written.append(f"{value >> 20}MiB")
+    path = tmp_path / "serving.yaml"
+    for w in written:
+        path.write_text(yaml.safe_dump({"serving": {"server": {name: w}}}))
+        _, server = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+        assert getattr(server, name) == value != getattr(ServerConfig(), name), w
 
 
 def test_serve_takes_no_other_flag():
