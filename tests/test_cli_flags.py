@@ -143,6 +143,15 @@ def test_bench_offline_takes_speculative_config():
     assert _vars(["bench", "offline", "--kv-cache-memory", "64MiB"])["kv_cache_memory"] == 64 << 20
 
 
+def test_bench_offline_takes_num_threads_in_both_runs():
+    from tandem.bench.offline import _refuse_the_other_runs_options
+
+    for extra in ([], ["--quantization", "int8"]):
+        args = PARSER.parse_args(["bench", "offline", "--num-threads", "2", *extra])
+        _refuse_the_other_runs_options(args)  # the request run and the table both read it
+        assert args.num_threads == 2
+
+
 def test_gpu_memory_utilization_sizes_the_kv_pool_from_a_share_of_memory():
     import psutil
     import torch
