@@ -78,6 +78,7 @@ SERVER_SAMPLES = {
     "responses_ttl_s": 60.0,
 }
 SERVER_YAML_ONLY = {"max_n": 4, "api_key_classes": {"k2": "background"}}  # no flag
+SERVER_DEFAULTS = ServerConfig(model_name="m")
 # Flags named as an engine option with another meaning in their command, not the engine's:
 # seeds of random prompts or traffic, lists of precisions compared, a client's or a payload's
 # settings, byte counts of a trace.
@@ -201,7 +202,7 @@ def test_each_server_flag_reaches_the_server_config(name):
     _, server = launch.build_configs(
         PARSER.parse_args(["serve", *_flag_argv(action, SERVER_SAMPLES[name])])
     )
-    assert getattr(server, name) == SERVER_SAMPLES[name] != getattr(ServerConfig(), name)
+    assert getattr(server, name) == SERVER_SAMPLES[name] != getattr(SERVER_DEFAULTS, name)
 
 
 @pytest.mark.parametrize("name", [*SERVER_SAMPLES, *SERVER_YAML_ONLY])
@@ -215,7 +216,7 @@ def test_each_serving_server_key_reaches_the_server_config(tmp_path, name):
     for w in written:
         path.write_text(yaml.safe_dump({"serving": {"server": {name: w}}}))
         _, server = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
-        assert getattr(server, name) == value != getattr(ServerConfig(), name), w
+        assert getattr(server, name) == value != getattr(SERVER_DEFAULTS, name), w
 
 
 def test_serve_takes_no_other_flag():
@@ -291,3 +292,11 @@ def test_sizes_with_a_unit_are_bytes_under_engine_and_server(tmp_path):
     engine, got = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
     assert engine.cache_config.swap_space == 1 << 30
     assert (got.max_body_bytes, got.responses_max_bytes) == (8 << 20, 1 << 30)
+
+
+def test_llm_without_a_model_serves_the_configs_default(monkeypatch):
+    from tandem.engine import llm
+
+    monkeypatch.setattr(llm, "LLMEngine", lambda config: config)
+    assert llm.LLM().engine == EngineConfig()
+    assert llm.LLM("m", seed=3).engine == EngineConfig.from_kwargs(model="m", seed=3)

@@ -32,7 +32,7 @@ class ServerConfig:
 
     # The names served, from --served-model-name A B ... or serving.server.served_model_name
     # (launch.py): the first is the one responses report. Not options of their own.
-    model_name: str = "smollm2-135m"
+    model_name: str
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = option(
         None, "bearer token clients must send", none="$TANDEM_API_KEY, else none"
