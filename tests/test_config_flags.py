@@ -13,12 +13,10 @@ import yaml
 
 from tandem.cli import build_parser
 from tandem.config import EngineConfig, load_yaml
-from tandem.config.args import default_text
 from tandem.config.engine import OPTIONS
 from tandem.config.serving_yaml import YAML_KEYS
 from tandem.server import launch
 from tandem.server.state import ServerConfig
-from tandem.tools.simulate_args import ENGINE_DEFAULTS as SIMULATE_DEFAULTS
 
 PARSER = build_parser()
 
@@ -104,6 +102,18 @@ OWN_MEANING = {
     ("random-gguf", "dtype"),
     ("random-gguf", "seed"),
 }
+# The engine defaults a command sets for itself, where the engine's do not suit its runs.
+COMMAND_DEFAULTS = {
+    ("bench kv", "model"): "gemma3-270m",
+    ("bench gpu", "device"): "cuda",
+    ("bench gpu", "dtype"): "bfloat16",
+    ("bench gpu", "kv_cache_memory"): 16 << 30,
+    ("bench structured", "kv_cache_memory"): 256 << 20,
+    ("bench soak", "kv_cache_memory"): 24 << 20,
+    ("bench soak", "max_model_len"): 512,
+    ("bench llamacpp", "num_threads"): 2,
+}
+REQUIRED = {"bench gpu": ["--out", "o.json"], "profile": ["--out", "o.json"]}  # their own
 # `tandem serve`'s own flags, read by launch.main (not config fields).
 LAUNCH_ONLY = {
     "help",
@@ -160,18 +170,38 @@ def test_no_command_restates_an_engine_flag():
     assert restated == OWN_MEANING
 
 
-def test_every_flag_states_the_default_it_stores():
-    """In every command an engine option's flag stores nothing (the field's default applies, or
-    simulate's own under its YAML) and says that default, or stores the default its help states."""
+def test_a_flag_left_out_stores_its_fields_default_or_the_commands_own():
+    """serve, generate and simulate store nothing (the field's default applies, or simulate's
+    own under its YAML); the other commands store the field's default or their own."""
+    stored = set()
     for command, a in _actions(PARSER):
         if not _derived(a):
             continue
-        field = OPTIONS[a.dest].field
-        own = SIMULATE_DEFAULTS if command == "simulate" else {}
-        shown = own.get(a.dest, field.default) if a.default is argparse.SUPPRESS else a.default
-        assert f"default: {default_text(shown, field.metadata)}" in a.help % {}, (command, a.dest)
-        if command in ("serve", "generate"):
+        if command in ("serve", "generate", "simulate"):
             assert a.default is argparse.SUPPRESS, (command, a.dest)
+            continue
+        args = PARSER.parse_args([*command.split(), *REQUIRED.get(command, [])])
+        want = COMMAND_DEFAULTS.get((command, a.dest), OPTIONS[a.dest].field.default)
+        assert getattr(args, a.dest) == want, (command, a.dest)
+        stored.add((command, a.dest))
+    assert COMMAND_DEFAULTS.keys() <= stored
+
+
+@pytest.mark.parametrize(
+    "command, name, text",
+    [
+        ("serve", "max_num_seqs", "(requests; default: 128)"),
+        ("serve", "swap_space", "a bare number is GiB; default: 512MiB)"),
+        ("serve", "enable_prefix_caching", "(default: on; YAML: serving.cache.enabled)"),
+        ("serve", "kv_cache_memory", "default: 90% of free GPU memory after the weights"),
+        ("simulate", "max_num_seqs", "(requests; default: 256)"),
+        ("bench llamacpp", "num_threads", "(threads; default: 2)"),
+        ("bench gpu", "kv_cache_memory", "default: 16GiB)"),
+    ],
+)
+def test_the_help_states_the_default(command, name, text):
+    action = next(a for c, a in _actions(PARSER) if (c, a.dest) == (command, name))
+    assert text in action.help % {}
 
 
 def test_serve_without_flags_or_yaml_is_the_fields_defaults(tmp_path):
