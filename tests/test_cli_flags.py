@@ -9,7 +9,7 @@ import pytest
 from tandem.bench import serve as bench_serve
 from tandem.bench.report import parse_goodput
 from tandem.cli import build_parser
-from tandem.config.option import parse_size
+from tandem.config.option import option, parse_size
 from tandem.server.launch import build_configs, model_of
 from tandem.tools.plan_cli import _slo_seconds
 
@@ -127,6 +127,10 @@ def test_every_flag_has_help():
 
     missing = [f"{name} {a.option_strings[0]}" for name, a in walk(PARSER, "tandem") if not a.help]
     assert not missing, f"no help for {missing}"
+    # A config field's flag always has its unit and default appended: the field needs words.
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="says what it does"):
+            option(1, empty)
 
 
 def test_bench_offline_takes_speculative_config():

@@ -5,7 +5,7 @@ config/engine.py, config/serving_yaml.py), so a default is written once."""
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, field
+from dataclasses import field
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -28,8 +28,8 @@ _UNITS = {
 
 
 def option(
-    default: Any = MISSING,
-    help: str = "",
+    default: Any,
+    help: str,
     *,
     unit: str | None = None,
     none: str | None = None,
@@ -43,6 +43,8 @@ def option(
     `serving:` where that is not `engine.<name>` alone (dotted, e.g. "cache.enabled"); `flag`:
     False for no CLI flag, or the flag's name where it is not the field's; `choices`: the
     strings a str field takes."""
+    if not help.strip():
+        raise ValueError("an option says what it does: its help is the flag's and the docs' text")
     meta = {
         "help": help,
         "unit": unit,
