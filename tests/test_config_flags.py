@@ -281,6 +281,13 @@ def test_each_yaml_key_reaches_the_engine_config(tmp_path, key):
     )
 
 
+@pytest.mark.parametrize("section", ["", "{}", "null"])
+def test_an_empty_speculative_decoding_section_is_off(tmp_path, section):
+    path = tmp_path / "serving.yaml"
+    path.write_text(f"serving:\n  speculative_decoding: {section}\n")
+    assert EngineConfig.from_kwargs(**load_yaml(path)).speculative_config is None
+
+
 @pytest.mark.parametrize("name", list(ENGINE_SAMPLES))
 def test_every_option_is_a_serving_engine_key(tmp_path, name):
     path = tmp_path / "serving.yaml"

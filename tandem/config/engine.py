@@ -36,6 +36,7 @@ class EngineConfig:
         "adaptive, prompt_lookup_min/max",
         none="off",
         yaml="speculative_decoding",
+        from_yaml=SpeculativeConfig.from_yaml,
     )
 
     def __post_init__(self) -> None:

@@ -15,7 +15,6 @@ import yaml
 
 from tandem.config.engine import OPTIONS, SECTIONS, Option
 from tandem.config.option import parse_size
-from tandem.config.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +53,8 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict[str, Any]:
         return dict(serving.get(section) or {})
     out = dict(serving.get("engine") or {})
     for key, value in serving.items():
-        if key == "speculative_decoding":  # the mission's keys (draft_model, verify_interval)
-            if value:
-                out["speculative_config"] = SpeculativeConfig.from_yaml(value)
-        elif key in YAML_KEYS:  # one option's whole value
-            out[YAML_KEYS[key]] = value
+        if key in YAML_KEYS:  # one option's whole value
+            out[YAML_KEYS[key]] = _read(YAML_KEYS[key], value)
         elif key not in ("engine", "server") and key in SECTION_NAMES and value is not None:
             out.update(_section(path, key, value))
     return parse_sizes(out, OPTIONS)
@@ -88,4 +84,10 @@ def _section(path, key: str, value: Any) -> dict[str, Any]:
             f"takes {', '.join(sorted(known))}; the other engine options, e.g. the KV pool's "
             "kv_cache_dtype, go in serving.engine)"
         )
-    return {known[k]: v for k, v in value.items()}
+    return {known[k]: _read(known[k], v) for k, v in value.items()}
+
+
+def _read(name: str, value: Any) -> Any:
+    """A value under an option's `yaml` key, in the option's shape (its `from_yaml`, if any)."""
+    read = OPTIONS[name].field.metadata["from_yaml"]
+    return read(value) if read else value

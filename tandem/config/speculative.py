@@ -90,9 +90,12 @@ class SpeculativeConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, section: dict) -> dict:
-        """The mission's `serving.speculative_decoding` -> speculative_config keys."""
-        section = dict(section or {})
+    def from_yaml(cls, section: dict | None) -> dict | None:
+        """The mission's `serving.speculative_decoding` -> speculative_config keys (None: an
+        empty section, off)."""
+        if not section:
+            return None
+        section = dict(section)
         out = {}
         if "draft_model" in section:
             draft = section.pop("draft_model")
