@@ -1,4 +1,4 @@
-"""The YAML config with the mission's `serving:` shape, read into flat engine options. Its keys
+"""The YAML config (all under `serving:`), read into flat engine options. Its keys
 are derived from the fields (config/option.py): `serving.engine` takes any engine option by
 name (sizes as "4GiB"); `serving.<section>.<key>` takes the fields whose `yaml` names that key
 (`cache.enabled`) and, for a section that declares `yaml_section`, every field by name;

@@ -13,9 +13,8 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """`LLM(speculative_config={...})`, `tandem serve --speculative-config JSON`, or the
-    mission's YAML `serving.speculative_decoding: {draft_model, verify_interval}` (verify_interval
-    is k)."""
+    """`LLM(speculative_config={...})`, `tandem serve --speculative-config JSON`, or the YAML's
+    `serving.speculative_decoding: {draft_model, verify_interval}` (from_yaml)."""
 
     method: str = "ngram"
     # The draft (method "draft"): self:int4 | self:int8 | self:bf16, an alias or a path.
@@ -91,8 +90,9 @@ class SpeculativeConfig:
 
     @classmethod
     def from_yaml(cls, section: dict | None) -> dict | None:
-        """The mission's `serving.speculative_decoding` -> speculative_config keys (None: an
-        empty section, off)."""
+        """`serving.speculative_decoding` -> speculative_config keys: draft_model ngram is
+        method ngram, another the draft of method draft; verify_interval is k; any other key
+        is a speculative_config key by name. None: an empty section, off."""
         if not section:
             return None
         section = dict(section)
