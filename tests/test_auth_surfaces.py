@@ -84,7 +84,9 @@ def test_without_keys_every_surface_is_open(llm):
 
 
 def test_key_check_is_exact():
-    config = ServerConfig(api_key="sesame", api_key_classes={"k-int": "interactive"})
+    config = ServerConfig(
+        model_name="tiny", api_key="sesame", api_key_classes={"k-int": "interactive"}
+    )
     assert key_accepted(config, "Bearer sesame") and key_accepted(config, "Bearer k-int")
     assert not any(
         key_accepted(config, h)
@@ -98,7 +100,7 @@ def test_key_check_is_exact():
             "Bearer interactive",
         )
     )
-    assert key_accepted(ServerConfig(), None)
+    assert key_accepted(ServerConfig(model_name="tiny"), None)
 
 
 def test_cors_only_with_allowed_origins(llm):

@@ -9,7 +9,7 @@ import pytest
 from tandem.bench import serve as bench_serve
 from tandem.bench.report import parse_goodput
 from tandem.cli import build_parser
-from tandem.config.option import parse_size
+from tandem.config.option import option, parse_size
 from tandem.server.launch import build_configs, model_of
 from tandem.tools.plan_cli import _slo_seconds
 
@@ -127,6 +127,10 @@ def test_every_flag_has_help():
 
     missing = [f"{name} {a.option_strings[0]}" for name, a in walk(PARSER, "tandem") if not a.help]
     assert not missing, f"no help for {missing}"
+    # A config field's flag always has its unit and default appended: the field needs words.
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="says what it does"):
+            option(1, empty)
 
 
 def test_bench_offline_takes_speculative_config():
@@ -141,6 +145,15 @@ def test_bench_offline_takes_speculative_config():
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert PARSER.parse_args(["bench", "offline"]).speculative_config is None
     assert _vars(["bench", "offline", "--kv-cache-memory", "64MiB"])["kv_cache_memory"] == 64 << 20
+
+
+def test_bench_offline_takes_num_threads_in_both_runs():
+    from tandem.bench.offline import _refuse_the_other_runs_options
+
+    for extra in ([], ["--quantization", "int8"]):
+        args = PARSER.parse_args(["bench", "offline", "--num-threads", "2", *extra])
+        _refuse_the_other_runs_options(args)  # the request run and the table both read it
+        assert args.num_threads == 2
 
 
 def test_gpu_memory_utilization_sizes_the_kv_pool_from_a_share_of_memory():

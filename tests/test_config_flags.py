@@ -13,12 +13,10 @@ import yaml
 
 from tandem.cli import build_parser
 from tandem.config import EngineConfig, load_yaml
-from tandem.config.args import default_text
 from tandem.config.engine import OPTIONS
 from tandem.config.serving_yaml import YAML_KEYS
 from tandem.server import launch
 from tandem.server.state import ServerConfig
-from tandem.tools.simulate_args import ENGINE_DEFAULTS as SIMULATE_DEFAULTS
 
 PARSER = build_parser()
 
@@ -77,6 +75,8 @@ SERVER_SAMPLES = {
     "responses_max_bytes": 1 << 20,
     "responses_ttl_s": 60.0,
 }
+SERVER_YAML_ONLY = {"max_n": 4, "api_key_classes": {"k2": "background"}}  # no flag
+SERVER_DEFAULTS = ServerConfig(model_name="m")
 # Flags named as an engine option with another meaning in their command, not the engine's:
 # seeds of random prompts or traffic, lists of precisions compared, a client's or a payload's
 # settings, byte counts of a trace.
@@ -102,6 +102,18 @@ OWN_MEANING = {
     ("random-gguf", "dtype"),
     ("random-gguf", "seed"),
 }
+# The engine defaults a command sets for itself, where the engine's do not suit its runs.
+COMMAND_DEFAULTS = {
+    ("bench kv", "model"): "gemma3-270m",
+    ("bench gpu", "device"): "cuda",
+    ("bench gpu", "dtype"): "bfloat16",
+    ("bench gpu", "kv_cache_memory"): 16 << 30,
+    ("bench structured", "kv_cache_memory"): 256 << 20,
+    ("bench soak", "kv_cache_memory"): 24 << 20,
+    ("bench soak", "max_model_len"): 512,
+    ("bench llamacpp", "num_threads"): 2,
+}
+REQUIRED = {"bench gpu": ["--out", "o.json"], "profile": ["--out", "o.json"]}  # their own
 # `tandem serve`'s own flags, read by launch.main (not config fields).
 LAUNCH_ONLY = {
     "help",
@@ -148,12 +160,9 @@ def _derived(a: argparse.Action) -> bool:
 
 def test_the_samples_cover_every_option():
     assert ENGINE_SAMPLES.keys() == OPTIONS.keys()
-    server = {
-        f
-        for f in ServerConfig.__dataclass_fields__
-        if ServerConfig.__dataclass_fields__[f].metadata.get("flag") is not False
-    }
+    server = {n for n, o in launch.SERVER_OPTIONS.items() if o.field.metadata["flag"] is not False}
     assert SERVER_SAMPLES.keys() == server
+    assert SERVER_SAMPLES.keys() | SERVER_YAML_ONLY.keys() == launch.SERVER_OPTIONS.keys()
 
 
 def test_no_command_restates_an_engine_flag():
@@ -161,18 +170,38 @@ def test_no_command_restates_an_engine_flag():
     assert restated == OWN_MEANING
 
 
-def test_every_flag_states_the_default_it_stores():
-    """In every command an engine option's flag stores nothing (the field's default applies, or
-    simulate's own under its YAML) and says that default, or stores the default its help states."""
+def test_a_flag_left_out_stores_its_fields_default_or_the_commands_own():
+    """serve, generate and simulate store nothing (the field's default applies, or simulate's
+    own under its YAML); the other commands store the field's default or their own."""
+    stored = set()
     for command, a in _actions(PARSER):
         if not _derived(a):
             continue
-        field = OPTIONS[a.dest].field
-        own = SIMULATE_DEFAULTS if command == "simulate" else {}
-        shown = own.get(a.dest, field.default) if a.default is argparse.SUPPRESS else a.default
-        assert f"default: {default_text(shown, field.metadata)}" in a.help % {}, (command, a.dest)
-        if command in ("serve", "generate"):
+        if command in ("serve", "generate", "simulate"):
             assert a.default is argparse.SUPPRESS, (command, a.dest)
+            continue
+        args = PARSER.parse_args([*command.split(), *REQUIRED.get(command, [])])
+        want = COMMAND_DEFAULTS.get((command, a.dest), OPTIONS[a.dest].field.default)
+        assert getattr(args, a.dest) == want, (command, a.dest)
+        stored.add((command, a.dest))
+    assert COMMAND_DEFAULTS.keys() <= stored
+
+
+@pytest.mark.parametrize(
+    "command, name, text",
+    [
+        ("serve", "max_num_seqs", "(requests; default: 128)"),
+        ("serve", "swap_space", "a bare number is GiB; default: 512MiB)"),
+        ("serve", "enable_prefix_caching", "(default: on; YAML: serving.cache.enabled)"),
+        ("serve", "kv_cache_memory", "default: 90% of free GPU memory after the weights"),
+        ("simulate", "max_num_seqs", "(requests; default: 256)"),
+        ("bench llamacpp", "num_threads", "(threads; default: 2)"),
+        ("bench gpu", "kv_cache_memory", "default: 16GiB)"),
+    ],
+)
+def test_the_help_states_the_default(command, name, text):
+    action = next(a for c, a in _actions(PARSER) if (c, a.dest) == (command, name))
+    assert text in action.help % {}
 
 
 def test_serve_without_flags_or_yaml_is_the_fields_defaults(tmp_path):
@@ -203,7 +232,21 @@ def test_each_server_flag_reaches_the_server_config(name):
     _, server = launch.build_configs(
         PARSER.parse_args(["serve", *_flag_argv(action, SERVER_SAMPLES[name])])
     )
-    assert getattr(server, name) == SERVER_SAMPLES[name] != getattr(ServerConfig(), name)
+    assert getattr(server, name) == SERVER_SAMPLES[name] != getattr(SERVER_DEFAULTS, name)
+
+
+@pytest.mark.parametrize("name", [*SERVER_SAMPLES, *SERVER_YAML_ONLY])
+def test_each_serving_server_key_reaches_the_server_config(tmp_path, name):
+    """As written in YAML, and a size also with its unit."""
+    value = {**SERVER_SAMPLES, **SERVER_YAML_ONLY}[name]
+    written = [value]
+    if launch.SERVER_OPTIONS[name].field.metadata["unit"] == "bytes":
+        written.append(f"{value >> 20}MiB")
+    path = tmp_path / "serving.yaml"
+    for w in written:
+        path.write_text(yaml.safe_dump({"serving": {"server": {name: w}}}))
+        _, server = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+        assert getattr(server, name) == value != getattr(SERVER_DEFAULTS, name), w
 
 
 def test_serve_takes_no_other_flag():
@@ -238,6 +281,13 @@ def test_each_yaml_key_reaches_the_engine_config(tmp_path, key):
     )
 
 
+@pytest.mark.parametrize("section", ["", "{}", "null"])
+def test_an_empty_speculative_decoding_section_is_off(tmp_path, section):
+    path = tmp_path / "serving.yaml"
+    path.write_text(f"serving:\n  speculative_decoding: {section}\n")
+    assert EngineConfig.from_kwargs(**load_yaml(path)).speculative_config is None
+
+
 @pytest.mark.parametrize("name", list(ENGINE_SAMPLES))
 def test_every_option_is_a_serving_engine_key(tmp_path, name):
     path = tmp_path / "serving.yaml"
@@ -257,3 +307,33 @@ def test_unknown_options_are_refused_in_words(tmp_path):
         ValueError, match="scheduling_policy must be one of fcfs, multilevel, got 'lifo'"
     ):
         EngineConfig.from_kwargs(**load_yaml(path))
+
+
+@pytest.mark.parametrize("key", ["model_name", "model_aliases"])
+def test_the_served_names_are_served_model_name_in_yaml(tmp_path, key):
+    path = tmp_path / "serving.yaml"
+    path.write_text(yaml.safe_dump({"serving": {"server": {key: "foo"}}}))
+    with pytest.raises(ValueError, match=f"serving.server.{key}.*serving.server.served_model_name"):
+        launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+    path.write_text(yaml.safe_dump({"serving": {"server": {"served_model_name": ["foo", "bar"]}}}))
+    _, server = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+    assert (server.model_name, server.model_aliases) == ("foo", ("bar",))
+
+
+def test_sizes_with_a_unit_are_bytes_under_engine_and_server(tmp_path):
+    path = tmp_path / "serving.yaml"
+    server = {"max_body_bytes": "8MiB", "responses_max_bytes": "1GiB"}
+    path.write_text(
+        yaml.safe_dump({"serving": {"engine": {"swap_space": "1GiB"}, "server": server}})
+    )
+    engine, got = launch.build_configs(PARSER.parse_args(["serve", "--config", str(path)]))
+    assert engine.cache_config.swap_space == 1 << 30
+    assert (got.max_body_bytes, got.responses_max_bytes) == (8 << 20, 1 << 30)
+
+
+def test_llm_without_a_model_serves_the_configs_default(monkeypatch):
+    from tandem.engine import llm
+
+    monkeypatch.setattr(llm, "LLMEngine", lambda config: config)
+    assert llm.LLM().engine == EngineConfig()
+    assert llm.LLM("m", seed=3).engine == EngineConfig.from_kwargs(model="m", seed=3)

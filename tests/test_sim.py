@@ -209,7 +209,8 @@ def test_frontend_delay_adds_to_each_isolated_requests_ttft_and_e2e():
         assert b.finished - b.arrival == pytest.approx(a.finished - a.arrival + 0.035)
 
 
-def test_simulate_refuses_speculative_decoding_in_words_and_runs_without(tmp_path, capsys):
+def _simulate(tmp_path, config_yaml: str, *flags: str) -> list[dict]:
+    """`tandem simulate` of a two-request trace under `config_yaml`; its results."""
     trace = tmp_path / "t.csv"
     trace.write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
@@ -217,26 +218,31 @@ def test_simulate_refuses_speculative_decoding_in_words_and_runs_without(tmp_pat
     )
     profile, config = tmp_path / "p.json", tmp_path / "serving.yaml"
     cost_model().save(profile)
-    config.write_text(
-        "serving:\n  speculative_decoding: {draft_model: 'self:int4', verify_interval: 4}\n"
-        "  scheduler: {max_num_seqs: 8}\n"
-    )
+    config.write_text(config_yaml)
     out = tmp_path / "out.json"
-    assert (
-        cli_main(
-            [
-                "simulate",
-                "--trace",
-                str(trace),
-                "--profile",
-                str(profile),
-                "--config",
-                str(config),
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
+    argv = ["--trace", str(trace), "--profile", str(profile), "--config", str(config)]
+    assert cli_main(["simulate", *argv, "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())["results"]
+
+
+def test_simulate_refuses_speculative_decoding_in_words_and_runs_without(tmp_path, capsys):
+    results = _simulate(
+        tmp_path,
+        "serving:\n  speculative_decoding: {draft_model: 'self:int4', verify_interval: 4}\n"
+        "  scheduler: {max_num_seqs: 8}\n",
     )
     assert "serving.speculative_decoding is not simulated" in capsys.readouterr().err
-    assert json.loads(out.read_text())["results"][0]["summary"]["completed"] == 2
+    assert results[0]["summary"]["completed"] == 2
+
+
+def test_simulate_names_the_yaml_keys_it_ignores_and_takes_its_policy(tmp_path, capsys):
+    config = (
+        "serving:\n  engine: {block_size: 32, dtype: float32, swap_space: 1GiB}\n"
+        "  scheduler: {policy: multilevel, max_num_seqs: 8}\n"
+    )
+    results = _simulate(tmp_path, config)
+    err = capsys.readouterr().err
+    assert "block_size, dtype, swap_space: not simulated" in err and "max_num_seqs" not in err
+    assert [r["policy"] for r in results] == ["multilevel"]
+    results = _simulate(tmp_path, config, "--policy", "fcfs,multilevel")
+    assert [r["policy"] for r in results] == ["fcfs", "multilevel"]

@@ -8,13 +8,20 @@ MARKER = "<!-- generated: config reference -->"
 
 def reference() -> str:
     """Every engine option by section, then `tandem serve`'s server options."""
-    from tandem.config.args import dataclass_options
-    from tandem.config.reference import engine_reference, table
-    from tandem.server.state import ServerConfig
+    from tandem.config.reference import engine_reference, row, table
+    from tandem.server.launch import SERVED_NAMES_HELP, SERVER_OPTIONS
 
-    server = dataclass_options(ServerConfig)
-    keys = {name: [f"serving.server.{name}"] for name in server}
-    text = engine_reference() + "\n" + table("server (tandem serve)", server, keys)
+    keys = {name: [f"serving.server.{name}"] for name in SERVER_OPTIONS}
+    served = ["serving.server.served_model_name"]
+    names = row(
+        "served_model_name",
+        "--served-model-name",
+        served,
+        "-",
+        "the --model value",
+        SERVED_NAMES_HELP,
+    )
+    text = engine_reference() + "\n" + table("server (tandem serve)", SERVER_OPTIONS, keys) + names
     return text + "\n" + command_line_only(text)
 
 

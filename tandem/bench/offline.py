@@ -152,7 +152,6 @@ _TABLE_ONLY = (
     "prompt_len",
     "output_len",
     "repeats",
-    "num_threads",
     "compare_deterministic",
 )
 _RUN_ONLY = (

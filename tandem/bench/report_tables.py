@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tandem.bench.report import METRICS, PCTS, flat_figures, fmt, table
+from tandem.bench.report import METRICS, PCTS, QUEUE_SHARE_ALARM, flat_figures, fmt, table
 
 
 def format_run(
@@ -74,7 +74,7 @@ def format_run(
             f"other {split['other_share']:.1%} of E2E; queue share at >= p90 E2E "
             f"{split['tail_queue_share']:.1%}"
             + (
-                "  <-- over 40%: a scheduling problem (MISSION D.14)"
+                f"  <-- over {QUEUE_SHARE_ALARM:.0%}: a scheduling problem, not the step time"
                 if split["scheduling_problem"]
                 else ""
             )

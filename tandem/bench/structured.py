@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 
+from tandem.bench.measure import peak_rss_mb
 from tandem.config.args import add_engine_arguments
 
 TOPICS = [
@@ -155,7 +155,7 @@ def run(args) -> dict:
         / arms["none"]["output_throughput"],
         "compile": compile_s,
         "dtype": engine.info().dtype,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 

@@ -49,9 +49,10 @@ def add_engine_arguments(
 
 
 def dataclass_options(cls: type) -> dict[str, Option]:
-    """A config dataclass's fields as options (ServerConfig's, for `tandem serve`)."""
+    """A config dataclass's fields declared with option() (ServerConfig's, for `tandem serve`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: Option("", f, hints[f.name]) for f in dataclasses.fields(cls)}
+    fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    return {f.name: Option("", f, hints[f.name]) for f in fields}
 
 
 def add_arguments(
@@ -63,13 +64,14 @@ def add_arguments(
     """A flag per option (but those declared with flag=False)."""
     for name, opt in options.items():
         meta = opt.field.metadata
-        if meta.get("flag") is False:
+        flag = flag_name(name, meta)
+        if flag is None:
             continue
-        flag = meta["flag"] if isinstance(meta.get("flag"), str) else "--" + name.replace("_", "-")
         kwargs = _kind(_value_type(opt.type), meta)
         default = (defaults or {}).get(name, opt.field.default)
+        unit = f"{unit_text(meta)}; " if meta.get("unit") else ""
         yaml = f"; YAML: serving.{meta['yaml']}" if meta.get("yaml") else ""
-        text = f"{meta['help']} ({unit_text(meta)}default: {default_text(default, meta)}{yaml})"
+        text = f"{meta['help']} ({unit}default: {default_text(default, meta)}{yaml})"
         kwargs["help"] = text.replace("%", "%%")
         stored = default if store_defaults else argparse.SUPPRESS
         g.add_argument(flag, dest=name, default=stored, **kwargs)
@@ -111,11 +113,21 @@ class _Switch(argparse.BooleanOptionalAction):
         self.help = help
 
 
+def flag_name(name: str, meta: Mapping[str, Any]) -> str | None:
+    """An option's flag: the one it declares, else `--kebab-case` of its name; None where it
+    declares flag=False (YAML or `LLM` only)."""
+    flag = meta.get("flag", True)
+    if flag is False:
+        return None
+    return flag if isinstance(flag, str) else "--" + name.replace("_", "-")
+
+
 def unit_text(meta: Mapping[str, Any]) -> str:
+    """What an option's number counts, in words ("" where the field declares no unit)."""
     if meta.get("unit") == "bytes":
         bare = "bytes" if meta["bare_unit"] == "B" else meta["bare_unit"]
-        return f"a size, e.g. 4GiB or 512MiB, a bare number is {bare}; "
-    return f"{meta['unit']}; " if meta.get("unit") else ""
+        return f"a size, e.g. 4GiB or 512MiB, a bare number is {bare}"
+    return meta.get("unit") or ""
 
 
 def default_text(value: Any, meta: Mapping[str, Any]) -> str:

@@ -14,8 +14,8 @@ class CacheConfig:
     block_size: int = option(16, "tokens per KV block, a power of two", unit="tokens")
     kv_cache_dtype: str = option(
         "auto",
-        "the KV cache's element type (auto: the activations' dtype, but bfloat16 on a CPU where "
-        "dtype auto computes in float32); narrower than the activations on CPU only",
+        "the KV cache's element type; auto: the activations' dtype, but bfloat16 on a CPU that "
+        "computes in float32",
         choices=FLOAT_DTYPES,
     )
     kv_cache_memory: int | None = option(

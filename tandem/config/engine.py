@@ -30,12 +30,12 @@ class EngineConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: SpeculativeConfig | None = option(
         None,
-        'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram" | "draft", "model": '
-        '"self:int4", "num_speculative_tokens": 4} (model: the draft of method draft: self:int4 | '
-        "self:int8 | self:bf16 or another model with the same tokenizer; k 1-16, default 4); also "
-        "adaptive, prompt_lookup_min/max",
+        'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram"}, or {"method": "draft", '
+        '"model": "self:int4", "num_speculative_tokens": 4} with a draft of self:int4, self:int8, '
+        "self:bf16 or a model with the same tokenizer",
         none="off",
         yaml="speculative_decoding",
+        from_yaml=SpeculativeConfig.from_yaml,
     )
 
     def __post_init__(self) -> None:

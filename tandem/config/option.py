@@ -5,7 +5,8 @@ config/engine.py, config/serving_yaml.py), so a default is written once."""
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, field
+from collections.abc import Callable
+from dataclasses import field
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -28,8 +29,8 @@ _UNITS = {
 
 
 def option(
-    default: Any = MISSING,
-    help: str = "",
+    default: Any,
+    help: str,
     *,
     unit: str | None = None,
     none: str | None = None,
@@ -37,12 +38,16 @@ def option(
     flag: str | bool = True,
     bare_unit: str = "B",
     choices: tuple[str, ...] | None = None,
+    from_yaml: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A config field. `unit`: what a number counts ("bytes": a size, "4GiB" or a bare number
     in `bare_unit`); `none`: what the default None means, in words; `yaml`: its key under
     `serving:` where that is not `engine.<name>` alone (dotted, e.g. "cache.enabled"); `flag`:
     False for no CLI flag, or the flag's name where it is not the field's; `choices`: the
-    strings a str field takes."""
+    strings a str field takes; `from_yaml`: reads the value under the `yaml` key where that key
+    takes another shape than the option."""
+    if not help.strip():
+        raise ValueError("an option says what it does: its help is the flag's and the docs' text")
     meta = {
         "help": help,
         "unit": unit,
@@ -51,6 +56,7 @@ def option(
         "flag": flag,
         "bare_unit": bare_unit,
         "choices": choices,
+        "from_yaml": from_yaml,
     }
     return field(default=default, metadata=meta)
 

@@ -6,17 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tandem.config.args import TITLES, default_text
+from tandem.config.args import TITLES, default_text, flag_name, unit_text
 from tandem.config.engine import OPTIONS, SECTIONS, Option
 from tandem.config.serving_yaml import YAML_KEYS
-
-
-def flag_name(name: str, opt: Option) -> str | None:
-    """The option's flag, or None where it has none (YAML or `LLM` only)."""
-    flag = opt.field.metadata.get("flag", True)
-    if flag is False:
-        return None
-    return flag if isinstance(flag, str) else "--" + name.replace("_", "-")
 
 
 def engine_reference() -> str:
@@ -42,19 +34,16 @@ def table(title: str, options: Mapping[str, Option], yaml_keys: Mapping[str, lis
     ]
     for name, opt in options.items():
         meta = opt.field.metadata
-        flag = flag_name(name, opt)
-        keys = ", ".join(f"`{k}`" for k in yaml_keys.get(name, [])) or "-"
-        default = default_text(opt.field.default, meta) if "help" in meta else "-"
-        text = meta.get("help", "").replace("|", "\\|")
-        rows.append(
-            f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit(meta)} | "
-            f"{default} | {text} |"
-        )
+        keys, default = yaml_keys.get(name, []), default_text(opt.field.default, meta)
+        unit = unit_text(meta) or "-"
+        rows.append(row(name, flag_name(name, meta), keys, unit, default, meta["help"]))
     return "\n".join(rows) + "\n"
 
 
-def unit(meta: Mapping) -> str:
-    """A size takes a unit (4GiB, 512MiB); a bare number counts the field's bare unit."""
-    if meta.get("unit") == "bytes":
-        return f"size (a bare number: {'bytes' if meta['bare_unit'] == 'B' else meta['bare_unit']})"
-    return meta.get("unit") or "-"
+def row(
+    name: str, flag: str | None, yaml_keys: list[str], unit: str, default: str, text: str
+) -> str:
+    """A table's row, for an option that no field declares too (`served_model_name`)."""
+    keys = ", ".join(f"`{k}`" for k in yaml_keys) or "-"
+    text = text.replace("|", "\\|")
+    return f"| `{name}` | {f'`{flag}`' if flag else '-'} | {keys} | {unit} | {default} | {text} |"

@@ -1,4 +1,4 @@
-"""The YAML config with the mission's `serving:` shape, read into flat engine options. Its keys
+"""The YAML config (all under `serving:`), read into flat engine options. Its keys
 are derived from the fields (config/option.py): `serving.engine` takes any engine option by
 name (sizes as "4GiB"); `serving.<section>.<key>` takes the fields whose `yaml` names that key
 (`cache.enabled`) and, for a section that declares `yaml_section`, every field by name;
@@ -7,14 +7,14 @@ name (sizes as "4GiB"); `serving.<section>.<key>` takes the fields whose `yaml` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tandem.config.engine import OPTIONS, SECTIONS
+from tandem.config.engine import OPTIONS, SECTIONS, Option
 from tandem.config.option import parse_size
-from tandem.config.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ SECTION_NAMES = ("engine", "server", *dict.fromkeys(k.partition(".")[0] for k in
 
 def load_yaml(path: str | Path, section: str = "engine") -> dict[str, Any]:
     """section "engine": the flat engine options of the file (EngineConfig.from_kwargs takes
-    them); "server": serving.server as written (server options, e.g. api_key)."""
+    them); "server": serving.server as written (server options, e.g. api_key; parse_sizes
+    reads their sizes)."""
     try:
         doc = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -52,18 +53,21 @@ def load_yaml(path: str | Path, section: str = "engine") -> dict[str, Any]:
         return dict(serving.get(section) or {})
     out = dict(serving.get("engine") or {})
     for key, value in serving.items():
-        if key == "speculative_decoding":  # the mission's keys (draft_model, verify_interval)
-            if value:
-                out["speculative_config"] = SpeculativeConfig.from_yaml(value)
-        elif key in YAML_KEYS:  # one option's whole value
-            out[YAML_KEYS[key]] = value
+        if key in YAML_KEYS:  # one option's whole value
+            out[YAML_KEYS[key]] = _read(YAML_KEYS[key], value)
         elif key not in ("engine", "server") and key in SECTION_NAMES and value is not None:
             out.update(_section(path, key, value))
-    for name, value in out.items():  # a size: bytes, or with its unit ("4GiB")
-        size = name in OPTIONS and OPTIONS[name].field.metadata["unit"] == "bytes"
-        if size and isinstance(value, str):
-            out[name] = parse_size(value)
-    return out
+    return parse_sizes(out, OPTIONS)
+
+
+def parse_sizes(values: Mapping[str, Any], options: Mapping[str, Option]) -> dict[str, Any]:
+    """`values` with each size option written with its unit ("4GiB") in bytes, as its field's
+    unit says (a bare number is bytes); the engine's options and serving.server's alike."""
+
+    def is_size(name: str) -> bool:
+        return name in options and options[name].field.metadata["unit"] == "bytes"
+
+    return {n: parse_size(v) if is_size(n) and isinstance(v, str) else v for n, v in values.items()}
 
 
 def _section(path, key: str, value: Any) -> dict[str, Any]:
@@ -80,4 +84,10 @@ def _section(path, key: str, value: Any) -> dict[str, Any]:
             f"takes {', '.join(sorted(known))}; the other engine options, e.g. the KV pool's "
             "kv_cache_dtype, go in serving.engine)"
         )
-    return {known[k]: v for k, v in value.items()}
+    return {known[k]: _read(known[k], v) for k, v in value.items()}
+
+
+def _read(name: str, value: Any) -> Any:
+    """A value under an option's `yaml` key, in the option's shape (its `from_yaml`, if any)."""
+    read = OPTIONS[name].field.metadata["from_yaml"]
+    return read(value) if read else value

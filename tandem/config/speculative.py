@@ -13,9 +13,8 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """`LLM(speculative_config={...})`, `tandem serve --speculative-config JSON`, or the
-    mission's YAML `serving.speculative_decoding: {draft_model, verify_interval}` (verify_interval
-    is k)."""
+    """`LLM(speculative_config={...})`, `tandem serve --speculative-config JSON`, or the YAML's
+    `serving.speculative_decoding: {draft_model, verify_interval}` (from_yaml)."""
 
     method: str = "ngram"
     # The draft (method "draft"): self:int4 | self:int8 | self:bf16, an alias or a path.
@@ -90,9 +89,13 @@ class SpeculativeConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, section: dict) -> dict:
-        """The mission's `serving.speculative_decoding` -> speculative_config keys."""
-        section = dict(section or {})
+    def from_yaml(cls, section: dict | None) -> dict | None:
+        """`serving.speculative_decoding` -> speculative_config keys: draft_model ngram is
+        method ngram, another the draft of method draft; verify_interval is k; any other key
+        is a speculative_config key by name. None: an empty section, off."""
+        if not section:
+            return None
+        section = dict(section)
         out = {}
         if "draft_model" in section:
             draft = section.pop("draft_model")

@@ -15,8 +15,11 @@ from tandem.engine.output_processor import RequestOutput
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        """`model` left out: the config's default model."""
+        if model is not None:
+            kwargs["model"] = model
+        self.engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
 
     @property
     def tokenizer(self):

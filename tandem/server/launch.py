@@ -8,9 +8,13 @@ import os
 from tandem.config import EngineConfig, load_yaml
 from tandem.config.args import add_arguments as add_option_arguments
 from tandem.config.args import add_engine_arguments, dataclass_options, given
+from tandem.config.serving_yaml import parse_sizes
 from tandem.server.state import ServerConfig
 
 SERVER_OPTIONS = dataclass_options(ServerConfig)
+SERVED_NAMES_HELP = (
+    "names clients send as `model`, each accepted; the first is the one responses report"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="names clients send as `model`, each accepted; the first is the one responses report "
-        "(default: the --model value; YAML: serving.server.served_model_name, a name or a list)",
+        help=f"{SERVED_NAMES_HELP} (default: the --model value; YAML: "
+        "serving.server.served_model_name, a name or a list)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -84,7 +88,8 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     """The engine's and the server's config: --config's `serving:` values, flags over them."""
     engine_opts, server_opts = {}, {}
     if args.config:
-        engine_opts, server_opts = load_yaml(args.config), load_yaml(args.config, section="server")
+        engine_opts = load_yaml(args.config)
+        server_opts = parse_sizes(load_yaml(args.config, section="server"), SERVER_OPTIONS)
     model = model_of(args)
     for name, value in {**given(args), **({"model": model} if model else {})}.items():
         if isinstance(value, dict) and isinstance(engine_opts.get(name), dict):
@@ -94,6 +99,12 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     yaml_names = server_opts.pop("served_model_name", None)
     names = served_names(args.served_model_name or yaml_names or engine_config.model_config.model)
     unknown = set(server_opts) - SERVER_OPTIONS.keys()
+    set_by_names = sorted(unknown & {"model_name", "model_aliases"})
+    if set_by_names:
+        raise ValueError(
+            f"{args.config}: {', '.join(f'serving.server.{k}' for k in set_by_names)}: the names "
+            "served are serving.server.served_model_name (a name, or a list; the first is reported)"
+        )
     if unknown:
         raise ValueError(f"unknown server option(s) {', '.join(sorted(unknown))} in {args.config}")
     flags = given(args, SERVER_OPTIONS)

@@ -27,14 +27,13 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ServerConfig:
-    """The server's options; `tandem serve` derives its flags from the fields (config/args.py),
-    YAML serving.server takes them by name."""
+    """The server's options; `tandem serve` derives its flags from the fields declared with
+    option() (config/args.py), YAML serving.server takes them by name."""
 
-    # Set from --served-model-name A B ... (YAML: serving.server.served_model_name).
-    model_name: str = option(
-        "smollm2-135m", "the name clients send as `model`, and responses report", flag=False
-    )
-    model_aliases: tuple[str, ...] = option((), "further names accepted as `model`", flag=False)
+    # The names served, from --served-model-name A B ... or serving.server.served_model_name
+    # (launch.py): the first is the one responses report. Not options of their own.
+    model_name: str
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = option(
         None, "bearer token clients must send", none="$TANDEM_API_KEY, else none"
     )

@@ -17,6 +17,20 @@ ENGINE_OPTIONS = (
     "l1_step_time",
     "enable_prefix_caching",
 )
+# The engine options the simulated instances model, from a YAML or flags; a profile stands for
+# the rest (the model, its dtype and weights, the KV pool's size and block size).
+SIMULATED = (
+    *ENGINE_OPTIONS,
+    "scheduling_policy",
+    "queue_order",
+    "max_preemptions",
+    "preemption_mode",
+    "l1_max_prompt_tokens",
+    "l1_max_tokens",
+    "l1_hold_s",
+    "max_prefix_tokens",
+    "min_match_length",
+)
 # An instance stands for a GPU server (the profiles' accelerators): vLLM's 256 seats, not the
 # CPU engine's 128.
 ENGINE_DEFAULTS = {"max_num_seqs": 256}
@@ -142,7 +156,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="P/D prefill instances at the start "
         "(default: pd searches for the best by goodput; elastic starts at N/2)",
     )
-    g.add_argument("--policy", default="fcfs", help="comma list of fcfs, multilevel")
+    g.add_argument(
+        "--policy",
+        default=None,
+        help="comma list of fcfs, multilevel (default: the --config YAML's "
+        "serving.scheduler.policy, else fcfs)",
+    )
     g.add_argument(
         "--elastic-schedule", default=None, help='time schedule "HH:P,HH:P", e.g. "8:2,20:4"'
     )

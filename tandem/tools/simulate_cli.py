@@ -16,6 +16,7 @@ from tandem.cluster.policy.elastic import ElasticConfig, TimeSchedule
 from tandem.cluster.policy.routing import RoutingWeights
 from tandem.config import EngineConfig, load_yaml
 from tandem.config.args import given
+from tandem.config.engine import OPTIONS
 from tandem.sim import workload
 from tandem.sim.cluster import MODES, ClusterConfig, ClusterSim
 from tandem.sim.hardware import load_cost_model
@@ -24,6 +25,7 @@ from tandem.tools.machine import provenance_lines
 from tandem.tools.simulate_args import (
     ENGINE_DEFAULTS,
     ENGINE_OPTIONS,
+    SIMULATED,
     add_cluster_arguments,
     add_instance_arguments,
     add_report_arguments,
@@ -75,9 +77,10 @@ def _requests(args, instances: int = 1):
 
 
 def _yaml_engine(path: str | None) -> dict:
-    """The serving YAML's engine options the simulator honours. Speculative decoding is not
-    simulated (the simulated executor proposes no drafts, and the cost model has no verify or
-    draft step): it is refused in words, and the run simulates without it."""
+    """The serving YAML's engine options. Speculative decoding is not simulated (the simulated
+    executor proposes no drafts, and the cost model has no verify or draft step): it is refused
+    in words, and the run simulates without it. The other options the instances do not model
+    are named in words too."""
     values = load_yaml(path, "engine") if path else {}
     if values.pop("speculative_config", None) is not None:
         print(
@@ -85,17 +88,26 @@ def _yaml_engine(path: str | None) -> dict:
             "(the simulated executor proposes no drafts); simulating without speculation",
             file=sys.stderr,
         )
+    ignored = sorted(values.keys() & OPTIONS.keys() - set(SIMULATED))
+    if ignored:
+        print(
+            f"tandem simulate: {path}: {', '.join(ignored)}: not simulated (the profile stands "
+            "for the model, its dtype and its KV pool); ignored",
+            file=sys.stderr,
+        )
     return values
 
 
-def _engine(args, cost, policy: str, yaml_values: dict) -> EngineConfig:
+def _engine(args, cost, policy: str | None, yaml_values: dict) -> EngineConfig:
+    """`policy` None: the YAML's, else the engine's default."""
     values = {
         **ENGINE_DEFAULTS,
         "max_num_batched_tokens": cost.max_num_batched_tokens,
         **yaml_values,
         **given(args, ENGINE_OPTIONS),
+        **({"scheduling_policy": policy} if policy else {}),
     }
-    return EngineConfig.from_kwargs(**{**values, "scheduling_policy": policy})
+    return EngineConfig.from_kwargs(**values)
 
 
 def _schedule(text: str | None) -> TimeSchedule | None:
@@ -192,11 +204,12 @@ def main(args: argparse.Namespace) -> dict:
         cost = cost.calibrated(args.step_scale, args.step_overhead_ms / 1000)
     _, desc = _requests(args)  # validates the workload before any run
     yaml_values = _yaml_engine(args.config)
+    policies = [p.strip() for p in args.policy.split(",")] if args.policy else [None]
     grid = [
-        (int(n), m.strip(), pol.strip())
+        (int(n), m.strip(), policy)
         for n in args.instances.split(",")
         for m in args.mode.split(",")
-        for pol in args.policy.split(",")
+        for policy in policies
     ]
     for n, m, _ in grid:
         if m not in MODES or n < 1 or (m != "colocated" and n < 2):
