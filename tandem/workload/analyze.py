@@ -12,8 +12,8 @@ import numpy as np
 from tandem.workload.model_shapes import ModelShape, kv_bytes_per_token
 from tandem.workload.traces import MOONCAKE_BLOCK_TOKENS, Row
 
-SHORT_PROMPT_TOKENS = 200  # "half the prompts under 200 tokens" (mission example)
-LONG_PROMPT_TOKENS = 4000  # "5% over 4000" (mission example)
+SHORT_PROMPT_TOKENS = 200  # a chat turn: the short side of a mixed workload
+LONG_PROMPT_TOKENS = 4000  # a document: long enough to stall short requests behind it
 DISAGGREGATE_LONG_SHARE = 0.05  # this share of long prefills stalls the decodes sharing an instance
 SHORT_CHAT_P50 = 2000  # prompt p50 at or under this: the bulk of the traffic is chat
 PREFIX_CACHE_WORTH = 0.3  # ideal hit ratio from which a prefix cache (and prefix routing) pays

@@ -1,7 +1,7 @@
-"""Tail-latency diagnosis in three layers (mission D.14), then fragmentation, from a run's
-records: per-request latency splits (request log or `bench serve --save-result`), the step trace
-(`--step-trace`) and the server's counters over the run. Pure arithmetic on plain records,
-so each verdict is tested on records built to show it.
+"""Tail-latency diagnosis in three layers (queueing, step time, bandwidth), then
+fragmentation, from a run's records: per-request latency splits (request log or `bench serve
+--save-result`), the step trace (`--step-trace`) and the server's counters over the run. Pure
+arithmetic on plain records, so each verdict is tested on records built to show it.
 
 1. queueing: over QUEUE_LIMIT of the latency spent waiting for a first schedule is a
    scheduling problem (too little capacity for the load, or a policy holding work back);
