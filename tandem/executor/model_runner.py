@@ -260,6 +260,7 @@ class ModelRunner:
                     s.token_ids[s.prompt_len :],
                     generators[s.req_id],
                     s.eos_token_id,
+                    s.logit_bias,
                     s.spec_token_ids,
                 )
                 for s in rows
