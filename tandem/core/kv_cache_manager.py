@@ -55,9 +55,7 @@ class KVCacheManager:
         c = self.coordinator
         if not c.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return (), 0
-        limit = req.num_tokens - 1
-        if c.max_prefix_tokens is not None:
-            limit = min(limit, c.max_prefix_tokens)
+        limit = c.prefix_limit(req.num_tokens - 1)
         salt = salt_hash(req.cache_salt)
         blocks, n = c.find_longest_cache_hit(req.all_token_ids, salt, limit // self.block_size)
         num_hit = n * self.block_size

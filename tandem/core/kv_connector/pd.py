@@ -49,8 +49,8 @@ class PDConnector(KVConnectorScheduler):
         self.pins: dict[str, KVReservation] = {}  # request id -> blocks held until it is admitted
 
     def _num_transfer_blocks(self, token_ids: list[int]) -> int:
-        limit, cap = len(token_ids), self.coordinator.max_prefix_tokens
-        return (limit if cap is None else min(limit, cap)) // self.coordinator.block_size
+        c = self.coordinator
+        return c.prefix_limit(len(token_ids)) // c.block_size
 
     def cached_prefix(self, token_ids: list[int]) -> tuple[PerGroup, int]:
         """The longest run of whole blocks of `token_ids` in the prefix cache (nothing taken):
