@@ -62,7 +62,7 @@ def decode(engine, prompt: list[int], first: int, transport, transfer_id: str) -
     payload, _ = transport.recv(transfer_id, timeout=30, on_layer=handoff.writer(res))
     engine.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=transfer_id)
     handoff.commit(res, payload, transfer_id)
-    assert engine.core.kv_connector.num_pinned_blocks == len(prompt) // BS
+    assert engine.core.kv_connector.pins[transfer_id].num_blocks == len(prompt) // BS
     tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -71,7 +71,7 @@ def decode(engine, prompt: list[int], first: int, transport, transfer_id: str) -
 
 
 def assert_no_blocks_held(engine) -> None:
-    assert engine.core.kv_connector.num_pinned_blocks == 0
+    assert not engine.core.kv_connector.pins
     assert engine.core.kv_manager.num_free_blocks == engine.core.executor.num_kv_blocks
 
 
@@ -215,7 +215,7 @@ def test_shorter_payload_than_reserved(llama, reference):
     got, _ = conn.recv("t", timeout=5, on_layer=b.core.kv_handoff.writer(res))
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id="t")
     b.core.kv_handoff.commit(res, got, "t")
-    assert b.core.kv_connector.num_pinned_blocks == 2
+    assert b.core.kv_connector.pins["t"].num_blocks == 2
     tokens = []
     while b.has_unfinished_requests():
         for out in b.step():

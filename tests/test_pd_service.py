@@ -47,7 +47,8 @@ def _decode(b, svc: PDService, prompt: list[int], first: int, tid: str, rid: str
     assert got["kv_blocks"] == len(prompt) // BS and "error" not in got
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=rid)
     svc.on_add(rid, {"transfer_id": tid}, True)
-    assert b.core.kv_connector.num_pinned_blocks == len(prompt) // BS and svc.num_held_blocks() == 0
+    assert b.core.kv_connector.pins[rid].num_blocks == len(prompt) // BS
+    assert svc.num_held_blocks() == 0
     return [first] + _finish(b, rid)
 
 

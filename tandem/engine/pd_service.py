@@ -201,8 +201,8 @@ class PDService:
             log.warning("KV transfer %s not used by %s: %s", transfer_id, request_id, e)
 
     def num_held_blocks(self) -> int:
-        """Blocks reserved for transfers not yet claimed by an add."""
-        return sum(len(row) for r in self._receipts.values() for row in r.res.blocks)
+        """Blocks (of block_size tokens) reserved for transfers not yet claimed by an add."""
+        return sum(r.res.num_blocks for r in self._receipts.values())
 
     def _expire(self) -> None:
         now = time.monotonic()

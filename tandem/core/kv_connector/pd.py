@@ -132,11 +132,6 @@ class PDConnector(KVConnectorScheduler):
         """Keep `res` pinned until `request_id` is admitted or gone."""
         self.pins[request_id] = res
 
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Blocks (of block_size tokens) held for decode requests not yet admitted."""
-        return sum(res.num_blocks for res in self.pins.values())
-
     def build_connector_meta(self, out: SchedulerOutput) -> None:
         """Unpin for requests admitted (they hold their own references now) or gone."""
         for req_id in list(self.pins):
