@@ -21,7 +21,7 @@ from cluster_fixture import (
     with_word_tokenizer,
 )
 
-from tandem.executor.kv_transfer import ShmConnector
+from tandem.executor.kv_transfer import ShmTransport
 
 
 def body(prompt, max_tokens=6, **kw):
@@ -148,7 +148,7 @@ def test_refused_decode_leg_still_takes_its_transfer(pd):
         assert r.status_code == 400 and "temperature" in r.text
         sent = json.loads(next(lines))
     assert first["kv_blocks"] == len(prompt) // 16 and sent["kv_bytes"] > 0 and "error" not in sent
-    assert wait_for(lambda: not ShmConnector().path("refused").exists())
+    assert wait_for(lambda: not ShmTransport().path("refused").exists())
     assert wait_for(lambda: no_kv_held(dec))
     for url in (pre, dec):  # not in a torch.distributed group: a peer rank is a clear 400
         r = httpx.post(

@@ -22,7 +22,7 @@ from test_kv_transfer import (
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.executor.device import resolve_kv_cache_dtype
-from tandem.executor.kv_transfer import ShmConnector
+from tandem.executor.kv_transfer import ShmTransport
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -182,7 +182,7 @@ def test_greedy_tokens_equal_a_single_request_run(model, scenario):
 
 def test_pd_moves_the_bf16_blocks_and_decodes_as_a_plain_run(model):
     path, prompts, alone = model
-    a, b, conn = _llm(path).engine, _llm(path).engine, ShmConnector()
+    a, b, conn = _llm(path).engine, _llm(path).engine, ShmTransport()
     for i, prompt in enumerate(prompts[:5]):
         first, payload = prefill(a, prompt, f"p{i}")
         assert payload.kv.dtype == BF16

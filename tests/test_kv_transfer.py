@@ -1,5 +1,5 @@
 """KV transfer for P/D disaggregation: a prompt prefilled on one engine, its KV moved through a
-connector, and decoding continued on another engine gives the very tokens of a plain run;
+transport, and decoding continued on another engine gives the very tokens of a plain run;
 no block leaks on any path (finish, abort before admission, a failed import)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from test_block_pool import check_pool, make_req
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import KVPoolFullError, PDConnector
-from tandem.executor.kv_transfer import KVPayload, ShmConnector
+from tandem.executor.kv_transfer import KVPayload, ShmTransport
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -55,14 +55,14 @@ def prefill(engine, prompt: list[int], request_id: str) -> tuple[int, KVPayload]
     return first, engine.core.kv_handoff.export(prompt)
 
 
-def decode(engine, prompt: list[int], first: int, connector, transfer_id: str) -> list[int]:
+def decode(engine, prompt: list[int], first: int, transport, transfer_id: str) -> list[int]:
     """Decode role: reserve, receive layer by layer into the reserved blocks, continue."""
     handoff = engine.core.kv_handoff
     res = handoff.reserve(prompt)
-    payload, _ = connector.recv(transfer_id, timeout=30, on_layer=handoff.writer(res))
+    payload, _ = transport.recv(transfer_id, timeout=30, on_layer=handoff.writer(res))
     engine.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=transfer_id)
     handoff.commit(res, payload, transfer_id)
-    assert engine.core.kv_connector.num_pinned_blocks == len(prompt) // BS
+    assert engine.core.kv_connector.pins[transfer_id].num_blocks == len(prompt) // BS
     tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -71,7 +71,7 @@ def decode(engine, prompt: list[int], first: int, connector, transfer_id: str) -
 
 
 def assert_no_blocks_held(engine) -> None:
-    assert engine.core.kv_connector.num_pinned_blocks == 0
+    assert not engine.core.kv_connector.pins
     assert engine.core.kv_manager.num_free_blocks == engine.core.executor.num_kv_blocks
 
 
@@ -97,7 +97,7 @@ def test_pd_through_shm_matches_plain_run(kind, async_scheduling, tiny_model_dir
     model = tiny_model_dirs[kind]
     reference = plain_run(model)
     a, b = (_llm(model, async_scheduling=async_scheduling).engine for _ in range(2))
-    conn = ShmConnector()
+    conn = ShmTransport()
     for i, prompt in enumerate(_prompts()):
         first, payload = prefill(a, prompt, f"p{i}")
         assert payload.num_blocks == len(prompt) // BS
@@ -111,7 +111,7 @@ def test_pd_through_shm_matches_plain_run(kind, async_scheduling, tiny_model_dir
 
 def test_transferred_kv_is_what_decode_reads(llama, reference):
     """Control: zeroed KV in transit changes the output, so equality above is not vacuous."""
-    a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmConnector()
+    a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmTransport()
     prompt = _prompts()[-1]
     first, payload = prefill(a, prompt, "p")
     payload.kv.zero_()
@@ -124,7 +124,7 @@ def _block_bytes(model_dir: str) -> int:
 
 
 def test_payload_bytes(llama):
-    a, conn = _llm(llama).engine, ShmConnector()
+    a, conn = _llm(llama).engine, ShmTransport()
     per_block = _block_bytes(llama)
     _, payload = prefill(a, _prompts()[-1], "p")
     assert payload.num_bytes == payload.num_blocks * per_block == 5 * per_block
@@ -137,7 +137,7 @@ def test_payload_bytes(llama):
 
 
 def test_bf16_and_empty_payloads_round_trip():
-    conn = ShmConnector()
+    conn = ShmTransport()
     kv = torch.randn(3, 2, 2, 4, 2, 8).to(torch.bfloat16)
     for tid, payload in (
         ("bf16", KVPayload(list(range(8)), 4, kv)),
@@ -150,7 +150,7 @@ def test_bf16_and_empty_payloads_round_trip():
 
 
 def test_abort_before_admission_releases_the_pin(llama):
-    a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmConnector()
+    a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmTransport()
     prompt = _prompts()[-1]
     first, payload = prefill(a, prompt, "p")
     res = b.core.kv_handoff.reserve(prompt)
@@ -166,7 +166,7 @@ def test_abort_before_admission_releases_the_pin(llama):
 
 
 def test_reserve_fails_whole_when_the_pool_is_short(llama):
-    a, conn = _llm(llama).engine, ShmConnector()
+    a, conn = _llm(llama).engine, ShmTransport()
     b = _llm(llama, kv_cache_memory=6 * _block_bytes(llama), max_model_len=40).engine
     assert b.core.executor.num_kv_blocks == 6
     long, short = _prompts()[-1], _prompts()[2]
@@ -187,7 +187,7 @@ def test_reserve_fails_whole_when_the_pool_is_short(llama):
 
 
 def test_blocks_cached_on_the_decode_side_are_pinned_not_rewritten(llama, reference):
-    a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmConnector()
+    a, b, conn = _llm(llama).engine, _llm(llama).engine, ShmTransport()
     prompt = _prompts()[-1]
     _run(b, prompt[:20] + [1, 2, 3], greedy(1), "warm")  # blocks 0 and 1 of the prompt cached on b
     (cached,), _ = b.core.kv_connector.cached_prefix(prompt)
@@ -206,7 +206,7 @@ def test_blocks_cached_on_the_decode_side_are_pinned_not_rewritten(llama, refere
 
 def test_shorter_payload_than_reserved(llama, reference):
     """The prefill side cached only 2 of the 5 blocks: the rest is given back and recomputed."""
-    a, b, conn = _llm(llama, max_prefix_tokens=16).engine, _llm(llama).engine, ShmConnector()
+    a, b, conn = _llm(llama, max_prefix_tokens=16).engine, _llm(llama).engine, ShmTransport()
     prompt = _prompts()[-1]
     first, payload = prefill(a, prompt, "p")
     assert payload.num_blocks == 2
@@ -215,7 +215,7 @@ def test_shorter_payload_than_reserved(llama, reference):
     got, _ = conn.recv("t", timeout=5, on_layer=b.core.kv_handoff.writer(res))
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id="t")
     b.core.kv_handoff.commit(res, got, "t")
-    assert b.core.kv_connector.num_pinned_blocks == 2
+    assert b.core.kv_connector.pins["t"].num_blocks == 2
     tokens = []
     while b.has_unfinished_requests():
         for out in b.step():
@@ -298,7 +298,7 @@ def test_reservations_and_requests_never_leak(ops):
 
 
 def test_shm_timeout_and_no_file_left(tmp_path):
-    conn = ShmConnector(tmp_path)
+    conn = ShmTransport(tmp_path)
     with pytest.raises(TimeoutError):
         conn.recv("missing", timeout=0.05)
     conn.send("t", KVPayload([], 4, torch.zeros(1, 2, 0, 4, 1, 2)))
@@ -318,13 +318,13 @@ def _pd_worker(
     rank: int, model_dir: str, prompts: list[list[int]], port: int, firsts, results
 ) -> None:
     """Rank 0 prefills, rank 1 decodes; even prompts move over gloo, odd ones over shm."""
-    from tandem.executor.kv_transfer import TorchDistConnector, init_kv_group
+    from tandem.executor.kv_transfer import TorchDistTransport, init_kv_group
 
     init_kv_group(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo")
-    connectors = (TorchDistConnector(peer=1 - rank), ShmConnector())
+    transports = (TorchDistTransport(peer=1 - rank), ShmTransport())
     engine = _llm(model_dir).engine
     for i, prompt in enumerate(prompts):
-        conn = connectors[i % 2]
+        conn = transports[i % 2]
         if rank == 0:
             first, payload = prefill(engine, prompt, f"p{i}")
             firsts.put(first)  # what the router carries to the decode side

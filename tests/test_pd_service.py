@@ -25,7 +25,7 @@ from test_kv_transfer import (
 from tandem.core.kv_connector.pd import KVPoolFullError
 from tandem.engine import pd_service
 from tandem.engine.pd_service import PDService
-from tandem.executor.kv_transfer import ShmConnector
+from tandem.executor.kv_transfer import ShmTransport
 
 
 def _tid(name: str) -> str:
@@ -47,7 +47,8 @@ def _decode(b, svc: PDService, prompt: list[int], first: int, tid: str, rid: str
     assert got["kv_blocks"] == len(prompt) // BS and "error" not in got
     b.add_request(prompt + [first], greedy(MAX_NEW - 1), request_id=rid)
     svc.on_add(rid, {"transfer_id": tid}, True)
-    assert b.core.kv_connector.num_pinned_blocks == len(prompt) // BS and svc.num_held_blocks() == 0
+    assert b.core.kv_connector.pins[rid].num_blocks == len(prompt) // BS
+    assert svc.num_held_blocks() == 0
     return [first] + _finish(b, rid)
 
 
@@ -126,9 +127,9 @@ def test_pool_short_and_bad_peer_fail_whole_and_a_drain_takes_the_transfer(llama
     pb.drain_kv(t, None)
     assert pa.kv_sent(t).result(timeout=30)["kv_bytes"] > 0
     deadline = time.monotonic() + 10
-    while ShmConnector().path(t).exists() and time.monotonic() < deadline:
+    while ShmTransport().path(t).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not ShmConnector().path(t).exists()  # the drain took it off the link
+    assert not ShmTransport().path(t).exists()  # the drain took it off the link
     for call in (
         lambda: pa.send_kv(prompt, "u", 3),
         lambda: pb.receive_kv(prompt, "u", 3),

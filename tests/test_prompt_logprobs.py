@@ -51,3 +51,22 @@ def test_prompt_logprobs_equal_teacher_forced(tiny_model_dirs, chunk):
 def test_no_prompt_logprobs_unless_asked(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22)
     assert llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+
+
+def test_n_sequences_compute_prompt_logprobs_once(tiny_model_dirs, monkeypatch):
+    from tandem.executor import prompt_logprobs
+
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory=1 << 22, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    want = llm.generate([PROMPTS[0]], params)[0].prompt_logprobs
+    rows = []
+    real = prompt_logprobs._entries
+    monkeypatch.setattr(
+        prompt_logprobs,
+        "_entries",
+        lambda lps, targets, k: rows.extend(targets) or real(lps, targets, k),
+    )
+    out = llm.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=2, prompt_logprobs=2))[0]
+    assert len(out.outputs) == 2
+    assert len(rows) == len(PROMPTS[0]) - 1  # one sequence's prompt, not one per sequence
+    assert out.prompt_logprobs == want

@@ -9,7 +9,7 @@ import torch
 from tandem.core.sampling_params import SamplingParams
 from tandem.executor.proposers import NgramProposer
 from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow, logits_indices
-from tandem.executor.sampler import Sampler, apply_top_k_top_p
+from tandem.executor.sampler import Sampler, apply_top_k_top_p, make_logit_bias
 
 V = 6
 PARAMS = SamplingParams(temperature=0.7, top_k=4, presence_penalty=0.5, max_tokens=2)
@@ -42,7 +42,7 @@ def _generate_pairs(num: int, drafts: list[int]) -> torch.Tensor:
         rows, logits = [], []
         for o in live:
             d = drafts[: 2 - len(o) - 1] if len(o) < 2 else []
-            rows.append(VerifyRow(PARAMS, [0], list(o), None, None, d))
+            rows.append(VerifyRow(PARAMS, [0], list(o), None, None, None, d))
             seq = [0] + o
             logits += [table[(seq + d[:j])[-1]] for j in range(len(d) + 1)]
         for o, (tokens, _) in zip(live, verify(torch.stack(logits), rows, torch.device("cpu"))):
@@ -84,13 +84,24 @@ def test_greedy_accepts_the_longest_matching_prefix_plus_a_bonus():
     greedy = SamplingParams(temperature=0, logprobs=0)
     verify = RejectionSampler(Sampler())
     [(tokens, lps)] = verify(
-        logits, [VerifyRow(greedy, [], [], None, None, [2, 3, 5])], torch.device("cpu")
+        logits, [VerifyRow(greedy, [], [], None, None, None, [2, 3, 5])], torch.device("cpu")
     )
     assert tokens == [2, 3, 1] and [lp[0][0] for lp in lps] == [2, 3, 1]
     [(tokens, _)] = verify(
-        logits, [VerifyRow(greedy, [], [], None, None, [2, 3, 1])], torch.device("cpu")
+        logits, [VerifyRow(greedy, [], [], None, None, None, [2, 3, 1])], torch.device("cpu")
     )
     assert tokens == [2, 3, 1, 4]
+
+
+def test_logit_bias_applies_to_every_drafted_position():
+    logits = torch.full((3, V), -5.0)
+    logits[:, 1] = 5.0
+    greedy = SamplingParams(temperature=0, logit_bias={2: 20.0})
+    bias = make_logit_bias(greedy, torch.device("cpu"))
+    [(tokens, _)] = RejectionSampler(Sampler())(
+        logits, [VerifyRow(greedy, [], [], None, None, bias, [2, 2])], torch.device("cpu")
+    )
+    assert tokens == [2, 2, 2]
 
 
 def test_logits_indices_take_the_last_k_plus_one_positions():
@@ -114,10 +125,10 @@ def test_a_seeded_stream_drops_the_rejected_positions_draws():
     spec, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     verify = RejectionSampler(Sampler())
     [(tokens, _)] = verify(
-        logits, [VerifyRow(params, [], [], spec, None, [V, V, V])], torch.device("cpu")
+        logits, [VerifyRow(params, [], [], spec, None, None, [V, V, V])], torch.device("cpu")
     )
     assert len(tokens) == 1  # draft V is never a token: the first position rejects
     [(alone, _)] = verify(
-        logits[:1], [VerifyRow(params, [], [], plain, None, [])], torch.device("cpu")
+        logits[:1], [VerifyRow(params, [], [], plain, None, None, [])], torch.device("cpu")
     )
     assert alone == tokens and torch.equal(spec.get_state(), plain.get_state())

@@ -13,6 +13,7 @@ from tandem.executor.sampler import (
     apply_penalties,
     argmax,
     make_generator,
+    make_logit_bias,
 )
 
 # Every test runs on the CPU, and on CUDA too where there is one.
@@ -27,9 +28,8 @@ def device(request) -> torch.device:
 
 def row(device, prompt=(), output=(), seed=None, eos=None, generator=None, **params) -> SamplingRow:
     gen = generator if generator is not None else make_generator(seed, device)
-    return SamplingRow(
-        SamplingParams(max_tokens=100, **params), list(prompt), list(output), gen, eos
-    )
+    p = SamplingParams(max_tokens=100, **params)
+    return SamplingRow(p, list(prompt), list(output), gen, eos, make_logit_bias(p, device))
 
 
 def randn(*shape, seed: int, device) -> torch.Tensor:

@@ -166,7 +166,7 @@ def test_a_pd_decode_instance_speculates_on_transferred_kv(proposer, copy_models
     model as the draft first feeds its own KV the prompt it never saw)."""
     from test_kv_transfer import prefill
 
-    from tandem.executor.kv_transfer import ShmConnector
+    from tandem.executor.kv_transfer import ShmTransport
 
     path, bs = copy_models["llama"], 8
     prompts = _prompts()
@@ -177,7 +177,7 @@ def test_a_pd_decode_instance_speculates_on_transferred_kv(proposer, copy_models
         _llm(path, False, block_size=bs).engine,
         _llm(path, proposer, block_size=bs).engine,
     )
-    conn, handoff = ShmConnector(), decode_side.core.kv_handoff
+    conn, handoff = ShmTransport(), decode_side.core.kv_handoff
     for i, prompt in enumerate(prompts):
         first, payload = prefill(prefill_side, prompt, f"p{i}")
         conn.send(f"t{i}", payload)

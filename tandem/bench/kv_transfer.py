@@ -14,7 +14,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from tandem.executor.kv_transfer import KVPayload, ShmConnector, TorchDistConnector, init_kv_group
+from tandem.executor.kv_transfer import KVPayload, ShmTransport, TorchDistTransport, init_kv_group
 
 
 def _pingpong(
@@ -26,9 +26,9 @@ def _pingpong(
         if kind == "nccl":
             torch.cuda.set_device(device)
         init_kv_group(rank, 2, f"tcp://127.0.0.1:{port}", backend=kind)
-        conn = TorchDistConnector(peer=1 - rank)
+        conn = TorchDistTransport(peer=1 - rank)
     else:
-        conn = ShmConnector()
+        conn = ShmTransport()
     bs, rows = shape["block_size"], []
     for n in tokens:
         kv = torch.randn(

@@ -68,7 +68,12 @@ def measure(args: argparse.Namespace) -> dict:
     from tandem.executor.attention import TorchAttention
     from tandem.executor.device import resolve_device, resolve_dtype
     from tandem.models.config import ModelConfig
-    from tandem.models.loader.model_files import load_config, resolve_model
+    from tandem.models.loader.model_files import (
+        gguf_source,
+        load_config,
+        resolve_model,
+        weight_source,
+    )
     from tandem.models.loader.variants import build_variants
 
     config = EngineConfig.from_kwargs(**given(args, ENGINE_OPTIONS))
@@ -88,8 +93,9 @@ def measure(args: argparse.Namespace) -> dict:
     cfg = ModelConfig.from_hf(load_config(model_dir))
     base = _reset_peak()
     start = time.perf_counter()
+    source = weight_source(model_dir, gguf_source(args.model))
     variants = build_variants(
-        config.quant_config, args.model, args.dtype, model_dir, cfg, device, dtype, TorchAttention
+        config.quant_config, source, args.dtype, cfg, device, dtype, TorchAttention
     )
     load_s = time.perf_counter() - start
     rss, peak = _rss()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tandem.core.kv_cache_coordinator import PerGroup
 from tandem.core.outputs import NewRequestData
 from tandem.core.preemption import Preemption
 from tandem.core.request import Request, RequestStatus
@@ -51,10 +52,8 @@ class Admission(Preemption):
         free = kv.num_free_blocks - blocks_held
         if req.swapped:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
-            lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
-            if kv.blocks_needed(req, num_new + lookahead) > free:
-                lookahead = 0  # the drafts are what gives way
-            if kv.blocks_needed(req, num_new) > free:
+            lookahead = self._fit_lookahead(req, req.num_computed_tokens, num_new, free)
+            if lookahead is None:
                 return False
             swapped_in = kv.host_tier.swap_in(req, num_new + lookahead)
             if swapped_in is None:
@@ -65,11 +64,8 @@ class Admission(Preemption):
         else:
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, cap)
-            lookahead = self.planner.lookahead(req, num_hit + num_new)
-            need = kv.blocks_needed(req, num_new, computed_blocks)
-            if kv.blocks_needed(req, num_new + lookahead, computed_blocks) > free:
-                lookahead = 0  # the drafts are what gives way
-            if need > free:
+            lookahead = self._fit_lookahead(req, num_hit, num_new, free, computed_blocks)
+            if lookahead is None:
                 return False
             allocated = kv.allocate_slots(req, num_new + lookahead, computed_blocks)
             if allocated is None:
@@ -98,6 +94,18 @@ class Admission(Preemption):
         )
         step.commit(req, num_new)
         return True
+
+    def _fit_lookahead(
+        self, req: Request, num_computed: int, num_new: int, free: int, hit: PerGroup = ()
+    ) -> int | None:
+        """The lookahead slots the request takes besides its `num_new` tokens: the planner's
+        when `free` blocks hold them too, else 0 (the drafts are what gives way). None when
+        the tokens alone do not fit."""
+        kv = self.kv
+        lookahead = self.planner.lookahead(req, num_computed + num_new)
+        if lookahead and kv.blocks_needed(req, num_new + lookahead, hit) <= free:
+            return lookahead
+        return 0 if kv.blocks_needed(req, num_new, hit) <= free else None
 
     def _prefix_ready(self, req: Request) -> bool:
         src = req.prefill_after

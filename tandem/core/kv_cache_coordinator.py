@@ -18,6 +18,7 @@ from tandem.core.single_type_kv_cache_manager import (
 )
 
 PerGroup = Sequence[list[KVBlock]]  # one list per KV group, block i of each for the same tokens
+Layout = Sequence[Sequence[object | None]]  # a request's blocks per group elsewhere (host tier)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -82,6 +83,11 @@ class KVCacheCoordinator:
         return flat_block_ids(self.get_blocks(req_id))
 
     # ---- prefix cache -------------------------------------------------------------
+    def prefix_limit(self, num_tokens: int) -> int:
+        """Of `num_tokens` tokens, those the prefix cache may index or serve."""
+        cap = self.max_prefix_tokens
+        return num_tokens if cap is None else min(num_tokens, cap)
+
     def block_hashes(
         self, token_ids: list[int], parent: int | None, num_blocks: int
     ) -> Iterator[tuple[int, tuple[int, ...]]]:
@@ -126,9 +132,7 @@ class KVCacheCoordinator:
         bs, tokens = self.block_size, req.all_token_ids
         # Known tokens only: a verify step in flight has num_computed_tokens past them, over
         # drafts not yet accepted (speculative decoding).
-        limit = min(req.num_computed_tokens, len(tokens))
-        if self.max_prefix_tokens is not None:
-            limit = min(limit, self.max_prefix_tokens)
+        limit = self.prefix_limit(min(req.num_computed_tokens, len(tokens)))
         for i in range(len(hashes), min(limit // bs, held)):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash_block(hashes[-1] if hashes else salt_hash(req.cache_salt), chunk)
@@ -158,21 +162,30 @@ class KVCacheCoordinator:
             freed += m.remove_skipped_blocks(req.request_id, req.num_computed_tokens, s)
         self.pool.free_blocks(freed)
 
+    def _count(self, req: Request, num_new: int, hit: PerGroup) -> tuple[int, int, int]:
+        """For `num_new` more tokens after `hit`: the tokens the request then holds, the
+        logical blocks it holds now, and the new blocks it takes (in all groups)."""
+        num_hit = len(hit[0]) if hit else 0
+        total = req.num_computed_tokens + num_hit * self.block_size + num_new
+        held = self.num_held_blocks(req.request_id)
+        return total, held, max(cdiv(total, self.block_size) - held - num_hit, 0) * self.num_groups
+
+    @staticmethod
+    def _reusable(hit: PerGroup) -> int:
+        """Hits that sit unowned in the LRU: they count as free now; touching them takes them."""
+        return sum(1 for blocks in hit for b in blocks if b.ref_cnt == 0)
+
     def blocks_needed(self, req: Request, num_new: int, hit: PerGroup = ()) -> int:
         """Free blocks `allocate` would take for `num_new` more tokens: new ones, less those
         freed behind sliding windows, plus unowned prefix hits. May be negative (a step that
         frees more than it takes)."""
-        rid, bs = req.request_id, self.block_size
-        num_hit = len(hit[0]) if hit else 0
-        total = req.num_computed_tokens + num_hit * bs + num_new
+        rid = req.request_id
         freed = (
             sum(1 for m, s in self._skipped(req) for i in s if m.req_to_blocks[rid][i].ref_cnt == 1)
             if self._sliding
             else 0
         )
-        reusable = sum(1 for blocks in hit for b in blocks if b.ref_cnt == 0)
-        need = max(cdiv(total, bs) - self.num_held_blocks(rid) - num_hit, 0) * self.num_groups
-        return need + reusable - freed
+        return self._count(req, num_new, hit)[2] + self._reusable(hit) - freed
 
     def allocate(self, req: Request, num_new: int, hit: PerGroup = ()) -> list[int] | None:
         """Room for `num_new` more tokens after `req.num_computed_tokens` (plus `hit`, prefix
@@ -180,17 +193,12 @@ class KVCacheCoordinator:
         blocks' ids (flat_block_ids), or None when free blocks are short (nothing else changes
         then)."""
         self.remove_skipped_blocks(req)
-        rid, bs, G = req.request_id, self.block_size, self.num_groups
-        num_hit = len(hit[0]) if hit else 0
-        held = self.num_held_blocks(rid)
-        total = req.num_computed_tokens + num_hit * bs + num_new
-        need = max(cdiv(total, bs) - held - num_hit, 0) * G
+        rid, G = req.request_id, self.num_groups
+        total, held, need = self._count(req, num_new, hit)
         if not need and not hit and held:  # the tokens fit the blocks held (most decodes)
             self._req_tokens[rid] = total
             return []
-        # Hits that sit unowned in the LRU count as free now; touching them takes them.
-        reusable = sum(1 for blocks in hit for b in blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reusable:
+        if need > self.pool.num_free_blocks - self._reusable(hit):
             return None
         hit = hit or self._no_hit
         for blocks in hit:
@@ -204,19 +212,27 @@ class KVCacheCoordinator:
         self._req_tokens[rid] = total
         return flat_block_ids(hit) + flat_block_ids(news)
 
-    def allocate_like(
-        self, req: Request, layout: Sequence[Sequence[object | None]], num_new: int
-    ) -> PerGroup | None:
+    def _count_like(self, req: Request, layout: Layout, num_new: int) -> tuple[int, int, int]:
+        """For `layout` plus `num_new` more tokens: the tokens the request then holds, the
+        logical blocks past the layout's, and the free blocks that takes."""
+        total = req.num_computed_tokens + num_new
+        more = max(cdiv(total, self.block_size) - len(layout[0]), 0)
+        real = sum(x is not None for row in layout for x in row)
+        return total, more, real + more * self.num_groups
+
+    def blocks_needed_like(self, req: Request, layout: Layout, num_new: int) -> int:
+        """Free blocks `allocate_like` would take."""
+        return self._count_like(req, layout, num_new)[2]
+
+    def allocate_like(self, req: Request, layout: Layout, num_new: int) -> PerGroup | None:
         """Blocks for a request with none, shaped as `layout` (per group, None where the null
         block goes), plus room for `num_new` more tokens after its computed ones; None when
         free blocks are short. Taken in the order of `flat_block_ids`."""
-        G, total = self.num_groups, req.num_computed_tokens + num_new
-        held = len(layout[0])
-        more = max(cdiv(total, self.block_size) - held, 0)
-        real = sum(x is not None for row in layout for x in row)
-        if real + more * G > self.pool.num_free_blocks:
+        G, held = self.num_groups, len(layout[0])
+        total, more, need = self._count_like(req, layout, num_new)
+        if need > self.pool.num_free_blocks:
             return None
-        new = iter(self.pool.get_new_blocks(real + more * G))
+        new = iter(self.pool.get_new_blocks(need))
         blocks: list[list[KVBlock]] = [[] for _ in range(G)]
         for i in range(held + more):
             for k in range(G):

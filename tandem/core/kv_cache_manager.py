@@ -55,9 +55,7 @@ class KVCacheManager:
         c = self.coordinator
         if not c.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return (), 0
-        limit = req.num_tokens - 1
-        if c.max_prefix_tokens is not None:
-            limit = min(limit, c.max_prefix_tokens)
+        limit = c.prefix_limit(req.num_tokens - 1)
         salt = salt_hash(req.cache_salt)
         blocks, n = c.find_longest_cache_hit(req.all_token_ids, salt, limit // self.block_size)
         num_hit = n * self.block_size
@@ -79,8 +77,9 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------
     def blocks_needed(self, req: Request, num_new: int, computed_blocks: PerGroup = ()) -> int:
-        """Free blocks `allocate_slots` (or the host tier's `swap_in`, for a swapped request)
-        would take for `num_new` more tokens (see KVCacheCoordinator.blocks_needed)."""
+        """Free blocks that room for `num_new` more tokens takes. For a swapped request the host
+        tier's `swap_in` takes them, else `allocate_slots`. KVCacheCoordinator.blocks_needed
+        says what counts."""
         if req.request_id in self.host_tier.req_to_host_blocks:
             return self.host_tier.blocks_needed(req, num_new)
         return self.coordinator.blocks_needed(req, num_new, computed_blocks)

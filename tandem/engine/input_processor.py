@@ -75,16 +75,7 @@ class InputProcessor:
                 self.config.l1_max_prompt_tokens,
                 self.config.l1_max_tokens,
             )
-        per_seq = (
-            [params]
-            if params.n == 1
-            else [
-                dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i
-                )
-                for i in range(params.n)
-            ]
-        )
+        per_seq = [params] if params.n == 1 else [_child_params(params, i) for i in range(params.n)]
         return EngineCoreRequest(
             request_id,
             token_ids,
@@ -94,3 +85,14 @@ class InputProcessor:
             variant,
             self.precisions.cache_salt(variant),
         )
+
+
+def _child_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Sequence i of n: its own seed. Only the first asks for prompt logprobs: the prompt's are
+    the same for all, and a request asking for them skips the prefix cache."""
+    return dataclasses.replace(
+        params,
+        n=1,
+        seed=None if params.seed is None else params.seed + i,
+        prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+    )

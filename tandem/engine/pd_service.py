@@ -97,7 +97,7 @@ class PDService:
     def send_kv(self, token_ids: list[int], transfer_id: str, peer: int | None) -> int:
         """Export the KV of the prompt's whole blocks (call right after its request finished)
         and start sending it to `peer` (None: shared memory); returns the number of blocks."""
-        self.links.connector(peer)  # a bad peer fails before the export
+        self.links.transport(peer)  # a bad peer fails before the export
         return self._send(self.handoff.export(token_ids), transfer_id, peer)
 
     def migrate_out(
@@ -106,13 +106,13 @@ class PDService:
         """Abort a decoding request and send the KV of `token_ids` (its prompt + the tokens its
         client has) to `peer`, in one engine-thread call, so no step runs between the request
         freeing its blocks and their export (one could evict them). Returns the blocks sent."""
-        self.links.connector(peer)  # a bad peer fails before the request is touched
+        self.links.transport(peer)  # a bad peer fails before the request is touched
         self.core.abort_request(request_id)
         return self._send(self.handoff.export(token_ids), transfer_id, peer)
 
     def check_kv_peer(self, peer: int | None) -> None:
         """ValueError unless this instance has a KV link to `peer` (None: shared memory)."""
-        self.links.connector(peer)
+        self.links.transport(peer)
 
     def kv_sent(self, transfer_id: str) -> Future:
         """The outcome of a send started here, once the receiver has it: {kv_bytes, kv_seconds},
@@ -138,7 +138,7 @@ class PDService:
         when the pool is short, ValueError for a bad peer; resolves to {kv_blocks, kv_bytes,
         kv_seconds}, or {error} (then `release_kv`)."""
         self._expire()
-        self.links.connector(peer)
+        self.links.transport(peer)
         if transfer_id in self._receipts:
             raise ValueError(f"KV transfer {transfer_id!r} is already being received")
         res = self.handoff.reserve(token_ids)
@@ -201,8 +201,8 @@ class PDService:
             log.warning("KV transfer %s not used by %s: %s", transfer_id, request_id, e)
 
     def num_held_blocks(self) -> int:
-        """Blocks reserved for transfers not yet claimed by an add."""
-        return sum(len(row) for r in self._receipts.values() for row in r.res.blocks)
+        """Blocks (of block_size tokens) reserved for transfers not yet claimed by an add."""
+        return sum(r.res.num_blocks for r in self._receipts.values())
 
     def _expire(self) -> None:
         now = time.monotonic()

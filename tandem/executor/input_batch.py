@@ -17,7 +17,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.executor.attention import AttentionMetadata, build_attention_metadata
 from tandem.executor.device import to_device
 from tandem.executor.rejection_sampler import logits_indices
-from tandem.executor.sampler import make_generator
+from tandem.executor.sampler import LogitBias, make_generator, make_logit_bias
 from tandem.kernels import cpu_paged_decode
 
 
@@ -31,6 +31,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None
     precision: str
+    logit_bias: LogitBias | None = None  # the sampler's copy of params.logit_bias
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
 
 
@@ -167,6 +168,7 @@ class InputBatch:
             new.num_computed_tokens,
             new.eos_token_id,
             new.precision or self.default_precision,
+            make_logit_bias(new.sampling_params, self.builder.device),
         )
         if new.req_id not in self.generators:
             self.generators[new.req_id] = make_generator(

@@ -32,7 +32,7 @@ from tandem.executor.structured_output import StructuredOutputMatchers
 from tandem.kernels import cpu_fused_ops
 from tandem.models.config import ModelConfig
 from tandem.models.layers.batch_invariant import check_supported
-from tandem.models.loader.model_files import load_config
+from tandem.models.loader.model_files import gguf_source, load_config, weight_source
 from tandem.models.loader.variants import build_draft, build_variants
 
 
@@ -62,11 +62,12 @@ class ModelRunner:
         dtype = resolve_dtype(model.dtype, self.device)
         if run.deterministic:  # refused before the weights load, not after
             check_supported(self.device, dtype)
+        # the weights every variant is read from, opened once (a self-draft reads them too)
+        source = weight_source(model_dir, gguf_source(model.model))
         self.variants = build_variants(
             config.quant_config,
-            model.model,
+            source,
             model.dtype,
-            model_dir,
             cfg,
             self.device,
             dtype,
@@ -81,6 +82,7 @@ class ModelRunner:
             if spec is None or spec.method != "draft"
             else build_draft(
                 self.variants,
+                source,
                 spec.self_draft,
                 spec.model,
                 model_dir,
@@ -260,6 +262,7 @@ class ModelRunner:
                     s.token_ids[s.prompt_len :],
                     generators[s.req_id],
                     s.eos_token_id,
+                    s.logit_bias,
                     s.spec_token_ids,
                 )
                 for s in rows

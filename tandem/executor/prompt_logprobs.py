@@ -47,8 +47,8 @@ class PromptLogprobs:
             if first == 0:  # the prompt's start, or its recompute after a preemption
                 self.pending[s.req_id] = []
             entries = self.pending.get(s.req_id)
-            # (a request resumed from swap goes on where it stopped; one whose KV came from
-            # elsewhere has none to add to)
+            # A request resumed from swap goes on where it stopped (a request asking for prompt
+            # logprobs takes no prefix hit, so its entries start at position 0).
             if entries is None or len(entries) != first or first >= last:
                 continue
             start = int(query_start_loc[i])

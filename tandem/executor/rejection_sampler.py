@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.executor.sampler import Sampler, SamplingMetadata, SamplingRow
+from tandem.executor.sampler import LogitBias, Sampler, SamplingMetadata, SamplingRow
 
 
 @dataclass(slots=True)
@@ -33,6 +33,7 @@ class VerifyRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     eos_token_id: int | None
+    logit_bias: LogitBias | None
     drafts: list[int]
 
 
@@ -66,7 +67,14 @@ class RejectionSampler:
             for j in range(len(r.drafts) + 1):
                 output = r.output_token_ids + r.drafts[:j] if j else r.output_token_ids
                 sampling_rows.append(
-                    SamplingRow(r.params, r.prompt_token_ids, output, r.generator, r.eos_token_id)
+                    SamplingRow(
+                        r.params,
+                        r.prompt_token_ids,
+                        output,
+                        r.generator,
+                        r.eos_token_id,
+                        r.logit_bias,
+                    )
                 )
         streams = {
             i: r.generator.get_state()

@@ -25,7 +25,6 @@ from tandem.models.layers.activation import Gate
 from tandem.models.layers.decoder_ops import DecoderOps, Gemm, per_layer, run_layers
 from tandem.models.layers.rotary_embedding import RotaryEmbedding
 from tandem.models.quantization.base import IntegerKernelLayer
-from tandem.models.quantization.row_parts import RowParts
 
 
 class NotNative(Exception):
@@ -51,8 +50,7 @@ class NativeOps:
             or layer.bias is not None
         ):
             raise NotNative(name)
-        # forward_gated's other branch: the gate after the GEMM
-        if gate is not None and (isinstance(layer, RowParts) or layer.out_features % 32):
+        if gate is not None and not layer.gates_in_kernel:  # as forward_gated: after the GEMM
             return functools.partial(_gate_after, layer.prebound(0), gate)
         return layer.prebound(int(gate) if gate else 0)
 

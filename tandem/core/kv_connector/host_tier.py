@@ -7,7 +7,7 @@ swap-outs first, so one in the same step would overwrite them before they are re
 
 from __future__ import annotations
 
-from tandem.core.kv_cache_coordinator import KVCacheCoordinator, cdiv, flat_block_ids
+from tandem.core.kv_cache_coordinator import KVCacheCoordinator, flat_block_ids
 from tandem.core.kv_connector.base import KVConnectorScheduler
 from tandem.core.request import Request
 
@@ -33,10 +33,8 @@ class HostTierConnector(KVConnectorScheduler):
 
     def blocks_needed(self, req: Request, num_new: int) -> int:
         """Free device blocks `swap_in` would take for a swapped request."""
-        host, G = self.req_to_host_blocks[req.request_id], self.coordinator.num_groups
-        total = req.num_computed_tokens + num_new
-        real = sum(h is not None for row in host for h in row)
-        return real + max(cdiv(total, self.coordinator.block_size) - len(host[0]), 0) * G
+        host = self.req_to_host_blocks[req.request_id]
+        return self.coordinator.blocks_needed_like(req, host, num_new)
 
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host tier: (device, host) pairs to copy, or None

@@ -49,8 +49,8 @@ class PDConnector(KVConnectorScheduler):
         self.pins: dict[str, KVReservation] = {}  # request id -> blocks held until it is admitted
 
     def _num_transfer_blocks(self, token_ids: list[int]) -> int:
-        limit, cap = len(token_ids), self.coordinator.max_prefix_tokens
-        return (limit if cap is None else min(limit, cap)) // self.coordinator.block_size
+        c = self.coordinator
+        return c.prefix_limit(len(token_ids)) // c.block_size
 
     def cached_prefix(self, token_ids: list[int]) -> tuple[PerGroup, int]:
         """The longest run of whole blocks of `token_ids` in the prefix cache (nothing taken):
@@ -59,9 +59,10 @@ class PDConnector(KVConnectorScheduler):
         return self.coordinator.find_longest_cache_hit(token_ids, None, n)
 
     def reserve(self, token_ids: list[int]) -> KVReservation | None:
-        """Hold a block for each whole block of `token_ids` a later prefix lookup would reach
-        (in each group; the null block where a group would not read it), pinning those cached
-        here already. None when blocks are short (nothing changed then)."""
+        """Hold a block in each group for each whole block of `token_ids` that a later prefix
+        lookup would reach. A group that would not read a block gets the null block there.
+        Blocks cached here already are pinned, not taken anew. None when blocks are short;
+        nothing changes then."""
         c = self.coordinator
         n, null = self._num_transfer_blocks(token_ids), c.null_block
         hashes, chunks = [], []
@@ -113,10 +114,10 @@ class PDConnector(KVConnectorScheduler):
             row.clear()
 
     def fresh_block_ids(self, res: KVReservation, num_blocks: int) -> tuple[list[int], list[int]]:
-        """Of the first `num_blocks` blocks, those with a block to write, and the block ids to
-        write them into (flat_block_ids' layout). Within one, a group's block already cached
-        here (or behind its window) takes the write into the null block, which is never read
-        unmasked, so nothing cached is overwritten."""
+        """The indices among the first `num_blocks` blocks that have KV to write, and the block
+        ids to write it into, in flat_block_ids' layout. Where a group's block is already cached
+        here or lies behind its window, that group's write goes to the null block. The null
+        block is never read unmasked, so nothing cached is overwritten."""
         fresh = [set(f) for f in res.fresh]
         written = sorted({i for f in fresh for i in f if i < num_blocks})
         null = self.coordinator.null_block
@@ -131,11 +132,6 @@ class PDConnector(KVConnectorScheduler):
     def pin(self, request_id: str, res: KVReservation) -> None:
         """Keep `res` pinned until `request_id` is admitted or gone."""
         self.pins[request_id] = res
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Blocks (of block_size tokens) held for decode requests not yet admitted."""
-        return sum(res.num_blocks for res in self.pins.values())
 
     def build_connector_meta(self, out: SchedulerOutput) -> None:
         """Unpin for requests admitted (they hold their own references now) or gone."""

@@ -6,8 +6,8 @@ from tandem.executor.kv_transfer.base import KVTransport, LayerSink
 from tandem.executor.kv_transfer.handoff import KVHandoff
 from tandem.executor.kv_transfer.links import KVLinks
 from tandem.executor.kv_transfer.payload import KVPayload, TransferStats
-from tandem.executor.kv_transfer.shm import ShmConnector
-from tandem.executor.kv_transfer.torch_dist import TorchDistConnector, init_kv_group
+from tandem.executor.kv_transfer.shm import ShmTransport
+from tandem.executor.kv_transfer.torch_dist import TorchDistTransport, init_kv_group
 
 __all__ = [
     "KVHandoff",
@@ -15,8 +15,8 @@ __all__ = [
     "KVPayload",
     "KVTransport",
     "LayerSink",
-    "ShmConnector",
-    "TorchDistConnector",
+    "ShmTransport",
+    "TorchDistTransport",
     "TransferStats",
     "init_kv_group",
 ]

@@ -62,7 +62,7 @@ class KVHandoff:
         return res
 
     def writer(self, res: KVReservation) -> LayerSink:
-        """`on_layer` for a connector's recv: places each layer as it lands. Take it after
+        """`on_layer` for a transport's recv: places each layer as it lands. Take it after
         reserve; it fences on the steps in flight then (a superset of those that matter). The
         blocks are the reservation's alone until commit, so both may happen on any thread."""
         fence = self._in_flight()

@@ -1,5 +1,5 @@
-"""An instance's KV connectors, by peer: shared memory (peer None, one host) always, and once
-the instance has joined a torch.distributed group, one `TorchDistConnector` per peer rank.
+"""An instance's KV transports, by peer: shared memory (peer None, one host) always, and once
+the instance has joined a torch.distributed group, one `TorchDistTransport` per peer rank.
 
 Each torch.distributed link runs every send and receive on a thread of its own: NCCL wants one
 thread per communicator, and a blocking point-to-point send waits for its peer's receive, so a
@@ -19,20 +19,20 @@ import torch.distributed as dist
 
 from tandem.executor.kv_transfer.base import KVTransport, LayerSink
 from tandem.executor.kv_transfer.payload import KVPayload, TransferStats
-from tandem.executor.kv_transfer.shm import ShmConnector
-from tandem.executor.kv_transfer.torch_dist import TorchDistConnector, init_kv_group
+from tandem.executor.kv_transfer.shm import ShmTransport
+from tandem.executor.kv_transfer.torch_dist import TorchDistTransport, init_kv_group
 
 SHM_THREADS = 8  # shared-memory transfers at once (a decode leg's receive waits for its file)
 
 
 class KVLinks:
-    def __init__(self, shm: ShmConnector | None = None) -> None:
-        self.shm = shm or ShmConnector()
+    def __init__(self, shm: ShmTransport | None = None) -> None:
+        self.shm = shm or ShmTransport()
         self.pool = ThreadPoolExecutor(
             SHM_THREADS, thread_name_prefix="kv-shm"
         )  # shm transfers, group joins
         self.rank: int | None = None
-        self._links: dict[int, tuple[TorchDistConnector, ThreadPoolExecutor]] = {}
+        self._links: dict[int, tuple[TorchDistTransport, ThreadPoolExecutor]] = {}
         self._lock = threading.Lock()
 
     def join(
@@ -67,8 +67,8 @@ class KVLinks:
         init_kv_group(rank, world_size, backend=backend, store=store, timeout=timeout)
         self.rank = rank
 
-    def connector(self, peer: int | None) -> tuple[KVTransport, ThreadPoolExecutor]:
-        """The connector to `peer` and the thread(s) that drive it; ValueError for a peer there
+    def transport(self, peer: int | None) -> tuple[KVTransport, ThreadPoolExecutor]:
+        """The transport to `peer` and the thread(s) that drive it; ValueError for a peer there
         is no link to."""
         if peer is None:
             return self.shm, self.pool
@@ -81,13 +81,13 @@ class KVLinks:
         with self._lock:
             if peer not in self._links:
                 self._links[peer] = (
-                    TorchDistConnector(peer),
+                    TorchDistTransport(peer),
                     ThreadPoolExecutor(1, thread_name_prefix=f"kv-link-{peer}"),
                 )
             return self._links[peer]
 
     def send(self, peer: int | None, transfer_id: str, payload: KVPayload) -> Future[TransferStats]:
-        conn, thread = self.connector(peer)
+        conn, thread = self.transport(peer)
         return thread.submit(conn.send, transfer_id, payload)
 
     def recv(
@@ -97,5 +97,5 @@ class KVLinks:
         timeout: float | None = None,
         on_layer: LayerSink | None = None,
     ) -> Future[tuple[KVPayload, TransferStats]]:
-        conn, thread = self.connector(peer)
+        conn, thread = self.transport(peer)
         return thread.submit(conn.recv, transfer_id, timeout, on_layer)

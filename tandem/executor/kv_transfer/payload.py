@@ -10,7 +10,7 @@ import torch
 
 @dataclass(slots=True)
 class KVPayload:
-    """KV of `token_ids` (whole blocks from position 0), laid out per layer so a connector
+    """KV of `token_ids` (whole blocks from position 0), laid out per layer so a transport
     can move and the receiver can place one layer while the next is in flight."""
 
     token_ids: list[int]

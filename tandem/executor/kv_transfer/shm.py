@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 _ALIGN = 64  # the data starts 64-byte aligned, so a mapped tensor is aligned too
 
 
-class ShmConnector:
+class ShmTransport:
     def __init__(self, root: str | Path | None = None) -> None:
         default = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.root = Path(root or default)

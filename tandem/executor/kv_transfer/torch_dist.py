@@ -33,7 +33,7 @@ def init_kv_group(
     store: dist.Store | None = None,
     timeout: datetime.timedelta | None = None,
 ) -> None:
-    """Join the default process group the connectors talk over (once per process), by
+    """Join the default process group the transports talk over (once per process), by
     `init_method` or an existing rendezvous `store`: NCCL when CUDA is available, else gloo.
     With NCCL, set this process's GPU first."""
     if not dist.is_initialized():
@@ -48,7 +48,7 @@ def init_kv_group(
         )
 
 
-class TorchDistConnector:
+class TorchDistTransport:
     """The link to one peer rank. Transfers between two ranks arrive in send order; one that
     arrives before it is asked for waits in a stash. A timed-out receive leaves its posted
     header receive in place, so the next call picks the transfer up where it left off. Sends

@@ -45,6 +45,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None
     ) -> None:
         super().__init__(cfg, attention, sliding_window)
+        self.rope = 0 if sliding_window is None else 1  # local layers: rotary_local
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

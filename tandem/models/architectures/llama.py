@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, attention: AttentionFactory, sliding_window: int | None = None
     ) -> None:
         super().__init__()
-        self.rope = 0 if sliding_window is None else 1  # which RoPE table: 1 is Gemma's local one
+        self.rope = 0  # which of the model's rotaries() the layer turns by
         self.self_attn = Attention(cfg, attention, sliding_window)
         self.mlp = MLP(cfg, self.gate)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -48,8 +48,6 @@ class ModelVariants:
     models: dict[str, LlamaForCausalLM] = field(default_factory=dict)
     weight_bytes: dict[str, int] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # precision -> why it was not built
-    # the weights every variant was read from, opened once (a self-draft reads them too)
-    source: GGUFWeights | FolderWeights | None = None
 
 
 def auto_precision(
@@ -65,24 +63,23 @@ def auto_precision(
 
 def build_variants(
     quant: QuantizationConfig,
-    model_name: str,
+    source: GGUFWeights | FolderWeights,
     dtype_name: str,
-    model_dir: Path,
     cfg: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     attention: AttentionFactory,
     deterministic: bool = False,
 ) -> ModelVariants:
-    """`model_name`, `dtype_name`: as the engine was given them; `dtype`: that dtype resolved
-    for the device (the executor's choice)."""
-    source = weight_source(model_dir, gguf_source(model_name))
+    """`source`: the weights every variant is read from (model_files.weight_source);
+    `dtype_name`: as the engine was given it; `dtype`: that dtype resolved for the device (the
+    executor's choice)."""
     default = quant.quantization
     if default in (None, "auto"):
         default = auto_precision(source, dtype_name, dtype)
     if dtype_name == "auto":
         dtype = resolve_precision(default, dtype, device)[2]
-    variants = ModelVariants(default, dtype, source=source)
+    variants = ModelVariants(default, dtype)
     for name in quant.precisions(default):
         _, weights, variant_dtype = resolve_precision(name, dtype, device)
         try:
@@ -114,6 +111,7 @@ def build_variants(
 
 def build_draft(
     variants: ModelVariants,
+    source: GGUFWeights | FolderWeights,
     precision: str | None,
     name: str,
     model_dir: Path,
@@ -121,10 +119,10 @@ def build_draft(
     device: torch.device,
     attention: AttentionFactory,
 ) -> LlamaForCausalLM:
-    """A speculative draft: the target at `precision` (a self-draft: a variant the engine already
-    holds, or a new one built in the engine's dtype), or else the model `name` sharing the
-    tokenizer (an alias or a path). Its weight bytes join `variants.weight_bytes` as
-    draft:<precision> or draft:<name>."""
+    """A speculative draft. With a `precision`, a self-draft: the target's variant the engine
+    already holds, or a new one built from `source` in the engine's dtype. Else the model
+    `name` (an alias or a path), which must share the tokenizer. Its weight bytes join
+    `variants.weight_bytes` as draft:<precision> or draft:<name>."""
     if precision is None:
         return _external_draft(variants, name, model_dir, cfg, device, attention)
     if precision in variants.models:
@@ -142,7 +140,7 @@ def build_draft(
             f"(use self:int4 or self:int8, whose activations are the engine's)"
         )
     try:
-        model = build_model(variants.source, cfg, weights, device, dtype, attention)
+        model = build_model(source, cfg, weights, device, dtype, attention)
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"speculative model self:{precision} cannot be built here: {e}") from e
     variants.weight_bytes[f"draft:{precision}"] = weight_bytes(model)

@@ -47,8 +47,18 @@ class IntegerKernelLayer(nn.Module):
         Python frame between the GEMMs); the tables must stay as they are."""
         return functools.partial(cpu_quant_gemm().gemm, weights=self.gemm_weights, gate=gate)
 
+    @property
+    def gates_in_kernel(self) -> bool:
+        """Whether `forward_gated` applies the gate in the kernel's epilogue (for a 2-D x): the
+        kernel runs the layer, without a bias, and the half-width is a multiple of 16."""
+        return self.int8_act and self._buffers["bias"] is None and self.out_features % 32 == 0
+
     def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return int8_act_gated(self, x, gate)
+        """act(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where
+        `gates_in_kernel`, else after the layer's forward."""
+        if self.gates_in_kernel and x.dim() == 2:
+            return self._int8_act(x.contiguous(), gate)
+        return gate(self(x))
 
 
 def block_tiles(v: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -69,19 +79,6 @@ def int8_act_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = y.reshape(*x.shape[:-1], layer.out_features)
     bias = layer._buffers["bias"]
     return y if bias is None else y + bias
-
-
-def int8_act_gated(layer: nn.Module, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-    """act(gate) * up of a [gate | up] layer's output: in the kernel's epilogue where it runs
-    the layer (no bias, 2-D x, half-width a multiple of 16), else after the layer's forward."""
-    if (
-        layer.int8_act
-        and layer._buffers["bias"] is None
-        and x.dim() == 2
-        and layer.out_features % 32 == 0
-    ):
-        return layer._int8_act(x.contiguous(), gate)
-    return gate(layer(x))
 
 
 def int8_act_kernel(device: torch.device, dtype: torch.dtype, n: int, k: int):

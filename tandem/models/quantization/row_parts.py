@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.layers.activation import Gate
 from tandem.models.quantization.base import IntegerKernelLayer, int8_act_forward
 
 
@@ -30,5 +29,6 @@ class RowParts(IntegerKernelLayer):
             return int8_act_forward(self, x)
         return torch.cat([part(x) for part in self.parts], -1)
 
-    def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:
-        return gate(self(x))  # the kernel takes a gate for one weight only
+    @property
+    def gates_in_kernel(self) -> bool:
+        return False  # the kernel takes a gate for one weight only
