@@ -43,6 +43,7 @@ class Answer:
         finished its usage and whether it was cut short."""
         req = self.req
         effort = req.reasoning.effort if req.reasoning else None
+        choice = req.tool_choice or "auto"
         body = {
             "id": self.id,
             "object": "response",
@@ -60,7 +61,7 @@ class Answer:
             "reasoning": {"effort": effort, "summary": None},
             "temperature": req.temperature,
             "text": req.text.model_dump(by_alias=True) if req.text else TEXT,
-            "tool_choice": req.tool_choice or "auto",
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "top_p": req.top_p,
             "tools": [t.model_dump() for t in req.tools or []],
             "truncation": "disabled",
