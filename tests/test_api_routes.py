@@ -12,13 +12,14 @@ from route_fixture import Writes
 from test_reasoning import sse
 from test_server_routes import client_for
 
-from tandem.server.routes import responses_api
+from tandem.server.routes import chat, messages, responses_api
 
 TOOL = {
     "type": "function",
     "name": "f",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
 }
+HI = [{"role": "user", "content": "hi"}]
 GENERIC_CALL = '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}'
 
 
@@ -48,3 +49,44 @@ def test_responses_named_tool_choice_is_echoed_and_stored(stream):
     assert [(i["type"], i.get("name")) for i in answer["output"]] == [("function_call", "f")]
     assert state.responses.get(None, answer["id"]).body == answer
     assert json.loads(answer["output"][0]["arguments"]) == {"a": 1}
+
+
+SPLIT = 'Let me check. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> Done.'
+
+
+def test_responses_stream_text_around_a_call_is_two_messages():
+    client, state = served(responses_api.router, SPLIT, "hermes")
+    r = client.post("/v1/responses", json={"input": "hi", "tools": [TOOL], "stream": True})
+    events = sse(r)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    shown = [i["content"][0]["text"] if i["type"] == "message" else i["name"] for i in done]
+    assert shown == ["Let me check. ", "f", "Done."]
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "Let me check. Done."
+    answer = events[-1]["response"]
+    assert answer["output"] == done
+    turn = state.responses.get(None, answer["id"]).messages[-1]
+    assert turn["content"] == "Let me check. Done." and len(turn["tool_calls"]) == 1
+
+
+def test_messages_stream_text_around_a_call_is_two_text_blocks():
+    client, _ = served(messages.router, SPLIT, "hermes")
+    tool = {"name": "f", "input_schema": TOOL["parameters"]}
+    body = {"model": "m", "max_tokens": 5, "messages": HI, "tools": [tool], "stream": True}
+    events = sse(client.post("/v1/messages", json=body))
+    blocks = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    texts = [e["delta"].get("text") for e in events if e["type"] == "content_block_delta"]
+    assert blocks == ["text", "tool_use", "text"]
+    assert "".join(t for t in texts if t) == "Let me check. Done."
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_chat_stream_text_around_a_call():
+    client, _ = served(chat.router, SPLIT, "hermes")
+    tool = {"type": "function", "function": {"name": "f", "parameters": TOOL["parameters"]}}
+    body = {"messages": HI, "tools": [tool], "stream": True}
+    chunks = [c for c in sse(client.post("/v1/chat/completions", json=body)) if c["choices"]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    pieces = [d.get("content") or d["tool_calls"][0]["function"]["name"] for d in deltas[1:]]
+    assert "".join(pieces) == "Let me check. fDone."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

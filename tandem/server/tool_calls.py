@@ -58,6 +58,25 @@ def read_output(
     return got
 
 
+@dataclass(slots=True)
+class Progress:
+    """How much of one output's reasoning, text and calls a stream has sent: the chat, Messages
+    and Responses streams each send what `news` gives."""
+
+    reasoning: int = 0
+    content: int = 0
+    calls: int = 0
+
+    def news(self, got: Extracted) -> Extracted:
+        """What `got` (the output as read so far) adds to what was sent; sent from now on."""
+        new = Extracted(
+            got.content[self.content :], got.calls[self.calls :], got.reasoning[self.reasoning :]
+        )
+        self.reasoning, self.content = len(got.reasoning), len(got.content)
+        self.calls = len(got.calls)
+        return new
+
+
 def openai_call(call: ToolCall) -> dict:
     name, arguments = call
     return {

@@ -18,7 +18,7 @@ from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.routes.chat import ChatRun, start_chat
 from tandem.server.state import serving_state
-from tandem.server.tool_calls import read_output
+from tandem.server.tool_calls import Progress, read_output
 
 router = APIRouter()
 
@@ -119,14 +119,13 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
             }
         },
     )
-    index, open_, sent, thought, calls, c = 0, None, 0, 0, 0, None
+    index, open_, progress, c = 0, None, Progress(), None
     try:
         async for out in run.gen:
             c = out.outputs[0]
-            got = read_output(c.text, run.tools, c.finished, run.think)
-            blocks = (("thinking", got.reasoning, thought), ("text", got.content, sent))
-            for kind, text, done in blocks:
-                if len(text) <= done:
+            new = progress.news(read_output(c.text, run.tools, c.finished, run.think))
+            for kind, text in (("thinking", new.reasoning), ("text", new.content)):
+                if not text:
                     continue
                 if open_ != kind:
                     if open_ is not None:
@@ -135,10 +134,9 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
                     block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
                     yield _event("content_block_start", {"index": index, "content_block": block})
                     open_ = kind
-                delta = {"type": f"{kind}_delta", kind: text[done:]}
+                delta = {"type": f"{kind}_delta", kind: text}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
-            thought, sent = len(got.reasoning), len(got.content)
-            for name, args in got.calls[calls:]:
+            for name, args in new.calls:
                 if open_ is not None:
                     yield _event("content_block_stop", {"index": index})
                     index, open_ = index + 1, None
@@ -147,12 +145,12 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
                 delta = {"type": "input_json_delta", "partial_json": json.dumps(args)}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
                 yield _event("content_block_stop", {"index": index})
-                index, calls = index + 1, calls + 1
+                index += 1
         if open_ is not None:
             yield _event("content_block_stop", {"index": index})
         yield _event(
             "message_delta",
-            {"delta": _stop(c, calls > 0), "usage": {"output_tokens": len(c.token_ids)}},
+            {"delta": _stop(c, progress.calls > 0), "usage": {"output_tokens": len(c.token_ids)}},
         )
         yield _event("message_stop", {})
     except (APIError, RuntimeError) as e:

@@ -21,7 +21,7 @@ from tandem.server.responses import Tokens, chat_logprobs
 from tandem.server.responses_protocol import ResponsesRequest
 from tandem.server.routes.chat import ChatRun, start_chat
 from tandem.server.state import serving_state
-from tandem.server.tool_calls import read_output
+from tandem.server.tool_calls import Progress, read_output
 
 router = APIRouter()
 TEXT = {"format": {"type": "text"}}
@@ -203,7 +203,7 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
     yield event("response.created", response=answer.body("in_progress", []))
     yield event("response.in_progress", response=answer.body("in_progress", []))
     items: list[dict] = []
-    text, message, out = "", None, None
+    progress, text, message, out = Progress(), "", None, None  # text: the open message's
     try:
         async for out in run.gen:
             c = out.outputs[0]
@@ -213,10 +213,11 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
                 for line in _reasoning_events(event, item):
                     yield line
                 items.append(item)
-            if len(got.content) > len(text):
+            new = progress.news(got)
+            if new.content:
                 where = {"output_index": len(items)}
                 if message is None:
-                    message = answer.message("", "in_progress")
+                    message, text = answer.message("", "in_progress"), ""
                     yield event("response.output_item.added", **where, item=message)
                     yield event(
                         "response.content_part.added",
@@ -230,11 +231,11 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
                     item_id=message["id"],
                     **where,
                     content_index=0,
-                    delta=got.content[len(text) :],
+                    delta=new.content,
                     logprobs=[],
                 )
-                text = got.content
-            for name, args in got.calls[sum(i["type"] == "function_call" for i in items) :]:
+                text += new.content
+            for name, args in new.calls:
                 if message is not None:
                     for line in _message_done(event, answer, message, text, items, c):
                         yield line
