@@ -32,14 +32,12 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
             raise ValueError("tool_choice needs `tools`: this request gives none")
         return None
     tools = [t.model_dump() for t in req.tools]
-    choice = req.tool_choice if req.tool_choice in (None, "required") else None
-    if req.tool_choice not in (None, "auto", "required"):
-        choice = req.tool_choice.function.name
-        names = [t.function.name for t in req.tools]
-        if choice not in names:
-            raise ValueError(
-                f"tool_choice names function {choice!r}, which is not in tools ({', '.join(names)})"
-            )
+    choice = req.forced_tool()
+    names = [t.function.name for t in req.tools]
+    if choice not in (None, "required", *names):
+        raise ValueError(
+            f"tool_choice names function {choice!r}, which is not in tools ({', '.join(names)})"
+        )
     constraint = family.constraint(tools, choice, req.parallel_tool_calls)
     if constraint is None and choice is not None:  # forced where the family cannot be: as JSON
         family = GenericToolParser()
