@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 from route_fixture import Writes
 from test_reasoning import sse
-from test_server_routes import client_for
+from test_server_routes import client_for, word_tokenizer
 
+from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.routes import chat, messages, responses_api
+from tandem.server.tool_parsers.generic import GenericToolParser
 
 TOOL = {
     "type": "function",
@@ -90,3 +92,14 @@ def test_chat_stream_text_around_a_call():
     pieces = [d.get("content") or d["tool_calls"][0]["function"]["name"] for d in deltas[1:]]
     assert "".join(pieces) == "Let me check. fDone."
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_the_strict_hint_and_a_null_description_leave_the_prompt_as_it_is():
+    function = {"name": "f", "parameters": TOOL["parameters"]}
+    prompts = []
+    for extra in ({}, {"strict": True}, {"strict": False, "description": None}):
+        tool = {"type": "function", "function": {**function, **extra}}
+        req = ChatCompletionRequest.model_validate({"messages": HI, "tools": [tool]})
+        prompts.append(req.chat_prompt(word_tokenizer(), GenericToolParser()))
+    assert prompts[0] == prompts[1] == prompts[2] and "You can call these tools" in prompts[0]
+    assert "description" not in prompts[0]

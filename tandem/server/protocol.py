@@ -312,7 +312,7 @@ def render_chat(
     family = family or tool_parser(None, tokenizer)
     shown, tools = family.prompt(
         [m.template_dict() for m in messages],
-        [t.model_dump() for t in tools] if tools else None,
+        [t.template_dict() for t in tools] if tools else None,
         forced,
     )
     return apply_chat_template(

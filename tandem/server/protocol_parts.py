@@ -141,6 +141,11 @@ class Tool(Base):
     type: Literal["function"]
     function: FunctionDefinition
 
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates and tool-call formats read it: what it declares, less the
+        hint `strict` (a hint must not change the prompt)."""
+        return self.model_dump(exclude={"function": {"strict"}}, exclude_none=True)
+
 
 class NamedFunction(Base):
     name: str

@@ -203,10 +203,7 @@ class ResponsesRequest(Base):
         }
         if self.tools:
             chat["tools"] = [
-                {
-                    "type": "function",
-                    "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True),
-                }
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                 for t in self.tools
             ]
         if self.tool_choice is not None:

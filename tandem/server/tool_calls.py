@@ -31,7 +31,7 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
         if req.tool_choice is not None:  # OpenAI refuses it too: there is nothing to call
             raise ValueError("tool_choice needs `tools`: this request gives none")
         return None
-    tools = [t.model_dump() for t in req.tools]
+    tools = [t.template_dict() for t in req.tools]
     choice = req.forced_tool()
     names = [t.function.name for t in req.tools]
     if choice not in (None, "required", *names):
