@@ -8,12 +8,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from fastapi import APIRouter
 from route_fixture import Writes
-from test_reasoning import sse
+from test_reasoning import THINK_OFF, sse
 from test_server_routes import client_for, word_tokenizer
 
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.routes import chat, messages, responses_api
+from tandem.server.routes import chat, messages, responses_api, tokenize
 from tandem.server.tool_parsers.generic import GenericToolParser
 
 TOOL = {
@@ -103,3 +104,28 @@ def test_the_strict_hint_and_a_null_description_leave_the_prompt_as_it_is():
         prompts.append(req.chat_prompt(word_tokenizer(), GenericToolParser()))
     assert prompts[0] == prompts[1] == prompts[2] and "You can call these tools" in prompts[0]
     assert "description" not in prompts[0]
+
+
+def test_count_tokens_and_tokenize_count_the_prompt_a_request_runs_on():
+    """With --tool-call-parser (earlier calls shown as the family's, not in words) and
+    --reasoning-budget 0 (the template's thinking switch off)."""
+    router = APIRouter()
+    for one in (chat.router, messages.router, tokenize.router):
+        router.include_router(one)
+    client, state = served(router, "ok", "hermes")
+    state.config.reasoning_budget = 0
+    state.facts.max_model_len = 1000
+    state.facts.tokenizer.chat_template += THINK_OFF
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}
+    turns = [*HI, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    body = {"model": "m", "messages": turns, "tools": [{"name": "f", "input_schema": {}}]}
+    counted = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    assert client.post("/v1/messages", json={**body, "max_tokens": 2}).status_code == 200
+    assert counted == len(state.llm.requests[-1][0])
+    call = {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [*HI, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "sunny"}]
+    body = {"messages": turns, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    tokens = client.post("/tokenize", json=body).json()["tokens"]
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert tokens == state.llm.requests[-1][0]

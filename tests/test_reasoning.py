@@ -20,10 +20,8 @@ from tandem.server.tool_parsers.hermes import HermesToolParser
 QWEN3 = "<think>\nThe user greets.\n</think>\n\nHello!"
 R1 = "The user greets.\n</think>\n\nHello!"  # DeepSeek-R1: <think> ends the prompt
 CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
-)
+THINK_OFF = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + THINK_OFF
 
 
 @pytest.mark.parametrize(

@@ -331,15 +331,13 @@ class TokenizeRequest(Base):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool = True
 
-    def chat_prompt(self, tokenizer) -> str:
-        return render_chat(
-            tokenizer,
-            None,
-            self.messages or [],
-            self.tools,
-            None,
-            self.add_generation_prompt,
-            self.chat_template_kwargs,
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this counts (its parts are validated already)."""
+        return ChatCompletionRequest.model_construct(
+            messages=self.messages or [],
+            tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
 

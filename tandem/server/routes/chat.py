@@ -18,7 +18,7 @@ from tandem.server.chat_responses import ChatFormat, ChatSent, chat_body, chat_c
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
-from tandem.server.state import serving_state
+from tandem.server.state import ServingState, serving_state
 from tandem.server.tool_calls import ToolCallPlan, plan_tool_calls
 from tandem.server.tool_parsers import tool_parser
 from tandem.server.tool_parsers.base import ToolParser
@@ -52,6 +52,22 @@ def check_request(req: ChatCompletionRequest) -> None:
         )
 
 
+def render_prompt(
+    state: ServingState, req: ChatCompletionRequest, family: ToolParser | None = None
+) -> str:
+    """The prompt text a chat request runs on, and the one /tokenize and count_tokens count:
+    its tools in the served tool-call format (`family`, else --tool-call-parser's), thinking
+    off under --reasoning-budget 0; a 400 for messages the template cannot render."""
+    tokenizer = state.facts.tokenizer
+    family = family or tool_parser(state.config.tool_call_parser, tokenizer)
+    if state.config.reasoning_budget == 0:  # thinking off: the template's switch
+        req = req.model_copy(update={"reasoning_effort": "none"})
+    try:
+        return req.chat_prompt(tokenizer, family)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
 @dataclass(slots=True)
 class ChatRun:
     """A chat request on its way: the engine's stream of it, and how to read its output."""
@@ -72,12 +88,7 @@ async def start_chat(req: ChatCompletionRequest, request: Request, rid: str) -> 
     tokenizer = state.facts.tokenizer
     family = tool_parser(state.config.tool_call_parser, tokenizer)
     tools = tool_plan(req, so, family)
-    if state.config.reasoning_budget == 0:  # thinking off: the template's switch
-        req = req.model_copy(update={"reasoning_effort": "none"})
-    try:
-        text = req.chat_prompt(tokenizer, family)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    text = render_prompt(state, req, family)
     ids = S.encode(state, text, req.add_special_tokens, req.truncate_prompt_tokens)
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -16,7 +16,7 @@ from tandem.server import serving as S
 from tandem.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.routes.chat import ChatRun, start_chat
+from tandem.server.routes.chat import ChatRun, render_prompt, start_chat
 from tandem.server.state import serving_state
 from tandem.server.tool_calls import Progress, read_output
 
@@ -35,11 +35,7 @@ async def count_tokens(req: CountTokensRequest, request: Request):
     state = serving_state(request)
     chat = chat_request(req)
     S.check_admission(state, chat.model, 1)
-    try:
-        text = chat.chat_prompt(state.facts.tokenizer)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    return {"input_tokens": len(S.encode(state, text))}
+    return {"input_tokens": len(S.encode(state, render_prompt(state, chat)))}
 
 
 @router.post("/v1/messages")
