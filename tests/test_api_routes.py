@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 from fastapi import APIRouter
 from route_fixture import Writes
-from test_reasoning import THINK_OFF, sse
+from test_reasoning import QWEN3, THINK_OFF, sse
 from test_server_routes import client_for, word_tokenizer
 
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.responses_protocol import ResponsesRequest
 from tandem.server.routes import chat, messages, responses_api, tokenize
 from tandem.server.tool_parsers.generic import GenericToolParser
 
@@ -129,3 +130,14 @@ def test_count_tokens_and_tokenize_count_the_prompt_a_request_runs_on():
     tokens = client.post("/tokenize", json=body).json()["tokens"]
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert tokens == state.llm.requests[-1][0]
+
+
+def test_a_replayed_reasoning_item_keeps_its_reasoning():
+    client, state = served(responses_api.router, QWEN3)
+    state.config.reasoning_parser = "qwen3"
+    output = client.post("/v1/responses", json={"input": "hi"}).json()["output"]
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "In short."}]}
+    for reasoning, shown in ((output[0], "The user greets.\n"), (summary, "In short.")):
+        req = ResponsesRequest.model_validate({"input": [*HI, reasoning, output[1]]})
+        turn = {"role": "assistant", "content": "Hello!", "reasoning_content": shown}
+        assert req.messages() == [*HI, turn]

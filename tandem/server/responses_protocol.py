@@ -59,13 +59,27 @@ class FunctionCallOutputItem(Base):
     status: str | None = hint(None, "an earlier item's status")
 
 
+class ReasoningText(Base):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(Base):
+    type: Literal["summary_text"]
+    text: str
+
+
 class ReasoningItem(Base):
     type: Literal["reasoning"]
-    summary: list[InputText] = []
-    content: list[dict[str, Any]] | None = None
+    summary: list[SummaryText] = doc([], "The reasoning, where `content` gives none.")
+    content: list[ReasoningText] | None = doc(None, "The reasoning (this server's items).")
     id: str | None = hint(None, "an earlier item's id")
     encrypted_content: str | None = hint(None, "reasoning is kept as text here")
     status: str | None = hint(None, "an earlier item's status")
+
+    def text(self) -> str:
+        """The reasoning as the next assistant turn's reasoning_content."""
+        return "".join(p.text for p in self.content or self.summary)
 
 
 def _item_type(value: Any) -> str | None:
@@ -166,7 +180,7 @@ class ResponsesRequest(Base):
         reasoning = None
         for item in self.input:
             if isinstance(item, ReasoningItem):
-                reasoning = "".join(p.text for p in item.summary)
+                reasoning = item.text()
                 continue
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
