@@ -236,7 +236,7 @@ class ChatCompletionRequest(SamplingFields):
     )
     add_special_tokens: SpecialTokens = True
     chat_template_kwargs: dict[str, Any] | None = doc(
-        None, "vLLM's: variables for the chat template (one it does not read has no effect)."
+        None, "vLLM's: variables for the chat template."
     )
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = doc(
         None, "Functions the model may call (their JSON schemas)."
