@@ -14,6 +14,7 @@ from test_reasoning import QWEN3, THINK_OFF, sse
 from test_server_routes import client_for, word_tokenizer
 
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.response_store import ResponseStore
 from tandem.server.responses_protocol import ResponsesRequest
 from tandem.server.routes import chat, messages, responses_api, tokenize
 from tandem.server.tool_parsers.generic import GenericToolParser
@@ -141,3 +142,13 @@ def test_a_replayed_reasoning_item_keeps_its_reasoning():
         req = ResponsesRequest.model_validate({"input": [*HI, reasoning, output[1]]})
         turn = {"role": "assistant", "content": "Hello!", "reasoning_content": shown}
         assert req.messages() == [*HI, turn]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_response_too_large_to_keep_says_store_false(stream):
+    client, state = served(responses_api.router, "ok")
+    state.responses = ResponseStore(10, 100, 60)  # no response fits in 100 bytes
+    r = client.post("/v1/responses", json={"input": "hi", "stream": stream})
+    answer = sse(r)[-1]["response"] if stream else r.json()
+    assert answer["store"] is False and answer["output"][0]["content"][0]["text"] == "ok"
+    assert client.get(f"/v1/responses/{answer['id']}").status_code == 404

@@ -98,7 +98,8 @@ class Answer:
         }
 
     def finish(self, out: RequestOutput, items: list[dict], messages: list[dict]) -> dict:
-        """The final body, kept (with the conversation) unless store is false."""
+        """The final body, kept (with the conversation) unless store is false; one too large
+        for the store says store false."""
         c = out.outputs[0]
         body = self.body("incomplete" if c.finish_reason == "length" else "completed", items, out)
         if self.req.store:
@@ -118,7 +119,8 @@ class Answer:
             thought = [p["text"] for i in items if i["type"] == "reasoning" for p in i["content"]]
             if thought:
                 turn["reasoning_content"] = "".join(thought)
-            self.state.responses.put(self.key, body, [*self.history, *messages, turn])
+            if not self.state.responses.put(self.key, body, [*self.history, *messages, turn]):
+                body["store"] = False
         return body
 
 
