@@ -147,6 +147,11 @@ class Tool(Base):
         return self.model_dump(exclude={"function": {"strict"}}, exclude_none=True)
 
 
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI tool call, as an assistant turn carries it (`arguments`: JSON text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 class NamedFunction(Base):
     name: str
 

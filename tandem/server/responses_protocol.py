@@ -11,7 +11,7 @@ from pydantic import Discriminator, Field, Tag
 
 from tandem.server.limits import MAX_MESSAGES, MAX_TOOLS, Count, Schema
 from tandem.server.protocol import REASONING_EFFORT, ChatCompletionRequest
-from tandem.server.protocol_parts import Base, doc, hint
+from tandem.server.protocol_parts import Base, doc, hint, tool_call
 
 REFUSED = {
     "background": "responses run while the request is open",
@@ -188,11 +188,7 @@ class ResponsesRequest(Base):
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
+                call = tool_call(item.call_id, item.name, item.arguments)
                 if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                     out[-1]["tool_calls"].append(call)
                     continue

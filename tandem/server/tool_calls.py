@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.protocol_parts import tool_call
 from tandem.server.reasoning_parser import ThinkParser
 from tandem.server.tool_parsers.base import Extracted, ToolCall, ToolParser
 from tandem.server.tool_parsers.generic import GenericToolParser
@@ -77,8 +78,4 @@ class Progress:
 
 def openai_call(call: ToolCall) -> dict:
     name, arguments = call
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
-    }
+    return tool_call(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))

@@ -17,6 +17,7 @@ from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server import serving as S
 from tandem.server.auth import presented_key
 from tandem.server.errors import APIError
+from tandem.server.protocol_parts import tool_call
 from tandem.server.responses import Tokens, chat_logprobs
 from tandem.server.responses_protocol import ResponsesRequest
 from tandem.server.routes.chat import ChatRun, start_chat
@@ -104,11 +105,7 @@ class Answer:
         body = self.body("incomplete" if c.finish_reason == "length" else "completed", items, out)
         if self.req.store:
             calls = [
-                {
-                    "id": i["call_id"],
-                    "type": "function",
-                    "function": {"name": i["name"], "arguments": i["arguments"]},
-                }
+                tool_call(i["call_id"], i["name"], i["arguments"])
                 for i in items
                 if i["type"] == "function_call"
             ]
