@@ -46,10 +46,7 @@ def tool_plan(
 def check_request(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs `logprobs: true`", param="top_logprobs")
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(
-            400, "prompt_logprobs are not streamed (vLLM's rule)", param="prompt_logprobs"
-        )
+    S.check_streamed(req)
 
 
 def render_prompt(
@@ -154,10 +151,5 @@ async def chat_chunks(
         chunk = chat_chunk(rid, model, created, out, sent, fmt)
         if chunk:
             yield chunk
-    if req.stream_options and req.stream_options.include_usage:
-        yield {
-            **head,
-            "choices": [],
-            "usage": R.usage([final]),
-            "metrics": R.latency_split([final]),
-        }
+    if (last := S.usage_chunk(req, head, [final])) is not None:
+        yield last
