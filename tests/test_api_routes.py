@@ -136,7 +136,9 @@ def test_count_tokens_and_tokenize_count_the_prompt_a_request_runs_on():
 def test_a_replayed_reasoning_item_keeps_its_reasoning():
     client, state = served(responses_api.router, QWEN3)
     state.config.reasoning_parser = "qwen3"
-    output = client.post("/v1/responses", json={"input": "hi"}).json()["output"]
+    answer = client.post("/v1/responses", json={"input": "hi"}).json()
+    output, thought = answer["output"], word_tokenizer().encode("The user greets.\n")
+    assert answer["usage"]["output_tokens_details"]["reasoning_tokens"] == len(thought)
     summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "In short."}]}
     for reasoning, shown in ((output[0], "The user greets.\n"), (summary, "In short.")):
         req = ResponsesRequest.model_validate({"input": [*HI, reasoning, output[1]]})

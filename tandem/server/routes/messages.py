@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
+from tandem.server import responses as R
 from tandem.server import serving as S
 from tandem.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tandem.server.errors import APIError
@@ -87,8 +88,13 @@ def message_body(rid: str, model: str, out: RequestOutput, run: ChatRun) -> dict
         "model": model,
         "content": content,
         **_stop(c, bool(got.calls)),
-        "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)},
+        "usage": _usage(out),
     }
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt, output, _ = R.token_counts([out])
+    return {"input_tokens": prompt, "output_tokens": output}
 
 
 def _event(name: str, data: dict) -> str:
@@ -115,7 +121,7 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
             }
         },
     )
-    index, open_, progress, c = 0, None, Progress(), None
+    index, open_, progress, out = 0, None, Progress(), None
     try:
         async for out in run.gen:
             c = out.outputs[0]
@@ -146,7 +152,7 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
             yield _event("content_block_stop", {"index": index})
         yield _event(
             "message_delta",
-            {"delta": _stop(c, progress.calls > 0), "usage": {"output_tokens": len(c.token_ids)}},
+            {"delta": _stop(out.outputs[0], progress.calls > 0), "usage": _usage(out)},
         )
         yield _event("message_stop", {})
     except (APIError, RuntimeError) as e:

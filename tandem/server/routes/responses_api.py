@@ -18,7 +18,7 @@ from tandem.server import serving as S
 from tandem.server.auth import presented_key
 from tandem.server.errors import APIError
 from tandem.server.protocol_parts import tool_call
-from tandem.server.responses import Tokens, chat_logprobs
+from tandem.server.responses import Tokens, chat_logprobs, token_counts
 from tandem.server.responses_protocol import ResponsesRequest
 from tandem.server.routes.chat import ChatRun, start_chat
 from tandem.server.state import serving_state
@@ -71,19 +71,26 @@ class Answer:
             "usage": None,
         }
         if out is not None:
-            c = out.outputs[0]
-            if c.finish_reason == "length":
+            if out.outputs[0].finish_reason == "length":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
-            prompt, output = len(out.prompt_token_ids), len(c.token_ids)
-            cached = out.metrics.num_cached_tokens
-            body["usage"] = {
-                "input_tokens": prompt,
-                "output_tokens": output,
-                "total_tokens": prompt + output,
-                "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens_details": {"reasoning_tokens": 0},
-            }
+            body["usage"] = self.usage(out, _reasoning(items))
         return body
+
+    def usage(self, out: RequestOutput, thought: str) -> dict:
+        """The token counts; the reasoning's as its text encodes (the output's tokens are not
+        split at </think>)."""
+        prompt, output, cached = token_counts([out])
+        tokenizer = self.state.facts.tokenizer
+        reasoning = 0
+        if thought and tokenizer is not None:
+            reasoning = len(tokenizer.encode(thought, add_special_tokens=False))
+        return {
+            "input_tokens": prompt,
+            "output_tokens": output,
+            "total_tokens": prompt + output,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+        }
 
     def message(self, text: str, status: str, c: CompletionOutput | None = None) -> dict:
         logprobs = []
@@ -113,12 +120,15 @@ class Answer:
             turn = {"role": "assistant", "content": text or None}
             if calls:
                 turn["tool_calls"] = calls
-            thought = [p["text"] for i in items if i["type"] == "reasoning" for p in i["content"]]
-            if thought:
-                turn["reasoning_content"] = "".join(thought)
+            if thought := _reasoning(items):
+                turn["reasoning_content"] = thought
             if not self.state.responses.put(self.key, body, [*self.history, *messages, turn]):
                 body["store"] = False
         return body
+
+
+def _reasoning(items: list[dict]) -> str:
+    return "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
 
 
 def reasoning_item(text: str) -> dict:
