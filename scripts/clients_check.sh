@@ -18,8 +18,14 @@ test -x $VENV/bin/guidellm || { .venv/bin/uv venv -q -p 3.11 $VENV && \
 .venv/bin/tandem serve --model smollm2-135m --port "$PORT" --log-level warning \
     > "$OUT/serve.log" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -rf "$OUT"' EXIT
-for _ in $(seq 120); do curl -sf "localhost:$PORT/health" > /dev/null && break; sleep 1; done
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true; rm -rf "$OUT"' EXIT
+healthy() { curl -sf "localhost:$PORT/health" > /dev/null; }
+for _ in $(seq 120); do  # until it is healthy or has died
+    healthy || ! kill -0 $SERVER 2>/dev/null && break
+    sleep 1
+done
+healthy || { echo "tandem serve is dead or not healthy after 120 s; its log ends:" >&2
+    tail -30 "$OUT/serve.log" >&2; exit 1; }
 
 BACKEND="kind=openai_http,target=http://127.0.0.1:$PORT,model=smollm2-135m"
 run() {  # FORMAT STREAMS REQUESTS

@@ -120,8 +120,7 @@ def test_hermes_family_calls_in_its_own_format(hermes, stream):
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
     ]
     answer, finish = ask(hermes, stream, messages=turn, max_tokens=20)
-    assert finish in ("stop", "length", "tool_calls")
-    assert answer.content or answer.tool_calls
+    assert finish == "stop" and not answer.tool_calls and "Sunny" in answer.content
 
 
 CLAUDE_TOOL = {

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from route_fixture import FakeLLM
+from route_fixture import Writes
 from test_server_routes import client_for, word_tokenizer
 
-from tandem.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
 from tandem.server.routes import chat, messages, responses_api
 from tandem.server.tool_calls import ToolCallPlan, read_output
@@ -21,10 +20,8 @@ from tandem.server.tool_parsers.hermes import HermesToolParser
 QWEN3 = "<think>\nThe user greets.\n</think>\n\nHello!"
 R1 = "The user greets.\n</think>\n\nHello!"  # DeepSeek-R1: <think> ends the prompt
 CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
-)
+THINK_OFF = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + THINK_OFF
 
 
 @pytest.mark.parametrize(
@@ -60,33 +57,6 @@ def test_the_parser_comes_from_the_template_or_the_flag():
     assert reasoning_parser("qwen3", tok, "user: hi") == ThinkParser(False)
     tok.chat_template = "{{ '<think>' }}"
     assert reasoning_parser(None, tok, "assistant: <think>\n") == ThinkParser(True)
-
-
-class Writes(FakeLLM):
-    """The engine surface, writing `text` a character at a time."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-
-    def generate(self, prompt_ids, params, request_id=None, priority=None, precision=None):
-        self.requests.append((prompt_ids, params))
-
-        async def stream():
-            for i in range(1, len(self.text) + 1):
-                done = i == len(self.text)
-                out = CompletionOutput(
-                    0,
-                    self.text[:i],
-                    list(range(i)),
-                    "stop" if done else None,
-                    delta_text=self.text[i - 1],
-                    delta_token_ids=[i - 1],
-                )
-                metrics = RequestMetrics(0.0, 0.1, 0.2, 0.2, 0.3)
-                yield RequestOutput(request_id, None, prompt_ids, [out], metrics, finished=done)
-
-        return stream()
 
 
 def served(router, text: str = QWEN3):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from tandem.server.response_store import ResponseStore
 
 
-def put(store: ResponseStore, rid: str, key: str | None = "k", text: str = "x") -> None:
-    store.put(key, {"id": rid, "text": text}, [{"role": "user", "content": text}])
+def put(store: ResponseStore, rid: str, key: str | None = "k", text: str = "x") -> bool:
+    return store.put(key, {"id": rid, "text": text}, [{"role": "user", "content": text}])
 
 
 def test_only_the_creating_key_reads_or_deletes():
@@ -28,9 +28,9 @@ def test_count_bytes_and_time_bounds_drop_the_oldest(monkeypatch):
     assert [r for r in "abc" if store.get("k", r)] == ["b", "c"]
     small = ResponseStore(10, 300, 60)
     put(small, "a", text="x" * 100)
-    put(small, "b", text="x" * 100)
+    assert put(small, "b", text="x" * 100)
     assert small.get("k", "a") is None and small.get("k", "b") is not None
-    put(small, "huge", text="x" * 1000)  # larger than the whole store: not kept, nothing dropped
+    assert not put(small, "huge", text="x" * 1000)  # larger than the store: not kept, none dropped
     assert small.get("k", "huge") is None and small.get("k", "b") is not None
     clock = [100.0]
     monkeypatch.setattr("tandem.server.response_store.time.monotonic", lambda: clock[0])

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from tandem.server.limits import MAX_MESSAGES, MAX_STOP, MAX_TOOLS, Count, Int64, Schema
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.protocol_parts import Base, doc, hint
+from tandem.server.protocol_parts import Base, doc, hint, tool_call
 
 REFUSED = {  # fields Anthropic's clients send that would change the output, not implemented
     "thinking": "use output_config.effort (the template's thinking switch)",
@@ -69,11 +69,7 @@ class AnthropicMessage(Base):
             if isinstance(b, ToolResultBlock)
         ]
         calls = [
-            {
-                "id": b.id,
-                "type": "function",
-                "function": {"name": b.name, "arguments": json.dumps(b.input)},
-            }
+            tool_call(b.id, b.name, json.dumps(b.input))
             for b in self.content
             if isinstance(b, ToolUseBlock)
         ]

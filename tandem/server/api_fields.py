@@ -4,6 +4,8 @@ file current; `python -m tandem.server.api_fields > docs/api_fields.md` rewrites
 
 from __future__ import annotations
 
+from typing import Any, get_args, get_origin
+
 from pydantic import BaseModel
 
 from tandem.server import anthropic_protocol, protocol, responses_protocol
@@ -19,12 +21,15 @@ ANTHROPIC: dict[str, type[BaseModel]] = {
 }
 RESPONSES: dict[str, type[BaseModel]] = {"/v1/responses": responses_protocol.ResponsesRequest}
 ENDPOINTS = {**OPENAI, **RESPONSES, **ANTHROPIC}
-NESTED = ("stream_options",)  # fields whose own fields get rows (where hints hide)
+KEY_HINTS = {  # dict fields whose keys may have no effect: a hint row `name.*`
+    "chat_template_kwargs": "a variable the chat template does not read: accepted, no effect"
+}
 
 HEADER = """# Request fields
 
 Every field the API endpoints take, from the request models (`tandem/server/protocol.py`,
-`responses_protocol.py`, `anthropic_protocol.py`):
+`responses_protocol.py`, `anthropic_protocol.py`), nested ones too (`parent.field`; in a list's
+items `parent[].field`):
 **honoured**, a **hint** (accepted; it cannot change this server's output) or **refused**
 (a 400 naming the field and why). A field in no row is refused too. Written by
 `python -m tandem.server.api_fields > docs/api_fields.md`; a test keeps it current.
@@ -35,21 +40,27 @@ Every field the API endpoints take, from the request models (`tandem/server/prot
 
 
 def _rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
-    """(field, status, notes) of a model's fields, nested ones expanded."""
+    """(field, status, notes) of a model's fields, and of the request models inside them."""
     rows = []
     for name, info in model.model_fields.items():
         name = prefix + (info.alias or name)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         status = "hint" if extra.get("x-tandem") == HINT else "honoured"
         rows.append((name, status, info.description or ""))
-        nested = [
-            a
-            for a in getattr(info.annotation, "__args__", ())
-            if isinstance(a, type) and issubclass(a, BaseModel)
-        ]
-        if name in NESTED and nested:
-            rows += _rows(nested[0], name + ".")
-    return rows
+        if name in KEY_HINTS:
+            rows.append((f"{name}.*", "hint", KEY_HINTS[name]))
+        for suffix, nested in _models(info.annotation):
+            rows += _rows(nested, f"{name}{suffix}.")
+    return list(dict.fromkeys(rows))  # item types of one list share fields (id, status, ...)
+
+
+def _models(annotation: Any, suffix: str = "") -> list[tuple[str, type[BaseModel]]]:
+    """The request models a field's type holds, each with a "[]" per list it is inside."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(suffix, annotation)]
+    suffix += "[]" if get_origin(annotation) is list else ""
+    found = [m for a in get_args(annotation) for m in _models(a, suffix)]
+    return list(dict.fromkeys(found))
 
 
 def table() -> str:

@@ -17,7 +17,7 @@ from tandem.server.responses import (
     prompt_logprobs,
     usage,
 )
-from tandem.server.tool_calls import ToolCallPlan, openai_call, read_output
+from tandem.server.tool_calls import Progress, ToolCallPlan, openai_call, read_output
 
 
 @dataclass(slots=True)
@@ -34,12 +34,10 @@ class ChatFormat:
 
 @dataclass(slots=True)
 class ChatSent(Sent):
-    """Per choice, how much of its text, how many of its calls and of its tokens' logprobs the
+    """Per choice, how much of its reasoning, text and calls and of its tokens' logprobs the
     stream has sent (a token whose text is held back sends its logprob with the next chunk)."""
 
-    content: dict[int, int] = field(default_factory=dict)
-    reasoning: dict[int, int] = field(default_factory=dict)
-    calls: dict[int, int] = field(default_factory=dict)
+    progress: dict[int, Progress] = field(default_factory=dict)
     logprobs: dict[int, int] = field(default_factory=dict)
 
 
@@ -89,17 +87,15 @@ def _delta(c: CompletionOutput, fmt: ChatFormat, sent: ChatSent) -> dict:
     that completed."""
     if fmt.tools is None and fmt.think is None:
         return {"content": c.delta_text}
-    got = read_output(c.text, fmt.tools, c.finished, fmt.think)
-    done, calls = sent.content.get(c.index, 0), sent.calls.get(c.index, 0)
-    thought = sent.reasoning.get(c.index, 0)
-    sent.content[c.index], sent.calls[c.index] = len(got.content), len(got.calls)
-    sent.reasoning[c.index] = len(got.reasoning)
-    delta = {"reasoning_content": got.reasoning[thought:]} if len(got.reasoning) > thought else {}
-    if len(got.content) > done:
-        delta["content"] = got.content[done:]
-    if len(got.calls) > calls:
+    progress = sent.progress.setdefault(c.index, Progress())
+    calls = progress.calls
+    new = progress.news(read_output(c.text, fmt.tools, c.finished, fmt.think))
+    delta = {"reasoning_content": new.reasoning} if new.reasoning else {}
+    if new.content:
+        delta["content"] = new.content
+    if new.calls:
         delta["tool_calls"] = [
-            {"index": calls + j, **openai_call(call)} for j, call in enumerate(got.calls[calls:])
+            {"index": calls + j, **openai_call(call)} for j, call in enumerate(new.calls)
         ]
     return delta
 
@@ -112,7 +108,8 @@ def chat_chunk(
         delta = _delta(c, fmt, sent)
         finish = None
         if c.finished:
-            finish = "tool_calls" if sent.calls.get(c.index) else c.finish_reason
+            called = sent.progress.get(c.index, Progress()).calls
+            finish = "tool_calls" if called else c.finish_reason
         elif not delta:
             continue
         lps = None

@@ -236,7 +236,7 @@ class ChatCompletionRequest(SamplingFields):
     )
     add_special_tokens: SpecialTokens = True
     chat_template_kwargs: dict[str, Any] | None = doc(
-        None, "vLLM's: variables for the chat template (one it does not read has no effect)."
+        None, "vLLM's: variables for the chat template."
     )
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = doc(
         None, "Functions the model may call (their JSON schemas)."
@@ -312,7 +312,7 @@ def render_chat(
     family = family or tool_parser(None, tokenizer)
     shown, tools = family.prompt(
         [m.template_dict() for m in messages],
-        [t.model_dump() for t in tools] if tools else None,
+        [t.template_dict() for t in tools] if tools else None,
         forced,
     )
     return apply_chat_template(
@@ -331,15 +331,13 @@ class TokenizeRequest(Base):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool = True
 
-    def chat_prompt(self, tokenizer) -> str:
-        return render_chat(
-            tokenizer,
-            None,
-            self.messages or [],
-            self.tools,
-            None,
-            self.add_generation_prompt,
-            self.chat_template_kwargs,
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this counts (its parts are validated already)."""
+        return ChatCompletionRequest.model_construct(
+            messages=self.messages or [],
+            tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
 

@@ -141,6 +141,16 @@ class Tool(Base):
     type: Literal["function"]
     function: FunctionDefinition
 
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates and tool-call formats read it: what it declares, less the
+        hint `strict` (a hint must not change the prompt)."""
+        return self.model_dump(exclude={"function": {"strict"}}, exclude_none=True)
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI tool call, as an assistant turn carries it (`arguments`: JSON text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
 
 class NamedFunction(Base):
     name: str

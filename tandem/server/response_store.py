@@ -30,15 +30,17 @@ class ResponseStore:
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
 
-    def put(self, key: str | None, body: dict, messages: list[dict]) -> None:
+    def put(self, key: str | None, body: dict, messages: list[dict]) -> bool:
+        """Whether it is kept: not one larger than the whole store."""
         size = len(json.dumps(body)) + len(json.dumps(messages))
         if size > self.max_bytes:
-            return  # larger than the whole store: kept by none
+            return False
         self._entries[body["id"]] = StoredResponse(
             owner_of(key), body, messages, size, time.monotonic() + self.ttl_s
         )
         self._bytes += size
         self._drop(time.monotonic())
+        return True
 
     def get(self, key: str | None, response_id: str) -> StoredResponse | None:
         """The entry, if it is there, alive and the key's; else None."""

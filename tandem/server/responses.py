@@ -26,10 +26,15 @@ def error_event(message: str, code: int = 500, type_: str = "server_error") -> s
     return sse_event({"error": {"message": message, "type": type_, "param": None, "code": code}})
 
 
-def usage(outs: list[RequestOutput]) -> dict:
+def token_counts(outs: list[RequestOutput]) -> tuple[int, int, int]:
+    """(prompt, output, cached prompt) tokens of the requests: each API's usage, in its names."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = sum(o.metrics.num_cached_tokens for o in outs)
+    output = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return prompt, output, sum(o.metrics.num_cached_tokens for o in outs)
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    prompt, completion, cached = token_counts(outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

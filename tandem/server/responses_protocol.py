@@ -11,7 +11,7 @@ from pydantic import Discriminator, Field, Tag
 
 from tandem.server.limits import MAX_MESSAGES, MAX_TOOLS, Count, Schema
 from tandem.server.protocol import REASONING_EFFORT, ChatCompletionRequest
-from tandem.server.protocol_parts import Base, doc, hint
+from tandem.server.protocol_parts import Base, doc, hint, tool_call
 
 REFUSED = {
     "background": "responses run while the request is open",
@@ -59,13 +59,27 @@ class FunctionCallOutputItem(Base):
     status: str | None = hint(None, "an earlier item's status")
 
 
+class ReasoningText(Base):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(Base):
+    type: Literal["summary_text"]
+    text: str
+
+
 class ReasoningItem(Base):
     type: Literal["reasoning"]
-    summary: list[InputText] = []
-    content: list[dict[str, Any]] | None = None
+    summary: list[SummaryText] = doc([], "The reasoning, where `content` gives none.")
+    content: list[ReasoningText] | None = doc(None, "The reasoning (this server's items).")
     id: str | None = hint(None, "an earlier item's id")
     encrypted_content: str | None = hint(None, "reasoning is kept as text here")
     status: str | None = hint(None, "an earlier item's status")
+
+    def text(self) -> str:
+        """The reasoning as the next assistant turn's reasoning_content."""
+        return "".join(p.text for p in self.content or self.summary)
 
 
 def _item_type(value: Any) -> str | None:
@@ -166,7 +180,7 @@ class ResponsesRequest(Base):
         reasoning = None
         for item in self.input:
             if isinstance(item, ReasoningItem):
-                reasoning = "".join(p.text for p in item.summary)
+                reasoning = item.text()
                 continue
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
@@ -174,11 +188,7 @@ class ResponsesRequest(Base):
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
+                call = tool_call(item.call_id, item.name, item.arguments)
                 if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                     out[-1]["tool_calls"].append(call)
                     continue
@@ -203,10 +213,7 @@ class ResponsesRequest(Base):
         }
         if self.tools:
             chat["tools"] = [
-                {
-                    "type": "function",
-                    "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True),
-                }
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                 for t in self.tools
             ]
         if self.tool_choice is not None:

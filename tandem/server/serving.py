@@ -73,6 +73,22 @@ def encode(
     return ids[-(state.facts.max_model_len if truncate == -1 else truncate) :]
 
 
+def check_streamed(req: SamplingFields, instead: str = "") -> None:
+    """What a stream cannot carry: prompt_logprobs (a 400; `instead`: what to ask for)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(
+            400, f"prompt_logprobs are not streamed (vLLM's rule){instead}", param="prompt_logprobs"
+        )
+
+
+def usage_chunk(req: SamplingFields, head: dict, outs: list[RequestOutput]) -> dict | None:
+    """stream_options.include_usage's last chunk (no choices: the whole request's usage), or
+    None."""
+    if not (req.stream_options and req.stream_options.include_usage):
+        return None
+    return {**head, "choices": [], "usage": R.usage(outs), "metrics": R.latency_split(outs)}
+
+
 def continuous_usage(req: SamplingFields) -> bool:
     """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
     return bool(req.stream_options and req.stream_options.continuous_usage_stats)

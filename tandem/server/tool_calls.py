@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.protocol_parts import tool_call
 from tandem.server.reasoning_parser import ThinkParser
 from tandem.server.tool_parsers.base import Extracted, ToolCall, ToolParser
 from tandem.server.tool_parsers.generic import GenericToolParser
@@ -31,15 +32,13 @@ def plan_tool_calls(req: ChatCompletionRequest, family: ToolParser) -> ToolCallP
         if req.tool_choice is not None:  # OpenAI refuses it too: there is nothing to call
             raise ValueError("tool_choice needs `tools`: this request gives none")
         return None
-    tools = [t.model_dump() for t in req.tools]
-    choice = req.tool_choice if req.tool_choice in (None, "required") else None
-    if req.tool_choice not in (None, "auto", "required"):
-        choice = req.tool_choice.function.name
-        names = [t.function.name for t in req.tools]
-        if choice not in names:
-            raise ValueError(
-                f"tool_choice names function {choice!r}, which is not in tools ({', '.join(names)})"
-            )
+    tools = [t.template_dict() for t in req.tools]
+    choice = req.forced_tool()
+    names = [t.function.name for t in req.tools]
+    if choice not in (None, "required", *names):
+        raise ValueError(
+            f"tool_choice names function {choice!r}, which is not in tools ({', '.join(names)})"
+        )
     constraint = family.constraint(tools, choice, req.parallel_tool_calls)
     if constraint is None and choice is not None:  # forced where the family cannot be: as JSON
         family = GenericToolParser()
@@ -58,10 +57,25 @@ def read_output(
     return got
 
 
+@dataclass(slots=True)
+class Progress:
+    """How much of one output's reasoning, text and calls a stream has sent: the chat, Messages
+    and Responses streams each send what `news` gives."""
+
+    reasoning: int = 0
+    content: int = 0
+    calls: int = 0
+
+    def news(self, got: Extracted) -> Extracted:
+        """What `got` (the output as read so far) adds to what was sent; sent from now on."""
+        new = Extracted(
+            got.content[self.content :], got.calls[self.calls :], got.reasoning[self.reasoning :]
+        )
+        self.reasoning, self.content = len(got.reasoning), len(got.content)
+        self.calls = len(got.calls)
+        return new
+
+
 def openai_call(call: ToolCall) -> dict:
     name, arguments = call
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
-    }
+    return tool_call(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments))

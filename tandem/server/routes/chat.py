@@ -18,7 +18,7 @@ from tandem.server.chat_responses import ChatFormat, ChatSent, chat_body, chat_c
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
-from tandem.server.state import serving_state
+from tandem.server.state import ServingState, serving_state
 from tandem.server.tool_calls import ToolCallPlan, plan_tool_calls
 from tandem.server.tool_parsers import tool_parser
 from tandem.server.tool_parsers.base import ToolParser
@@ -46,10 +46,23 @@ def tool_plan(
 def check_request(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs `logprobs: true`", param="top_logprobs")
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(
-            400, "prompt_logprobs are not streamed (vLLM's rule)", param="prompt_logprobs"
-        )
+    S.check_streamed(req)
+
+
+def render_prompt(
+    state: ServingState, req: ChatCompletionRequest, family: ToolParser | None = None
+) -> str:
+    """The prompt text a chat request runs on, and the one /tokenize and count_tokens count:
+    its tools in the served tool-call format (`family`, else --tool-call-parser's), thinking
+    off under --reasoning-budget 0; a 400 for messages the template cannot render."""
+    tokenizer = state.facts.tokenizer
+    family = family or tool_parser(state.config.tool_call_parser, tokenizer)
+    if state.config.reasoning_budget == 0:  # thinking off: the template's switch
+        req = req.model_copy(update={"reasoning_effort": "none"})
+    try:
+        return req.chat_prompt(tokenizer, family)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 @dataclass(slots=True)
@@ -72,12 +85,7 @@ async def start_chat(req: ChatCompletionRequest, request: Request, rid: str) -> 
     tokenizer = state.facts.tokenizer
     family = tool_parser(state.config.tool_call_parser, tokenizer)
     tools = tool_plan(req, so, family)
-    if state.config.reasoning_budget == 0:  # thinking off: the template's switch
-        req = req.model_copy(update={"reasoning_effort": "none"})
-    try:
-        text = req.chat_prompt(tokenizer, family)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    text = render_prompt(state, req, family)
     ids = S.encode(state, text, req.add_special_tokens, req.truncate_prompt_tokens)
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -143,10 +151,5 @@ async def chat_chunks(
         chunk = chat_chunk(rid, model, created, out, sent, fmt)
         if chunk:
             yield chunk
-    if req.stream_options and req.stream_options.include_usage:
-        yield {
-            **head,
-            "choices": [],
-            "usage": R.usage([final]),
-            "metrics": R.latency_split([final]),
-        }
+    if (last := S.usage_chunk(req, head, [final])) is not None:
+        yield last

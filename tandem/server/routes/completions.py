@@ -41,12 +41,7 @@ def check_request(req: CompletionRequest) -> None:
         raise APIError(
             400, f"best_of must be at least n ({req.n}), and is not streamed", param="best_of"
         )
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(
-            400,
-            "prompt_logprobs are not streamed (vLLM's rule): use echo with logprobs",
-            param="prompt_logprobs",
-        )
+    S.check_streamed(req, ": use echo with logprobs")
 
 
 @router.post("/v1/completions")
@@ -176,16 +171,9 @@ async def completion_chunks(
             chunk = R.completion_chunk(rid, model, created, i, out, sent[i], fmt)
             if chunk:
                 yield chunk
-        if req.stream_options and req.stream_options.include_usage:
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": R.usage(finals),
-                "metrics": R.latency_split(finals),
-            }
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        if (last := S.usage_chunk(req, head, finals)) is not None:
+            yield last
     finally:
         for t in tasks:
             t.cancel()

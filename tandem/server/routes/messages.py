@@ -12,13 +12,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tandem.engine.output_processor import CompletionOutput, RequestOutput
+from tandem.server import responses as R
 from tandem.server import serving as S
 from tandem.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.routes.chat import ChatRun, start_chat
+from tandem.server.routes.chat import ChatRun, render_prompt, start_chat
 from tandem.server.state import serving_state
-from tandem.server.tool_calls import read_output
+from tandem.server.tool_calls import Progress, read_output
 
 router = APIRouter()
 
@@ -35,11 +36,7 @@ async def count_tokens(req: CountTokensRequest, request: Request):
     state = serving_state(request)
     chat = chat_request(req)
     S.check_admission(state, chat.model, 1)
-    try:
-        text = chat.chat_prompt(state.facts.tokenizer)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    return {"input_tokens": len(S.encode(state, text))}
+    return {"input_tokens": len(S.encode(state, render_prompt(state, chat)))}
 
 
 @router.post("/v1/messages")
@@ -91,8 +88,13 @@ def message_body(rid: str, model: str, out: RequestOutput, run: ChatRun) -> dict
         "model": model,
         "content": content,
         **_stop(c, bool(got.calls)),
-        "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)},
+        "usage": _usage(out),
     }
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt, output, _ = R.token_counts([out])
+    return {"input_tokens": prompt, "output_tokens": output}
 
 
 def _event(name: str, data: dict) -> str:
@@ -119,14 +121,13 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
             }
         },
     )
-    index, open_, sent, thought, calls, c = 0, None, 0, 0, 0, None
+    index, open_, progress, out = 0, None, Progress(), None
     try:
         async for out in run.gen:
             c = out.outputs[0]
-            got = read_output(c.text, run.tools, c.finished, run.think)
-            blocks = (("thinking", got.reasoning, thought), ("text", got.content, sent))
-            for kind, text, done in blocks:
-                if len(text) <= done:
+            new = progress.news(read_output(c.text, run.tools, c.finished, run.think))
+            for kind, text in (("thinking", new.reasoning), ("text", new.content)):
+                if not text:
                     continue
                 if open_ != kind:
                     if open_ is not None:
@@ -135,10 +136,9 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
                     block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
                     yield _event("content_block_start", {"index": index, "content_block": block})
                     open_ = kind
-                delta = {"type": f"{kind}_delta", kind: text[done:]}
+                delta = {"type": f"{kind}_delta", kind: text}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
-            thought, sent = len(got.reasoning), len(got.content)
-            for name, args in got.calls[calls:]:
+            for name, args in new.calls:
                 if open_ is not None:
                     yield _event("content_block_stop", {"index": index})
                     index, open_ = index + 1, None
@@ -147,12 +147,12 @@ async def events(rid: str, model: str, run: ChatRun) -> AsyncIterator[str]:
                 delta = {"type": "input_json_delta", "partial_json": json.dumps(args)}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
                 yield _event("content_block_stop", {"index": index})
-                index, calls = index + 1, calls + 1
+                index += 1
         if open_ is not None:
             yield _event("content_block_stop", {"index": index})
         yield _event(
             "message_delta",
-            {"delta": _stop(c, calls > 0), "usage": {"output_tokens": len(c.token_ids)}},
+            {"delta": _stop(out.outputs[0], progress.calls > 0), "usage": _usage(out)},
         )
         yield _event("message_stop", {})
     except (APIError, RuntimeError) as e:

@@ -17,11 +17,12 @@ from tandem.engine.output_processor import CompletionOutput, RequestOutput
 from tandem.server import serving as S
 from tandem.server.auth import presented_key
 from tandem.server.errors import APIError
-from tandem.server.responses import Tokens, chat_logprobs
+from tandem.server.protocol_parts import tool_call
+from tandem.server.responses import Tokens, chat_logprobs, token_counts
 from tandem.server.responses_protocol import ResponsesRequest
 from tandem.server.routes.chat import ChatRun, start_chat
 from tandem.server.state import serving_state
-from tandem.server.tool_calls import read_output
+from tandem.server.tool_calls import Progress, read_output
 
 router = APIRouter()
 TEXT = {"format": {"type": "text"}}
@@ -43,6 +44,7 @@ class Answer:
         finished its usage and whether it was cut short."""
         req = self.req
         effort = req.reasoning.effort if req.reasoning else None
+        choice = req.tool_choice or "auto"
         body = {
             "id": self.id,
             "object": "response",
@@ -60,7 +62,7 @@ class Answer:
             "reasoning": {"effort": effort, "summary": None},
             "temperature": req.temperature,
             "text": req.text.model_dump(by_alias=True) if req.text else TEXT,
-            "tool_choice": req.tool_choice or "auto",
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "top_p": req.top_p,
             "tools": [t.model_dump() for t in req.tools or []],
             "truncation": "disabled",
@@ -69,19 +71,26 @@ class Answer:
             "usage": None,
         }
         if out is not None:
-            c = out.outputs[0]
-            if c.finish_reason == "length":
+            if out.outputs[0].finish_reason == "length":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
-            prompt, output = len(out.prompt_token_ids), len(c.token_ids)
-            cached = out.metrics.num_cached_tokens
-            body["usage"] = {
-                "input_tokens": prompt,
-                "output_tokens": output,
-                "total_tokens": prompt + output,
-                "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens_details": {"reasoning_tokens": 0},
-            }
+            body["usage"] = self.usage(out, _reasoning(items))
         return body
+
+    def usage(self, out: RequestOutput, thought: str) -> dict:
+        """The token counts; the reasoning's as its text encodes (the output's tokens are not
+        split at </think>)."""
+        prompt, output, cached = token_counts([out])
+        tokenizer = self.state.facts.tokenizer
+        reasoning = 0
+        if thought and tokenizer is not None:
+            reasoning = len(tokenizer.encode(thought, add_special_tokens=False))
+        return {
+            "input_tokens": prompt,
+            "output_tokens": output,
+            "total_tokens": prompt + output,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+        }
 
     def message(self, text: str, status: str, c: CompletionOutput | None = None) -> dict:
         logprobs = []
@@ -97,16 +106,13 @@ class Answer:
         }
 
     def finish(self, out: RequestOutput, items: list[dict], messages: list[dict]) -> dict:
-        """The final body, kept (with the conversation) unless store is false."""
+        """The final body, kept (with the conversation) unless store is false; one too large
+        for the store says store false."""
         c = out.outputs[0]
         body = self.body("incomplete" if c.finish_reason == "length" else "completed", items, out)
         if self.req.store:
             calls = [
-                {
-                    "id": i["call_id"],
-                    "type": "function",
-                    "function": {"name": i["name"], "arguments": i["arguments"]},
-                }
+                tool_call(i["call_id"], i["name"], i["arguments"])
                 for i in items
                 if i["type"] == "function_call"
             ]
@@ -114,11 +120,15 @@ class Answer:
             turn = {"role": "assistant", "content": text or None}
             if calls:
                 turn["tool_calls"] = calls
-            thought = [p["text"] for i in items if i["type"] == "reasoning" for p in i["content"]]
-            if thought:
-                turn["reasoning_content"] = "".join(thought)
-            self.state.responses.put(self.key, body, [*self.history, *messages, turn])
+            if thought := _reasoning(items):
+                turn["reasoning_content"] = thought
+            if not self.state.responses.put(self.key, body, [*self.history, *messages, turn]):
+                body["store"] = False
         return body
+
+
+def _reasoning(items: list[dict]) -> str:
+    return "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
 
 
 def reasoning_item(text: str) -> dict:
@@ -202,7 +212,7 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
     yield event("response.created", response=answer.body("in_progress", []))
     yield event("response.in_progress", response=answer.body("in_progress", []))
     items: list[dict] = []
-    text, message, out = "", None, None
+    progress, text, message, out = Progress(), "", None, None  # text: the open message's
     try:
         async for out in run.gen:
             c = out.outputs[0]
@@ -212,10 +222,11 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
                 for line in _reasoning_events(event, item):
                     yield line
                 items.append(item)
-            if len(got.content) > len(text):
+            new = progress.news(got)
+            if new.content:
                 where = {"output_index": len(items)}
                 if message is None:
-                    message = answer.message("", "in_progress")
+                    message, text = answer.message("", "in_progress"), ""
                     yield event("response.output_item.added", **where, item=message)
                     yield event(
                         "response.content_part.added",
@@ -229,11 +240,11 @@ async def events(answer: Answer, run: ChatRun) -> AsyncIterator[str]:
                     item_id=message["id"],
                     **where,
                     content_index=0,
-                    delta=got.content[len(text) :],
+                    delta=new.content,
                     logprobs=[],
                 )
-                text = got.content
-            for name, args in got.calls[sum(i["type"] == "function_call" for i in items) :]:
+                text += new.content
+            for name, args in new.calls:
                 if message is not None:
                     for line in _message_done(event, answer, message, text, items, c):
                         yield line

@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize (vLLM's): a prompt, or messages rendered exactly as a chat
-request renders them (its add_generation_prompt, tools and chat_template_kwargs), to token ids
-and the context they must fit; token ids back to text."""
+request renders them (render_prompt: its add_generation_prompt, tools and chat_template_kwargs,
+the served tool-call format and reasoning budget), to token ids and the context they must fit;
+token ids back to text."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from tandem.server.errors import APIError
 from tandem.server.protocol import DetokenizeRequest, TokenizeRequest
+from tandem.server.routes.chat import render_prompt
 from tandem.server.state import serving_state
 
 router = APIRouter()
@@ -15,11 +17,12 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
-    facts = serving_state(request).facts
+    state = serving_state(request)
+    facts = state.facts
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give `prompt` or `messages`, not both or neither")
+    text = req.prompt if req.prompt is not None else render_prompt(state, req.chat_request())
     try:
-        text = req.prompt if req.prompt is not None else req.chat_prompt(facts.tokenizer)
         if req.add_special_tokens:
             ids = facts.tokenize(text)  # as a request's prompt is tokenised
         elif facts.tokenizer is None:

@@ -7,14 +7,13 @@ assistant's "I called get_weather with {...}.", then a user turn "get_weather re
 from __future__ import annotations
 
 import json
-import re
-from json.decoder import scanstring
+from json.decoder import JSONDecodeError, scanstring
 
 from tandem.core.sampling_params import StructuredOutputsParams
 from tandem.server.tool_parsers.base import Extracted, ToolParser, call_of, chosen
 
 RESPONSE = '{"response": "'  # how the constrained answer starts (JSON laid out as json.dumps)
-_CUT_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9a-fA-F]{0,3})?)$")  # an escape cut short
+_HEX = frozenset("0123456789abcdefABCDEF")
 PROMPT = (
     "You can call these tools:\n{tools}\n\nAnswer with a JSON object: "
     '{{"tool_calls": [{{"name": <the tool\'s name>, "arguments": <its arguments>}}]}} '
@@ -89,19 +88,37 @@ def _object(properties: dict) -> dict:
 
 def _json_string(body: str) -> str:
     """The text of a JSON string (its opening quote already read), whole or as far as it has
-    come: an escape cut short waits for the rest."""
+    come: an escape cut short waits for the rest; the text stops before a bad escape."""
     try:
         return scanstring(body, 0)[0]
     except ValueError:
         pass
-    cut = _CUT_ESCAPE.search(body)
-    if cut is not None:
-        body = body[: cut.start(1)]
+    body = body[: _cut_escape(body)]
     try:
         text = scanstring(body + '"', 0)[0]
-    except ValueError:
-        return ""
+    except JSONDecodeError as e:  # a bad escape or control character at e.pos
+        return _json_string(body[: e.pos]) if 0 <= e.pos < len(body) else ""
     return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text  # half a surrogate pair
+
+
+def _cut_escape(body: str) -> int:
+    """Where an escape cut short at the end of `body` starts (a backslash, or a \\u with fewer
+    than 4 hex digits), else len(body). Reads only the end: a stream step stays cheap."""
+    end, digits = len(body), 0
+    while digits < 4 and digits < end and body[end - 1 - digits] in _HEX:
+        digits += 1
+    u = end - digits - 1
+    if digits < 4 and u > 0 and body[u] == "u" and _odd_backslashes(body, u):
+        return u - 1
+    return end - 1 if _odd_backslashes(body, end) else end
+
+
+def _odd_backslashes(body: str, end: int) -> bool:
+    """Whether body[:end] ends in an odd run of backslashes: its last one starts an escape."""
+    run = 0
+    while run < end and body[end - 1 - run] == "\\":
+        run += 1
+    return run % 2 == 1
 
 
 def calls_as_text(messages: list[dict]) -> list[dict]:
