@@ -59,6 +59,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]  # empty with Triton
     block_size: int = 16
     decode_kernel: Callable | None = None  # native paged decode attention, when available
+    prefill_kernel: Callable | None = None  # native paged prefill attention: no prefill spans
     triton: bool = False  # the Triton kernels run the whole batch
     max_query_len: int = 1
     # sliding window -> (decodes, prefills) that see only it: built by the first layer of that
@@ -115,6 +116,7 @@ def build_attention_metadata(
     device: torch.device,
     decode_kernel: Callable | None = None,
     triton: bool = False,
+    prefill_kernel: Callable | None = None,
 ) -> AttentionMetadata:
     """A step's metadata from its attention rows (host arrays): row i's query is the last
     query_lens[i] tokens of its context of seq_lens[i] tokens, in the blocks block_tables[i];
@@ -133,7 +135,7 @@ def build_attention_metadata(
         decodes = decode_buckets(
             block_tables[:num_decodes], seq_lens[:num_decodes], block_size, device
         )
-    for i in range(num_decodes, num_rows) if not triton else ():
+    for i in range(num_decodes, num_rows) if not (triton or prefill_kernel) else ():
         ctx = np.arange(int(seq_lens[i]))
         slots = torch.from_numpy(
             block_tables[i, ctx // block_size] * block_size + ctx % block_size
@@ -154,6 +156,7 @@ def build_attention_metadata(
         prefills=prefills,
         block_size=block_size,
         decode_kernel=decode_kernel,
+        prefill_kernel=prefill_kernel,
         triton=triton,
         max_query_len=int(query_lens.max(initial=1)),
     )
@@ -276,6 +279,18 @@ class TorchAttention:
                 v_cache,
                 meta.block_tables[:nd],
                 meta.seq_lens[:nd],
+                meta.block_size,
+                self.scale,
+                self.window_arg,
+            )
+        if meta.prefill_kernel is not None and nd < q.shape[0]:
+            out[nd:] = meta.prefill_kernel(
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.seq_lens[nd:],
+                meta.query_start_loc[nd:],
                 meta.block_size,
                 self.scale,
                 self.window_arg,

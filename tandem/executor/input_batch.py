@@ -18,7 +18,7 @@ from tandem.executor.attention import AttentionMetadata, build_attention_metadat
 from tandem.executor.device import to_device
 from tandem.executor.rejection_sampler import logits_indices
 from tandem.executor.sampler import LogitBias, make_generator, make_logit_bias
-from tandem.kernels import cpu_paged_decode
+from tandem.kernels import cpu_paged_decode, cpu_paged_prefill
 
 
 @dataclass(slots=True)
@@ -75,6 +75,7 @@ class InputBuilder:
         self.triton = attention_backend == AttentionBackend.TRITON
         native = attention_backend == AttentionBackend.TORCH and device.type == "cpu"
         self.decode_kernel = cpu_paged_decode(head_dim) if native else None
+        self.prefill_kernel = cpu_paged_prefill(head_dim) if native else None
         self.deterministic = deterministic
         if deterministic and self.decode_kernel is None:
             raise ValueError(
@@ -119,6 +120,7 @@ class InputBuilder:
                 self.device,
                 self.decode_kernel,
                 self.triton,
+                self.prefill_kernel,
             )
 
         if self.groups is None or self.groups.num_groups == 1:
