@@ -64,7 +64,7 @@ PAIR_IDS = ["fp32", "bf16", "fp32-over-bf16", "fp32-over-fp16"]
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (4, 1, 256), (12, 2, 64), (16, 1, 64)]
 )
-@pytest.mark.parametrize("window", [None, 1, 20, 64, 100], ids=lambda w: f"window-{w}")
+@pytest.mark.parametrize("window", [None, 1, 20, 100], ids=lambda w: f"window-{w}")
 def test_native_prefill_matches_sdpa(dtype, kv_dtype, tol, heads, kv_heads, head_dim, window):
     """Whole prompts, chunks after a cached prefix (inside a block and across tiles), one-token
     rows and a long chunk, in one call."""

@@ -185,18 +185,17 @@ void attend_item(const Item& it, const TQ* q, int64_t q_row, const PagedRows<T, 
         for (int i = 0; i < D; ++i) w.o[r * D + i] *= alpha;
         w.m[r] = mx;
       }
-      // lane-aligned chunks of the tile, so a sum's lanes are fixed by the key positions
-      vec sum = {};
+      // one vector of exps at a time over lane-aligned chunks of the tile (no scalar remainder,
+      // and a sum's lanes fixed by the key positions), then the columns outside [lo, hi) zeroed
       for (int64_t c = la; c < le; c += kLanes) {
-        float ex[kLanes];
+        float* x = s + c;
 #pragma omp simd
-        for (int u = 0; u < kLanes; ++u) {
-          const float x = std::exp(std::min(s[c + u] - mx, 0.f));
-          ex[u] = c + u >= lo && c + u < hi ? x : 0.f;
-        }
-        std::memcpy(s + c, ex, sizeof ex);
-        sum += loadv(ex);
+        for (int u = 0; u < kLanes; ++u) x[u] = std::exp(std::min(x[u] - mx, 0.f));
       }
+      std::fill(s + la, s + lo, 0.f);
+      std::fill(s + hi, s + le, 0.f);
+      vec sum = {};
+      for (int64_t c = la; c < le; c += kLanes) sum += loadv(s + c);
       float total = 0.f;
       for (int u = 0; u < kLanes; ++u) total += sum[u];
       w.l[r] += total;
