@@ -9,8 +9,10 @@ own, so verification costs a decode kernel call rather than a chunked-prefill on
 single-token queries run in one call of a native paged kernel that reads K/V in place
 (kernels/cpu_paged_attention.cpp), and a decode-only step writes K/V and attends in one call
 on the layer's fused qkv (`forward_qkv`); elsewhere, or without a compiler, they run as a few padded
-SDPA calls over buckets of similar length (padding costs bandwidth). Each multi-token
-(prefill) query runs its own causal SDPA call. On CUDA (`triton` backend) one Triton launch
+SDPA calls over buckets of similar length (padding costs bandwidth). The multi-token (prefill)
+queries run on CPU in one call of a native flash-style kernel that reads K/V in place, only the
+window of a sliding-window layer (kernels/cpu_prefill_attention.cpp); elsewhere each runs its
+own causal SDPA call over its gathered context. On CUDA (`triton` backend) one Triton launch
 writes the layer's K/V and one attends for the whole batch (executor/triton_attention.py).
 """
 
