@@ -5,7 +5,7 @@ Tandem: one request of N random tokens and one token out, timed from its arrival
 token (chunked by max_num_batched_tokens, as the engine serves it), after a warm-up request.
 llama.cpp: llama-bench's tok/s of one repetition (after its own warm-up). Each round runs every
 side in a fresh process, the order rotating by one each round; each figure keeps its best, which
-is what a shared, noisy machine allows.
+is what a shared, noisy machine allows; each run's figures are printed as it ends.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def compare(args: argparse.Namespace, gguf: Path, tool: Path) -> dict:
             else:
                 run = in_subprocess(run_tandem, args, None)
                 got, kv_dtype = run["prefill_tok_s"], run["kv_cache_dtype"]
+            print(f"round {round_ + 1}, {side}: " + ", ".join(f"{n}: {got[n]:.1f}" for n in lens))
             best[side] = {n: max(best[side][n], got[n]) for n in lens}
     return {
         "model": str(gguf),
