@@ -68,6 +68,7 @@ class EngineCore:
             model.model, model.tokenizer, model.chat_template, self.model_dir
         )
         mcfg = ModelConfig.from_hf(load_config(self.model_dir))
+        context_len = mcfg.context_len(model.max_model_len)  # refused before the weights load
         self.vocab_size = mcfg.vocab_size
         eos = mcfg.eos_token_ids[:1]
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -93,8 +94,7 @@ class EngineCore:
             self.executor.kv_group_windows,
         )
         self.max_model_len = min(
-            model.max_model_len or mcfg.max_position_embeddings,
-            mcfg.max_position_embeddings,
+            context_len,
             self.kv_manager.token_capacity(sched_cfg.max_num_batched_tokens),
         )
         self.scheduler = Scheduler(

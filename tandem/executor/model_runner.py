@@ -122,7 +122,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             # built (or found in the cache) now, not inside the first request's step
             cpu_fused_ops()
-        max_len = model.max_model_len or min(cfg.max_position_embeddings, self.kv.num_slots)
+        max_len = model.max_model_len or min(cfg.max_context_len, self.kv.num_slots)
         self.graph_runner = capture_graphs(
             self.model,
             self.kv_caches,

@@ -1,5 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over flattened
-variable-length batches with a paged KV cache.
+variable-length batches with a paged KV cache; Mistral's and Qwen's sliding windows are the
+layers' (ModelConfig.layer_windows).
 
 The attention backend is given to the model (the model runner passes executor/attention.py's):
 how K/V are cached and attended, and the per-step metadata that says where, belong to the
@@ -195,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, cfg.max_context_len, cfg.rope_theta, cfg.rope_scaling
         )
         self.packed_lm_head: torch.Tensor | None = None
         self.layer_ops = [layer.bind(ModuleOps) for layer in self.layers]
@@ -204,8 +205,9 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> DecoderLayer:
-        """Layer `index` of the stack (a subclass builds its own kind)."""
-        return DecoderLayer(cfg, attention)
+        """Layer `index` of the stack, with its sliding window if it has one (a subclass builds
+        its own kind)."""
+        return DecoderLayer(cfg, attention, cfg.layer_windows[index] if cfg.layer_windows else None)
 
     def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The input embedding as a callable that holds its parts, not the model."""

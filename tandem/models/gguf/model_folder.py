@@ -16,7 +16,7 @@ from tandem.models.gguf.file import GGUFFile
 from tandem.models.tokenizer_record import write_record
 
 # Bump when the folder's contents change so stale cached folders are not reused.
-FOLDER_VERSION = 3
+FOLDER_VERSION = 4
 # the class AutoTokenizer picks for the folder (models/tokenizer_record.py)
 TOKENIZER_CLASS_FILE = "tokenizer_class.json"
 
@@ -88,18 +88,40 @@ def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
         token_id = metadata(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
             config[f"{key}_token_id"] = token_id
-    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        config["rope_scaling"] = {
-            "rope_type": scaling,
-            "factor": metadata(reader, f"{arch}.rope.scaling.factor"),
-        }
-        original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
-        if original is not None:
-            config["rope_scaling"]["original_max_position_embeddings"] = original
+    scaling = _rope_scaling(reader, arch)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     if arch == "gemma3":
         config.update(_gemma3_config(reader, config))
     return config
+
+
+# llama.cpp's YaRN keys (as convert_hf_to_gguf writes them) -> transformers' rope_scaling keys
+_YARN_KEYS = {
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "yarn_attn_factor": "attention_factor",
+}
+
+
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """transformers' rope_scaling from `{arch}.rope.scaling.*`, or None (no scaling). YaRN's
+    extrapolation factor has no transformers counterpart: any but 1 is refused."""
+    kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": metadata(reader, f"{arch}.rope.scaling.factor")}
+    original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    if kind == "yarn":
+        for key, name in _YARN_KEYS.items():
+            value = metadata(reader, f"{arch}.rope.scaling.{key}", None)
+            if value is not None:
+                scaling[name] = value
+        if metadata(reader, f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            raise ValueError("YaRN with an extrapolation factor other than 1 is not supported")
+    return scaling
 
 
 def _gemma3_config(reader: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
