@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import TINY, hf_greedy, write_tiny_model
+from gguf_fixture import write_gguf
 
 from tandem import LLM, SamplingParams
 from tandem.models.config import ModelConfig
@@ -168,8 +169,6 @@ def test_context_the_config_allows_and_no_further(scaled_dirs):
 
 def _gguf_with_yarn(tmp_path: Path) -> Path:
     """The tiny YaRN Qwen2 as a GGUF, its rope_scaling written as convert_hf_to_gguf writes it."""
-    from test_loader import _write_gguf
-
     torch.manual_seed(0)
     model = tf.Qwen2ForCausalLM(_config(tf.Qwen2Config, YARN))
     scaling, path = YARN["rope_scaling"], tmp_path / "tiny-yarn.gguf"
@@ -185,7 +184,7 @@ def _gguf_with_yarn(tmp_path: Path) -> Path:
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(gguf.GGUFWriter, "add_rope_freq_base", add_with_yarn)
-        _write_gguf(model.eval(), path, "qwen2")
+        write_gguf(model.eval(), path, "qwen2")
     return path
 
 
