@@ -126,7 +126,8 @@ def roofline(
         "achievable_flops": flops,
         "achievable_bandwidth": bandwidth,
     }
-    terms = {  # (const, prefill tokens, prefill pairs, decode seqs, decode context)
+    # (const, prefill tokens, prefill pairs, decode seqs, decode context)
+    terms: dict[str, dict[str, tuple[float, ...]]] = {
         "linear": {
             "compute": (0.0, gemm, 0.0, gemm, 0.0),
             "memory": ((weights - experts) / bandwidth, 0.0, 0.0, 0.0, 0.0),
