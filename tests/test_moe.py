@@ -1,7 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE) from tiny random Hugging Face
 folders: fp32 greedy tokens equal transformers' alone, batched, under chunked prefill, on prefix
-hits and through preemption (swap and recompute); a step runs only the experts its tokens chose,
-each once; the quantised variants keep the routers in float."""
+hits, through preemption (swap and recompute) and with speculation (n-gram, self-draft); a step
+runs only the experts its tokens chose, each once; quantised variants keep the routers float."""
 
 from __future__ import annotations
 
@@ -99,6 +99,29 @@ def test_preemption_matches_hf(kind, mode, moe_dirs, references) -> None:
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.core.scheduler.preemptions_by_mode[mode] > 0
     assert _tokens(outs) == ref
+
+
+SPECULATION = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "self-int4": {
+        "method": "draft",
+        "model": "self:int4",
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    },
+}
+
+
+@pytest.mark.parametrize("proposer", SPECULATION)
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculation_matches_hf(kind, proposer, moe_dirs, references) -> None:
+    """The target verifies several tokens a request in one step: routed per token as ever."""
+    prompts, ref, _, _ = references[kind]
+    copying = prompts[1][:20] * 2  # the n-gram proposer drafts from its own prompt
+    llm = _llm(moe_dirs[kind], speculative_config=SPECULATION[proposer])
+    outs = llm.generate([*prompts, copying], GREEDY)
+    assert _tokens(outs) == ref + hf_greedy(moe_dirs[kind], [copying], MAX_NEW)
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
 
 
 def test_a_step_runs_each_chosen_expert_once_and_no_other() -> None:
