@@ -10,9 +10,10 @@ import random
 import pytest
 import torch
 from conftest import MOE_KINDS as KINDS
-from conftest import TINY, hf_greedy
+from conftest import TINY, hf_greedy, tiny_moe_config, write_tiny_model
 
 from tandem import LLM, SamplingParams
+from tandem.kernels import cpu_invariant_gemm, cpu_paged_decode
 from tandem.models.config import ModelConfig
 from tandem.models.layers.activation import Gate
 from tandem.models.layers.fused_moe import FusedMoE
@@ -122,6 +123,24 @@ def test_speculation_matches_hf(kind, proposer, moe_dirs, references) -> None:
     outs = llm.generate([*prompts, copying], GREEDY)
     assert _tokens(outs) == ref + hf_greedy(moe_dirs[kind], [copying], MAX_NEW)
     assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.skipif(
+    cpu_invariant_gemm() is None or cpu_paged_decode(64) is None,
+    reason="no C++ toolchain for the native kernels",
+)
+@pytest.mark.parametrize("precision", [{}, {"quantization": "int4"}], ids=["fp32", "int4"])
+def test_deterministic_mode_gives_each_request_its_single_request_run(precision, tmp_path) -> None:
+    """The routers and experts run on the batch-invariant GEMM (int4: the integer kernel), and
+    each token sums its experts in expert order whatever shares the step. head_dim 64: the
+    paged kernel's."""
+    config = tiny_moe_config("qwen3_moe")
+    config.head_dim = 64
+    path = write_tiny_model(config, tmp_path)
+    llm = _llm(path, deterministic=True, max_num_batched_tokens=17, **precision)
+    prompts = _prompts(6, 5, 3, 40)
+    batched = _tokens(llm.generate(prompts, GREEDY))
+    assert batched == [_tokens(llm.generate([p], GREEDY))[0] for p in prompts]
 
 
 def test_a_step_runs_each_chosen_expert_once_and_no_other() -> None:
