@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE) from tiny random Hugging Face
 folders: fp32 greedy tokens equal transformers' alone, batched, under chunked prefill, on prefix
-hits, through preemption (swap and recompute) and with speculation (n-gram, self-draft); a step
-runs only the experts its tokens chose, each once; quantised variants keep the routers float."""
+hits, through preemption (swap and recompute), with speculation (n-gram, self-draft), across P/D
+and in deterministic mode; a step runs only the experts its tokens chose, each once; quantised
+variants keep the routers float."""
 
 from __future__ import annotations
 
@@ -123,6 +124,24 @@ def test_speculation_matches_hf(kind, proposer, moe_dirs, references) -> None:
     outs = llm.generate([*prompts, copying], GREEDY)
     assert _tokens(outs) == ref + hf_greedy(moe_dirs[kind], [copying], MAX_NEW)
     assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pd_through_shm_matches_hf(kind, moe_dirs) -> None:
+    """P/D: one engine prefills, the KV moves through shared memory, another decodes on."""
+    from test_kv_transfer import BS, MAX_NEW, decode, prefill
+
+    from tandem.executor.kv_transfer import ShmTransport
+
+    prompts = _prompts(7, 4, 5, 40)
+    ref = hf_greedy(moe_dirs[kind], prompts, MAX_NEW)
+    prefill_side, decode_side = (_llm(moe_dirs[kind], block_size=BS).engine for _ in range(2))
+    conn = ShmTransport()
+    for i, prompt in enumerate(prompts):
+        first, payload = prefill(prefill_side, prompt, f"p{i}")
+        conn.send(f"t{i}", payload)
+        assert decode(decode_side, prompt, first, conn, f"t{i}") == ref[i]
+    assert decode_side.core.kv_manager.stats.hits > 0
 
 
 @pytest.mark.skipif(

@@ -278,6 +278,7 @@ def test_quantised_experts_are_served_from_the_files_blocks(tmp_path) -> None:
         torch.float32,
         TorchAttention,
     )
+    assert model.decode_plan is not None  # decode steps: native calls, the MoE blocks' forwards
     stored = GGUFWeights(path)
     for i in range(2):
         block = model.layers[i].mlp
