@@ -9,7 +9,29 @@ import torch
 
 from tandem.models.layers.rope_scaling import rope_type
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts model's sparse blocks (architectures/moe.py, layers/fused_moe.py)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # one expert's
+    renormalize: bool  # the top-k router weights divided by their sum (Qwen's norm_topk_prob)
+    sparse_layers: tuple[bool, ...]  # per layer: a sparse block, else a dense MLP
+    shared_expert_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
 
 
 @dataclass(slots=True)
@@ -40,6 +62,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     attn_scale: float | None = None
     final_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None  # the sparse blocks of a mixture-of-experts model
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -76,10 +99,13 @@ class ModelConfig:
             rope_scaling=rope_scaling(scaling, hf, max_positions),
             max_position_embeddings=max_positions,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=model_type == "qwen2" or hf.get("attention_bias", False),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qkv_bias=model_type == "qwen2"
+            or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
+            or hf.get("attention_bias", False),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            moe=moe_fields(hf) if model_type in MOE_MODEL_TYPES else None,
             **own,
         )
 
@@ -184,4 +210,32 @@ def gemma3_fields(hf: dict) -> dict:
         local_rope_theta=local.get("rope_theta") or hf.get("rope_local_base_freq", 10000.0),
         attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
         final_logit_softcapping=hf.get("final_logit_softcapping"),
+    )
+
+
+def moe_fields(hf: dict) -> MoEConfig:
+    """The MoEConfig of a Mixtral, Qwen2-MoE or Qwen3-MoE config dict. Mixtral: every layer
+    sparse, its top-k renormalised; Qwen: `decoder_sparse_step` and `mlp_only_layers` say which
+    layers are sparse (the rest dense MLPs of `intermediate_size`), `norm_topk_prob` whether to
+    renormalise."""
+    n, model_type = hf["num_hidden_layers"], hf["model_type"]
+    window = hf.get("sliding_window")
+    if hf.get("use_sliding_window") or (
+        model_type == "mixtral" and window and window < hf.get("max_position_embeddings", 0)
+    ):
+        raise ValueError(f"{model_type} with a sliding window is not supported")
+    # transformers saves Qwen3-MoE's num_experts as num_local_experts (its attribute map)
+    experts = hf.get("num_experts") or hf["num_local_experts"]
+    if model_type == "mixtral":
+        return MoEConfig(
+            experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, (True,) * n
+        )
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    return MoEConfig(
+        experts,
+        hf["num_experts_per_tok"],
+        hf["moe_intermediate_size"],
+        hf.get("norm_topk_prob", False),
+        tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)),
+        hf["shared_expert_intermediate_size"] if model_type == "qwen2_moe" else 0,
     )

@@ -16,7 +16,7 @@ from tandem.models.gguf.file import GGUFFile
 from tandem.models.tokenizer_record import write_record
 
 # Bump when the folder's contents change so stale cached folders are not reused.
-FOLDER_VERSION = 4
+FOLDER_VERSION = 5
 # the class AutoTokenizer picks for the folder (models/tokenizer_record.py)
 TOKENIZER_CLASS_FILE = "tokenizer_class.json"
 
@@ -26,6 +26,8 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # Strings whose token ids must survive the tokenizer save/reload round trip.
@@ -93,6 +95,8 @@ def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
         config["rope_scaling"] = scaling
     if arch == "gemma3":
         config.update(_gemma3_config(reader, config))
+    if arch in ("qwen2moe", "qwen3moe") or metadata(reader, f"{arch}.expert_count", 0):
+        config.update(_moe_config(reader, arch, config, shapes))
     return config
 
 
@@ -122,6 +126,42 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
         if metadata(reader, f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
             raise ValueError("YaRN with an extrapolation factor other than 1 is not supported")
     return scaling
+
+
+def _moe_config(
+    reader: GGUFFile, arch: str, config: dict[str, Any], shapes: dict[str, list[int]]
+) -> dict[str, Any]:
+    """A mixture-of-experts config's own fields: Mixtral's for a `llama` file with experts. As
+    llama.cpp: Qwen3-MoE renormalises its top-k, Qwen2-MoE does not (unless the file says), and a
+    layer without a router is dense."""
+    experts = metadata(reader, f"{arch}.expert_count")
+    used = metadata(reader, f"{arch}.expert_used_count")
+    if arch == "llama":
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "sliding_window": None,
+        }
+    layers = config["num_hidden_layers"]
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": metadata(reader, f"{arch}.expert_feed_forward_length"),
+        "norm_topk_prob": metadata(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes
+        ],
+        "use_sliding_window": False,
+    }
+    if arch == "qwen2moe":
+        moe["shared_expert_intermediate_size"] = metadata(
+            reader, f"{arch}.expert_shared_feed_forward_length"
+        )
+        moe["qkv_bias"] = config["attention_bias"]
+    return moe
 
 
 def _gemma3_config(reader: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
