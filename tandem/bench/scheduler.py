@@ -19,6 +19,7 @@ from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler
+from tandem.heap import freeze_startup_heap
 
 
 def null_execute(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -47,6 +48,8 @@ def measure(num_running: int, steps: int, policy: str, seed: int = 0, block_size
         max_num_seqs=num_running, max_num_batched_tokens=budget, scheduling_policy=policy
     )
     sched = Scheduler(cfg, kv, time.monotonic, max_len)
+    # As the engine core does once built: its block pool is out of the collector's full scans.
+    freeze_startup_heap("bench scheduler")
     params = SamplingParams(max_tokens=extra + 1000, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add_request(

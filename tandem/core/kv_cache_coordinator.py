@@ -124,12 +124,16 @@ class KVCacheCoordinator:
         """Index the request's full blocks whose KV is computed (call after the step ran)."""
         if not self.enable_caching:
             return
-        rid = req.request_id
+        rid, bs = req.request_id, self.block_size
         held = self.num_held_blocks(rid)
         if not held:
             return
-        hashes = self._req_hashes.setdefault(rid, [])
-        bs, tokens = self.block_size, req.all_token_ids
+        hashes = self._req_hashes.get(rid)
+        if hashes is None:
+            hashes = self._req_hashes[rid] = []
+        elif (len(hashes) + 1) * bs > req.num_computed_tokens:
+            return  # no new full block (most steps): the rest is a request's hot path
+        tokens = req.all_token_ids
         # Known tokens only: a verify step in flight has num_computed_tokens past them, over
         # drafts not yet accepted (speculative decoding).
         limit = self.prefix_limit(min(req.num_computed_tokens, len(tokens)))
@@ -192,12 +196,16 @@ class KVCacheCoordinator:
         hits taken now), first freeing the blocks behind its sliding windows. Returns the new
         blocks' ids (flat_block_ids), or None when free blocks are short (nothing else changes
         then)."""
-        self.remove_skipped_blocks(req)
+        if self._sliding:
+            self.remove_skipped_blocks(req)
         rid, G = req.request_id, self.num_groups
+        if not hit:  # the tokens fit the blocks held (most decodes): a request's hot path
+            total = req.num_computed_tokens + num_new
+            held = self.num_held_blocks(rid)
+            if held and total <= held * self.block_size:
+                self._req_tokens[rid] = total
+                return []
         total, held, need = self._count(req, num_new, hit)
-        if not need and not hit and held:  # the tokens fit the blocks held (most decodes)
-            self._req_tokens[rid] = total
-            return []
         if need > self.pool.num_free_blocks - self._reusable(hit):
             return None
         hit = hit or self._no_hit
