@@ -125,14 +125,14 @@ class KVCacheCoordinator:
         if not self.enable_caching:
             return
         rid, bs = req.request_id, self.block_size
+        hashes = self._req_hashes.get(rid)
+        if hashes is not None and (len(hashes) + 1) * bs > req.num_computed_tokens:
+            return  # no new full block (most steps): the rest is off a request's hot path
         held = self.num_held_blocks(rid)
         if not held:
             return
-        hashes = self._req_hashes.get(rid)
         if hashes is None:
             hashes = self._req_hashes[rid] = []
-        elif (len(hashes) + 1) * bs > req.num_computed_tokens:
-            return  # no new full block (most steps): the rest is a request's hot path
         tokens = req.all_token_ids
         # Known tokens only: a verify step in flight has num_computed_tokens past them, over
         # drafts not yet accepted (speculative decoding).
@@ -189,7 +189,7 @@ class KVCacheCoordinator:
             if self._sliding
             else 0
         )
-        return self._count(req, num_new, hit)[2] + self._reusable(hit) - freed
+        return self._count(req, num_new, hit)[2] + (self._reusable(hit) if hit else 0) - freed
 
     def allocate(self, req: Request, num_new: int, hit: PerGroup = ()) -> list[int] | None:
         """Room for `num_new` more tokens after `req.num_computed_tokens` (plus `hit`, prefix

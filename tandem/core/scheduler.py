@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from operator import attrgetter
 
 from tandem.config.scheduler import SchedulerConfig, SchedulingPolicy
 from tandem.core.admission import Admission
@@ -125,7 +126,7 @@ class Scheduler(Admission):
         cfg, budget = self.config, self.config.max_num_batched_tokens
         self.planner.plan(out, self.running)
         if self.multilevel:
-            self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
+            self.running.sort(key=attrgetter("level"))  # stable: admission order within a level
         reserve = self.l2_token_reserve()
         # While interactive (L1) traffic is present, lower levels prefill only
         # lower_prefill_tokens per step (their share, or what keeps a step near l1_step_time):
