@@ -171,7 +171,7 @@ class KVCacheCoordinator:
         logical blocks it holds now, and the new blocks it takes (in all groups)."""
         num_hit = len(hit[0]) if hit else 0
         total = req.num_computed_tokens + num_hit * self.block_size + num_new
-        held = self.num_held_blocks(req.request_id)
+        held = len(self.managers[0].req_to_blocks.get(req.request_id, ()))  # num_held_blocks
         return total, held, max(cdiv(total, self.block_size) - held - num_hit, 0) * self.num_groups
 
     @staticmethod
@@ -201,7 +201,7 @@ class KVCacheCoordinator:
         rid, G = req.request_id, self.num_groups
         if not hit:  # the tokens fit the blocks held (most decodes): a request's hot path
             total = req.num_computed_tokens + num_new
-            held = self.num_held_blocks(rid)
+            held = len(self.managers[0].req_to_blocks.get(rid, ()))  # num_held_blocks, inline
             if held and total <= held * self.block_size:
                 self._req_tokens[rid] = total
                 return []

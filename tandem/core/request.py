@@ -101,7 +101,7 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        room = self.max_model_len - self.num_prompt_tokens
+        room = self.max_model_len - len(self.prompt_token_ids)
         mt = self.sampling_params.max_tokens
         return room if mt is None else min(mt, room)
 
