@@ -62,6 +62,7 @@ class Scheduler(Admission):
         self.config, self.max_model_len, self.costs = config, max_model_len, costs
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
+        self._windows = any(w is not None for w in kv_manager.group_windows)
         self.multilevel = config.scheduling_policy == SchedulingPolicy.MULTILEVEL
         self.l2_floor = (
             math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
@@ -275,8 +276,11 @@ class Scheduler(Admission):
     def _allocate(self, req: Request, num_new: int, step: StepBudget) -> list[int] | None:
         """allocate_slots, except that L1 may not take the blocks held for L2's share."""
         if req.level == 1:
-            held = self._held_for_l2(step)[1]
-            if self.kv.blocks_needed(req, num_new) > self.kv.num_free_blocks - held:
+            held, kv = self._held_for_l2(step)[1], self.kv
+            # With nothing held allocate_slots makes this check, but after freeing the blocks
+            # behind sliding windows: with windows it must come first, to change nothing.
+            checked = held or self._windows
+            if checked and kv.blocks_needed(req, num_new) > kv.num_free_blocks - held:
                 return None
         return self.kv.allocate_slots(req, num_new)
 
