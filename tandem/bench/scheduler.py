@@ -2,7 +2,8 @@
 
 N requests of uneven prompt length are admitted and prefilled; then, in the steady decode
 state, each step is `schedule()` + `update_from_output()` with a null executor that samples
-one token per request. The executor's own cost is not counted."""
+one token per request. The executor's own cost is not counted; a step's time is the CPU time
+of the thread that runs it."""
 
 from __future__ import annotations
 
