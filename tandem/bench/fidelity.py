@@ -41,12 +41,10 @@ SERVER_OPTIONS = ("quantization", "num_threads", "max_num_seqs")  # start_target
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace_arguments(p)
     p.set_defaults(trace="azure")
-    add_engine_arguments(
-        p,
-        (*PROFILE_OPTIONS, "max_model_len", "max_num_seqs"),
-        store_defaults=True,
-        defaults={"kv_cache_memory": 512 << 20, "max_model_len": 4096, "max_num_seqs": 128},
-    )
+    # Pin --kv-cache-memory: by default the pool is sized from the memory free when each
+    # process starts, and the profile must stand for the server's pool.
+    names = (*PROFILE_OPTIONS, "max_model_len", "max_num_seqs")
+    add_engine_arguments(p, names, store_defaults=True)
     p.add_argument(
         "--profile",
         default=None,
@@ -74,7 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the simulator's front-end delay (default: measured in the replays)",
     )
-    p.add_argument("--seed", type=int, default=0, help="of the prompt text (default 0)")
     p.add_argument(
         "--result-dir",
         default=None,
@@ -178,14 +175,12 @@ def simulate(args: argparse.Namespace, out: Path, profile: Path, frontend_ms: fl
             str(profile),
             "--instances",
             "1",
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-model-len",
-            str(args.max_model_len),
             "--frontend-ms",
             f"{frontend_ms:g}",
             "--json",
             str(out / "sim.json"),
+            # the server's seats (the simulator's own default is a GPU server's)
+            *_flags(given(args, ("max_num_seqs", "max_model_len"))),
         ]
     )
     return simulate_cli.main(sim)["results"][0]
