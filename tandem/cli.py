@@ -57,6 +57,12 @@ COMMANDS = [
     ),
     (
         "bench",
+        "fidelity",
+        "tandem.bench.fidelity",
+        "the simulator's error against repeated real replays of a trace window",
+    ),
+    (
+        "bench",
         "kv",
         "tandem.bench.kv",
         "KV one long request holds with sliding-window layers, against full attention",
