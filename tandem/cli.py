@@ -58,7 +58,7 @@ COMMANDS = [
     (
         "bench",
         "fidelity",
-        "tandem.bench.fidelity",
+        "tandem.tools.fidelity_cli",
         "the simulator's error against repeated real replays of a trace window",
     ),
     (

@@ -3,7 +3,7 @@ against 5% or the replays' own spread, and the front end measured from the serve
 
 import pytest
 
-from tandem.bench.fidelity import compare, format_table, frontend_seconds, step_figures
+from tandem.tools.fidelity_cli import compare, format_table, frontend_seconds, step_figures
 
 
 def _summary(scale: float) -> dict:
