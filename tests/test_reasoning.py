@@ -133,3 +133,18 @@ def test_thinking_token_budget_reaches_the_engine_for_a_reasoning_model():
     state.config.reasoning_parser = None  # a model that does not reason: nothing to end
     assert budget({**hi, "thinking_token_budget": 2}) is None
     assert client.post("/v1/chat/completions", json={**hi, "thinking_token_budget": -1}).is_error
+
+
+def test_anthropic_thinking_is_the_budget_or_the_switch():
+    client, state = served(messages.router)
+    state.facts.tokenizer.chat_template = TEMPLATE
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+
+    def sent(thinking: dict):
+        assert client.post("/v1/messages", json={**body, "thinking": thinking}).status_code == 200
+        return state.llm.requests[-1]
+
+    assert sent({"type": "enabled", "budget_tokens": 3})[1].thinking_budget.tokens == 3
+    prompt, params = sent({"type": "disabled"})
+    assert prompt == word_tokenizer().encode("user: hi\n<think></think>")
+    assert params.thinking_budget is None
