@@ -81,7 +81,7 @@ class ServerConfig:
         -1,
         "tokens a reasoning model may think before </think> is forced (a request's "
         "thinking_token_budget wins); -1: unlimited; 0: thinking off, by the chat template's "
-        "switch",
+        "switch too",
         unit="tokens",
     )
     responses_max_count: int = option(
