@@ -29,6 +29,7 @@ from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow
 from tandem.executor.sampler import Sampler
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
+from tandem.executor.thinking_budget import ThinkingBudgets
 from tandem.kernels import cpu_fused_ops
 from tandem.models.config import ModelConfig
 from tandem.models.layers.batch_invariant import check_supported
@@ -138,6 +139,7 @@ class ModelRunner:
         self.structured_output = (
             StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
         )
+        self.thinking_budgets = ThinkingBudgets()
         self.prompt_logprobs = PromptLogprobs()
         builder = InputBuilder(
             self.block_size,
@@ -202,6 +204,7 @@ class ModelRunner:
         self.input_batch.update_states(sched)
         if self.structured_output is not None:
             self.structured_output.update(sched)
+        self.thinking_budgets.update(sched)
         if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
             self.proposer.forget(sched.finished_req_ids | sched.preempted_req_ids)
         self.prompt_logprobs.forget(sched.finished_req_ids)
@@ -247,11 +250,16 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, rows: list[CachedRequestState], out: ModelRunnerOutput
     ) -> None:
-        """Mask the constrained rows, verify the drafts and sample; the tokens join the batch."""
+        """Mask the constrained rows and those out of thinking budget, verify the drafts and
+        sample; the tokens join the batch."""
         grammar, generators = self.structured_output, self.input_batch.generators
-        if grammar is not None:  # constrained rows have no drafts: one logits row each
+        budgets = self.thinking_budgets if self.thinking_budgets.active else None
+        if grammar is not None or budgets is not None:  # such rows have no drafts: one row each
             row_req_ids = [s.req_id for s in rows for _ in range(len(s.spec_token_ids) + 1)]
-            out.structured_output_time += grammar.apply(logits, row_req_ids)
+            if grammar is not None:
+                out.structured_output_time += grammar.apply(logits, row_req_ids)
+            if budgets is not None:
+                budgets.apply(logits, row_req_ids)
         verified = self.sampler(
             logits,
             [
@@ -273,9 +281,11 @@ class ModelRunner:
             if s.params.prompt_logprobs is not None and len(s.token_ids) == s.prompt_len:
                 out.prompt_logprobs[s.req_id] = self.prompt_logprobs.take(s.req_id)
             s.token_ids.extend(token_ids)
-            if grammar is not None:
-                for token_id in token_ids:
+            for token_id in token_ids:
+                if grammar is not None:
                     grammar.accept(s.req_id, token_id)
+                if budgets is not None:
+                    budgets.accept(s.req_id, token_id)
             out.sampled_token_ids[s.req_id] = token_ids
             if lps is not None:
                 out.logprobs[s.req_id] = lps

@@ -78,7 +78,11 @@ class ServerConfig:
         none="a chat template that writes <think>",
     )
     reasoning_budget: int = option(
-        -1, "-1: unlimited; 0: thinking off, by the chat template's switch", choices=(-1, 0)
+        -1,
+        "tokens a reasoning model may think before </think> is forced (a request's "
+        "thinking_token_budget wins); -1: unlimited; 0: thinking off, by the chat template's "
+        "switch too",
+        unit="tokens",
     )
     responses_max_count: int = option(
         1000, "/v1/responses kept for previous_response_id, at most", unit="responses"
@@ -87,6 +91,8 @@ class ServerConfig:
     responses_ttl_s: float = option(3600.0, "how long a response is kept", unit="seconds")
 
     def __post_init__(self) -> None:
+        if self.reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be >= -1, got {self.reasoning_budget}")
         if self.role is not None:
             self.role = InstanceRole.parse(self.role, "role")
 
