@@ -244,3 +244,27 @@ def test_pd_moves_the_narrow_blocks_and_decodes_as_a_plain_run(model):
         assert decode(b, prompt, first, conn, f"{kv}-{i}") == alone[i][:PD_NEW]
     assert_no_blocks_held(a)
     assert_no_blocks_held(b)
+
+
+def test_bench_kv_holds_twice_the_tokens_on_int8_at_one_budget(tiny_model_dirs):
+    """`tandem bench kv`'s capacity figure: the tiny Gemma 3's head_dim 64, as SmolLM2's."""
+    import argparse
+
+    from tandem.bench.kv import main
+
+    tokens = {
+        kv: main(
+            argparse.Namespace(
+                model=tiny_model_dirs["gemma3"],
+                prompt_len=60,
+                output_len=4,
+                max_num_batched_tokens=32,
+                kv_cache_dtype=kv,
+                dtype="float32",
+                seed=0,
+                json_path=None,
+            )
+        )["budget_tokens"]
+        for kv in ("bfloat16", "int8")
+    }
+    assert tokens["int8"] >= 1.9 * tokens["bfloat16"]
