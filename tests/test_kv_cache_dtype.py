@@ -45,6 +45,7 @@ MAX_NEW = 10
         ("float16", "float16", F16, CUDA, "triton", F16),
         ("int8", "auto", F32, CPU, "torch", torch.int8),
         ("int8", "bfloat16", BF16, CPU, "torch", torch.int8),
+        ("fp8", "auto", BF16, CUDA, "triton", torch.float8_e4m3fn),
     ],
 )
 def test_which_kv_dtype(name, dtype_name, dtype, device, backend, expect):
@@ -65,7 +66,8 @@ def test_which_kv_dtype(name, dtype_name, dtype, device, backend, expect):
         ("bfloat16", F32, CPU, "triton", "runs on the CPU attention only"),
         ("float16", F32, CUDA, "torch", "runs on the CPU attention only"),
         ("int8", BF16, CUDA, "triton", "int8 runs on the CPU attention only"),
-        ("int8", F32, CPU, "triton", "the Triton kernels read no quantised KV cache"),
+        ("int8", F32, CPU, "triton", "the Triton kernels take fp8"),
+        ("fp8", F32, CPU, "torch", "fp8 runs on the Triton kernels only"),
     ],
 )
 def test_what_cannot_be_built_is_refused_in_words(name, dtype, device, backend, message):
@@ -76,9 +78,9 @@ def test_what_cannot_be_built_is_refused_in_words(name, dtype, device, backend, 
 def test_an_unknown_kv_dtype_is_refused():
     with pytest.raises(
         ValueError,
-        match="kv_cache_dtype must be auto, float32, bfloat16, float16 or int8, got 'fp8'",
+        match="kv_cache_dtype must be auto, float32, bfloat16, float16, int8 or fp8, got 'q4_0'",
     ):
-        EngineConfig.from_kwargs(kv_cache_dtype="fp8")
+        EngineConfig.from_kwargs(kv_cache_dtype="q4_0")
 
 
 def _llm(path: str, **kw) -> LLM:

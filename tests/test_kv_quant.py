@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_attention import _reference
 
+from tandem.executor import triton_attention
 from tandem.executor.attention import AttentionMetadata, TorchAttention, decode_buckets
 from tandem.executor.kv_quant import dequantize_kv_rows, quantize_kv_rows, read_kv, write_kv
 from tandem.kernels import cpu_paged_attention
@@ -127,3 +128,51 @@ def test_write_without_the_kernel_is_the_pytorch_form(monkeypatch):
     cache, slots = torch.zeros(2, 16, 2, 66, dtype=torch.int8), torch.arange(8) * 2
     write_kv(k, v, cache, slots)
     assert torch.equal(cache[0, slots], quantize_kv_rows(k)) and cache[:, 1::2].eq(0).all()
+
+
+def _fp8_exact_rows(t: int, heads: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """Rows that quantise with no rounding: e4m3 values times a power of two, max |x| 448 times
+    it. The interpreter's fp32 -> fp8 cast mis-rounds a carry into the exponent (124.1 -> 64), so
+    under it only such rows check the write (layout, scales, slots); CUDA's cvt.rn rounds."""
+    grid = torch.randint(-120, 121, (t, heads, d), generator=g).to(torch.float8_e4m3fn).float()
+    grid[..., 0] = 448.0
+    return grid * 2.0 ** torch.randint(-10, -7, (t, heads, 1), generator=g).float()
+
+
+@pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(6, 3, 64, 0), (4, 1, 32, 6)])
+def test_triton_fp8_cache_equals_the_pytorch_reading_of_it(
+    dtype, tol, heads, kv_heads, head_dim, window
+):
+    """The Triton KV write lays out fp8 rows and scales as quantize_kv_rows(fp8) does, skipping
+    padding slots, and the unified attention over the fp8 cache equals the PyTorch path over the
+    same rows (under TRITON_INTERPRET=1 on CPU: conftest.py)."""
+    from test_triton_attention import DEVICE, _batch, _reference_meta
+
+    g = torch.Generator().manual_seed(2)
+    bs, query_lens, context_lens = 8, [1, 1, 9, 30], [3, 40, 33, 0]
+    tables, seq_lens, qsl, slots = _batch(query_lens, context_lens, bs, 64, g)
+    t = sum(query_lens)
+    q = torch.randn(t, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k, v = (_fp8_exact_rows(t, kv_heads, head_dim, g).to(dtype).to(DEVICE) for _ in "kv")
+    fp8 = torch.float8_e4m3fn
+    cache = quantize_kv_rows(torch.randn(2, 64 * bs, kv_heads, head_dim, generator=g), fp8)
+    cache = cache.to(DEVICE)
+    meta = _reference_meta(tables, seq_lens, qsl, slots, query_lens, bs)
+    ref_cache = cache.clone()
+    attn = TorchAttention(heads, kv_heads, head_dim, sliding_window=window or None)
+    ref = attn.forward(q, k, v, ref_cache, meta).view(t, heads, head_dim)
+    padded = meta.slot_mapping.clone()
+    padded[0] = -1  # a CUDA graph's padding token writes nothing
+    triton_attention.reshape_and_cache(k, v, cache, padded)
+    assert not torch.equal(
+        cache[:, slots[0]].view(torch.uint8), ref_cache[:, slots[0]].view(torch.uint8)
+    )
+    triton_attention.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    out = triton_attention.unified_attention(
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, max(query_lens), bs,
+        head_dim**-0.5, window,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

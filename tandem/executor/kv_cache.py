@@ -173,6 +173,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: list[int], block_size: int) ->
 def scatter_blocks(
     cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor, block_size: int
 ) -> None:
+    if cache.dtype == torch.float8_e4m3fn:  # a CPU copy (the host tier's) takes no fp8
+        cache, kv = cache.view(torch.uint8), kv.view(torch.uint8)
     blocks = _blocks_view(cache, block_size)
     blocks.index_copy_(
         blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device), kv

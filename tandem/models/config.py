@@ -86,8 +86,9 @@ class ModelConfig:
         return self.model_type == "gemma3_text"
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of every layer; an int8 row also holds its fp16 scale."""
-        row = self.head_dim + 2 if dtype == torch.int8 else self.head_dim * dtype.itemsize
+        """K and V of every layer; a row of one-byte values (int8, fp8) also holds its fp16
+        scale."""
+        row = self.head_dim + 2 if dtype.itemsize == 1 else self.head_dim * dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * row
 
 
