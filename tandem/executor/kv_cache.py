@@ -2,7 +2,7 @@
 device tensor (and a draft model's layers beside it, in the same slots), and whole-block reads
 and writes (KV transfer between instances). With KV groups (core/kv_groups.py) the tensor holds
 one group's layers per block and each layer reads its group's entries of a request's blocks. An
-int8 cache's rows hold their scale too (kv_quant.py): whatever moves rows moves the scales."""
+int8 (fp8) cache's rows hold their scale too (kv_quant.py): what moves rows moves the scales."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 
 class KVCache:
     """[layers_per_group, 2, slots, num_kv_heads, row] on the device (every layer, in the
-    plain layout; row: head_dim, or head_dim + 2 for int8); a block is block_size consecutive
-    slots. One allocator and one block table serve the target and a draft model with KV of its
-    own (`draft_cfg`, plain layout only): the budget pays for both per block."""
+    plain layout; row: head_dim, or head_dim + 2 for int8 and fp8); a block is block_size
+    consecutive slots. One allocator and one block table serve the target and a draft model with
+    KV of its own (`draft_cfg`, plain layout only): the budget pays for both per block."""
 
     def __init__(
         self,
