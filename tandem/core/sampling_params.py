@@ -71,6 +71,16 @@ class StructuredOutputsParams:
         return kind, text
 
 
+@dataclass(slots=True, frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (vLLM's names): its served name, an id no other
+    adapter of the engine takes (reloading a name takes a new one) and its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to sample and when to stop. Field names follow vLLM / the OpenAI API."""
@@ -96,6 +106,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True  # False: this request opts out of speculative decoding
+    lora_request: LoRARequest | None = None  # None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
