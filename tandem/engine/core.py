@@ -20,7 +20,7 @@ from tandem.core.kv_connector.pd import PDConnector
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.preemption import PreemptionCosts
 from tandem.core.request import Request, RequestStatus
-from tandem.core.sampling_params import StructuredOutputsParams
+from tandem.core.sampling_params import LoRARequest, StructuredOutputsParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_planner import Speculation
 from tandem.engine.core_messages import (
@@ -223,6 +223,13 @@ class EngineCore:
         for rid in request_ids:
             self.kv_connector.request_finished(rid)
         self._forget_finished()
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter on the executor's thread, between steps; ValueError: refused."""
+        self.pipeline.call(self.executor.add_lora, lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.pipeline.call(self.executor.remove_lora, lora_int_id)
 
     def abort_request(self, request_id: str) -> None:
         self.abort_requests([request_id])

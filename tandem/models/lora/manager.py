@@ -43,19 +43,15 @@ class LoRAManager:
             adapter = load_adapter(lora.lora_path, self.cfg, self.config.max_lora_rank)
             self.loads[lora.lora_name] += 1
             self.names[lora.lora_int_id] = lora.lora_name
-            while len(self.cpu) >= self.config.cpu_capacity:
-                self._drop(next(iter(self.cpu)))
+            while len(self.cpu) >= self.config.cpu_capacity:  # a resident copy stays resident
+                self.cpu.popitem(last=False)
             self.cpu[lora.lora_int_id] = adapter
         self.cpu.move_to_end(lora.lora_int_id)
         return adapter
 
     def remove(self, lora_int_id: int) -> None:
         """Forget an adapter (a request still running with it loads it again)."""
-        if lora_int_id in self.cpu:
-            self._drop(lora_int_id)
-
-    def _drop(self, lora_int_id: int) -> None:
-        del self.cpu[lora_int_id]
+        self.cpu.pop(lora_int_id, None)
         slot = self.slots.pop(lora_int_id, None)
         if slot is not None:
             self._fill(slot, None)
