@@ -24,16 +24,19 @@ from tandem.core.sampling_params import LoRARequest, StructuredOutputsParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_planner import Speculation
 from tandem.engine.core_messages import (
+    AddLoRA,
     CompileGrammar,
     EngineCoreOutputs,
     EngineCoreRequest,
     GetSchedulerStats,
+    RemoveLoRA,
     ScheduledEvent,
     SchedulerStats,
     UtilityMessage,
     child_ids,
 )
 from tandem.engine.core_stats import StepStats
+from tandem.engine.lora_names import startup_loras
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
 from tandem.engine.tokenizer import get_tokenizer
@@ -83,6 +86,8 @@ class EngineCore:
         self.executor: Executor = self.pipeline.call(
             executor_factory, config, self.model_dir, self.grammar_compiler
         )
+        for lora in startup_loras(config.lora_config):  # a refused one stops the start, in words
+            self.add_lora(lora)
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks,
             cache.block_size,
@@ -115,6 +120,8 @@ class EngineCore:
         self._handlers: dict[type, Callable[..., Any]] = {
             CompileGrammar: self.compile_grammar,
             GetSchedulerStats: self.scheduler_stats,
+            AddLoRA: self.add_lora,
+            RemoveLoRA: self.remove_lora,
         }
         self._on_add_hooks: list[Callable[[str, dict, bool], None]] = []
         self._waiters = ThreadPoolExecutor(

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.core.sampling_params import LoRARequest, SamplingParams, StructuredOutputsParams
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
@@ -46,6 +46,18 @@ class CompileGrammar(msgspec.Struct, tag="compile_grammar"):
     """Compile a constraint (or find it cached) off the step loop; None, or the ValueError."""
 
     structured_outputs: StructuredOutputsParams
+
+
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    """Load a LoRA adapter between two steps; None, or the ValueError saying why it is refused."""
+
+    lora: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    """Forget a LoRA adapter (a request still running with it reloads it)."""
+
+    lora_int_id: int
 
 
 class GetSchedulerStats(msgspec.Struct, tag="scheduler_stats"):
@@ -117,6 +129,8 @@ class DrainKV(msgspec.Struct, tag="drain_kv"):
 
 UtilityMessage = (
     CompileGrammar
+    | AddLoRA
+    | RemoveLoRA
     | GetSchedulerStats
     | JoinKVGroup
     | CheckKVPeer

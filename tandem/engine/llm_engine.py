@@ -13,6 +13,7 @@ from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
 from tandem.engine.core_messages import EngineCoreOutputs, child_ids
 from tandem.engine.engine_info import EngineInfo, StepCounters, engine_info, step_counters
 from tandem.engine.input_processor import InputProcessor, PromptType
+from tandem.engine.lora_names import startup_loras
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.precision import PrecisionRouter
 
@@ -39,7 +40,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._loras: set[int] = set()  # adapter ids loaded
+        # adapter ids loaded: lora_modules' at start
+        self._loras = {lora.lora_int_id for lora in startup_loras(config.lora_config)}
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         return self.input_processor.tokenize(prompt)
