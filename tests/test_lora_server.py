@@ -125,3 +125,28 @@ def test_runtime_loading_is_off_without_a_folder(tiny_model_dirs, tmp_path):
     with running_server(engine, ServerConfig(model_name="tiny")) as (url, _):
         r = _post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "a"})
         assert r.status_code == 404 and "off" in r.text
+
+
+def test_router_routes_by_adapter(tiny_model_dirs, setup, tmp_path):
+    """Through the router: an adapter goes only to the instance that serves it (the other
+    would answer 404); the base to either; /v1/models lists the adapter under its group."""
+    from cluster_fixture import router_for, tiny_instance
+
+    refs = setup[2]
+    base = tiny_model_dirs["qwen2"]
+    adapter = make_adapter(base, tmp_path / "a", 1)
+    with (
+        tiny_instance(base, enable_lora=True, lora_modules=[f"a={adapter}"]) as (with_a, _, _),
+        tiny_instance(base) as (plain, _, _),
+        router_for([{"name": "tiny", "model": base, "urls": [with_a, plain]}]) as (url, router),
+    ):
+        deadline = time.monotonic() + 30
+        while not any(i.loras for i in router.pool.instances.values()):
+            assert time.monotonic() < deadline, "the router never saw the adapter"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        assert {"id": "a", "parent": "tiny"}.items() <= next(
+            m.model_dump() for m in client.models.list().data if m.id == "a"
+        ).items()
+        assert [_tokens(client, "a", p) for p in PROMPTS * 2] == refs["a"] * 2
+        assert [_tokens(client, "tiny", p) for p in PROMPTS] == refs["tiny"]

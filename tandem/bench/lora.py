@@ -14,6 +14,7 @@ from pathlib import Path
 from tandem.bench.measure import in_subprocess, replace_args
 from tandem.bench.offline_runs import ENGINE_OPTIONS, make_requests
 from tandem.config.args import add_engine_arguments, given
+from tandem.config.option import parse_size
 
 _PEFT = "base_model.model.model.layers.{}.{}.{}.lora_{}.weight"
 _TARGETS = {
@@ -36,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-adapter-bytes",
         default=4 << 30,
-        type=int,
-        help="skip a run whose adapters take more host memory than this (default 4 GiB)",
+        type=parse_size,
+        help="skip a run whose adapters take more host memory than this (default 4GiB)",
     )
     p.add_argument("--seed", type=int, default=0, help="request seed (default 0)")
     p.add_argument("--json", help="write the results here as JSON")

@@ -73,6 +73,13 @@ def add_cluster_routes(
     per-step hook that feeds the metrics."""
     llm.on_step = metrics.on_step
     add_instance_routes(
-        app, InstanceSnapshot(llm, config.model_name, config.role or "colocated", config.elastic)
+        app,
+        InstanceSnapshot(
+            llm,
+            config.model_name,
+            config.role or "colocated",
+            config.elastic,
+            app.state.serving.loras,
+        ),
     )
     add_pd_routes(app, llm, config.model_name, in_cluster=config.role is not None)
