@@ -5,6 +5,7 @@ unload under load that loses no request and leaves no KV behind."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
@@ -74,6 +75,10 @@ def test_adapters_by_name(setup):
     assert r.status_code == 200, r.text
     assert "b" in {m.id for m in client.models.list().data}
     assert [_tokens(client, "b", p) for p in PROMPTS] == refs["b"]
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for key, least in (("requests", 3), ("tokens", 3 * MAX_NEW), ("loads", 1)):
+        m = re.search(rf'^tandem:lora_{key}_total{{.*lora_name="b".*}} ([0-9.e+]+)$', metrics, re.M)
+        assert m and float(m.group(1)) >= least, key
 
 
 def test_refusals_in_words(setup, tmp_path):

@@ -6,6 +6,7 @@ the caller's process offline (llm_engine.py)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -117,6 +118,7 @@ class EngineCore:
             self.kv_connector, self.executor, lambda: self.pipeline.in_flight()
         )
         self._children: dict[str, list[str]] = {}
+        self.lora_requests: collections.Counter[str] = collections.Counter()  # by adapter name
         self._handlers: dict[type, Callable[..., Any]] = {
             CompileGrammar: self.compile_grammar,
             GetSchedulerStats: self.scheduler_stats,
@@ -188,6 +190,8 @@ class EngineCore:
             self.stats.busy_since = time.perf_counter()
         first = None
         for cid, params in zip(ids, request.params):
+            if params.lora_request is not None:
+                self.lora_requests[params.lora_request.lora_name] += 1
             req = Request(
                 cid,
                 request.prompt_token_ids,
@@ -237,6 +241,13 @@ class EngineCore:
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.pipeline.call(self.executor.remove_lora, lora_int_id)
+
+    def lora_stats(self) -> dict[str, dict[str, int]]:
+        """Per adapter name: requests (sequences) added, and the executor's figures."""
+        stats = self.executor.lora_stats()
+        for name, n in self.lora_requests.items():
+            stats.setdefault(name, {})["requests"] = n
+        return stats
 
     def abort_request(self, request_id: str) -> None:
         self.abort_requests([request_id])

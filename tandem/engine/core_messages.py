@@ -198,6 +198,8 @@ class SchedulerStats(msgspec.Struct):
     spec_accepted_per_pos: list[int] = []
     instance: dict[str, Any] = {}  # the instance's load report (GET /tandem/state)
     grammar_compiles: list[tuple[str, float]] = []  # (kind, seconds) compiled since the last stats
+    # LoRA adapter name -> its requests, tokens run, loads from its folder, evictions from a slot
+    lora: dict[str, dict[str, int]] = {}
 
 
 class ScheduledEvent(msgspec.Struct, array_like=True):

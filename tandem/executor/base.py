@@ -63,3 +63,7 @@ class Executor(StepExecutor, Protocol):
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter (a request still running with it reloads it)."""
         ...
+
+    def lora_stats(self) -> dict[str, dict[str, int]]:
+        """Per adapter name: tokens run with it, loads from its folder, evictions from a slot."""
+        ...

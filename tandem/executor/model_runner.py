@@ -175,6 +175,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.remove(lora_int_id)
 
+    def lora_stats(self) -> dict[str, dict[str, int]]:
+        return {} if self.lora is None else self.lora.stats()
+
     def preemption_costs(self) -> tuple[float, float]:
         return self.kv.preemption_costs()
 

@@ -28,7 +28,14 @@ PARTS = {
 }
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # PEFT options that change what the product means: refused rather than served wrong.
-_UNSUPPORTED = ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out")
+_UNSUPPORTED = (
+    "use_dora",
+    "lora_bias",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+    "fan_in_fan_out",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ class LoRAManager:
         self.slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot
         self.loads = collections.Counter[str]()  # adapter name -> loads from its folder
         self.evictions = collections.Counter[str]()  # adapter name -> evictions from a slot
+        self.tokens = collections.Counter[str]()  # adapter name -> tokens run with it
 
     def add(self, lora: LoRARequest) -> LoRAAdapter:
         """Load (or find loaded) an adapter into host memory; ValueError if it is refused."""
@@ -77,7 +78,18 @@ class LoRAManager:
         """Make the rows' adapters resident and group the step's token rows (`counts` per row) by
         slot for the variant `precision`. Returns whether any row is adapted."""
         slots = np.array([self._slot(lora) for lora in loras], dtype=np.int64)
+        for lora, n in zip(loras, counts.tolist()):
+            if lora is not None:
+                self.tokens[lora.lora_name] += n
         return self.batches[precision].set(np.repeat(slots, counts))
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per adapter name: tokens run with it, loads from its folder, evictions from a slot."""
+        names = self.tokens.keys() | self.loads.keys() | self.evictions.keys()
+        return {
+            n: {"tokens": self.tokens[n], "loads": self.loads[n], "evictions": self.evictions[n]}
+            for n in names
+        }
 
     def _slot(self, lora: LoRARequest | None) -> int:
         if lora is None:
