@@ -124,6 +124,8 @@ def _wrap(model: nn.Module, batch: LoRABatch, num_slots: int) -> dict[str, LoRAL
         for name in part_shapes(model.cfg):
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name)
+            if attr not in parent._modules:  # a layer without it (an MoE block): not adapted
+                continue
             lora = LoRALinear(parent._modules[attr], batch, num_slots)
             setattr(parent, attr, lora)
             wrapped[f"layers.{i}.{name}"] = lora
