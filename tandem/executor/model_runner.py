@@ -228,10 +228,15 @@ class ModelRunner:
         self.prompt_logprobs.forget(sched.finished_req_ids)
 
     def _lora_parts(self, part: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
-        """The variant's rows in forwards of at most max_loras adapters each."""
+        """The variant's rows by adapter, in forwards of at most max_loras adapters each."""
         if self.lora is None:
             return [part]
-        return self.lora.groups(part, [self.requests[r].params.lora_request for r, _ in part])
+        states = [self.requests[r] for r, _ in part]
+        return self.lora.groups(
+            part,
+            [s.params.lora_request for s in states],
+            [self.input_batch.one_token_rows(s, n) for s, (_, n) in zip(states, part)],
+        )
 
     def _run_variant(
         self, precision: str, order: list[tuple[str, int]], out: ModelRunnerOutput

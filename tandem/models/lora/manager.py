@@ -28,7 +28,7 @@ class LoRAManager:
         # per model (precision variant): its activation dtype and device, where its slots' copies
         # are made, its step's rows by slot and its LoRA layers
         self.placements = [(m.norm.weight.dtype, m.norm.weight.device) for m in models.values()]
-        self.batches = {p: LoRABatch(m.norm.weight.device) for p, m in models.items()}
+        self.batches = {p: LoRABatch() for p in models}
         self.layers = [_wrap(m, self.batches[p], self.num_slots) for p, m in models.items()]
         self.names: dict[int, str] = {}
         self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
@@ -57,12 +57,19 @@ class LoRAManager:
         if slot is not None:
             self._fill(slot, None)
 
-    def groups(self, rows: list[T], loras: Sequence[LoRARequest | None]) -> list[list[T]]:
-        """`rows` (whose adapters are `loras`) in parts of at most `max_loras` adapters each, in
-        order: one forward each."""
+    def groups(
+        self, rows: list[T], loras: Sequence[LoRARequest | None], one_token: Sequence[bool]
+    ) -> list[list[T]]:
+        """`rows` (whose adapters are `loras`) ordered by adapter, so that each adapter's rows are
+        one segment, within the one-token rows first (`one_token`, as the batch puts them); in
+        parts of at most `max_loras` adapters each: one forward each."""
+        order = sorted(
+            range(len(rows)),
+            key=lambda i: (not one_token[i], -1 if loras[i] is None else loras[i].lora_int_id),
+        )
         parts: list[list[T]] = []
         ids: set[int] = set()
-        for row, lora in zip(rows, loras):
+        for row, lora in ((rows[i], loras[i]) for i in order):
             key = None if lora is None else lora.lora_int_id
             if not parts or (key is not None and key not in ids and len(ids) == self.num_slots):
                 parts.append([])
