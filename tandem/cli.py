@@ -129,6 +129,12 @@ COMMANDS = [
     ),
     (
         "bench",
+        "lora",
+        "tandem.bench.lora",
+        "offline tok/s with 1, 8, 64 LoRA adapters per rank against the base alone",
+    ),
+    (
+        "bench",
         "fuzz",
         "tandem.bench.fuzz",
         "API fuzzing from the server's OpenAPI document (schemathesis): no 5xx, no hang",

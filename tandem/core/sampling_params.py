@@ -88,6 +88,16 @@ class ThinkingBudget:
             raise ValueError("a thinking budget is a count >= 0 and the block's end tokens")
 
 
+@dataclass(slots=True, frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (vLLM's names): its served name, an id no other
+    adapter of the engine takes (reloading a name takes a new one) and its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to sample and when to stop. Field names follow vLLM / the OpenAI API."""
@@ -114,6 +124,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True  # False: this request opts out of speculative decoding
     thinking_budget: ThinkingBudget | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

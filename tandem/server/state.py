@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from tandem.config import InstanceRole
+from tandem.config import InstanceRole, LoRAConfig
 from tandem.config.option import option
 from tandem.engine.core_messages import CompileGrammar
+from tandem.engine.lora_names import LoRANames
 from tandem.server.reasoning_parser import REASONING_PARSERS
 from tandem.server.response_store import ResponseStore
 from tandem.server.tool_parsers import TOOL_CALL_PARSERS
@@ -137,6 +138,7 @@ class ServingState:
     metrics: ServerMetrics
     facts: EngineFacts
     responses: ResponseStore = field(init=False)  # the Responses API's, within the config's bounds
+    loras: LoRANames = field(default_factory=lambda: LoRANames(LoRAConfig()))  # served by name
 
     def __post_init__(self) -> None:
         c = self.config
