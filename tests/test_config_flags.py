@@ -91,6 +91,7 @@ OWN_MEANING = {
     ("bench offline", "seed"),
     ("bench offline", "quantization"),
     ("bench kv", "seed"),
+    ("bench lora", "seed"),
     ("bench quality", "quantization"),
     ("bench quality", "deterministic"),
     ("bench serve", "model"),
