@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints written as
-Hugging Face folders."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints, and
+Qwen3-MoE / Mixtral / Qwen2-MoE ones, written as Hugging Face folders."""
 
 from __future__ import annotations
 
@@ -91,6 +91,49 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     }
 
 
+MOE_KINDS = ["qwen3_moe", "mixtral", "qwen2_moe"]
+
+
+def tiny_moe_config(kind: str):
+    """Three layers; Qwen3-MoE keeps its middle one dense and renormalises its top-k, Qwen2-MoE
+    does not and has a shared expert."""
+    import transformers as tf
+
+    base = {**TINY, "num_hidden_layers": 3, "tie_word_embeddings": False}
+    if kind == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **base,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if kind == "mixtral":
+        return tf.MixtralConfig(
+            **{**base, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2
+        )
+    if kind == "qwen2_moe":
+        return tf.Qwen2MoeConfig(
+            **base,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        )
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    return {
+        kind: write_tiny_model(tiny_moe_config(kind), tmp_path_factory.mktemp(f"tiny-{kind}"))
+        for kind in MOE_KINDS
+    }
+
+
 def write_tiny_model(config, path) -> str:
     """A random model of this transformers config saved at `path` (seed 0); a Qwen2's qkv biases
     random too, so the bias path is really exercised."""
@@ -98,7 +141,7 @@ def write_tiny_model(config, path) -> str:
 
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if config.model_type == "qwen2":
+    if config.model_type in ("qwen2", "qwen2_moe"):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.3)

@@ -13,7 +13,7 @@ from gguf import GGUFReader
 from tandem import LLM, SamplingParams
 from tandem.models.loader.model_files import gguf_source
 from tandem.tools import random_gguf
-from tandem.tools.random_gguf import SHAPES, tensor_shapes, write_random_gguf
+from tandem.tools.random_gguf import SHAPES, active_parameters, tensor_shapes, write_random_gguf
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,33 @@ def test_tandem_loads_and_generates_from_it(tiny_gguf, tmp_path, monkeypatch):
 def test_named_shapes_have_their_parameter_counts(shape, low, high):
     params = sum(int(np.prod(dims)) for _, dims in tensor_shapes(SHAPES[shape], 49152))
     assert low < params < high
+
+
+def test_the_moe_shape_has_15b_parameters_of_which_a_token_reads_1_5b():
+    shape = SHAPES["moe-15b-a1.5b"]
+    assert 14.9e9 < sum(int(np.prod(dims)) for _, dims in tensor_shapes(shape, 49152)) < 15.2e9
+    assert 1.4e9 < active_parameters(shape, 49152) < 1.55e9
+
+
+@pytest.mark.slow  # the default model's GGUF read, and a file written from it
+def test_the_tiny_moe_file_is_a_qwen3_moe_tandem_serves(tmp_path, monkeypatch):
+    """The MoE layout at tiny widths: 3-D expert tensors, an F32 router; Tandem reads it as a
+    Qwen3-MoE and generates."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "random-qwen3moe-tiny-moe.F16.gguf"
+    write_random_gguf(path, "tiny-moe", gguf_source("smollm2-135m"), "F16", seed=0)
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    assert tuple(int(d) for d in reversed(tensors["blk.1.ffn_down_exps.weight"].shape)) == (
+        8,
+        64,
+        32,
+    )
+    assert tensors["blk.0.ffn_gate_inp.weight"].data.dtype == np.float32
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)
+    model = next(iter(llm.engine.core.executor.variants.models.values()))
+    assert model.cfg.moe.num_experts == 8
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
 
 
 def test_quantize_without_llama_quantize_is_refused_before_writing(tmp_path, monkeypatch):

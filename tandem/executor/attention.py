@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from tandem.config import AttentionBackend
 from tandem.executor.device import to_device
+from tandem.executor.kv_quant import read_kv, write_kv
 from tandem.kernels import cpu_paged_attention
 
 
@@ -225,7 +226,7 @@ class TorchAttention:
     """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when
     meta.triton. KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations'
     dtype or, under fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as
-    they are read)."""
+    they are read); or int8 on CPU, rows of head_dim + 2 with their scale (kv_quant.py)."""
 
     def __init__(
         self,
@@ -267,11 +268,8 @@ class TorchAttention:
                 self.scale,
                 self.window_arg,
             ).view(q.shape[0], -1)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(
-            0, meta.slot_mapping, k.to(k_cache.dtype)
-        )  # a narrower cache rounds here
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and meta.decode_kernel is not None:
@@ -339,20 +337,15 @@ class TorchAttention:
         # query-length axis, so GQA needs no K/V expansion.
         b, length = q.shape[0], bucket.mask.shape[-1]
         shape = (b, length, self.num_kv_heads, self.head_dim)
-        # index_select on rows is several times faster than advanced indexing on CPU.
-        k = (
-            k_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
-        )  # [B, Hkv, L, D]
-        v = v_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
+        k = read_kv(k_cache, bucket.slots, q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v = read_kv(v_cache, bucket.slots, q.dtype).view(shape).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
-        k = (
-            k_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-        )  # [1, Hkv, L, D]
-        v = v_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        k = read_kv(k_cache, span.context_slots, q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = read_kv(v_cache, span.context_slots, q.dtype).transpose(0, 1)[None]
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=1)

@@ -183,7 +183,7 @@ class InputBatch:
         order = sorted(
             num_scheduled_tokens.items(),
             key=lambda kv: (
-                not self._one_token_rows(self.requests[kv[0]], kv[1]),
+                not self.one_token_rows(self.requests[kv[0]], kv[1]),
                 self.requests[kv[0]].num_computed_tokens,
             ),
         )
@@ -192,7 +192,7 @@ class InputBatch:
             by_variant.setdefault(self.requests[req_id].precision, []).append((req_id, n))
         return by_variant
 
-    def _one_token_rows(self, state: CachedRequestState, n: int) -> bool:
+    def one_token_rows(self, state: CachedRequestState, n: int) -> bool:
         """Whether the request's n positions run as one-token attention rows: a decode, or (except
         under Triton, whose kernel takes queries of any length) a verify query, whose positions
         then take the paged decode kernel instead of the chunked-prefill path; and every row in the
@@ -214,7 +214,7 @@ class InputBatch:
         for s, c, n in zip(states, computed.tolist(), counts.tolist()):
             ids.extend(s.token_ids[c : c + n])
             ids.extend(s.spec_token_ids)  # after the request's next position (a decode)
-        split = [self._one_token_rows(s, n) for s, n in zip(states, counts.tolist())]
+        split = [self.one_token_rows(s, n) for s, n in zip(states, counts.tolist())]
         num_split = split.index(False) if False in split else len(states)
         inputs = self.builder.build(
             ids, counts, computed, block_table([s.block_ids for s in states]), num_split

@@ -10,6 +10,10 @@ memory traffic, whichever is slower. A roofline (sim/hardware.py) has three term
 layers, prefill attention and decode attention, with coefficients from FLOPs and bytes. A
 measured profile (`tandem profile`) has one term, fitted to timed steps, with no memory roof:
 step_time is then plain least squares. No torch here.
+
+A mixture of experts' linear term also reads the experts its step's tokens touch, which is not
+linear in the tokens: its "experts" entry (experts, experts per token, seconds to read every
+expert) adds that read to the term's memory side (sim/moe.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+
+from tandem.sim.moe import expert_read_time
 
 FEATURES = ("const", "prefill_tokens", "prefill_attention", "decode_seqs", "decode_context")
 
@@ -53,7 +59,8 @@ def prefill_shape(tokens: int, prompt_len: int) -> BatchShape:
 class CostModel:
     kind: str  # "measured" | "roofline"
     overhead: float  # seconds every step pays (launch, scheduling, sampling)
-    # name -> {"compute": 5 coefficients, "memory": 5 coefficients}: seconds per unit of FEATURES
+    # name -> {"compute": 5 coefficients, "memory": 5 coefficients}: seconds per unit of FEATURES;
+    # a mixture of experts' term adds "experts": (experts, experts per token, seconds to read all)
     terms: dict[str, dict[str, tuple[float, ...]]]
     block_size: int = 16
     kv_bytes_per_token: int = 0
@@ -70,7 +77,8 @@ class CostModel:
         return self.overhead + sum(
             max(
                 sum(c * v for c, v in zip(t["compute"], x)),
-                sum(m * v for m, v in zip(t["memory"], x)),
+                sum(m * v for m, v in zip(t["memory"], x))
+                + (expert_read_time(t["experts"], x[1] + x[3]) if "experts" in t else 0.0),
             )
             for t in self.terms.values()
         )
@@ -83,8 +91,13 @@ class CostModel:
             raise ValueError(
                 f"step scale must be positive and step overhead >= 0, got {factor}, {extra}"
             )
-        terms = {
-            k: {part: tuple(c * factor for c in coefs) for part, coefs in t.items()}
+        terms = {  # an experts entry scales its read time, not its expert counts
+            k: {
+                part: (*coefs[:2], coefs[2] * factor)
+                if part == "experts"
+                else tuple(c * factor for c in coefs)
+                for part, coefs in t.items()
+            }
             for k, t in self.terms.items()
         }
         return replace(
@@ -141,18 +154,22 @@ class CostModel:
         if not isinstance(terms, dict) or not terms:
             raise ValueError("a cost model needs terms: {name: {compute: [...], memory: [...]}}")
         for name, t in terms.items():
-            if not isinstance(t, dict) or any(
-                len(t.get(k, ())) != len(FEATURES) for k in ("compute", "memory")
+            if (
+                not isinstance(t, dict)
+                or any(len(t.get(k, ())) != len(FEATURES) for k in ("compute", "memory"))
+                or len(t.get("experts", (0, 0, 0))) != 3
+                or set(t) - {"compute", "memory", "experts"}
             ):
                 raise ValueError(
                     f"term {name!r} must have compute and memory lists of {len(FEATURES)} "
-                    f"coefficients ({', '.join(FEATURES)})"
+                    f"coefficients ({', '.join(FEATURES)}), and may have experts "
+                    "[experts, experts per token, seconds to read all]"
                 )
         return cls(
             **{
                 **d,
                 "terms": {
-                    n: {k: tuple(float(v) for v in t[k]) for k in ("compute", "memory")}
+                    n: {k: tuple(float(v) for v in coefs) for k, coefs in t.items()}
                     for n, t in terms.items()
                 },
             }

@@ -84,7 +84,11 @@ def roofline(
     decode attention:   FLOPs 4 * layers * heads * head_dim * decode context; bytes: the KV
                         read (decode context) and written (one token per sequence).
     Decodes riding a prefill chunk share its weight reads (one linear term) but not its
-    attention kernels: that is what a mixed step costs."""
+    attention kernels: that is what a mixed step costs.
+
+    A mixture of experts holds every parameter in memory (weights, and so the KV pool), but
+    its GEMM FLOPs follow the active parameters and its linear layers read the dense weights
+    plus the experts the step's tokens touch (sim/moe.py)."""
     acc = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
     shape = get_shape(model) if isinstance(model, str) else model
     if tp < 1:
@@ -96,8 +100,9 @@ def roofline(
     flops = acc.peak_flops * acc.flops_efficiency * tp
     bandwidth = acc.hbm_bandwidth * acc.bandwidth_efficiency * tp
     weights = shape.num_params * dtype_bytes
+    experts = shape.expert_params * dtype_bytes
     kv_bytes = kv_bytes_per_token(shape, dtype_bytes)
-    gemm = 2 * shape.num_params / flops
+    gemm = 2 * shape.active_params / flops
     attn = 4 * shape.num_layers * shape.num_attention_heads * shape.head_dim / flops
     kv = kv_bytes / bandwidth
     free = acc.memory_bytes * tp * gpu_memory_utilization - weights - activation_reserve * tp
@@ -121,11 +126,17 @@ def roofline(
         "achievable_flops": flops,
         "achievable_bandwidth": bandwidth,
     }
-    terms = {  # (const, prefill tokens, prefill pairs, decode seqs, decode context)
+    # (const, prefill tokens, prefill pairs, decode seqs, decode context)
+    terms: dict[str, dict[str, tuple[float, ...]]] = {
         "linear": {
             "compute": (0.0, gemm, 0.0, gemm, 0.0),
-            "memory": (weights / bandwidth, 0.0, 0.0, 0.0, 0.0),
-        },
+            "memory": ((weights - experts) / bandwidth, 0.0, 0.0, 0.0, 0.0),
+        }
+        | (
+            {"experts": (shape.num_experts, shape.num_experts_per_tok, experts / bandwidth)}
+            if shape.num_experts
+            else {}
+        ),
         "prefill_attention": {
             "compute": (0.0, 0.0, attn, 0.0, 0.0),
             "memory": (0.0, kv, 0.0, 0.0, 0.0),

@@ -11,12 +11,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tandem.bench.report import parse_goodput
-from tandem.sim.cost_model import CostModel
+from tandem.sim.cost_model import BatchShape, CostModel
 from tandem.sim.hardware import load_cost_model, roofline
+from tandem.sim.moe import touched_experts, weight_bytes_read
 from tandem.sim.planner import SLO, Plan, Traffic, elastic, plan
 from tandem.tools.machine import provenance_lines
+from tandem.workload.model_shapes import MODEL_SHAPES
 
 DEFAULT_GOODPUT = ("ttft:1000", "tpot:50")
+# A mixture of experts' decode steps shown against the read roofline: batches from one token's
+# experts to all of them, at a context short enough for 256 sequences' KV to fit an H100.
+MOE_BATCHES, MOE_CONTEXT = (1, 16, 256), 512
 
 
 def traffic_of(rows: list, rate_scale: float = 1.0, span: float | None = None) -> Traffic:
@@ -80,7 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--bucket-minutes", type=float, default=60.0, help="elastic schedule resolution")
     c = p.add_argument_group("cost model: a profile, or a roofline")
-    c.add_argument("--profile", default=None, help="profile JSON from tandem profile")
+    c.add_argument(
+        "--profile",
+        default=None,
+        help="profile JSON from tandem profile, or accelerator:model-shape for a roofline "
+        "(h100:llama-3-8b, h100:qwen3-30b-a3b)",
+    )
     c.add_argument("--roofline", default=None, help="accelerator: h100, h200, a100-80gb")
     c.add_argument(
         "--model-shape", default=None, help="with --roofline: llama-3-8b, llama-3-70b, ..."
@@ -187,6 +197,32 @@ def explain(p: Plan, cm: CostModel) -> list[str]:
     return lines
 
 
+def moe_decode_lines(cm: CostModel) -> list[str]:
+    """A mixture of experts' roofline: decode steps against the bytes they read (the dense
+    weights, the experts their tokens touch, the KV) over the accelerator's peak bandwidth."""
+    shape = MODEL_SHAPES.get(cm.info.get("model_shape", ""))
+    if shape is None or not shape.num_experts:
+        return []
+    peak = cm.info["accelerator"]["hbm_bandwidth"] * cm.info["tensor_parallel"]
+    lines = [
+        f"decode at context {MOE_CONTEXT} against the read roofline (bytes read / "
+        f"{peak / 1e12:.2f} TB/s peak): {shape.active_params / 1e9:.2f}B of "
+        f"{shape.num_params / 1e9:.2f}B parameters active per token"
+    ]
+    for b in MOE_BATCHES:
+        weights = weight_bytes_read(shape, b, cm.info["dtype_bytes"])
+        kv = b * (MOE_CONTEXT + 1) * cm.kv_bytes_per_token
+        step = cm.step_time(BatchShape(num_decode_seqs=b, decode_context=b * MOE_CONTEXT))
+        touched = touched_experts(shape.num_experts, shape.num_experts_per_tok, b)
+        lines.append(
+            f"  batch {b:>3}: {touched:5.1f} of {shape.num_experts} experts per layer, "
+            f"reads {weights / 1e9:5.2f} GB of weights + {kv / 1e9:5.2f} GB of KV; "
+            f"step {step * 1e3:5.2f} ms, roofline {(weights + kv) / peak * 1e3:5.2f} ms "
+            f"({(weights + kv) / peak / step:.0%} of the step); {b / step:,.0f} tok/s"
+        )
+    return lines
+
+
 def _slo_seconds(args: argparse.Namespace) -> tuple[float, float]:
     """(TTFT, ITL) in seconds: --goodput over its defaults."""
     slo = {**parse_goodput(DEFAULT_GOODPUT), **parse_goodput(args.goodput)}
@@ -211,7 +247,7 @@ def main(args: argparse.Namespace) -> dict:
         + (f"; trace {args.trace} ({skipped} malformed lines skipped)" if args.trace else "")
         + (f"; rates x {args.rate_scale}" if args.rate_scale != 1 else "")
     )
-    print("\n".join(provenance_lines(cm.info, cm.kind)))
+    print("\n".join(provenance_lines(cm.info, cm.kind) + moe_decode_lines(cm)))
     print("\n".join(explain(result, cm)))
     print(
         f"=> disaggregated P = {result.num_prefill}, D = {result.num_decode}; "

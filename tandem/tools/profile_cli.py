@@ -219,6 +219,9 @@ def report(cm: CostModel) -> None:
             nz = [f"{f} {c:.4g} s" for c, f in zip(t[kind], FEATURES) if c]
             if nz:
                 print(f"    {name} {kind}: " + ", ".join(nz))
+        if "experts" in t:  # (experts, experts per token, seconds to read them all)
+            e, k, s = t["experts"]
+            print(f"    {name} experts: {s:.4g} s for all {e:.0f}; a step reads those touched")
     if "fit" in i:
         print(
             f"  fit over {len(i['samples'])} steps: "
@@ -242,7 +245,7 @@ def report(cm: CostModel) -> None:
 
 
 # --num-threads 1 is steadier on a shared machine.
-ENGINE_OPTIONS = ("model", "dtype", "device", "kv_cache_memory", "num_threads")
+ENGINE_OPTIONS = ("model", "dtype", "quantization", "device", "kv_cache_memory", "num_threads")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,10 @@
-"""`tandem random-gguf`: a random-weight Llama-architecture GGUF of a named shape, for loading
-and speed figures on models past the shipped one's size; the weights are noise, so none worth
-shipping exist. The vocabulary is the default model's (its GGUF's tokenizer metadata is copied),
-so prompts tokenise and outputs detokenise as with a real model. Tensors are drawn and written
-one at a time: peak memory is the largest tensor, not the model (a 3B F16 file is ~6 GB).
+"""`tandem random-gguf`: a random-weight Llama-architecture GGUF of a named shape (or a Qwen3-MoE
+one: every layer's MLP a set of routed experts), for loading and speed figures on models past
+the shipped one's size; the weights are noise, so none worth shipping exist. The vocabulary is
+the default model's (its GGUF's tokenizer metadata is copied), so prompts tokenise and outputs
+detokenise as with a real model. Tensors are drawn and written one at a time: peak memory is
+the largest tensor, not the model (a 3B F16 file is ~6 GB; the MoE shape's expert tensors are
+0.4 GB each in F16, drawn in fp32).
 `--quantize TYPE` then runs llama.cpp's `llama-quantize` on the written file."""
 
 from __future__ import annotations
@@ -36,16 +38,53 @@ class Shape:
     context_length: int = 8192
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
+    head_size: int | None = None  # None: hidden_size // num_heads
+    # a Qwen3-MoE layout (QK-norm, every layer sparse): experts per layer, chosen per token, and
+    # one expert's intermediate width; 0 experts: a dense Llama
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def arch(self) -> str:
+        return "qwen3moe" if self.num_experts else "llama"
 
 
 SHAPES: dict[str, Shape] = {
     "tiny": Shape(64, 128, 2, 4, 2, context_length=2048),  # for tests: seconds to write and load
     "1b": Shape(2048, 8192, 16, 32, 8),  # Llama-3.2-1B's dims: ~1.07B params with a 49,152 vocab
     "3b": Shape(3072, 8192, 28, 24, 8),  # Llama-3.2-3B's dims: ~2.97B params with a 49,152 vocab
+    "tiny-moe": Shape(  # for tests: the MoE layout at the tiny widths
+        64,
+        128,
+        2,
+        4,
+        2,
+        context_length=2048,
+        head_size=32,
+        num_experts=8,
+        experts_per_token=2,
+        expert_size=32,
+    ),
+    # Qwen3-30B-A3B's widths and experts at 24 layers: ~15.0B params, ~1.46B read per token
+    "moe-15b-a1.5b": Shape(
+        2048,
+        6144,
+        24,
+        32,
+        4,
+        context_length=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        head_size=128,
+        num_experts=128,
+        experts_per_token=8,
+        expert_size=768,
+    ),
 }
 
 
@@ -56,6 +95,22 @@ def tensor_shapes(shape: Shape, vocab_size: int) -> Iterator[tuple[str, tuple[in
         shape.num_heads * shape.head_dim,
         shape.num_kv_heads * shape.head_dim,
     )
+    e, inter = shape.num_experts, shape.expert_size
+    if e:
+        mlp = (
+            ("attn_q_norm", (shape.head_dim,)),
+            ("attn_k_norm", (shape.head_dim,)),
+            ("ffn_gate_inp", (e, h)),
+            ("ffn_gate_exps", (e, inter, h)),
+            ("ffn_up_exps", (e, inter, h)),
+            ("ffn_down_exps", (e, h, inter)),
+        )
+    else:
+        mlp = (
+            ("ffn_gate", (shape.intermediate_size, h)),
+            ("ffn_up", (shape.intermediate_size, h)),
+            ("ffn_down", (h, shape.intermediate_size)),
+        )
     yield "token_embd.weight", (vocab_size, h)
     for i in range(shape.num_layers):
         yield from (
@@ -67,12 +122,23 @@ def tensor_shapes(shape: Shape, vocab_size: int) -> Iterator[tuple[str, tuple[in
                 ("attn_v", (kv, h)),
                 ("attn_output", (h, q)),
                 ("ffn_norm", (h,)),
-                ("ffn_gate", (shape.intermediate_size, h)),
-                ("ffn_up", (shape.intermediate_size, h)),
-                ("ffn_down", (h, shape.intermediate_size)),
+                *mlp,
             )
         )
     yield "output_norm.weight", (h,)
+
+
+def active_parameters(shape: Shape, vocab_size: int) -> int:
+    """Parameters a token reads: all but the experts it does not choose (the tied vocabulary
+    counted once)."""
+    total = sum(int(np.prod(dims)) for _, dims in tensor_shapes(shape, vocab_size))
+    unchosen = shape.num_experts - shape.experts_per_token
+    return total - shape.num_layers * unchosen * 3 * shape.expert_size * shape.hidden_size
+
+
+def _stays_f32(name: str, dims: tuple[int, ...]) -> bool:
+    """Norms, and a router (llama-quantize keeps ffn_gate_inp F32 too)."""
+    return len(dims) == 1 or name.endswith("ffn_gate_inp.weight")
 
 
 def copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
@@ -92,8 +158,8 @@ def write_random_gguf(
 ) -> None:
     """Write the file tensor by tensor: matrices N(0, WEIGHT_STD) in `dtype`, norms 1 in F32."""
     shape, (np_dtype, file_type) = SHAPES[shape_name], _FLOAT_TYPES[dtype]
-    writer = GGUFWriter(path, "llama")
-    writer.add_name(f"random-llama-{shape_name}")
+    writer = GGUFWriter(path, shape.arch)
+    writer.add_name(f"random-{shape.arch}-{shape_name}")
     writer.add_file_type(file_type)
     vocab = copy_tokenizer(writer, tokenizer_source)
     writer.add_vocab_size(vocab)
@@ -106,21 +172,26 @@ def write_random_gguf(
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    if shape.num_experts:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.experts_per_token)
+        writer.add_expert_feed_forward_length(shape.expert_size)
     tensors = list(tensor_shapes(shape, vocab))
     for name, dims in tensors:
-        item = np.dtype(np.float32 if len(dims) == 1 else np_dtype)
+        item = np.dtype(np.float32 if _stays_f32(name, dims) else np_dtype)
         writer.add_tensor_info(name, dims, item, int(np.prod(dims)) * item.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, dims in tensors:
+    for name, dims in tensors:
         if len(dims) == 1:
             writer.write_tensor_data(np.ones(dims, np.float32))
         else:
-            writer.write_tensor_data(
-                (rng.standard_normal(dims, np.float32) * WEIGHT_STD).astype(np_dtype)
-            )
+            w = rng.standard_normal(dims, np.float32) * WEIGHT_STD
+            writer.write_tensor_data(w if _stays_f32(name, dims) else w.astype(np_dtype))
     writer.close()
 
 
@@ -139,13 +210,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape",
         choices=list(SHAPES),
         required=True,
-        help="tiny (tests), 1b (Llama-3.2-1B dims) or 3b (Llama-3.2-3B dims)",
+        help="tiny (tests), 1b (Llama-3.2-1B dims), 3b (Llama-3.2-3B dims), tiny-moe (tests) or "
+        "moe-15b-a1.5b (Qwen3-MoE: Qwen3-30B-A3B's widths and 128 experts, 8 active, 24 layers)",
     )
     p.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="the float file to write (default random-llama-SHAPE.DTYPE.gguf here)",
+        help="the float file to write (default random-ARCH-SHAPE.DTYPE.gguf here)",
     )
     p.add_argument(
         "--dtype", choices=list(_FLOAT_TYPES), default="F16", help="matrices' type (default F16)"
@@ -181,7 +253,7 @@ def main(args: argparse.Namespace) -> None:
     tool = (
         llama_cpp_tool("llama-quantize", args.llama_quantize) if args.quantize else None
     )  # refuse before writing
-    out = args.out or Path(f"random-llama-{args.shape}.{args.dtype}.gguf")
+    out = args.out or Path(f"random-{SHAPES[args.shape].arch}-{args.shape}.{args.dtype}.gguf")
     print(
         f"writing {out} ({args.shape}, {args.dtype}, tokenizer of {source.name})...",
         file=sys.stderr,

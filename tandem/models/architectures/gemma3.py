@@ -63,7 +63,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, attention)
         # `rotary` (global layers) is the Llama one: rope_theta and rope_scaling.
         self.rotary_local = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None
+            cfg.head_dim, cfg.max_context_len, cfg.local_rope_theta, None
         )
 
     @staticmethod

@@ -1,5 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over flattened
-variable-length batches with a paged KV cache.
+variable-length batches with a paged KV cache; Mistral's and Qwen's sliding windows are the
+layers' (ModelConfig.layer_windows).
 
 The attention backend is given to the model (the model runner passes executor/attention.py's):
 how K/V are cached and attended, and the per-step metadata that says where, belong to the
@@ -19,6 +20,7 @@ from tandem.models.layers.activation import Gate
 from tandem.models.layers.decoder_ops import (
     DecoderOps,
     DecodeRun,
+    Gemm,
     ModuleOps,
     NormWeights,
     OpBinder,
@@ -27,6 +29,14 @@ from tandem.models.layers.decoder_ops import (
 from tandem.models.layers.layernorm import RMSNorm, fused_ops_for
 from tandem.models.layers.linear import Linear, can_pack_cpu, cpu_packed_linear, pack_cpu_weight
 from tandem.models.layers.rotary_embedding import RotaryEmbedding, StepRope
+
+# Our fused linears and the checkpoint tensors they hold, in row order (Mixtral's experts name
+# theirs w1, w3).
+FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "w13": ("w1", "w3"),
+}
 
 
 class AttentionBackend(Protocol):
@@ -166,7 +176,7 @@ class DecoderLayer(nn.Module):
     def bind(self, bind: OpBinder) -> DecoderOps:
         """This layer's step (layers/decoder_ops.py), each op served by the module named here and
         bound by `bind`: ModuleOps for the modules' forwards, or the decode plan's binder."""
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         return DecoderOps(
             bind.norm,
             bind.add_norm,
@@ -175,9 +185,15 @@ class DecoderLayer(nn.Module):
             qkv=bind.gemm(attn, "qkv_proj"),
             attend=bind.attention(attn),
             o=bind.gemm(attn, "o_proj"),
-            gate_up=bind.gemm(mlp, "gate_up_proj", mlp.gate),
-            down=bind.gemm(mlp, "down_proj"),
             rope=self.rope,
+            **self.bind_mlp(bind),
+        )
+
+    def bind_mlp(self, bind: OpBinder) -> dict[str, Gemm]:
+        """The MLP's ops of the step (a sparse layer binds its MoE block instead)."""
+        mlp = self.mlp
+        return dict(
+            gate_up=bind.gemm(mlp, "gate_up_proj", mlp.gate), down=bind.gemm(mlp, "down_proj")
         )
 
 
@@ -195,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, cfg.max_context_len, cfg.rope_theta, cfg.rope_scaling
         )
         self.packed_lm_head: torch.Tensor | None = None
         self.layer_ops = [layer.bind(ModuleOps) for layer in self.layers]
@@ -204,8 +220,9 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def decoder_layer(cfg: ModelConfig, attention: AttentionFactory, index: int) -> DecoderLayer:
-        """Layer `index` of the stack (a subclass builds its own kind)."""
-        return DecoderLayer(cfg, attention)
+        """Layer `index` of the stack, with its sliding window if it has one (a subclass builds
+        its own kind)."""
+        return DecoderLayer(cfg, attention, cfg.layer_windows[index] if cfg.layer_windows else None)
 
     def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The input embedding as a callable that holds its parts, not the model."""
@@ -267,18 +284,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
         cfg = self.cfg
-        q, kv, inter = (
-            cfg.num_heads * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim,
-            cfg.intermediate_size,
-        )
-        fused = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, kv),
-            "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
-        }
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {p: (new, i) for new, parts in FUSED_PARTS.items() for i, p in enumerate(parts)}
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -288,22 +295,25 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             parts = name.split(".")
-            target, start, size = name, None, None
+            target, index = name, None
             for i, p in enumerate(parts):
                 if p in fused:
-                    new, start, size = fused[p]
+                    new, index = fused[p]
                     target = ".".join(parts[:i] + [new] + parts[i + 1 :])
                     break
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for a {cfg.model_type} model")
-            dst = param.data if start is None else param.data.narrow(0, start, size)
+            dst = param.data
+            if index is not None:  # q, k, v by heads; a gate / up pair (an MLP's, expert's) halves
+                sizes = [q, kv, kv] if new == "qkv_proj" else [dst.shape[0] // 2] * 2
+                dst = dst.narrow(0, sum(sizes[:index]), sizes[index])
             if dst.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
             if (
-                start is None
+                index is None
                 and (tensor.dtype, tensor.device) == (dst.dtype, dst.device)
                 and tensor.is_contiguous()
             ):

@@ -16,7 +16,7 @@ from tandem.models.gguf.file import GGUFFile
 from tandem.models.tokenizer_record import write_record
 
 # Bump when the folder's contents change so stale cached folders are not reused.
-FOLDER_VERSION = 3
+FOLDER_VERSION = 5
 # the class AutoTokenizer picks for the folder (models/tokenizer_record.py)
 TOKENIZER_CLASS_FILE = "tokenizer_class.json"
 
@@ -26,6 +26,8 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # Strings whose token ids must survive the tokenizer save/reload round trip.
@@ -88,18 +90,78 @@ def _build_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
         token_id = metadata(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
             config[f"{key}_token_id"] = token_id
-    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        config["rope_scaling"] = {
-            "rope_type": scaling,
-            "factor": metadata(reader, f"{arch}.rope.scaling.factor"),
-        }
-        original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
-        if original is not None:
-            config["rope_scaling"]["original_max_position_embeddings"] = original
+    scaling = _rope_scaling(reader, arch)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     if arch == "gemma3":
         config.update(_gemma3_config(reader, config))
+    if arch in ("qwen2moe", "qwen3moe") or metadata(reader, f"{arch}.expert_count", 0):
+        config.update(_moe_config(reader, arch, config, shapes))
     return config
+
+
+# llama.cpp's YaRN keys (as convert_hf_to_gguf writes them) -> transformers' rope_scaling keys
+_YARN_KEYS = {
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "yarn_attn_factor": "attention_factor",
+}
+
+
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """transformers' rope_scaling from `{arch}.rope.scaling.*`, or None (no scaling). YaRN's
+    extrapolation factor has no transformers counterpart: any but 1 is refused."""
+    kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": metadata(reader, f"{arch}.rope.scaling.factor")}
+    original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    if kind == "yarn":
+        for key, name in _YARN_KEYS.items():
+            value = metadata(reader, f"{arch}.rope.scaling.{key}", None)
+            if value is not None:
+                scaling[name] = value
+        if metadata(reader, f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            raise ValueError("YaRN with an extrapolation factor other than 1 is not supported")
+    return scaling
+
+
+def _moe_config(
+    reader: GGUFFile, arch: str, config: dict[str, Any], shapes: dict[str, list[int]]
+) -> dict[str, Any]:
+    """A mixture-of-experts config's own fields: Mixtral's for a `llama` file with experts. As
+    llama.cpp: Qwen3-MoE renormalises its top-k, Qwen2-MoE does not (unless the file says), and a
+    layer without a router is dense."""
+    experts = metadata(reader, f"{arch}.expert_count")
+    used = metadata(reader, f"{arch}.expert_used_count")
+    if arch == "llama":
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "sliding_window": None,
+        }
+    layers = config["num_hidden_layers"]
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": metadata(reader, f"{arch}.expert_feed_forward_length"),
+        "norm_topk_prob": metadata(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe"),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes
+        ],
+        "use_sliding_window": False,
+    }
+    if arch == "qwen2moe":
+        moe["shared_expert_intermediate_size"] = metadata(
+            reader, f"{arch}.expert_shared_feed_forward_length"
+        )
+        moe["qkv_bias"] = config["attention_bias"]
+    return moe
 
 
 def _gemma3_config(reader: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ the Hugging Face layout, a large one a chunk of rows at a time, or a 4-bit forma
 codes), so loading holds the serving weights plus one tensor's buffers, never the file and a
 float copy of it. Layout differences are undone here: llama.cpp permutes the rows of llama q/k
 (whole rows, so codes and block scales are unpermuted alike) and stores Gemma 3's norm weights
-as 1 + w.
+as 1 + w. A 3-D expert tensor ([experts, rows, cols]) is one 2-D tensor per expert, named as a
+Hugging Face checkpoint names that expert's: its rows are whole blocks, read and decoded alone.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # a sparse layer's router, and Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# Architectures whose layers name some tensors otherwise (Gemma's norms around attention and MLP).
+# Architectures whose layers name some tensors otherwise (Gemma's norms around attention and MLP,
+# Mixtral's sparse block).
 _ARCH_LAYER_TENSORS = {
+    "llama": {**_LAYER_TENSORS, "ffn_gate_inp": "block_sparse_moe.gate"},
     "gemma3": {
         **_LAYER_TENSORS,
         "ffn_norm": "pre_feedforward_layernorm",
@@ -70,6 +79,10 @@ _ARCH_LAYER_TENSORS = {
 # the (1 + w) of Gemma3RMSNorm): every `*norm.weight` tensor, undone here.
 _NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
+# A sparse layer's experts in one 3-D tensor each: [experts, rows, cols]; by the projection each
+# expert's name holds (Mixtral's, under arch llama, are w1 / w3 / w2 of its block_sparse_moe)
+_EXPERTS_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
 _Q = GGMLQuantizationType
 _CODE_BITS = {
     _Q.Q4_0: 4,
@@ -114,6 +127,12 @@ class GGUFWeights:
         n_head_kv = meta.get(f"{self.arch}.attention.head_count_kv", n_head)
         self.tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
+            experts = expert_names(t.name, self.arch, t.dims[-1])
+            if experts:  # each expert a 2-D tensor of its own: its rows of the 3-D one
+                for e, name in enumerate(experts):
+                    info = expert_rows(t, e)
+                    self.tensors[name] = GGUFTensor(t.name, t.kind, info.dims[::-1], info, None)
+                continue
             try:
                 name = hf_tensor_name(t.name, self.arch)
             except ValueError as e:
@@ -124,6 +143,8 @@ class GGUFWeights:
             elif self.arch == "llama" and ".attn_k." in t.name:
                 heads = n_head_kv
             shape = tuple(reversed(t.dims))  # GGUF lists dims innermost first
+            if name.endswith("shared_expert_gate.weight"):  # [hidden] or [1, hidden]: one row
+                shape = (1, t.dims[0])
             self.tensors[name] = GGUFTensor(t.name, t.kind, shape, t, heads)
 
     def __contains__(self, name: str) -> bool:
@@ -239,6 +260,26 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
         if base in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[base]}.{kind}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def expert_names(gguf_name: str, arch: str, experts: int) -> list[str]:
+    """The Hugging Face names of the experts a 3-D expert tensor holds (none for any other)."""
+    match = _EXPERTS_NAME.fullmatch(gguf_name)
+    if match is None:
+        return []
+    layer, proj = match[1], match[2]
+    if arch == "llama":
+        prefix, leaf = f"model.layers.{layer}.block_sparse_moe", _MIXTRAL_EXPERT[proj]
+    else:
+        prefix, leaf = f"model.layers.{layer}.mlp", f"{proj}_proj"
+    return [f"{prefix}.experts.{e}.{leaf}.weight" for e in range(experts)]
+
+
+def expert_rows(t: TensorInfo, expert: int) -> TensorInfo:
+    """Expert `expert` of a 3-D expert tensor: its consecutive rows, as a 2-D tensor (an expert's
+    rows are whole blocks, so its bytes are read and decoded as any 2-D tensor's)."""
+    nbytes = t.nbytes // t.dims[2]
+    return TensorInfo(t.name, t.kind, t.dims[:2], t.offset + expert * nbytes, nbytes)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

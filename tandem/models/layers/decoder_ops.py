@@ -47,9 +47,10 @@ class DecoderOps:
     qkv: Gemm
     attend: Callable[..., torch.Tensor]  # (qkv, rope, kv_cache, meta): QK-norm, RoPE, attention
     o: Gemm
-    gate_up: Gemm  # act(gate) * up of the [gate | up] projection
-    down: Gemm
     rope: int  # which of the model's RoPE tables this layer turns by (its `rotaries()`)
+    gate_up: Gemm | None = None  # act(gate) * up of the [gate | up] projection
+    down: Gemm | None = None
+    moe: Gemm | None = None  # a sparse layer's MoE block, in the MLP's place (layers/fused_moe.py)
 
     def step(
         self,
@@ -71,7 +72,7 @@ class DecoderOps:
         if norms.after_attention is not None:
             out = self.norm(out, norms.after_attention, eps)
         residual, h = self.add_norm(out, residual, norms.mlp_input, eps)
-        x = self.down(self.gate_up(h))
+        x = self.down(self.gate_up(h)) if self.moe is None else self.moe(h)
         if norms.after_mlp is not None:
             x = self.norm(x, norms.after_mlp, eps)
         return x, residual

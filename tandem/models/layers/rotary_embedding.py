@@ -1,36 +1,12 @@
-"""Rotary position embedding (rotate-half, the Hugging Face layout), with Llama-3 and linear
-scaling."""
+"""Rotary position embedding (rotate-half, the Hugging Face layout), scaled as the model's config
+says (layers/rope_scaling.py)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 and linear RoPE scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(
-        f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)"
-    )
+from tandem.models.layers.rope_scaling import dynamic_ntk_inv_freq, rope_parameters, rope_type
 
 
 class RotaryEmbedding(nn.Module):
@@ -39,7 +15,14 @@ class RotaryEmbedding(nn.Module):
     On CPU the table covers the positions seen so far (at least 4,096, grown by doubling up to
     the model's context) rather than the whole context: Gemma 3's two tables of 32k positions
     held 64 MiB, a quarter of its weights, for contexts few requests reach. On CUDA it is built
-    whole: a captured graph's positions never pass through Python."""
+    whole: a captured graph's positions never pass through Python.
+
+    Dynamic NTK scaling: transformers recomputes the frequencies for the length of the sequence
+    once it passes the original context, so position p is turned by the set for p + 1 positions
+    (its row of the table): the set transformers uses for a token decoded at p. KV then depends
+    on the position alone, whatever the batch, chunk or prefix hit. A prompt longer than the
+    original context, which transformers' `generate` turns whole by the set for its length,
+    is turned here as transformers turns it fed one token at a time."""
 
     MIN_POSITIONS = 4096
 
@@ -48,7 +31,9 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.max_positions = max_positions
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.inv_freq, self.attention_factor = rope_parameters(head_dim, theta, scaling)
+        self.dynamic = (head_dim, theta, scaling) if rope_type(scaling) == "dynamic" else None
+        self.dynamic_rows = torch.empty(0, head_dim // 2, device="cpu")  # computed once each
         self.rounding = torch.float32  # the dtype the table's values are rounded through
         whole = torch.get_default_device().type != "cpu"
         n = max_positions if whole else min(max_positions, self.MIN_POSITIONS)
@@ -61,10 +46,28 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(self.cos_sin.shape[0]).to(self.cos_sin.device)
 
     def _table(self, n: int) -> torch.Tensor:
-        freqs = torch.outer(
-            torch.arange(n, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq
-        )
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.rounding).float()
+        positions = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(positions, self.inv_freq)
+        if self.dynamic is not None:
+            original = self.dynamic[2]["original_max_position_embeddings"]
+            if n > original:
+                freqs[original:] = positions[original:, None] * self._dynamic_rows(original, n)
+        af = self.attention_factor  # YaRN's mscale; 1.0 otherwise (an exact product)
+        return torch.cat([freqs.cos() * af, freqs.sin() * af], dim=-1).to(self.rounding).float()
+
+    def _dynamic_rows(self, start: int, end: int) -> torch.Tensor:
+        """Dynamic NTK's frequencies of positions start..end-1, each for a sequence one longer,
+        one row at a time as transformers computes them (a vectorised pow rounds differently),
+        on CPU, kept as the table grows."""
+        done = start + self.dynamic_rows.shape[0]
+        if done < end:
+            with torch.device("cpu"):
+                rows = [
+                    dynamic_ntk_inv_freq(*self.dynamic, torch.tensor(p + 1))
+                    for p in range(done, end)
+                ]
+            self.dynamic_rows = torch.cat([self.dynamic_rows, torch.stack(rows)])
+        return self.dynamic_rows[: end - start].to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
         if positions.device.type == "cpu" and positions.numel():

@@ -17,7 +17,9 @@ Storage per variant, chosen by the bytes a decode step reads against the quality
   int8 per-channel copy of it (half the bf16 bytes; 4 bits costs it more quality than it saves),
   except that a GGUF vocabulary stored in Q6_K or Q8_0 keeps its blocks, and int4 keeps one
   stored in 4- or 5-bit blocks as its codes (nothing requantised);
-- the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows.
+- the embedding and norms stay in the activation dtype: a step gathers only its tokens' rows;
+- an MoE block's experts are linears like any other (a GGUF's 3-D expert tensors are read expert
+  by expert, each in its stored format); its routers stay in the activation dtype.
 
 A quantised Linear is built straight from its file tensors, so no float copy of the decoder
 layers is ever held; the float modules it replaces are never written (their untouched pages
@@ -34,11 +36,13 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tandem.models.architectures.gemma3 import Gemma3ForCausalLM
-from tandem.models.architectures.llama import AttentionFactory, LlamaForCausalLM
+from tandem.models.architectures.llama import FUSED_PARTS, AttentionFactory, LlamaForCausalLM
+from tandem.models.architectures.moe import MoEForCausalLM
 from tandem.models.config import ModelConfig
 from tandem.models.decode_plan import DecodePlan
 from tandem.models.gguf.weights import GGUFWeights
 from tandem.models.layers.batch_invariant import make_batch_invariant
+from tandem.models.layers.fused_moe import FusedMoE
 from tandem.models.layers.linear import Linear
 from tandem.models.layers.rotary_embedding import RotaryEmbedding
 from tandem.models.loader.folder_weights import FolderWeights
@@ -55,11 +59,6 @@ from tandem.models.quantization.row_parts import RowParts
 log = logging.getLogger(__name__)
 
 QUANTIZED = ("int8", "int4")
-# Our fused modules and the Hugging Face tensors they hold, in row order.
-_FUSED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 # GGUF types by the precision that serves them without losing what they store: 4- and 5-bit
 # blocks int4 (their own codes), 6- and 8-bit int8.
 _STORED_AS = {
@@ -134,7 +133,7 @@ def build_model(
     if weights != "float" and weights not in QUANTIZED:
         raise ValueError(f"unknown weight format {weights!r}")
     with torch.device(device):
-        model = (Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM)(cfg, attention)
+        model = model_class(cfg)(cfg, attention)
     _retype(model, dtype)
     model.eval()
     consumed: set[str] = set()
@@ -147,8 +146,8 @@ def build_model(
             weights == "int4" and isinstance(source, GGUFWeights) and _gguf_stored(source) == "int4"
         )
         for name, module in list(model.named_modules()):
-            if isinstance(module, Linear) and module is not model.lm_head:
-                parent, _, attr = name.rpartition(".")
+            parent, _, attr = name.rpartition(".")
+            if isinstance(module, Linear) and not _kept_float(model, module, parent, attr):
                 quantised, parts, from_file = _quantise(
                     name, module, weights, dtype, source, keep_wide
                 )
@@ -176,6 +175,20 @@ def build_model(
     trim_heap()
     model.decode_plan = DecodePlan.build(model)
     return model
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    if cfg.is_gemma3:
+        return Gemma3ForCausalLM
+    return LlamaForCausalLM if cfg.moe is None else MoEForCausalLM
+
+
+def _kept_float(model: LlamaForCausalLM, module: Linear, parent: str, attr: str) -> bool:
+    """The linears a quantised variant keeps in float: an MoE block's routers (the LM head is
+    quantised on its own, `_quantise_vocab`)."""
+    if module is model.lm_head:
+        return True
+    return attr in FusedMoE.ROUTERS and isinstance(model.get_submodule(parent), FusedMoE)
 
 
 def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
@@ -251,7 +264,7 @@ def _quantise(
     whose parts differ runs as consecutive parts of one format (RowParts). Otherwise int4
     throughout, every part without 4- or 5-bit codes requantised."""
     prefix, _, leaf = name.rpartition(".")
-    parts = [f"model.{prefix}.{p}.weight" for p in _FUSED_PARTS.get(leaf, (leaf,))]
+    parts = [f"model.{prefix}.{p}.weight" for p in FUSED_PARTS.get(leaf, (leaf,))]
     device = module.weight.device
     bias = None
     if module.bias is not None:

@@ -19,22 +19,19 @@ def hf_model(model: str, dtype: torch.dtype = torch.float32):
     if gguf is None:
         return tf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     config = tf.AutoConfig.from_pretrained(folder)
-    with _no_init_weights():  # every weight is loaded next: random init was a quarter of the build
-        reference = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = reference.load_state_dict(dict(iter_weights(gguf)), strict=False)
+    # from_pretrained, not load_state_dict: it turns checkpoint names into the model's (one
+    # expert's tensors into transformers' stacked experts)
+    reference, info = getattr(tf, config.architectures[0]).from_pretrained(
+        None,
+        config=config,
+        state_dict=dict(iter_weights(gguf)),
+        dtype=dtype,
+        output_loading_info=True,
+    )
+    missing, unexpected = info["missing_keys"], info["unexpected_keys"]
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(
             f"{gguf}: weights do not fit transformers' {type(reference).__name__} "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    reference.tie_weights()
     return reference.eval()
-
-
-def _no_init_weights():
-    """transformers' context that skips weight initialisation (its module moved in 5.0)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
