@@ -69,13 +69,17 @@ class InputBuilder:
         head_dim: int,
         deterministic: bool = False,
         groups: KVGroups | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.block_size, self.device, self.attention_backend = block_size, device, attention_backend
+        self.kv_dtype = kv_dtype
         self.groups = groups  # None: the plain layout
         self.triton = attention_backend == AttentionBackend.TRITON
         native = attention_backend == AttentionBackend.TORCH and device.type == "cpu"
         self.decode_kernel = cpu_paged_decode(head_dim) if native else None
-        self.prefill_kernel = cpu_paged_prefill(head_dim) if native else None
+        # the native prefill reads float caches only; an int8 cache's prefill dequantises on SDPA
+        float_kv = kv_dtype != torch.int8
+        self.prefill_kernel = cpu_paged_prefill(head_dim) if native and float_kv else None
         self.deterministic = deterministic
         if deterministic and self.decode_kernel is None:
             raise ValueError(

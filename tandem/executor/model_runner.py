@@ -155,6 +155,7 @@ class ModelRunner:
             cfg.head_dim,
             run.deterministic,
             groups,
+            kv_dtype,
         )
         self.input_batch = InputBatch(builder, self.variants.default)
         self.proposer = build_proposer(spec, draft, self.kv, builder)
