@@ -58,6 +58,8 @@ def test_openapi_describes_the_real_request_models(server):
         "/v1/messages/count_tokens",
         "/tokenize",
         "/detokenize",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
         "/tandem/role",
         "/tandem/kv_group",
         "/tandem/prefill",
