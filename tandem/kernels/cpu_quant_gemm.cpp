@@ -781,7 +781,7 @@ at::Tensor experts(at::Tensor x, at::Tensor ids, at::Tensor weights, const std::
   for (size_t e = 0; e < up.size(); ++e)
     TORCH_CHECK(up[e].k == x.size(1) && up[e].n == up[0].n && up[e].n % (2 * kTile) == 0 && dn[e].k == up[e].n / 2 && dn[e].n == x.size(1),
                 "quant gemm experts: every expert's gate_up [2I, H] (I % 16 == 0) and down [H, I]");
-  auto out = at::empty_like(x);
+  auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
   if (x.scalar_type() == at::kFloat)
     run_experts(x.data_ptr<float>(), x.size(0), ids.size(1), ids.data_ptr<int64_t>(), weights.data_ptr<float>(), up, dn,
