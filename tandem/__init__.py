@@ -1,8 +1,8 @@
 """Tandem: an LLM serving system."""
 
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import LoRARequest, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -57,6 +57,12 @@ COMMANDS = [
     ),
     (
         "bench",
+        "fidelity",
+        "tandem.tools.fidelity_cli",
+        "the simulator's error against repeated real replays of a trace window",
+    ),
+    (
+        "bench",
         "kv",
         "tandem.bench.kv",
         "KV one long request holds with sliding-window layers, against full attention",
@@ -120,6 +126,12 @@ COMMANDS = [
         "llamacpp",
         "tandem.bench.llamacpp",
         "decode tok/s side by side with llama.cpp's llama-batched-bench on one GGUF",
+    ),
+    (
+        "bench",
+        "lora",
+        "tandem.bench.lora",
+        "offline tok/s with 1, 8, 64 LoRA adapters per rank against the base alone",
     ),
     (
         "bench",

@@ -38,7 +38,14 @@ llama_perf_context_print:        load time =     123.45 ms
 
 def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(
-        **{"batch_sizes": "1,16", "prompt_len": 128, "output_len": 128, "num_threads": 2, **kw}
+        **{
+            "batch_sizes": "1,16",
+            "prompt_len": 128,
+            "output_len": 128,
+            "num_threads": 2,
+            "prefill_lens": None,
+            **kw,
+        }
     )
 
 

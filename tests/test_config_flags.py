@@ -58,6 +58,12 @@ ENGINE_SAMPLES = {
     "deterministic": True,
     "step_trace": "steps.jsonl",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_cpu_loras": 8,
+    "max_lora_rank": 64,
+    "lora_modules": ["a=/x"],
+    "lora_dir": "adapters",
 }
 SERVER_SAMPLES = {
     "api_key": "k",
@@ -85,6 +91,7 @@ OWN_MEANING = {
     ("bench offline", "seed"),
     ("bench offline", "quantization"),
     ("bench kv", "seed"),
+    ("bench lora", "seed"),
     ("bench quality", "quantization"),
     ("bench quality", "deterministic"),
     ("bench serve", "model"),

@@ -1,8 +1,9 @@
 """API fuzzing (schemathesis) against a live server on a tiny model: bodies generated from the
 server's own OpenAPI document, bodies that break it, and hostile raw bodies, on every
 operation; a bounded seeded run (`tandem bench fuzz` is the long one). No 5xx, every request
-answered within 30 s, and the server serving afterwards (with an API key: the fuzzer sends it,
-so the cases reach past the key check)."""
+answered within 30 s, the server serving afterwards (with an API key: the fuzzer sends it,
+so the cases reach past the key check), the Responses and Messages APIs reached and a stored
+response a 404 to another key."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ def server(tiny_model_dirs, tmp_path_factory):
     engine = EngineConfig.from_kwargs(
         model=model, dtype="float32", kv_cache_memory=1 << 20, max_model_len=64
     )
-    with running_server(engine, ServerConfig(model_name="tiny", max_n=4, api_key="sesame")) as (
+    with running_server(
+        engine,
+        ServerConfig(
+            model_name="tiny", max_n=4, api_key="sesame", api_key_classes={"other": "standard"}
+        ),
+    ) as (
         url,
         _,
     ):
@@ -62,7 +68,9 @@ def test_openapi_describes_the_real_request_models(server):
 
 
 def test_bounded_fuzz_run_finds_no_5xx(server):
-    report = run_fuzz(server, cases=300, seed=0, api_key="sesame", timeout=30.0)
+    report = run_fuzz(
+        server, cases=300, seed=0, api_key="sesame", timeout=30.0, other_api_key="other"
+    )
     assert report["cases"] >= 250
     assert report["server_errors"] == [], report["server_errors"]
     assert report["unanswered"] == [], report["unanswered"]
@@ -70,3 +78,9 @@ def test_bounded_fuzz_run_finds_no_5xx(server):
     assert (
         report["statuses"].get("200", 0) > 0 and report["statuses"].get("400", 0) > 0
     )  # both sides reached
+    paths = report["by_path"]
+    for path in ("POST /v1/responses", "POST /v1/messages"):  # the new APIs are fuzzed too
+        assert sum(paths[path].values()) >= 10, (path, paths[path])
+    assert set(paths["GET /v1/responses/{response_id}"]) == {"404"}  # made-up ids: none stored
+    assert paths["POST /v1/responses"].get("200"), paths["POST /v1/responses"]
+    assert report["stored_response_private"] is True

@@ -14,7 +14,7 @@ import tandem
 
 CODE = """
 import gc, weakref
-from tandem.heap import freeze_startup_heap
+from tandem.heap import YOUNG_THRESHOLD, freeze_startup_heap
 
 class Node:
     pass
@@ -27,6 +27,8 @@ del cycle
 frozen = freeze_startup_heap("test")
 assert gone() is None, "startup garbage was frozen, not collected"
 assert frozen == gc.get_freeze_count() > 0, frozen
+# a step's short-lived objects die before a young collection could promote them
+assert gc.get_threshold()[0] == YOUNG_THRESHOLD
 # the collector's generations no longer hold what was alive; what comes after, they do
 later = Node()
 tracked = gc.get_objects()

@@ -136,6 +136,19 @@ def test_payload_bytes(llama):
     assert torch.equal(got.kv, payload.kv.cpu()) and got.token_ids == payload.token_ids
 
 
+def test_int8_payload_carries_the_scales(llama):
+    """An int8 cache's blocks travel as they are, each row's scale in it: the payload's bytes
+    are what the pool counts per block, and the rows arrive bit for bit."""
+    a, conn = _llm(llama, kv_cache_dtype="int8").engine, ShmTransport()
+    cfg = ModelConfig.from_hf(load_config(llama))
+    _, payload = prefill(a, _prompts()[-1], "p")
+    assert payload.kv.dtype == torch.int8 and payload.kv.shape[-1] == cfg.head_dim + 2
+    assert payload.num_bytes == 5 * BS * cfg.kv_bytes_per_token(torch.int8)
+    conn.send("t", payload)
+    got, _ = conn.recv("t", timeout=5)
+    assert torch.equal(got.kv, payload.kv.cpu())
+
+
 def test_bf16_and_empty_payloads_round_trip():
     conn = ShmTransport()
     kv = torch.randn(3, 2, 2, 4, 2, 8).to(torch.bfloat16)

@@ -173,11 +173,19 @@ def test_every_utility_message_has_one_handler_whose_parameters_are_its_fields()
     import inspect
 
     from tandem.engine.core import EngineCore
-    from tandem.engine.core_messages import UTILITY_MESSAGES, CompileGrammar, GetSchedulerStats
+    from tandem.engine.core_messages import (
+        UTILITY_MESSAGES,
+        AddLoRA,
+        CompileGrammar,
+        GetSchedulerStats,
+        RemoveLoRA,
+    )
 
     handlers = {
         CompileGrammar: EngineCore.compile_grammar,
         GetSchedulerStats: EngineCore.scheduler_stats,
+        AddLoRA: EngineCore.add_lora,
+        RemoveLoRA: EngineCore.remove_lora,
         **PDService.__new__(PDService).utilities(),
     }
     assert set(handlers) == set(UTILITY_MESSAGES)

@@ -1,8 +1,9 @@
 """Reasoning models: <think>...</think> split from the answer (opened in the output, as Qwen3's,
 or in the prompt, as DeepSeek-R1's), whole and streamed a character at a time, cut off, with tool
 calls after it; through the chat (reasoning_content), Messages (thinking blocks) and Responses
-(reasoning items) routes over a fake engine that writes a reasoning model's output; and the
-reasoning budget 0 turning the template's thinking switch off."""
+(reasoning items) routes over a fake engine that writes a reasoning model's output; the
+reasoning budget 0 turning the template's thinking switch off, and a budget of N reaching the
+engine (tests/test_thinking_budget.py: what the engine does with it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from route_fixture import Writes
 from test_server_routes import client_for, word_tokenizer
 
+from tandem.core.sampling_params import ThinkingBudget
 from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
 from tandem.server.routes import chat, messages, responses_api
 from tandem.server.tool_calls import ToolCallPlan, read_output
@@ -111,3 +113,38 @@ def test_reasoning_budget_0_turns_the_templates_switch_off():
     state.config.reasoning_budget = 0
     client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert state.llm.requests[-1][0] == word_tokenizer().encode("user: hi\n<think></think>")
+
+
+def test_thinking_token_budget_reaches_the_engine_for_a_reasoning_model():
+    client, state = served(chat.router)
+    tok = state.facts.tokenizer
+    ids = [tuple(tok.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>")]
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def budget(body: dict):
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        return state.llm.requests[-1][1].thinking_budget
+
+    assert budget(hi) is None  # -1: unlimited
+    assert budget({**hi, "thinking_token_budget": 5}) == ThinkingBudget(5, *ids)
+    state.config.reasoning_budget = 7
+    assert budget(hi) == ThinkingBudget(7, *ids)
+    assert budget({**hi, "thinking_token_budget": 2}).tokens == 2  # the request's wins
+    state.config.reasoning_parser = None  # a model that does not reason: nothing to end
+    assert budget({**hi, "thinking_token_budget": 2}) is None
+    assert client.post("/v1/chat/completions", json={**hi, "thinking_token_budget": -1}).is_error
+
+
+def test_anthropic_thinking_is_the_budget_or_the_switch():
+    client, state = served(messages.router)
+    state.facts.tokenizer.chat_template = TEMPLATE
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+
+    def sent(thinking: dict):
+        assert client.post("/v1/messages", json={**body, "thinking": thinking}).status_code == 200
+        return state.llm.requests[-1]
+
+    assert sent({"type": "enabled", "budget_tokens": 3})[1].thinking_budget.tokens == 3
+    prompt, params = sent({"type": "disabled"})
+    assert prompt == word_tokenizer().encode("user: hi\n<think></think>")
+    assert params.thinking_budget is None

@@ -2,8 +2,9 @@
 Every operation gets bodies generated from its schema (positive), bodies that break it (wrong
 types, out-of-range values: negative), and hostile raw bodies no schema describes (deep
 nesting, bad UTF-8, duplicate keys, huge and negative numbers, long strings, truncated JSON).
-It counts the answers: the goal is no 5xx, none without an answer within --timeout, and the
-server serving afterwards. Only loopback targets."""
+It counts the answers, by operation too: the goal is no 5xx, none without an answer within
+--timeout, the server serving afterwards and, given a second key, a response stored with one key
+a 404 to the other. Only loopback targets."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from collections import Counter
 from urllib.parse import urlparse
 
 import httpx
+
+from tandem.bench.fuzz_checks import serving, stored_response_private
 
 HUGE = [10**400, -(10**400), 2**64, -(2**63) - 1, 1e308, -1, 0, 2**31]
 LONG = "\u00e9" * 200_000
@@ -67,12 +70,15 @@ class Tally:
 
     def __init__(self) -> None:
         self.statuses: Counter = Counter()
+        self.by_path: dict[str, Counter] = {}  # "METHOD /path" -> its answers by status
         self.server_errors: list[dict] = []
         self.unanswered: list[dict] = []
         self.slowest = 0.0
 
     def add(self, where: str, status: int | None, seconds: float, detail: str) -> None:
         self.slowest = max(self.slowest, seconds)
+        path = where.split(" ", 1)[1]  # the mode goes: positive, negative or raw
+        self.by_path.setdefault(path, Counter())[str(status or "none")] += 1
         if status is None:
             self.unanswered.append({"where": where, "error": detail[:300]})
             self.statuses["none"] += 1
@@ -95,8 +101,10 @@ def fuzz_schema(
     timeout: float,
     tally: Tally,
     progress=None,
+    model: str | None = None,
 ) -> None:
-    """Positive and negative cases from each operation's schema, seeded."""
+    """Positive and negative cases from each operation's schema, seeded; a positive body that
+    names a model names `model`, the served one, so that it gets past the model check."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
@@ -108,6 +116,7 @@ def fuzz_schema(
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             # `one` runs at once below, while `where` still names this operation and mode
             where = f"{mode.value} {op.label}"
+            pin = model if mode is schemathesis.GenerationMode.POSITIVE else None
 
             @hseed(seed)
             @settings(
@@ -119,6 +128,8 @@ def fuzz_schema(
             )
             @given(op.as_strategy(generation_mode=mode))
             def one(case) -> None:
+                if pin and isinstance(case.body, dict) and "model" in case.body:  # noqa: B023
+                    case.body["model"] = pin  # noqa: B023
                 start = time.monotonic()
                 try:
                     r = case.call(base_url=url, headers=headers, timeout=timeout)
@@ -175,22 +186,6 @@ def post_operations(doc: dict) -> list[tuple[str, list[str]]]:
     return out
 
 
-def serving(url: str, headers: dict, model: str | None = None) -> bool:
-    """The server still answers a plain request."""
-    try:
-        if httpx.get(url + "/health", timeout=30, trust_env=False).status_code != 200:
-            return False
-        body = {"prompt": [1, 2, 3], "max_tokens": 2, **({"model": model} if model else {})}
-        return (
-            httpx.post(
-                url + "/v1/completions", json=body, headers=headers, timeout=30, trust_env=False
-            ).status_code
-            == 200
-        )
-    except httpx.HTTPError:
-        return False
-
-
 def run_fuzz(
     url: str,
     cases: int,
@@ -198,9 +193,11 @@ def run_fuzz(
     api_key: str | None = None,
     timeout: float = 30.0,
     progress=None,
+    other_api_key: str | None = None,
 ) -> dict:
     """About `cases` requests spread over every operation (a third positive, a third negative,
-    a third hostile raw bodies on the POST ones); the report of what came back."""
+    a third hostile raw bodies on the POST ones); the report of what came back. With a second
+    key, also whether a stored response stays private to the key that made it."""
     if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"bench fuzz only targets loopback, not {url}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -208,8 +205,9 @@ def run_fuzz(
     num_ops = sum(len(ops) for ops in doc["paths"].values())
     posts = post_operations(doc)
     per_op = max(1, cases // (3 * num_ops))
+    models = httpx.get(url + "/v1/models", headers=headers, trust_env=False).json()["data"]
     tally, start = Tally(), time.monotonic()
-    fuzz_schema(url, doc, per_op, seed, headers, timeout, tally, progress)
+    fuzz_schema(url, doc, per_op, seed, headers, timeout, tally, progress, models[0]["id"])
     fuzz_raw(
         url,
         posts,
@@ -230,17 +228,35 @@ def run_fuzz(
         "slowest_s": round(tally.slowest, 3),
         "seconds": round(time.monotonic() - start, 1),
         "serving_after": serving(url, headers),
+        "stored_response_private": (
+            stored_response_private(url, api_key, other_api_key)
+            if api_key and other_api_key
+            else None
+        ),
+        "by_path": {path: dict(counts) for path, counts in sorted(tally.by_path.items())},
     }
 
 
 def main(args: argparse.Namespace) -> None:
-    report = run_fuzz(args.url.rstrip("/"), args.cases, args.seed, args.api_key, args.timeout)
+    report = run_fuzz(
+        args.url.rstrip("/"),
+        args.cases,
+        args.seed,
+        args.api_key,
+        args.timeout,
+        other_api_key=args.other_api_key,
+    )
     text = json.dumps(report, indent=2)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
     print(text)
-    ok = not report["server_errors"] and not report["unanswered"] and report["serving_after"]
+    ok = (
+        not report["server_errors"]
+        and not report["unanswered"]
+        and report["serving_after"]
+        and report["stored_response_private"] is not False
+    )
     sys.exit(0 if ok else 1)
 
 
@@ -257,6 +273,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key", default=None, help="bearer key the server at --url expects (default: none)"
+    )
+    p.add_argument(
+        "--other-api-key",
+        default=None,
+        help="a second key the server accepts: a response stored with --api-key must be a 404 "
+        "to it (default: not checked)",
     )
     p.add_argument(
         "--timeout", type=float, default=30.0, help="seconds a request may take to be answered"

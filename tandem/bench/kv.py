@@ -4,7 +4,9 @@ against what full attention in every layer would hold for the same tokens.
 One request of `--prompt-len` random tokens, prefilled in chunks of `--max-num-batched-tokens`,
 then `--output-len` tokens decoded; the engine is stepped by hand and after each step the KV
 manager's blocks held are read, in bytes (a block holds one KV group's layers: kv_groups.py). The
-full-attention figure is every layer's K/V for every token, in whole blocks.
+full-attention figure is every layer's K/V for every token, in whole blocks. The pool's budget is
+that figure in fp32, whatever `--kv-cache-dtype`: the tokens it holds (every KV group holding each)
+compare KV dtypes at one budget.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tqdm import tqdm
 from tandem.config.args import add_engine_arguments, given
 
 # max_num_batched_tokens: the prefill chunk
-ENGINE_OPTIONS = ("model", "dtype", "quantization", "max_num_batched_tokens")
+ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype", "quantization", "max_num_batched_tokens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,11 +54,12 @@ def main(args: argparse.Namespace) -> dict:
     # room for the full-attention layout of the request, so the figure is what it holds,
     # not what fits
     per_token_fp32 = cfg.kv_bytes_per_token(torch.float32)
+    budget = (blocks + 2) * block_size * per_token_fp32
     llm = LLM(
         **given(args, ENGINE_OPTIONS),
         block_size=block_size,
         max_model_len=total,
-        kv_cache_memory=(blocks + 2) * block_size * per_token_fp32,
+        kv_cache_memory=budget,
         enable_prefix_caching=False,
     )
     core = llm.engine.core
@@ -89,6 +92,8 @@ def main(args: argparse.Namespace) -> dict:
         "peak_held_bytes": max(held) * block_bytes,
         "held_bytes_last_step": held[-1] * block_bytes,
         "full_attention_bytes": full_bytes,
+        "budget_bytes": budget,
+        "budget_tokens": kv.num_blocks // len(kv.group_windows) * block_size,
     }
     report["last_step_vs_full"] = round(report["held_bytes_last_step"] / full_bytes, 3)
     report["peak_vs_full"] = round(report["peak_held_bytes"] / full_bytes, 3)
@@ -98,7 +103,8 @@ def main(args: argparse.Namespace) -> dict:
         f"held while decoding {mib(report['held_bytes_last_step'])} "
         f"({report['last_step_vs_full']}x), "
         f"peak {mib(report['peak_held_bytes'])} ({report['peak_vs_full']}x); "
-        f"full attention in every layer: {mib(full_bytes)}"
+        f"full attention in every layer: {mib(full_bytes)}; "
+        f"a budget of {mib(budget)} holds {report['budget_tokens']} tokens"
     )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """`tandem bench llamacpp`: decode tok/s of Tandem and of llama.cpp's `llama-batched-bench` on the
-same GGUF, same threads, same batch sizes, side by side in one run.
+same GGUF, same threads, same batch sizes, side by side in one run (with --prefill-lens, prefill
+tok/s against `llama-bench` instead: bench/llamacpp_prefill.py).
 
 Both sides prefill B random prompts of `--prompt-len` tokens and then time the decode steps only:
 Tandem as `bench offline --quantization` does (bench/quantization.py: B x (output_len - 1) tokens
@@ -37,6 +38,16 @@ def llama_cpp_tool(name: str, path: str | None) -> Path:
             f"{name} is not on PATH: build llama.cpp's tools and pass the binary with --{name} PATH"
         )
     return Path(found)
+
+
+def model_gguf(model: str) -> Path:
+    """The GGUF file both sides load for `--model`."""
+    from tandem.models.loader.model_files import gguf_source
+
+    gguf = gguf_source(model)
+    if gguf is None:
+        raise ValueError(f"--model {model!r}: llama.cpp needs a .gguf file (or an alias of one)")
+    return gguf
 
 
 def parse_batched_bench(text: str) -> dict[int, dict[str, float]]:
@@ -122,13 +133,8 @@ def compare(args: argparse.Namespace) -> dict:
     rotating by one each round; each figure keeps its best."""
     from tandem.bench.measure import in_subprocess
     from tandem.bench.quantization import RunPrecision
-    from tandem.models.loader.model_files import gguf_source
 
-    gguf = gguf_source(args.model)
-    if gguf is None:
-        raise ValueError(
-            f"--model {args.model!r}: llama.cpp needs a .gguf file (or an alias of one)"
-        )
+    gguf = model_gguf(args.model)
     command = batched_bench_command(
         llama_cpp_tool("llama-batched-bench", args.llama_batched_bench), gguf, args
     )
@@ -242,18 +248,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="llama-batched-bench binary (default: the one on PATH)",
     )
     p.add_argument(
+        "--prefill-lens",
+        default=None,
+        metavar="N,N,...",
+        help="measure prefill instead: tok/s of one request of each length against "
+        "`llama-bench -p N -n 0` (its own --quantization, one precision)",
+    )
+    p.add_argument(
+        "--llama-bench",
+        default=None,
+        metavar="PATH",
+        help="llama-bench binary, for --prefill-lens (default: the one on PATH)",
+    )
+    p.add_argument(
         "--json", dest="json_path", default=None, help="also write the figures as JSON to this path"
     )
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.prefill_lens:
+        report = prefill(args)
+    else:
+        report = decode(args)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def prefill(args: argparse.Namespace) -> dict:
+    from tandem.bench import llamacpp_prefill
+
+    if "," in args.quantization:
+        raise ValueError("--prefill-lens measures one --quantization at a time")
+    tool = llama_cpp_tool("llama-bench", args.llama_bench)
+    report = llamacpp_prefill.compare(args, model_gguf(args.model), tool)
+    llamacpp_prefill.print_table(report)
+    return report
+
+
+def decode(args: argparse.Namespace) -> dict:
     if args.output_len < 2:
         raise ValueError(
             "--output-len must be at least 2 (one token from the prompt, then decode steps)"
         )
     report = compare(args)
     print_table(report)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
     return report

@@ -8,7 +8,10 @@
   match before the first divergence, and how many outputs are identical;
 - batch dependence: for how many prompts a variant's greedy output batched (all 50 at once)
   differs from its output run alone; with `--deterministic both` (the default) also in a second
-  engine with deterministic=True, where it must be 0.
+  engine with deterministic=True, where it must be 0;
+- with `--kv-baseline DTYPE`, the KV cache's cost: the reference precision once more on a KV cache
+  of that dtype (e.g. `--kv-cache-dtype int8 --kv-baseline bfloat16`), its perplexity and how far
+  this run's greedy tokens agree with it.
 """
 
 from __future__ import annotations
@@ -155,6 +158,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "also the batch dependence of a second engine with deterministic=True",
     )
     p.add_argument(
+        "--kv-baseline",
+        default=None,
+        metavar="KV_DTYPE",
+        help="also run the reference precision on a KV cache of this dtype (e.g. bfloat16) and "
+        "compare this run's perplexity and greedy tokens with it",
+    )
+    p.add_argument(
         "--json",
         dest="json_path",
         default=None,
@@ -162,11 +172,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine(args, precisions: list[str], deterministic: bool):
+def _engine(args, precisions: list[str], deterministic: bool, **kw):
     from tandem import LLM
 
     return LLM(
-        **given(args, ENGINE_OPTIONS),
+        **{**given(args, ENGINE_OPTIONS), **kw},
         quantization=precisions[0],
         precision_classes={
             cls: p for cls, p in zip(("interactive", "standard", "background"), precisions[1:])
@@ -211,8 +221,13 @@ def main(args: argparse.Namespace) -> dict:
             "identical_outputs": identical,
             "batch_dependent_prompts": dependent,
         }
+    del llm, engine, runner
+    if args.kv_baseline:
+        base = report["kv_baseline"] = _kv_baseline(args, precisions[0], batch, ref, text_ids)
+        base["perplexity_change"] = (
+            report["variants"][precisions[0]]["perplexity"] / base["perplexity"] - 1
+        )
     if args.deterministic == "both":
-        del llm, engine, runner
         det = _engine(args, precisions, True).engine
         for p in precisions:
             report["variants"][p]["batch_dependent_prompts_deterministic"] = _batch_dependent(
@@ -236,6 +251,31 @@ def main(args: argparse.Namespace) -> dict:
             f" {r['batch_dependent_prompts']:>13}/{len(batch)}"
             + (f" {r['batch_dependent_prompts_deterministic']:>18}/{len(batch)}" if both else "")
         )
+    if args.kv_baseline:
+        base = report["kv_baseline"]
+        print(
+            f"{precisions[0]} on a {base['kv_cache_dtype']} KV cache: perplexity "
+            f"{base['perplexity']:.3f} (this run's {base['perplexity_change']:+.2%}); "
+            f"this run's greedy tokens agree {base['agreement']:.1%}, "
+            f"{base['identical_outputs']}/{len(batch)} identical"
+        )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return report
+
+
+def _kv_baseline(
+    args, precision: str, batch: list[list[int]], got: list[list[int]], text_ids: list[int]
+) -> dict:
+    """The reference precision on a KV cache of args.kv_baseline: its perplexity, and how far
+    `got` (this run's batched greedy tokens) agrees with its own."""
+    llm = _engine(args, [precision], args.deterministic == "on", kv_cache_dtype=args.kv_baseline)
+    engine = llm.engine
+    base = _greedy(engine, batch, precision, args.max_tokens, batched=True)
+    share, identical = _agreement(base, got)
+    return {
+        "kv_cache_dtype": engine.info().kv_cache_dtype,
+        "perplexity": perplexity(engine.core.executor, precision, text_ids, args.window),
+        "agreement": share,
+        "identical_outputs": identical,
+    }

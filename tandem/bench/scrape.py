@@ -15,6 +15,8 @@ COUNTERS = {
     "tandem:prefix_cache_queries_total": "prefix_cache_queries",
     "tandem:prefix_cache_hits_total": "prefix_cache_hits",
     "tandem:num_preemptions_total": "preemptions",
+    "tandem:iteration_time_seconds_sum": "step_seconds",
+    "tandem:iteration_time_seconds_count": "steps",
     "tandem_router:kv_transfer_bytes_total": "kv_transfer_bytes",
     "tandem_router:kv_transfer_seconds_sum": "kv_transfer_seconds",
     "tandem_router:kv_transfer_seconds_count": "kv_transfers",

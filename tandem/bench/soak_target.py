@@ -90,12 +90,17 @@ def start_target(args: argparse.Namespace) -> Target:
             args.model,
             "--port",
             str(port),
-            "--kv-cache-memory",
-            str(args.kv_cache_memory),
-            "--max-model-len",
-            str(args.max_model_len),
             "--log-level",
             "warning",
+            *(
+                x
+                for flag, value in (
+                    ("--kv-cache-memory", args.kv_cache_memory),
+                    ("--max-model-len", args.max_model_len),
+                )
+                if value is not None  # not set: the engine's default
+                for x in (flag, str(value))
+            ),
             *args.serve_args,
         ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)

@@ -4,6 +4,7 @@ them from keyword arguments, CLI flags (config/args.py) and YAML (config/serving
 from tandem.config.cache import CacheConfig
 from tandem.config.device import AttentionBackend, DeviceConfig
 from tandem.config.engine import EngineConfig
+from tandem.config.lora import LoRAConfig
 from tandem.config.model import ModelConfig, cache_root
 from tandem.config.observability import ObservabilityConfig
 from tandem.config.quantization import PRECISIONS, QuantizationConfig
@@ -19,6 +20,7 @@ __all__ = [
     "DeviceConfig",
     "EngineConfig",
     "InstanceRole",
+    "LoRAConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "PreemptionMode",

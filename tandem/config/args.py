@@ -24,6 +24,7 @@ TITLES = {
     "quant_config": "quantization",
     "device_config": "device",
     "observability_config": "observability",
+    "lora_config": "LoRA adapters",
     "": "speculative decoding",
 }
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from tandem.config.model import FLOAT_DTYPES
 from tandem.config.option import option
 
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, "int8", "fp8")
+
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -15,8 +17,10 @@ class CacheConfig:
     kv_cache_dtype: str = option(
         "auto",
         "the KV cache's element type; auto: the activations' dtype, but bfloat16 on a CPU that "
-        "computes in float32",
-        choices=FLOAT_DTYPES,
+        "computes in float32; int8 (CPU): K and V rows in int8 with a scale per token and KV "
+        "head, about half bf16's bytes, so the pool holds about twice the tokens; fp8 (the "
+        "Triton kernels, CUDA): the same in e4m3",
+        choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory: int | None = option(
         None,
@@ -57,9 +61,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_dtype not in FLOAT_DTYPES:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                "kv_cache_dtype must be auto, float32, bfloat16 or float16, "
+                "kv_cache_dtype must be auto, float32, bfloat16, float16, int8 or fp8, "
                 f"got {self.kv_cache_dtype!r}"
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

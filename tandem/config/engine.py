@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from tandem.config.cache import CacheConfig
 from tandem.config.device import DeviceConfig
+from tandem.config.lora import LoRAConfig
 from tandem.config.model import ModelConfig
 from tandem.config.observability import ObservabilityConfig
 from tandem.config.option import option
@@ -28,6 +29,7 @@ class EngineConfig:
     quant_config: QuantizationConfig = field(default_factory=QuantizationConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     speculative_config: SpeculativeConfig | None = option(
         None,
         'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram"}, or {"method": "draft", '
@@ -41,6 +43,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.lora_config.enabled and self.speculative_config is not None:
+            raise ValueError("LoRA adapters are not served with speculative decoding yet")
 
     @classmethod
     def from_kwargs(cls, **values: Any) -> EngineConfig:

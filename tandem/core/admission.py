@@ -92,7 +92,7 @@ class Admission(Preemption):
                 req.precision,
             )
         )
-        step.commit(req, num_new)
+        step.commit(req, num_new, req.num_tokens - req.num_computed_tokens)  # none in flight
         return True
 
     def _fit_lookahead(

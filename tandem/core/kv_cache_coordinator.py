@@ -124,12 +124,16 @@ class KVCacheCoordinator:
         """Index the request's full blocks whose KV is computed (call after the step ran)."""
         if not self.enable_caching:
             return
-        rid = req.request_id
+        rid, bs = req.request_id, self.block_size
+        hashes = self._req_hashes.get(rid)
+        if hashes is not None and (len(hashes) + 1) * bs > req.num_computed_tokens:
+            return  # no new full block (most steps): the rest is off a request's hot path
         held = self.num_held_blocks(rid)
         if not held:
             return
-        hashes = self._req_hashes.setdefault(rid, [])
-        bs, tokens = self.block_size, req.all_token_ids
+        if hashes is None:
+            hashes = self._req_hashes[rid] = []
+        tokens = req.all_token_ids
         # Known tokens only: a verify step in flight has num_computed_tokens past them, over
         # drafts not yet accepted (speculative decoding).
         limit = self.prefix_limit(min(req.num_computed_tokens, len(tokens)))
@@ -167,7 +171,7 @@ class KVCacheCoordinator:
         logical blocks it holds now, and the new blocks it takes (in all groups)."""
         num_hit = len(hit[0]) if hit else 0
         total = req.num_computed_tokens + num_hit * self.block_size + num_new
-        held = self.num_held_blocks(req.request_id)
+        held = len(self.managers[0].req_to_blocks.get(req.request_id, ()))  # num_held_blocks
         return total, held, max(cdiv(total, self.block_size) - held - num_hit, 0) * self.num_groups
 
     @staticmethod
@@ -185,19 +189,23 @@ class KVCacheCoordinator:
             if self._sliding
             else 0
         )
-        return self._count(req, num_new, hit)[2] + self._reusable(hit) - freed
+        return self._count(req, num_new, hit)[2] + (self._reusable(hit) if hit else 0) - freed
 
     def allocate(self, req: Request, num_new: int, hit: PerGroup = ()) -> list[int] | None:
         """Room for `num_new` more tokens after `req.num_computed_tokens` (plus `hit`, prefix
         hits taken now), first freeing the blocks behind its sliding windows. Returns the new
         blocks' ids (flat_block_ids), or None when free blocks are short (nothing else changes
         then)."""
-        self.remove_skipped_blocks(req)
+        if self._sliding:
+            self.remove_skipped_blocks(req)
         rid, G = req.request_id, self.num_groups
+        if not hit:  # the tokens fit the blocks held (most decodes): a request's hot path
+            total = req.num_computed_tokens + num_new
+            held = len(self.managers[0].req_to_blocks.get(rid, ()))  # num_held_blocks, inline
+            if held and total <= held * self.block_size:
+                self._req_tokens[rid] = total
+                return []
         total, held, need = self._count(req, num_new, hit)
-        if not need and not hit and held:  # the tokens fit the blocks held (most decodes)
-            self._req_tokens[rid] = total
-            return []
         if need > self.pool.num_free_blocks - self._reusable(hit):
             return None
         hit = hit or self._no_hit

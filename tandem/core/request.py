@@ -101,7 +101,7 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        room = self.max_model_len - self.num_prompt_tokens
+        room = self.max_model_len - len(self.prompt_token_ids)
         mt = self.sampling_params.max_tokens
         return room if mt is None else min(mt, room)
 
@@ -115,16 +115,17 @@ class Request:
     def check_stop(self) -> bool:
         """Stop on max_tokens, EOS or a stop token id. Stop strings are checked by the
         detokenizer."""
-        params = self.sampling_params
-        last = self.all_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        params, tokens = self.sampling_params, self.all_token_ids
+        last = tokens[-1]
+        num_output = len(tokens) - len(self.prompt_token_ids)  # num_output_tokens, once: hot
+        if num_output >= params.min_tokens:
             if (
                 not params.ignore_eos and last == self.eos_token_id
             ) or last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

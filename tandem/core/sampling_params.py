@@ -71,6 +71,33 @@ class StructuredOutputsParams:
         return kind, text
 
 
+@dataclass(slots=True, frozen=True)
+class ThinkingBudget:
+    """At most `tokens` tokens inside a reasoning block, then its `end` forced (vLLM's
+    thinking_token_budget). The block opens with the `start` tokens in the output, or, with no
+    `start`, it is open from the first output token (a prompt that ends with <think>)."""
+
+    tokens: int
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start", tuple(self.start))
+        object.__setattr__(self, "end", tuple(self.end))
+        if not isinstance(self.tokens, int) or self.tokens < 0 or not self.end:
+            raise ValueError("a thinking budget is a count >= 0 and the block's end tokens")
+
+
+@dataclass(slots=True, frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (vLLM's names): its served name, an id no other
+    adapter of the engine takes (reloading a name takes a new one) and its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to sample and when to stop. Field names follow vLLM / the OpenAI API."""
@@ -96,6 +123,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True  # False: this request opts out of speculative decoding
+    thinking_budget: ThinkingBudget | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -165,5 +194,5 @@ class SamplingParams:
     @property
     def drafts(self) -> bool:
         """Whether speculative decoding drafts for this request: not when it opted out, nor
-        under a grammar (a grammar masks one position per step)."""
-        return self.speculative and self.structured_outputs is None
+        under a grammar or a thinking budget (each masks one position per step)."""
+        return self.speculative and self.structured_outputs is None and self.thinking_budget is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from operator import attrgetter
 
 from tandem.config.scheduler import SchedulerConfig, SchedulingPolicy
 from tandem.core.admission import Admission
@@ -61,6 +62,7 @@ class Scheduler(Admission):
         self.config, self.max_model_len, self.costs = config, max_model_len, costs
         self.clock = clock  # injected: the engine passes real time, the simulator a virtual clock
         self.kv = kv_manager
+        self._windows = any(w is not None for w in kv_manager.group_windows)
         self.multilevel = config.scheduling_policy == SchedulingPolicy.MULTILEVEL
         self.l2_floor = (
             math.ceil(config.l2_min_share * config.max_num_seqs) if self.multilevel else 0
@@ -125,7 +127,7 @@ class Scheduler(Admission):
         cfg, budget = self.config, self.config.max_num_batched_tokens
         self.planner.plan(out, self.running)
         if self.multilevel:
-            self.running.sort(key=lambda r: r.level)  # stable: admission order within a level
+            self.running.sort(key=attrgetter("level"))  # stable: admission order within a level
         reserve = self.l2_token_reserve()
         # While interactive (L1) traffic is present, lower levels prefill only
         # lower_prefill_tokens per step (their share, or what keeps a step near l1_step_time):
@@ -225,8 +227,9 @@ class Scheduler(Admission):
         """Catch up the running requests of `level` (from index i); returns the next index.
         When blocks run short, the lowest-level, newest unscheduled request is preempted."""
         floor = self.l2_floor if level == 1 else 0
-        while i < len(self.running) and self.running[i].level == level:
-            req = self.running[i]
+        running, planner, out = self.running, self.planner, step.out  # preemption edits in place
+        while i < len(running) and running[i].level == level:
+            req = running[i]
             pending = req.num_tokens_with_placeholders - req.num_computed_tokens
             cap = step.cap(level, pending)
             if (
@@ -239,9 +242,9 @@ class Scheduler(Admission):
             ):
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
-            k = self.planner.num_drafts(req, pending, cap)
+            k = planner.num_drafts(req, pending, cap)
             num_new = min(pending, cap) + k
-            lookahead = self.planner.lookahead(req, req.num_computed_tokens + num_new)
+            lookahead = planner.lookahead(req, req.num_computed_tokens + num_new)
             new_block_ids = self._allocate(req, num_new + lookahead, step)
             if new_block_ids is None and (
                 k or lookahead
@@ -256,25 +259,28 @@ class Scheduler(Admission):
                     new_block_ids = self._allocate(req, num_new, step)
             while new_block_ids is None:
                 victim = self._victim(i + 1, step, keep_l2=floor, last_resort=True) or req
-                self._preempt(victim, step.out)
+                self._preempt(victim, out)
                 if victim is req:
                     break
                 new_block_ids = self._allocate(req, num_new, step)
             if new_block_ids is None:
                 continue  # req preempted itself; index i now holds the next request
-            step.out.scheduled_cached_reqs.append(
+            out.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
             )
-            self.planner.schedule(req, k, lookahead, step.out)
-            step.commit(req, num_new)
+            planner.schedule(req, k, lookahead, out)
+            step.commit(req, num_new, pending)
             i += 1
         return i
 
     def _allocate(self, req: Request, num_new: int, step: StepBudget) -> list[int] | None:
         """allocate_slots, except that L1 may not take the blocks held for L2's share."""
         if req.level == 1:
-            held = self._held_for_l2(step)[1]
-            if self.kv.blocks_needed(req, num_new) > self.kv.num_free_blocks - held:
+            held, kv = self._held_for_l2(step)[1], self.kv
+            # With nothing held allocate_slots makes this check, but after freeing the blocks
+            # behind sliding windows: with windows it must come first, to change nothing.
+            checked = held or self._windows
+            if checked and kv.blocks_needed(req, num_new) > kv.num_free_blocks - held:
                 return None
         return self.kv.allocate_slots(req, num_new)
 
@@ -286,19 +292,21 @@ class Scheduler(Admission):
         this one finishes: their extra token is dropped) and a request may have been
         preempted since this step was scheduled: its token still counts."""
         outputs, finished = [], False
+        requests, sampled_ids = self.requests, result.sampled_token_ids  # a request's hot path
         for req_id in sched.num_scheduled_tokens:
-            req = self.requests.get(req_id)
+            req = requests.get(req_id)
             if req is None:
                 continue  # finished (aborted, stopped) while the step ran
-            was_running = req.status == RequestStatus.RUNNING
-            sampled = result.sampled_token_ids.get(req_id, ())
+            status = req.status
+            sampled = sampled_ids.get(req_id, ())
             if sampled:
                 req.num_output_placeholders -= 1  # one per step that samples, however many tokens
-            new_ids = []
+            new_ids, stopped = [], False
             for token_id in sampled:
                 req.append_token(token_id)
                 new_ids.append(token_id)
                 if req.check_stop():
+                    stopped = True
                     break
             num_drafts, num_accepted = self.planner.after_step(req, sched, result, len(sampled))
             # After the append: a block may end in the token just sampled, whose KV the step
@@ -312,16 +320,16 @@ class Scheduler(Admission):
                     req_id,
                     new_ids,
                     lps[: len(new_ids)] if lps else None,
-                    req.finish_reason,
+                    req.finish_reason if stopped else None,
                     req.stop_reason,
                     num_drafts,
                     num_accepted,
                     result.prompt_logprobs.get(req_id),
                 )
             )
-            if req.status.finished:
+            if stopped:
                 finished = True
-                if not was_running:
+                if status != RequestStatus.RUNNING:
                     self.waiting.remove(req)
                 self._free(req)
         if finished:

@@ -71,10 +71,11 @@ class SpecPlanner:
     def num_drafts(self, req: Request, pending: int, budget_left: int) -> int:
         """Drafts `req` verifies this step: only on a decode whose last token is known (none in
         flight), and no more than this step's k (a draft model's lookahead was sized by it)."""
-        if pending != 1 or req.num_output_placeholders:
+        drafts = req.spec.draft_token_ids
+        if not drafts or pending != 1 or req.num_output_placeholders:
             return 0
         return num_drafts(
-            min(len(req.spec.draft_token_ids), self._max_drafts),
+            min(len(drafts), self._max_drafts),
             budget_left,
             req.max_tokens - req.num_output_tokens,
         )
@@ -99,8 +100,10 @@ class SpecPlanner:
         consumed: the next proposal follows this step's tokens."""
         if k:
             out.spec.draft_token_ids[req.request_id] = req.spec.draft_token_ids[:k]
-        self.admit(req, lookahead, out)
-        req.spec.draft_token_ids = []
+        if lookahead:
+            self.admit(req, lookahead, out)
+        if req.spec.draft_token_ids:  # a new list only when there were drafts: a step's hot path
+            req.spec.draft_token_ids = []
 
     def admit(self, req: Request, lookahead: int, out: SchedulerOutput) -> None:
         """Waiting `req` is admitted into the step with `lookahead` slots (it verifies nothing)."""
@@ -117,7 +120,8 @@ class SpecPlanner:
         The rejected drafts' KV slots stay allocated and are written again. The request sat out
         any step planned since (pending <= 0), and a recompute preemption meanwhile left 0
         computed tokens, so only a rejected tail is dropped here."""
-        k = len(sched.spec.draft_token_ids.get(req.request_id, ()))
+        verified = sched.spec.draft_token_ids
+        k = len(verified.get(req.request_id, ())) if verified else 0
         accepted = num_sampled - 1 if k and num_sampled else 0
         if k and num_sampled:
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
@@ -126,8 +130,9 @@ class SpecPlanner:
             self.stats.observe(k, accepted)
             if self.policy is not None:
                 self.policy.observe_verify(k, accepted)
-        if not req.status.finished:
-            req.spec.draft_token_ids = result.spec_token_ids.get(req.request_id, [])
+        proposed = result.spec_token_ids.get(req.request_id) if result.spec_token_ids else None
+        if (proposed or req.spec.draft_token_ids) and not req.status.finished:
+            req.spec.draft_token_ids = proposed or []
         return k, accepted
 
     def trace_policy(self, callback) -> bool:

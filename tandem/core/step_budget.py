@@ -33,17 +33,19 @@ class StepBudget:
             return left
         return min(left, self.lower_prefill_cap - self.lower_prefill_used)
 
-    def commit(self, req: Request, num_new: int) -> None:
-        """Schedule `num_new` tokens of `req` in this step."""
-        self.out.num_scheduled_tokens[req.request_id] = num_new
-        self.out.total_num_scheduled_tokens += num_new
+    def commit(self, req: Request, num_new: int, pending: int) -> None:
+        """Schedule `num_new` tokens of `req`, which has `pending` tokens to compute (its known
+        and in-flight ones past its computed ones: the caller has the figure), in this step."""
+        out = self.out
+        out.num_scheduled_tokens[req.request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
         self.used += num_new
         if req.level == 1:
             self.l1_used += num_new
-        elif req.num_tokens_with_placeholders - req.num_computed_tokens > 1:
+        elif pending > 1:
             self.lower_prefill_used += num_new  # a prompt chunk, even of one token
         req.num_computed_tokens += num_new
-        if req.num_computed_tokens >= req.num_tokens_with_placeholders:  # > with drafts
+        if num_new >= pending:  # > with drafts
             req.num_output_placeholders += 1  # this step samples a token, known only after it ran
 
 

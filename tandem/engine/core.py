@@ -6,6 +6,7 @@ the caller's process offline (llm_engine.py)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -20,20 +21,23 @@ from tandem.core.kv_connector.pd import PDConnector
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.preemption import PreemptionCosts
 from tandem.core.request import Request, RequestStatus
-from tandem.core.sampling_params import StructuredOutputsParams
+from tandem.core.sampling_params import LoRARequest, StructuredOutputsParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_planner import Speculation
 from tandem.engine.core_messages import (
+    AddLoRA,
     CompileGrammar,
     EngineCoreOutputs,
     EngineCoreRequest,
     GetSchedulerStats,
+    RemoveLoRA,
     ScheduledEvent,
     SchedulerStats,
     UtilityMessage,
     child_ids,
 )
 from tandem.engine.core_stats import StepStats
+from tandem.engine.lora_names import startup_loras
 from tandem.engine.step_pipeline import ExecutedStep, StepPipeline
 from tandem.engine.step_trace import StepTrace
 from tandem.engine.tokenizer import get_tokenizer
@@ -84,6 +88,8 @@ class EngineCore:
         self.executor: Executor = self.pipeline.call(
             executor_factory, config, self.model_dir, self.grammar_compiler
         )
+        for lora in startup_loras(config.lora_config):  # a refused one stops the start, in words
+            self.add_lora(lora)
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks,
             cache.block_size,
@@ -112,9 +118,12 @@ class EngineCore:
             self.kv_connector, self.executor, lambda: self.pipeline.in_flight()
         )
         self._children: dict[str, list[str]] = {}
+        self.lora_requests: collections.Counter[str] = collections.Counter()  # by adapter name
         self._handlers: dict[type, Callable[..., Any]] = {
             CompileGrammar: self.compile_grammar,
             GetSchedulerStats: self.scheduler_stats,
+            AddLoRA: self.add_lora,
+            RemoveLoRA: self.remove_lora,
         }
         self._on_add_hooks: list[Callable[[str, dict, bool], None]] = []
         self._waiters = ThreadPoolExecutor(
@@ -181,6 +190,8 @@ class EngineCore:
             self.stats.busy_since = time.perf_counter()
         first = None
         for cid, params in zip(ids, request.params):
+            if params.lora_request is not None:
+                self.lora_requests[params.lora_request.lora_name] += 1
             req = Request(
                 cid,
                 request.prompt_token_ids,
@@ -223,6 +234,20 @@ class EngineCore:
         for rid in request_ids:
             self.kv_connector.request_finished(rid)
         self._forget_finished()
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter on the executor's thread, between steps; ValueError: refused."""
+        self.pipeline.call(self.executor.add_lora, lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.pipeline.call(self.executor.remove_lora, lora_int_id)
+
+    def lora_stats(self) -> dict[str, dict[str, int]]:
+        """Per adapter name: requests (sequences) added, and the executor's figures."""
+        stats = self.executor.lora_stats()
+        for name, n in self.lora_requests.items():
+            stats.setdefault(name, {})["requests"] = n
+        return stats
 
     def abort_request(self, request_id: str) -> None:
         self.abort_requests([request_id])

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.core.sampling_params import LoRARequest, SamplingParams, StructuredOutputsParams
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
@@ -46,6 +46,18 @@ class CompileGrammar(msgspec.Struct, tag="compile_grammar"):
     """Compile a constraint (or find it cached) off the step loop; None, or the ValueError."""
 
     structured_outputs: StructuredOutputsParams
+
+
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    """Load a LoRA adapter between two steps; None, or the ValueError saying why it is refused."""
+
+    lora: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    """Forget a LoRA adapter (a request still running with it reloads it)."""
+
+    lora_int_id: int
 
 
 class GetSchedulerStats(msgspec.Struct, tag="scheduler_stats"):
@@ -117,6 +129,8 @@ class DrainKV(msgspec.Struct, tag="drain_kv"):
 
 UtilityMessage = (
     CompileGrammar
+    | AddLoRA
+    | RemoveLoRA
     | GetSchedulerStats
     | JoinKVGroup
     | CheckKVPeer
@@ -184,6 +198,8 @@ class SchedulerStats(msgspec.Struct):
     spec_accepted_per_pos: list[int] = []
     instance: dict[str, Any] = {}  # the instance's load report (GET /tandem/state)
     grammar_compiles: list[tuple[str, float]] = []  # (kind, seconds) compiled since the last stats
+    # LoRA adapter name -> its requests, tokens run, loads from its folder, evictions from a slot
+    lora: dict[str, dict[str, int]] = {}
 
 
 class ScheduledEvent(msgspec.Struct, array_like=True):

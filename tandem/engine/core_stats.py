@@ -34,6 +34,8 @@ class StatsSource(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def lora_stats(self) -> dict[str, dict[str, int]]: ...
+
 
 class StepStats:
     def __init__(self, core: StatsSource, full_interval: float = 0.2) -> None:
@@ -114,6 +116,7 @@ class StepStats:
             spec_accepted_per_pos=list(spec.accepted_per_pos),
             instance=self.instance_load(),
             grammar_compiles=self._take_compiles(),
+            lora=self.core.lora_stats(),
         )
 
     def _take_compiles(self) -> list[tuple[str, float]]:

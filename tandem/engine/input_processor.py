@@ -83,8 +83,17 @@ class InputProcessor:
             time.monotonic() if arrival_time is None else arrival_time,
             priority,
             variant,
-            self.precisions.cache_salt(variant),
+            cache_salt(self.precisions.cache_salt(variant), params),
         )
+
+
+def cache_salt(variant_salt: str | None, params: SamplingParams) -> str | None:
+    """The prefix cache's namespace: the variant's, and the adapter's (KV computed under one
+    adapter is never reused under another, nor under one reloaded with the same name)."""
+    lora = params.lora_request
+    if lora is None:
+        return variant_salt
+    return f"{variant_salt or ''}/lora:{lora.lora_int_id}"
 
 
 def _child_params(params: SamplingParams, i: int) -> SamplingParams:

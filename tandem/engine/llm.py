@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from tandem.config import EngineConfig
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import LoRARequest, SamplingParams
 from tandem.engine.chat import apply_chat_template
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.engine.output_processor import RequestOutput
@@ -30,9 +30,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A bad prompt raises ValueError and
-        nothing of the batch runs."""
+        nothing of the batch runs. `lora_request`: the adapter of every prompt, or one per
+        prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -40,10 +42,17 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         ids = []
         try:
-            for p, sp in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, lora in zip(prompts, sampling_params, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lora))
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)

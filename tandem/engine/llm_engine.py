@@ -3,15 +3,17 @@ one process, driven by the caller's step() calls (LLM, the benches)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from tandem.config import EngineConfig
 from tandem.core.request import RequestStatus
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import LoRARequest, SamplingParams
 from tandem.engine.core import EngineCore, ExecutorFactory, model_runner_factory
 from tandem.engine.core_messages import EngineCoreOutputs, child_ids
 from tandem.engine.engine_info import EngineInfo, StepCounters, engine_info, step_counters
 from tandem.engine.input_processor import InputProcessor, PromptType
+from tandem.engine.lora_names import startup_loras
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.precision import PrecisionRouter
 
@@ -38,6 +40,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # adapter ids loaded: lora_modules' at start
+        self._loras = {lora.lora_int_id for lora in startup_loras(config.lora_config)}
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         return self.input_processor.tokenize(prompt)
@@ -50,11 +54,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int | None = None,
         precision: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input.
         `priority` 1/2/3 (interactive/standard/background); None: classified by length.
-        `precision`: the variant asked for; None: the priority's class, else the default."""
+        `precision`: the variant asked for; None: the priority's class, else the default.
+        `lora_request`: the adapter it runs with, loaded first (a refused one raises)."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            params = dataclasses.replace(params, lora_request=lora_request)
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = self.input_processor.process(
             request_id, prompt, params, arrival_time, priority, precision
@@ -70,6 +79,16 @@ class LLMEngine:
             request.precision,
         )
         return request_id
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter (once per id); ValueError: refused, nothing of it kept."""
+        if lora.lora_int_id not in self._loras:
+            self.core.add_lora(lora)
+            self._loras.add(lora.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
+        self._loras.discard(lora_int_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.core.abort_requests([request_id])

@@ -9,8 +9,10 @@ own, so verification costs a decode kernel call rather than a chunked-prefill on
 single-token queries run in one call of a native paged kernel that reads K/V in place
 (kernels/cpu_paged_attention.cpp), and a decode-only step writes K/V and attends in one call
 on the layer's fused qkv (`forward_qkv`); elsewhere, or without a compiler, they run as a few padded
-SDPA calls over buckets of similar length (padding costs bandwidth). Each multi-token
-(prefill) query runs its own causal SDPA call. On CUDA (`triton` backend) one Triton launch
+SDPA calls over buckets of similar length (padding costs bandwidth). The multi-token (prefill)
+queries run on CPU in one call of a native flash-style kernel that reads K/V in place, only the
+window of a sliding-window layer (kernels/cpu_prefill_attention.cpp); elsewhere each runs its
+own causal SDPA call over its gathered context. On CUDA (`triton` backend) one Triton launch
 writes the layer's K/V and one attends for the whole batch (executor/triton_attention.py).
 """
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from tandem.config import AttentionBackend
 from tandem.executor.device import to_device
+from tandem.executor.kv_quant import read_kv, write_kv
 from tandem.kernels import cpu_paged_attention
 
 
@@ -59,6 +62,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]  # empty with Triton
     block_size: int = 16
     decode_kernel: Callable | None = None  # native paged decode attention, when available
+    prefill_kernel: Callable | None = None  # native paged prefill attention: no prefill spans
     triton: bool = False  # the Triton kernels run the whole batch
     max_query_len: int = 1
     # sliding window -> (decodes, prefills) that see only it: built by the first layer of that
@@ -115,6 +119,7 @@ def build_attention_metadata(
     device: torch.device,
     decode_kernel: Callable | None = None,
     triton: bool = False,
+    prefill_kernel: Callable | None = None,
 ) -> AttentionMetadata:
     """A step's metadata from its attention rows (host arrays): row i's query is the last
     query_lens[i] tokens of its context of seq_lens[i] tokens, in the blocks block_tables[i];
@@ -133,7 +138,7 @@ def build_attention_metadata(
         decodes = decode_buckets(
             block_tables[:num_decodes], seq_lens[:num_decodes], block_size, device
         )
-    for i in range(num_decodes, num_rows) if not triton else ():
+    for i in range(num_decodes, num_rows) if not (triton or prefill_kernel) else ():
         ctx = np.arange(int(seq_lens[i]))
         slots = torch.from_numpy(
             block_tables[i, ctx // block_size] * block_size + ctx % block_size
@@ -154,6 +159,7 @@ def build_attention_metadata(
         prefills=prefills,
         block_size=block_size,
         decode_kernel=decode_kernel,
+        prefill_kernel=prefill_kernel,
         triton=triton,
         max_query_len=int(query_lens.max(initial=1)),
     )
@@ -220,7 +226,7 @@ class TorchAttention:
     """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when
     meta.triton. KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations'
     dtype or, under fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as
-    they are read)."""
+    they are read); or int8 on CPU, rows of head_dim + 2 with their scale (kv_quant.py)."""
 
     def __init__(
         self,
@@ -262,11 +268,8 @@ class TorchAttention:
                 self.scale,
                 self.window_arg,
             ).view(q.shape[0], -1)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(
-            0, meta.slot_mapping, k.to(k_cache.dtype)
-        )  # a narrower cache rounds here
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and meta.decode_kernel is not None:
@@ -276,6 +279,18 @@ class TorchAttention:
                 v_cache,
                 meta.block_tables[:nd],
                 meta.seq_lens[:nd],
+                meta.block_size,
+                self.scale,
+                self.window_arg,
+            )
+        if meta.prefill_kernel is not None and nd < q.shape[0]:
+            out[nd:] = meta.prefill_kernel(
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.seq_lens[nd:],
+                meta.query_start_loc[nd:],
                 meta.block_size,
                 self.scale,
                 self.window_arg,
@@ -322,20 +337,15 @@ class TorchAttention:
         # query-length axis, so GQA needs no K/V expansion.
         b, length = q.shape[0], bucket.mask.shape[-1]
         shape = (b, length, self.num_kv_heads, self.head_dim)
-        # index_select on rows is several times faster than advanced indexing on CPU.
-        k = (
-            k_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
-        )  # [B, Hkv, L, D]
-        v = v_cache.index_select(0, bucket.slots).to(q.dtype).view(shape).transpose(1, 2)
+        k = read_kv(k_cache, bucket.slots, q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v = read_kv(v_cache, bucket.slots, q.dtype).view(shape).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
-        k = (
-            k_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-        )  # [1, Hkv, L, D]
-        v = v_cache.index_select(0, span.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        k = read_kv(k_cache, span.context_slots, q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = read_kv(v_cache, span.context_slots, q.dtype).transpose(0, 1)[None]
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.sampling_params import LoRARequest
 
 if TYPE_CHECKING:
     import torch
@@ -53,4 +54,16 @@ class Executor(StepExecutor, Protocol):
         """Place blocks read by `read_kv_blocks` (here or on another instance), all layers, or
         one layer's [2, n, block_size, num_kv_heads, head_dim] when `layer` is given. Raises
         ValueError when their shape does not fit this cache."""
+        ...
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load a LoRA adapter for the requests that name it; ValueError (in words): refused."""
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (a request still running with it reloads it)."""
+        ...
+
+    def lora_stats(self) -> dict[str, dict[str, int]]:
+        """Per adapter name: tokens run with it, loads from its folder, evictions from a slot."""
         ...

@@ -46,7 +46,23 @@ def resolve_kv_cache_dtype(
     AVX-512, whose bf16 matmuls it lacks): there the cache is bf16, as an AVX-512 CPU keeps it
     (llama.cpp keeps f16). Decode attention reads the whole context every step, and half the
     bytes takes ~40% off its time; the pool holds twice the tokens. A cache narrower than the
-    activations (bf16 or fp16 under fp32) is read by the CPU attention alone: refused elsewhere."""
+    activations (bf16 or fp16 under fp32) is read by the CPU attention alone: refused elsewhere,
+    and so is int8 (rows quantised with a scale each: executor/kv_quant.py); fp8 is the same for
+    the Triton kernels alone."""
+    if name == "int8":
+        if device.type != "cpu" or attention_backend != AttentionBackend.TORCH:
+            raise ValueError(
+                f"kv_cache_dtype int8 runs on the CPU attention only (device {device}, attention "
+                f"backend {attention_backend}); the Triton kernels take fp8"
+            )
+        return torch.int8
+    if name == "fp8":
+        if attention_backend != AttentionBackend.TRITON:
+            raise ValueError(
+                f"kv_cache_dtype fp8 runs on the Triton kernels only (attention backend "
+                f"{attention_backend}); the CPU attention takes int8"
+            )
+        return torch.float8_e4m3fn
     if name == "auto":
         native = device.type == "cpu" and attention_backend == AttentionBackend.TORCH
         narrow = native and dtype_name == "auto"

@@ -18,7 +18,7 @@ from tandem.executor.attention import AttentionMetadata, build_attention_metadat
 from tandem.executor.device import to_device
 from tandem.executor.rejection_sampler import logits_indices
 from tandem.executor.sampler import LogitBias, make_generator, make_logit_bias
-from tandem.kernels import cpu_paged_decode
+from tandem.kernels import cpu_paged_decode, cpu_paged_prefill
 
 
 @dataclass(slots=True)
@@ -69,12 +69,17 @@ class InputBuilder:
         head_dim: int,
         deterministic: bool = False,
         groups: KVGroups | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.block_size, self.device, self.attention_backend = block_size, device, attention_backend
+        self.kv_dtype = kv_dtype
         self.groups = groups  # None: the plain layout
         self.triton = attention_backend == AttentionBackend.TRITON
         native = attention_backend == AttentionBackend.TORCH and device.type == "cpu"
         self.decode_kernel = cpu_paged_decode(head_dim) if native else None
+        # the native prefill reads float caches only; an int8 cache's prefill dequantises on SDPA
+        float_kv = kv_dtype != torch.int8
+        self.prefill_kernel = cpu_paged_prefill(head_dim) if native and float_kv else None
         self.deterministic = deterministic
         if deterministic and self.decode_kernel is None:
             raise ValueError(
@@ -119,6 +124,7 @@ class InputBuilder:
                 self.device,
                 self.decode_kernel,
                 self.triton,
+                self.prefill_kernel,
             )
 
         if self.groups is None or self.groups.num_groups == 1:
@@ -181,7 +187,7 @@ class InputBatch:
         order = sorted(
             num_scheduled_tokens.items(),
             key=lambda kv: (
-                not self._one_token_rows(self.requests[kv[0]], kv[1]),
+                not self.one_token_rows(self.requests[kv[0]], kv[1]),
                 self.requests[kv[0]].num_computed_tokens,
             ),
         )
@@ -190,7 +196,7 @@ class InputBatch:
             by_variant.setdefault(self.requests[req_id].precision, []).append((req_id, n))
         return by_variant
 
-    def _one_token_rows(self, state: CachedRequestState, n: int) -> bool:
+    def one_token_rows(self, state: CachedRequestState, n: int) -> bool:
         """Whether the request's n positions run as one-token attention rows: a decode, or (except
         under Triton, whose kernel takes queries of any length) a verify query, whose positions
         then take the paged decode kernel instead of the chunked-prefill path; and every row in the
@@ -212,7 +218,7 @@ class InputBatch:
         for s, c, n in zip(states, computed.tolist(), counts.tolist()):
             ids.extend(s.token_ids[c : c + n])
             ids.extend(s.spec_token_ids)  # after the request's next position (a decode)
-        split = [self._one_token_rows(s, n) for s, n in zip(states, counts.tolist())]
+        split = [self.one_token_rows(s, n) for s, n in zip(states, counts.tolist())]
         num_split = split.index(False) if False in split else len(states)
         inputs = self.builder.build(
             ids, counts, computed, block_table([s.block_ids for s in states]), num_split

@@ -1,7 +1,8 @@
 """The paged KV cache: how many blocks the budget holds (and the host tier's swap space), the
 device tensor (and a draft model's layers beside it, in the same slots), and whole-block reads
 and writes (KV transfer between instances). With KV groups (core/kv_groups.py) the tensor holds
-one group's layers per block and each layer reads its group's entries of a request's blocks."""
+one group's layers per block and each layer reads its group's entries of a request's blocks. An
+int8 (fp8) cache's rows hold their scale too (kv_quant.py): what moves rows moves the scales."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import torch
 from tandem.config import CacheConfig
 from tandem.core.kv_groups import KVGroups, plain_groups
 from tandem.executor.device import default_kv_cache_memory
+from tandem.executor.kv_quant import row_len
 from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
 class KVCache:
-    """[layers_per_group, 2, slots, num_kv_heads, head_dim] on the device (every layer, in the
-    plain layout); a block is block_size consecutive slots. One allocator and one block table
-    serve the target and a draft model with KV of its own (`draft_cfg`, plain layout only): the
-    budget pays for both per block."""
+    """[layers_per_group, 2, slots, num_kv_heads, row] on the device (every layer, in the
+    plain layout; row: head_dim, or head_dim + 2 for int8 and fp8); a block is block_size
+    consecutive slots. One allocator and one block table serve the target and a draft model with
+    KV of its own (`draft_cfg`, plain layout only): the budget pays for both per block."""
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class KVCache:
             2,
             self.num_slots,
             cfg.num_kv_heads,
-            cfg.head_dim,
+            row_len(cfg.head_dim, self.dtype),
             dtype=self.dtype,
             device=self.device,
         )
@@ -171,6 +173,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: list[int], block_size: int) ->
 def scatter_blocks(
     cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor, block_size: int
 ) -> None:
+    if cache.dtype == torch.float8_e4m3fn:  # a CPU copy (the host tier's) takes no fp8
+        cache, kv = cache.view(torch.uint8), kv.view(torch.uint8)
     blocks = _blocks_view(cache, block_size)
     blocks.index_copy_(
         blocks.dim() - 4, torch.tensor(block_ids, dtype=torch.long, device=cache.device), kv

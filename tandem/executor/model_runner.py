@@ -16,6 +16,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.kv_groups import KVGroups, kv_groups, plain_groups
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.sampling_params import LoRARequest
 from tandem.executor.attention import TorchAttention, resolve_attention_backend
 from tandem.executor.cuda_graphs import capture_graphs
 from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -29,11 +30,13 @@ from tandem.executor.rejection_sampler import RejectionSampler, VerifyRow
 from tandem.executor.sampler import Sampler
 from tandem.executor.step_events import StepGapTimer
 from tandem.executor.structured_output import StructuredOutputMatchers
+from tandem.executor.thinking_budget import ThinkingBudgets
 from tandem.kernels import cpu_fused_ops
 from tandem.models.config import ModelConfig
 from tandem.models.layers.batch_invariant import check_supported
 from tandem.models.loader.model_files import gguf_source, load_config, weight_source
 from tandem.models.loader.variants import build_draft, build_variants
+from tandem.models.lora.manager import LoRAManager
 
 
 def kv_layout(cfg: ModelConfig, device: torch.device, own_draft_kv: bool) -> KVGroups:
@@ -76,6 +79,11 @@ class ModelRunner:
         )
         self.dtype = self.variants.dtype
         self.model = self.variants.models.get(self.variants.default)  # None: the default fell back
+        self.lora = (
+            LoRAManager(config.lora_config, cfg, self.variants.models)
+            if config.lora_config.enabled
+            else None
+        )
         spec = config.speculative_config
         draft = (
             None
@@ -138,6 +146,7 @@ class ModelRunner:
         self.structured_output = (
             StructuredOutputMatchers(grammar_compiler) if grammar_compiler else None
         )
+        self.thinking_budgets = ThinkingBudgets()
         self.prompt_logprobs = PromptLogprobs()
         builder = InputBuilder(
             self.block_size,
@@ -146,6 +155,7 @@ class ModelRunner:
             cfg.head_dim,
             run.deterministic,
             groups,
+            kv_dtype,
         )
         self.input_batch = InputBatch(builder, self.variants.default)
         self.proposer = build_proposer(spec, draft, self.kv, builder)
@@ -157,6 +167,19 @@ class ModelRunner:
     def requests(self) -> dict[str, CachedRequestState]:
         """The requests the persistent batch holds."""
         return self.input_batch.requests
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter (ValueError: refused, in words; or LoRA is off)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora")
+        self.lora.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
+
+    def lora_stats(self) -> dict[str, dict[str, int]]:
+        return {} if self.lora is None else self.lora.stats()
 
     def preemption_costs(self) -> tuple[float, float]:
         return self.kv.preemption_costs()
@@ -182,7 +205,8 @@ class ModelRunner:
         if self.step_gaps is not None:
             self.step_gaps.step_started()
         for precision, part in by_variant.items():
-            self._run_variant(self.variants.models[precision], part, out)
+            for rows in self._lora_parts(part):
+                self._run_variant(precision, rows, out)
         if (
             self.proposer is not None and sched.spec.propose
         ):  # only when the next step may verify them
@@ -202,26 +226,47 @@ class ModelRunner:
         self.input_batch.update_states(sched)
         if self.structured_output is not None:
             self.structured_output.update(sched)
+        self.thinking_budgets.update(sched)
         if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
             self.proposer.forget(sched.finished_req_ids | sched.preempted_req_ids)
         self.prompt_logprobs.forget(sched.finished_req_ids)
 
-    def _run_variant(self, model, order: list[tuple[str, int]], out: ModelRunnerOutput) -> None:
-        """Forward, logits and sampling of the step's requests that run on `model`."""
+    def _lora_parts(self, part: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+        """The variant's rows by adapter, in forwards of at most max_loras adapters each."""
+        if self.lora is None:
+            return [part]
+        states = [self.requests[r] for r, _ in part]
+        return self.lora.groups(
+            part,
+            [s.params.lora_request for s in states],
+            [self.input_batch.one_token_rows(s, n) for s, (_, n) in zip(states, part)],
+        )
+
+    def _run_variant(
+        self, precision: str, order: list[tuple[str, int]], out: ModelRunnerOutput
+    ) -> None:
+        """Forward, logits and sampling of the step's requests that run on variant `precision`."""
         start = time.perf_counter()
+        model = self.variants.models[precision]
         states = [self.input_batch.requests[req_id] for req_id, _ in order]
         counts = np.array([n for _, n in order], dtype=np.int64)
         inputs, logits_rows, logits_index = self.input_batch.prepare_inputs(states, counts)
+        adapted = self.lora is not None and self.lora.set_step(
+            precision, [s.params.lora_request for s in states], counts
+        )
         self.prepare_time += time.perf_counter() - start
-        # CUDA graphs were captured on the default variant's model
-        graph = self.graph_runner if model is self.model else None
+        # CUDA graphs were captured on the default variant's model, without adapters
+        graph = self.graph_runner if model is self.model and not adapted else None
         logits = (
             None
             if graph is None
             else graph.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         )
-        if logits is None:
-            hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if logits is None:  # adapted rows run the modules (the decode plan has no LoRA)
+            forward = model.forward_modules if adapted else model
+            hidden = forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
         if any(s.params.prompt_logprobs is not None for s in states):
             every_row = logits  # a graph computed every row's logits; else from the hidden rows
             self.prompt_logprobs.add_step(
@@ -247,11 +292,16 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, rows: list[CachedRequestState], out: ModelRunnerOutput
     ) -> None:
-        """Mask the constrained rows, verify the drafts and sample; the tokens join the batch."""
+        """Mask the constrained rows and those out of thinking budget, verify the drafts and
+        sample; the tokens join the batch."""
         grammar, generators = self.structured_output, self.input_batch.generators
-        if grammar is not None:  # constrained rows have no drafts: one logits row each
+        budgets = self.thinking_budgets if self.thinking_budgets.active else None
+        if grammar is not None or budgets is not None:  # such rows have no drafts: one row each
             row_req_ids = [s.req_id for s in rows for _ in range(len(s.spec_token_ids) + 1)]
-            out.structured_output_time += grammar.apply(logits, row_req_ids)
+            if grammar is not None:
+                out.structured_output_time += grammar.apply(logits, row_req_ids)
+            if budgets is not None:
+                budgets.apply(logits, row_req_ids)
         verified = self.sampler(
             logits,
             [
@@ -273,9 +323,11 @@ class ModelRunner:
             if s.params.prompt_logprobs is not None and len(s.token_ids) == s.prompt_len:
                 out.prompt_logprobs[s.req_id] = self.prompt_logprobs.take(s.req_id)
             s.token_ids.extend(token_ids)
-            if grammar is not None:
-                for token_id in token_ids:
+            for token_id in token_ids:
+                if grammar is not None:
                     grammar.accept(s.req_id, token_id)
+                if budgets is not None:
+                    budgets.accept(s.req_id, token_id)
             out.sampled_token_ids[s.req_id] = token_ids
             if lps is not None:
                 out.logprobs[s.req_id] = lps

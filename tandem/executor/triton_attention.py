@@ -11,6 +11,9 @@ its sequence by a binary search over query_start_loc, so the grid depends only o
 of tokens and sequences: a CUDA graph can replay it with new metadata. It walks the context
 one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query
 row sees keys up to its own position (causal within the chunk, all of the prefix before it).
+
+An fp8 (e4m3) cache holds rows of head_dim values and their fp16 scale (executor/kv_quant.py):
+the write quantises each (token, KV head) row, the attention dequantises each tile it loads.
 """
 
 from __future__ import annotations
@@ -56,6 +59,30 @@ if triton is not None:
             tl.store(v_cache_ptr + slot * stride_ct + offs, v, mask=mask)
 
     @triton.jit
+    def _reshape_and_cache_fp8_kernel(
+        x_ptr,
+        cache_ptr,
+        slot_ptr,
+        stride_xt,
+        stride_xh,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+    ):
+        """Token t's row of KV head h (K or V) as an fp8 row and its fp16 scale."""
+        t, h = tl.program_id(0), tl.program_id(1)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            d = tl.arange(0, HEAD_PAD)
+            x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=d < HEAD_DIM, other=0.0)
+            x = x.to(tl.float32)
+            scale = (tl.max(tl.abs(x), 0) * (1.0 / 448.0)).to(tl.float16)
+            inv = tl.where(scale > 0, 1.0 / scale.to(tl.float32), 0.0)
+            row = (slot * tl.num_programs(1) + h) * (HEAD_DIM + 2)
+            q = tl.clamp(x * inv, -448.0, 448.0).to(tl.float8e4nv)
+            tl.store(cache_ptr + row + d, q, mask=d < HEAD_DIM)
+            tl.store(cache_ptr.to(tl.pointer_type(tl.float16)) + (row + HEAD_DIM) // 2, scale)
+
+    @triton.jit
     def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
         """Sequence s owns q blocks [qsl[s] // BLOCK_Q + s, ...): the last s whose first block
         <= q_block."""
@@ -80,15 +107,24 @@ if triton is not None:
         stride_cs,
         d,
         d_ok,
+        HEAD_DIM: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """K and V of the positions k_pos (masked by k_ok) of one sequence, one KV head, through
-        its block table."""
+        its block table; from an fp8 cache, dequantised to fp32."""
         block = tl.load(block_table_ptr + k_pos // block_size, mask=k_ok, other=0)
         slot = block * block_size + k_pos % block_size
         kv_off = slot[:, None] * stride_cs + head_off + d[None, :]
         kv_ok = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        if FP8:  # each row's fp16 scale after its values
+            scale_off = (slot * stride_cs + head_off + HEAD_DIM) // 2
+            f16 = tl.pointer_type(tl.float16)
+            ks = tl.load(k_cache_ptr.to(f16) + scale_off, mask=k_ok, other=0.0).to(tl.float32)
+            vs = tl.load(v_cache_ptr.to(f16) + scale_off, mask=k_ok, other=0.0).to(tl.float32)
+            k = k.to(tl.float32) * ks[:, None]
+            v = v.to(tl.float32) * vs[:, None]
         return k, v
 
     @triton.jit
@@ -135,6 +171,7 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr,
         IEEE: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         q_block = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -185,7 +222,11 @@ if triton is not None:
                     stride_cs,
                     d,
                     d_ok,
+                    HEAD_DIM,
+                    FP8,
                 )
+                if FP8:  # the tiles in the activations' dtype, as the dots below take them
+                    k, v = k.to(q.dtype), v.to(q.dtype)
                 if IEEE:
                     s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
@@ -210,8 +251,21 @@ if triton is not None:
 def reshape_and_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Token t goes to slot slot_mapping[t]
-    (skipped where it is -1). One launch for K and V of every token of the layer."""
+    """k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D] (fp8: D + 2). Token t goes to slot
+    slot_mapping[t] (skipped where it is -1). One launch for K and V of every token of the layer
+    (fp8: one each)."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        for x, cache in zip((k, v), kv_cache):
+            _reshape_and_cache_fp8_kernel[x.shape[:2]](
+                x,
+                cache,
+                slot_mapping,
+                x.stride(0),
+                x.stride(1),
+                HEAD_DIM=x.shape[2],
+                HEAD_PAD=triton.next_power_of_2(x.shape[2]),
+            )
+        return
     k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
     row = k.shape[1]
     _reshape_and_cache_kernel[(k.shape[0],)](
@@ -288,5 +342,6 @@ def unified_attention(
         BLOCK_M=block_m,
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu",
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
     )
     return out

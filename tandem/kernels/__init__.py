@@ -133,6 +133,20 @@ def cpu_paged_decode(head_dim: int):
 
 
 @functools.cache
+def cpu_prefill_attention():
+    """The CPU paged prefill-attention extension (flash-style, sliding windows read only), or
+    None when it cannot be built here."""
+    return _kernel("cpu_prefill_attention")
+
+
+def cpu_paged_prefill(head_dim: int):
+    """The native paged prefill-attention function for a model of this head_dim (64, 128 or
+    256), or None: prefills then run on SDPA."""
+    ext = cpu_prefill_attention() if head_dim in (64, 128, 256) else None
+    return ext.paged_prefill_attention if ext is not None else None
+
+
+@functools.cache
 def cpu_fused_ops():
     """Fused RMSNorm / residual-add+RMSNorm / RoPE for CPU (kernels/cpu_fused_ops.cpp), or None.
     No fast-math: each op must round exactly as the PyTorch code it replaces."""
@@ -172,7 +186,10 @@ def target_flags() -> list[str]:
 # module holding a submodule for each: torch's and pybind11's headers, most of a build's CPU
 # (~10 s), are parsed once per unit, not once per kernel; so kernels whose flags agree share one.
 UNITS = {
-    "cpu_paged_attention": (("cpu_paged_attention",), ["-ffast-math", "-fopenmp"]),
+    "cpu_paged_attention": (
+        ("cpu_paged_attention", "cpu_prefill_attention"),
+        ["-ffast-math", "-fopenmp"],
+    ),
     "cpu_kernels": (
         ("cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm"),
         ["-ffp-contract=off", "-fopenmp"],

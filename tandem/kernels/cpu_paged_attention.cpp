@@ -4,6 +4,9 @@
 // type, or bf16 / fp16 under fp32 activations: half the bytes to stream); the query heads of a
 // GQA group share every K/V row they read, and a context is split into fixed parts that the
 // threads share.
+// An int8 cache row is D int8 values and their fp16 scale (max |x| / 127) in two more bytes: the
+// scale travels with the row through every block copy (swap, P/D, prefix cache). It is folded into
+// the score (K) and the value weight (V), never multiplied into the row.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
 #include <ATen/Dispatch.h>
@@ -57,6 +60,16 @@ inline v8 load8(const T* p) {
   for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
   return load8(f);
 }
+inline v8 load8(const int8_t* p) {
+#ifdef __AVX2__
+  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int8_t i8x8 __attribute__((vector_size(8)));
+  i8x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, v8);
+#endif
+}
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline float hsum(v8 v) {
   float s = 0.f;
@@ -77,10 +90,39 @@ inline v8 sums8(const v8 (&v)[8]) {
 #endif
 }
 
-// Position p's row for KV head h in a cache [num_slots, hkv, D] through block table `table`.
+// Elements of a cache row: an int8 row carries its fp16 scale after its D values.
+template <typename T, int D>
+constexpr int64_t kRowLen = std::is_same<T, int8_t>::value ? D + 2 : D;
+
+template <int D>
+inline float scale_of(const int8_t* row) {
+  uint16_t bits;
+  std::memcpy(&bits, row + D, sizeof bits);
+#ifdef __F16C__  // one instruction, not at::Half's bit arithmetic: two per position
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// x [D] as an int8 cache row: scale = (max |x| / 127) rounded to fp16, values round(x / scale) in
+// [-127, 127]. Written as x * (1 / scale) and max |x| * (1 / 127), which -ffast-math leaves as they
+// are: the same bits as kv_cache.quantize_kv_rows, the PyTorch form.
+template <typename TQ>
+inline void quantize_row(const TQ* x, int64_t d, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+  const at::Half scale(amax * (1.f / 127.f));
+  const float s = static_cast<float>(scale), inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t i = 0; i < d; ++i)
+    out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[i]) * inv))));
+  std::memcpy(out + d, &scale, sizeof scale);
+}
+
+// Position p's row for KV head h in a cache [num_slots, hkv, row] through block table `table`.
 template <typename T, int D>
 inline const T* row_of(const T* cache, const int64_t* table, int64_t block_size, int64_t hkv, int64_t h, int64_t p) {
-  return cache + ((table[p / block_size] * block_size + p % block_size) * hkv + h) * D;
+  return cache + ((table[p / block_size] * block_size + p % block_size) * hkv + h) * kRowLen<T, D>;
 }
 
 // A K or V row's cache lines, asked for ahead of their use: a sequence's rows for one head lie
@@ -89,7 +131,7 @@ inline const T* row_of(const T* cache, const int64_t* table, int64_t block_size,
 constexpr int64_t kAhead = 8;  // K rows ahead of the one being scored
 template <typename T, int D, int Hint = _MM_HINT_T0>
 inline void prefetch_row(const T* p) {
-  for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
+  for (int64_t o = 0; o < kRowLen<T, D> * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
 }
 
 // Scores of R (1-2) K rows (`stride` elements apart from kp) against G (1-4) query heads qj [G, D]
@@ -138,10 +180,11 @@ inline void head_groups(int64_t g, F&& f) {
 template <typename T, int D>
 void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
                  int64_t hkv, int64_t h, int64_t g, int64_t lo, int64_t hi, float* part) {
-  const int64_t len = hi - lo, row_stride = hkv * D;
+  constexpr bool kInt8 = std::is_same<T, int8_t>::value;
+  const int64_t len = hi - lo, row_stride = hkv * kRowLen<T, D>;
   auto row = [&](const T* cache, int64_t p) { return row_of<T, D>(cache, table, block_size, hkv, h, p); };
   for (int64_t p = lo; p < std::min(lo + kAhead, hi); ++p) prefetch_row<T, D>(row(k_cache, p));
-  float scores[kMaxGroup * kPart];
+  float scores[kMaxGroup * kPart], k_scale[kPart], v_scale[kPart];
   for (int64_t p0 = lo, n; p0 < hi; p0 += n) {  // block by block: a block's rows are row_stride apart
     n = std::min(block_size - p0 % block_size, hi - p0);
     const T* kp = row(k_cache, p0);
@@ -157,6 +200,11 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
                            : q - (p0 + n) < block_size ? next_k + (q - p0 - n) * row_stride : row(k_cache, q));
       prefetch_row<T, D, _MM_HINT_T1>(vp + t * row_stride);
     }
+    if constexpr (kInt8)
+      for (int64_t t = 0; t < n; ++t) {
+        k_scale[p0 - lo + t] = scale_of<D>(kp + t * row_stride);
+        v_scale[p0 - lo + t] = scale_of<D>(vp + t * row_stride);
+      }
     head_groups(g, [&](int64_t j0, auto g_const) {
       constexpr int G = decltype(g_const)::value;
       float* s = scores + j0 * kPart + (p0 - lo);
@@ -169,10 +217,14 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * kPart;
     float mx = -INFINITY, sum = 0.f;  // locals: through m[j] the max is a store-to-load chain
+    if constexpr (kInt8)
+      for (int64_t t = 0; t < len; ++t) sj[t] *= k_scale[t];
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sj[t]);
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
     m[j] = mx, l[j] = sum;
+    if constexpr (kInt8)  // the weight of V's int8 values: the softmax's times V's scale
+      for (int64_t t = 0; t < len; ++t) sj[t] *= v_scale[t];
   }
   // The part's V rows (v_row): with one KV head a block's rows lie D apart and are read in
   // place (a copy was ~4% of Gemma 3 270M's decode step at 16 rows, AVX2 build); else they lie
@@ -184,7 +236,7 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
     for (int64_t p0 = lo, n; p0 < hi; p0 += n) {
       n = std::min(block_size - p0 % block_size, hi - p0);
       const T* vp = row(v_cache, p0);
-      for (int64_t t = 0; t < n; ++t) v_row[p0 - lo + t] = vp + t * D;
+      for (int64_t t = 0; t < n; ++t) v_row[p0 - lo + t] = vp + t * row_stride;
     }
   } else {
     v_rows.resize(kPart * D);
@@ -261,8 +313,8 @@ static void decode(const TQ* q, int64_t q_row, const T* k_cache, const T* v_cach
           const T* kp = row_of<T, D>(k_cache, table, block_size, hkv, next.h, p0);
           const T* vp = row_of<T, D>(v_cache, table, block_size, hkv, next.h, p0);
           for (int64_t t = 0; t < n; ++t) {
-            prefetch_row<T, D, _MM_HINT_T1>(kp + t * hkv * D);
-            prefetch_row<T, D, _MM_HINT_T1>(vp + t * hkv * D);
+            prefetch_row<T, D, _MM_HINT_T1>(kp + t * hkv * kRowLen<T, D>);
+            prefetch_row<T, D, _MM_HINT_T1>(vp + t * hkv * kRowLen<T, D>);
           }
         }
       }
@@ -294,11 +346,13 @@ static void decode(const TQ* q, int64_t q_row, const T* k_cache, const T* v_cach
   });
 }
 
-// f(TQ{}, T{}) for the (activations, cache) types a call pairs: one type, or fp32 activations over
-// a bf16 / fp16 cache.
+// f(TQ{}, T{}) for the (activations, cache) types a call pairs: one type, fp32 activations over
+// a bf16 / fp16 cache, or any activations over an int8 cache.
 template <typename F>
 void dispatch_types(at::ScalarType q, at::ScalarType cache, const char* name, F&& f) {
-  if (q == cache) {
+  if (cache == at::kChar) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q, "paged_decode", [&] { f(scalar_t{}, int8_t{}); });
+  } else if (q == cache) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q, "paged_decode", [&] { f(scalar_t{}, scalar_t{}); });
   } else if (q == at::kFloat && cache == at::kBFloat16) {
     f(float{}, at::BFloat16{});
@@ -306,11 +360,11 @@ void dispatch_types(at::ScalarType q, at::ScalarType cache, const char* name, F&
     f(float{}, at::Half{});
   } else {
     TORCH_CHECK(false, name, ": ", q, " activations over a ", cache,
-                " KV cache (the cache holds the activations' type, or bf16 / fp16 under fp32)");
+                " KV cache (the cache holds the activations' type, int8, or bf16 / fp16 under fp32)");
   }
 }
 
-// q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; block_tables: [B, max_blocks] int64;
+// q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (int8: D + 2); block_tables: [B, max_blocks] int64;
 // seq_lens: [B] int64 (context length including the query token). Returns [B, Hq, D].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens,
@@ -322,6 +376,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_attention supports head_dim 64, 128 or 256");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K and V caches' dtypes differ");
+  TORCH_CHECK(k_cache.size(2) == d + (k_cache.scalar_type() == at::kChar ? 2 : 0),
+              "paged_decode_attention: cache rows do not fit head_dim ", d);
   dispatch_types(q.scalar_type(), k_cache.scalar_type(), "paged_decode_attention", [&](auto tq, auto tkv) {
     using TQ = decltype(tq);
     using T = decltype(tkv);
@@ -335,7 +391,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 
 // A decode-only step's whole attention from the layer's fused projection: qkv [B, (Hq + 2 Hkv) D]
 // (q, k, v of one token per sequence, RoPE applied); writes k and v at slot_mapping [B] of
-// kv_cache [2, num_slots, Hkv, D], then attends. Returns [B, Hq * D]. At batch 1 the separate
+// kv_cache [2, num_slots, Hkv, D] (int8: quantised, D + 2), then attends. Returns [B, Hq * D]. At batch 1 the separate
 // split / index_copy_ / slice / copy ops around the kernel cost more than the attention.
 at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot_mapping,
                             at::Tensor block_tables, at::Tensor seq_lens, int64_t num_heads,
@@ -344,7 +400,9 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && slot_mapping.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               slot_mapping.scalar_type() == at::kLong);
-  const int64_t b = qkv.size(0), hkv = kv_cache.size(2), d = kv_cache.size(3), slots = kv_cache.size(1);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t b = qkv.size(0), hkv = kv_cache.size(2), row_len = kv_cache.size(3), d = row_len - (int8 ? 2 : 0),
+                slots = kv_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_qkv supports head_dim 64, 128 or 256");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && slot_mapping.numel() == b && seq_lens.numel() >= b);
   auto out = at::empty({b, num_heads * d}, qkv.options());
@@ -353,14 +411,19 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
     using T = decltype(tkv);
     const TQ* src = qkv.data_ptr<TQ>();
     T* k_cache = kv_cache.data_ptr<T>();
-    T* v_cache = k_cache + slots * hkv * d;
+    T* v_cache = k_cache + slots * hkv * row_len;
     const int64_t row = qkv.size(1), kv = hkv * d;
     const int64_t* slot = slot_mapping.data_ptr<int64_t>();
     for (int64_t i = 0; i < b; ++i) {
       TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "paged_decode_qkv: slot out of range");
-      // a narrower cache rounds to nearest even, as torch's casts do
-      std::copy_n(src + i * row + num_heads * d, kv, k_cache + slot[i] * kv);
-      std::copy_n(src + i * row + num_heads * d + kv, kv, v_cache + slot[i] * kv);
+      const TQ* k = src + i * row + num_heads * d;
+      if constexpr (std::is_same<T, int8_t>::value) {
+        for (int64_t h = 0; h < 2 * hkv; ++h)  // K's heads, then V's
+          quantize_row(k + h * d, d, (h < hkv ? k_cache : v_cache) + (slot[i] * hkv + h % hkv) * row_len);
+      } else {  // a narrower cache rounds to nearest even, as torch's casts do
+        std::copy_n(k, kv, k_cache + slot[i] * kv);
+        std::copy_n(k + kv, kv, v_cache + slot[i] * kv);
+      }
     }
     auto run = d == 64 ? decode<TQ, T, 64> : d == 128 ? decode<TQ, T, 128> : decode<TQ, T, 256>;
     run(src, row, k_cache, v_cache, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
@@ -368,6 +431,29 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
         window);
   });
   return out;
+}
+
+// Writes k and v [T, Hkv, D] (unit inner stride) at slot_mapping [T] of an int8 kv_cache
+// [2, num_slots, Hkv, D + 2], quantised row by row: the KV write of a step that is not decode-only.
+void reshape_and_cache_int8(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kChar);
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes() &&
+              k.scalar_type() == v.scalar_type());
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong);
+  const int64_t t = k.size(0), hkv = k.size(1), d = k.size(2), slots = kv_cache.size(1);
+  TORCH_CHECK(kv_cache.size(2) == hkv && kv_cache.size(3) == d + 2 && slot_mapping.numel() == t);
+  int8_t* cache = kv_cache.data_ptr<int8_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "reshape_and_cache_int8", [&] {
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "reshape_and_cache_int8: slot out of range");
+      for (int64_t h = 0; h < hkv; ++h) {
+        quantize_row(k.data_ptr<scalar_t>() + i * k.stride(0) + h * k.stride(1), d, cache + (slot[i] * hkv + h) * (d + 2));
+        quantize_row(v.data_ptr<scalar_t>() + i * v.stride(0) + h * v.stride(1), d,
+                     cache + ((slots + slot[i]) * hkv + h) * (d + 2));
+      }
+    }
+  });
 }
 
 // This kernel's functions, in its submodule of the unit's module (kernels/__init__.py: UNITS).
@@ -378,6 +464,8 @@ void bind(pybind11::module_ m) {
   m.def("paged_decode_qkv", &paged_decode_qkv, "KV write and paged decode attention from a fused qkv (CPU)",
         arg("qkv"), arg("kv_cache"), arg("slot_mapping"), arg("block_tables"), arg("seq_lens"), arg("num_heads"),
         arg("block_size"), arg("scale"), arg("window") = 0);
+  m.def("reshape_and_cache_int8", &reshape_and_cache_int8, "quantised KV write into an int8 cache (CPU)", arg("k"),
+        arg("v"), arg("kv_cache"), arg("slot_mapping"));
 }
 
 }  // namespace tandem_cpu_paged_attention

@@ -140,7 +140,10 @@ class ModelConfig:
         return max_model_len or limit
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """K and V of every layer; a row of one-byte values (int8, fp8) also holds its fp16
+        scale."""
+        row = self.head_dim + 2 if dtype.itemsize == 1 else self.head_dim * dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * row
 
 
 def rope_scaling(scaling: dict | None, hf: dict, max_positions: int) -> dict | None:

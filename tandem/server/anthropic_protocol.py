@@ -15,7 +15,6 @@ from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.protocol_parts import Base, doc, hint, tool_call
 
 REFUSED = {  # fields Anthropic's clients send that would change the output, not implemented
-    "thinking": "use output_config.effort (the template's thinking switch)",
     "mcp_servers": "no MCP client here",
     "container": "no code execution here",
     "context_management": "not implemented",
@@ -123,6 +122,22 @@ class OutputConfig(Base):
         return fields
 
 
+class ThinkingConfig(Base):
+    type: Literal["enabled", "disabled", "adaptive"] = doc(
+        ..., "enabled: think up to budget_tokens; disabled: the template's thinking switch off."
+    )
+    budget_tokens: Count | None = doc(
+        None, "thinking_token_budget of a chat request: then `</think>` is forced."
+    )
+
+    def openai(self) -> dict[str, Any]:
+        if self.type == "disabled":
+            return {"reasoning_effort": "none"}
+        if self.type == "enabled" and self.budget_tokens is not None:
+            return {"thinking_token_budget": self.budget_tokens}
+        return {}
+
+
 class CountTokensRequest(Base):
     model: str = doc(..., "A served name.")
     messages: list[AnthropicMessage] = Field(
@@ -135,6 +150,7 @@ class CountTokensRequest(Base):
         None, "Custom tools: name, description, input_schema."
     )
     tool_choice: AnthropicToolChoice | None = doc(None, "auto, any, tool (named) or none.")
+    thinking: ThinkingConfig | None = doc(None, "A reasoning model's thinking: on, off, budget.")
 
     def chat_request(self, **fields: Any) -> ChatCompletionRequest:
         """The chat request this one means; ValueError (pydantic's too) for what cannot be."""
@@ -145,7 +161,8 @@ class CountTokensRequest(Base):
         )
         messages = [{"role": "system", "content": system}] if system else []
         messages += [m for message in self.messages for m in message.openai()]
-        chat: dict[str, Any] = {"model": self.model, "messages": messages, **fields}
+        thinking = self.thinking.openai() if self.thinking else {}
+        chat: dict[str, Any] = {"model": self.model, "messages": messages, **thinking, **fields}
         if self.tools:
             chat["tools"] = [
                 {

@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.lora_names import LoRANames
 from tandem.server.auth import require_api_key
 from tandem.server.dashboard import add_server_dashboard
 from tandem.server.errors import add_error_handlers
@@ -20,6 +21,7 @@ from tandem.server.routes import (
     chat,
     completions,
     health,
+    lora,
     messages,
     models,
     responses_api,
@@ -35,6 +37,7 @@ ROUTERS = (
     responses_api.router,
     tokenize.router,
     models.router,
+    lora.router,
     health.router,
 )
 
@@ -43,7 +46,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     check_key_classes(config.api_key_classes)
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(llm, config.model_name, config.request_log, config.request_log_text)
-    app.state.serving = ServingState(llm, config, metrics, engine_facts(llm))
+    app.state.serving = ServingState(
+        llm, config, metrics, engine_facts(llm), loras=LoRANames(llm.config.lora_config)
+    )
     for router in ROUTERS:
         app.include_router(router)
     add_error_handlers(app)
@@ -68,6 +73,13 @@ def add_cluster_routes(
     per-step hook that feeds the metrics."""
     llm.on_step = metrics.on_step
     add_instance_routes(
-        app, InstanceSnapshot(llm, config.model_name, config.role or "colocated", config.elastic)
+        app,
+        InstanceSnapshot(
+            llm,
+            config.model_name,
+            config.role or "colocated",
+            config.elastic,
+            app.state.serving.loras,
+        ),
     )
     add_pd_routes(app, llm, config.model_name, in_cluster=config.role is not None)

@@ -73,6 +73,7 @@ class EngineCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
             yield c
+        yield from _lora_families(s, self.model)
         yield from _precision_families(self.llm, self.model)
         yield from _spec_decode_families(s, self.model)
         by_mode = CounterMetricFamily(
@@ -159,3 +160,17 @@ def _spec_decode_families(stats: SchedulerStats, model: str):
     for pos, value in enumerate(stats.spec_accepted_per_pos):
         per_pos.add_metric([model, str(pos)], value)
     yield per_pos
+
+
+def _lora_families(s: SchedulerStats, model: str):
+    """Per LoRA adapter: requests, tokens run, loads and evictions (counters)."""
+    for key, doc in [
+        ("requests", "Sequences added with the LoRA adapter."),
+        ("tokens", "Tokens (prompt and output) run with the LoRA adapter."),
+        ("loads", "Loads of the LoRA adapter from its folder."),
+        ("evictions", "Evictions of the LoRA adapter from a resident slot."),
+    ]:
+        c = CounterMetricFamily(f"tandem:lora_{key}", doc, labels=["model_name", "lora_name"])
+        for name, figures in sorted(s.lora.items()):
+            c.add_metric([model, name], figures.get(key, 0))
+        yield c

@@ -4,8 +4,8 @@ The load report is computed in the engine-core process with each step (engine/co
 and arrives with the step's outputs, so the HTTP side never reads engine structures. GET
 /tandem/state serves the latest one as JSON whose keys are
 `tandem.cluster.policy.routing.InstanceState`'s fields plus a few extras (block size, per
-level), with this instance's model, role, elastic flag and precision variants (default, then
-every one a request may name); POST /tandem/role sets the role.
+level), with this instance's model, role, elastic flag, precision variants (default, then
+every one a request may name) and LoRA adapters; POST /tandem/role sets the role.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from tandem.config import InstanceRole
 from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.lora_names import LoRANames
 
 
 class RoleRequest(BaseModel):
@@ -28,8 +29,9 @@ class InstanceSnapshot:
         model: str,
         role: InstanceRole = InstanceRole.COLOCATED,
         elastic: bool = False,
+        loras: LoRANames | None = None,
     ) -> None:
-        self.llm, self.model, self.elastic = llm, model, elastic
+        self.llm, self.model, self.elastic, self.loras = llm, model, elastic, loras
         self.set_role(role)
 
     @property
@@ -41,6 +43,7 @@ class InstanceSnapshot:
             "elastic": self.elastic,
             "precision": p.default,
             "precisions": p.served,
+            "loras": sorted(self.loras.loras) if self.loras else [],
             **self.llm.stats.instance,
         }
 

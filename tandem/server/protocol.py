@@ -250,6 +250,11 @@ class ChatCompletionRequest(SamplingFields):
         "Given to a template that reads it, or as its thinking switch (`enable_thinking`, "
         "`thinking`: off for none); no effect for a template with neither.",
     )
+    thinking_token_budget: Count | None = doc(
+        None,
+        "vLLM's: tokens a reasoning model may think before `</think>` is forced (default: "
+        "--reasoning-budget); no effect on a model that does not reason.",
+    )
     modalities: list[Literal["text"]] | None = hint(None, "text is the one output modality here")
     verbosity: Literal["low", "medium", "high"] | None = hint(
         None, "OpenAI's models' answer length; these models have no such switch"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.core.sampling_params import ThinkingBudget
 from tandem.server.tool_parsers.base import partial_marker
 
 START, END = "<think>", "</think>"
@@ -42,3 +43,16 @@ def reasoning_parser(name: str | None, tokenizer, prompt: str) -> ThinkParser | 
     if name is None and not (isinstance(template, str) and START in template):
         return None
     return ThinkParser(opened=prompt.rstrip().endswith(START))
+
+
+def thinking_budget(think: ThinkParser | None, tokens: int, tokenizer) -> ThinkingBudget | None:
+    """The engine's budget of `tokens` inside the block (-1: none), counted from the output's
+    <think> or, where the prompt opened the block, from the first token; None for a model that
+    does not reason."""
+    if think is None or tokens < 0:
+        return None
+
+    def ids(marker: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(marker, add_special_tokens=False))
+
+    return ThinkingBudget(tokens, () if think.opened else ids(START), ids(END))

@@ -29,7 +29,7 @@ def check_admission(state: ServingState, model: str | None, n: int) -> None:
     config = state.config
     names = config.served_model_names
     model, _ = split_model(model, names)
-    if model is not None and model not in names:
+    if model is not None and model not in names and state.loras.get(model) is None:
         raise APIError(
             404,
             f"The model `{model}` does not exist; this server serves "
@@ -135,9 +135,11 @@ def sampling_params(
             param="max_tokens",
         )
     try:
-        return req.sampling_params(max_tokens, logprobs, so)
+        params = req.sampling_params(max_tokens, logprobs, so)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    params.lora_request = state.loras.get(req.model)  # `model` names an adapter, or the base
+    return params
 
 
 def choose(state: ServingState, req: SamplingFields, request: Request) -> Choice:

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from tandem.config import InstanceRole
+from tandem.config import InstanceRole, LoRAConfig
 from tandem.config.option import option
 from tandem.engine.core_messages import CompileGrammar
+from tandem.engine.lora_names import LoRANames
 from tandem.server.reasoning_parser import REASONING_PARSERS
 from tandem.server.response_store import ResponseStore
 from tandem.server.tool_parsers import TOOL_CALL_PARSERS
@@ -78,7 +79,11 @@ class ServerConfig:
         none="a chat template that writes <think>",
     )
     reasoning_budget: int = option(
-        -1, "-1: unlimited; 0: thinking off, by the chat template's switch", choices=(-1, 0)
+        -1,
+        "tokens a reasoning model may think before </think> is forced (a request's "
+        "thinking_token_budget wins); -1: unlimited; 0: thinking off, by the chat template's "
+        "switch too",
+        unit="tokens",
     )
     responses_max_count: int = option(
         1000, "/v1/responses kept for previous_response_id, at most", unit="responses"
@@ -87,6 +92,8 @@ class ServerConfig:
     responses_ttl_s: float = option(3600.0, "how long a response is kept", unit="seconds")
 
     def __post_init__(self) -> None:
+        if self.reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be >= -1, got {self.reasoning_budget}")
         if self.role is not None:
             self.role = InstanceRole.parse(self.role, "role")
 
@@ -131,6 +138,7 @@ class ServingState:
     metrics: ServerMetrics
     facts: EngineFacts
     responses: ResponseStore = field(init=False)  # the Responses API's, within the config's bounds
+    loras: LoRANames = field(default_factory=lambda: LoRANames(LoRAConfig()))  # served by name
 
     def __post_init__(self) -> None:
         c = self.config

@@ -245,7 +245,7 @@ def report(cm: CostModel) -> None:
 
 
 # --num-threads 1 is steadier on a shared machine.
-ENGINE_OPTIONS = ("model", "dtype", "device", "kv_cache_memory", "num_threads")
+ENGINE_OPTIONS = ("model", "dtype", "quantization", "device", "kv_cache_memory", "num_threads")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -36,6 +36,7 @@ class Instance:
         None  # the variant it serves by default (None: not reported, an embedding instance)
     )
     precisions: tuple[str, ...] = ()  # every variant a request may name (`model:precision`)
+    loras: frozenset[str] = frozenset()  # the LoRA adapters it serves by name
     kv_rank: int | None = (
         None  # rank in the KV transfer group (torch_dist); None: KV moves over shared memory
     )
@@ -99,10 +100,20 @@ class InstancePool:
         prefix_hashes: list[int] = (),
         role: str | None = None,
         exclude: set[str] = frozenset(),
+        lora: str | None = None,
     ) -> Instance | None:
-        views = [i.view() for i in self.group(model) if i.id not in exclude]
+        """`lora`: only an instance serving that adapter."""
+        views = [
+            i.view()
+            for i in self.group(model)
+            if i.id not in exclude and (lora is None or lora in i.loras)
+        ]
         best = choose_instance(views, prefix_hashes, self.weights, role)
         return None if best is None else self.instances[best.instance_id]
+
+    def lora_group(self, lora: str) -> str | None:
+        """The model group one of whose instances serves adapter `lora` (None: none does)."""
+        return next((i.model for i in self.instances.values() if lora in i.loras), None)
 
     def unavailable_reason(self, model: str) -> str:
         g = self.group(model)
@@ -172,3 +183,4 @@ class InstancePool:
         s.cached_prefixes = frozenset(data.get("cached_prefixes") or ())
         inst.block_size = int(data.get("block_size") or 0)
         inst.precision, inst.precisions = data.get("precision"), tuple(data.get("precisions") or ())
+        inst.loras = frozenset(data.get("loras") or ())

@@ -168,12 +168,14 @@ class Proxy:
         prompt_tokens: int,
         max_attempts: int,
         role: str | None = None,
+        lora: str | None = None,
     ) -> Response:
-        """Route, send, retry on another instance; 503 with the reason when none can serve."""
+        """Route, send, retry on another instance; 503 with the reason when none can serve.
+        `lora`: only to instances serving that adapter."""
         tried: set[str] = set()
         last: Retry | None = None
         for _ in range(max_attempts):
-            inst = self.pool.choose(model, prefix_hashes, role, exclude=tried)
+            inst = self.pool.choose(model, prefix_hashes, role, exclude=tried, lora=lora)
             if inst is None:
                 break
             tried.add(inst.id)

@@ -92,6 +92,9 @@ class Router:
             return json_error(400, f"body: invalid JSON ({e})")
         asked = body.get("model") or self.default_model(kind)
         group, suffix = self.resolve(asked)
+        lora = None
+        if group is None and isinstance(asked, str) and (base := self.pool.lora_group(asked)):
+            group, lora = self.groups.get(base), asked  # an adapter: its instances only
         if group is None:
             self.metrics.failures.labels(
                 "", "unknown_model"
@@ -128,13 +131,15 @@ class Router:
         salt = (
             precision if precision not in (None, default) else None
         )  # the instance's cache namespace
-        hashes = prefix_hashes(ids, block_size, salt) if ids and block_size else []
+        # an adapter's KV is keyed by its id on the instance: no prefix affinity for it
+        hashes = prefix_hashes(ids, block_size, salt) if ids and block_size and not lora else []
         num_tokens = len(ids) if ids else len(raw) // 4  # a rough token count when not tokenized
         self.metrics.requests.labels(model, path.removeprefix("/v1/")).inc()
-        if suffix is None and self.pd.applies(model):  # a variant is served whole by one instance
+        # a variant, or an adapter, is served whole by one instance
+        if suffix is None and lora is None and self.pd.applies(model):
             return await self.pd.handle(model, path, body, stream, ids, hashes)
         return await self.proxy.forward(
-            model, path, raw, stream, hashes, num_tokens, self.rcfg.max_attempts
+            model, path, raw, stream, hashes, num_tokens, self.rcfg.max_attempts, lora=lora
         )
 
     def model_cards(self) -> list[dict]:
@@ -151,6 +156,8 @@ class Router:
                 cards += [
                     {"id": f"{g.name}:{p}", **card, "root": g.name, "precision": p} for p in served
                 ]
+            loras = sorted({name for i in insts for name in i.loras})
+            cards += [{"id": name, **card, "parent": g.name} for name in loras]
         return cards
 
     def cluster_state(self) -> dict:

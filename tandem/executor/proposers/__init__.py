@@ -57,6 +57,10 @@ def build_proposer(
         draft,
         kv.draft_kv_caches,
         InputBuilder(
-            builder.block_size, builder.device, builder.attention_backend, draft.cfg.head_dim
+            builder.block_size,
+            builder.device,
+            builder.attention_backend,
+            draft.cfg.head_dim,
+            kv_dtype=builder.kv_dtype,
         ),
     )

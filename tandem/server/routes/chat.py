@@ -17,7 +17,7 @@ from tandem.server import serving as S
 from tandem.server.chat_responses import ChatFormat, ChatSent, chat_body, chat_chunk
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.reasoning_parser import ThinkParser, reasoning_parser
+from tandem.server.reasoning_parser import ThinkParser, reasoning_parser, thinking_budget
 from tandem.server.state import ServingState, serving_state
 from tandem.server.tool_calls import ToolCallPlan, plan_tool_calls
 from tandem.server.tool_parsers import tool_parser
@@ -94,9 +94,13 @@ async def start_chat(req: ChatCompletionRequest, request: Request, rid: str) -> 
     params = S.sampling_params(state, req, len(ids), max_tokens, logprobs, so)
     if tools is not None and not tools.parser.skip_special_tokens:
         params.skip_special_tokens = False  # the calls' marker is a special token
+    think = reasoning_parser(state.config.reasoning_parser, tokenizer, text)
+    budget = req.thinking_token_budget
+    params.thinking_budget = thinking_budget(
+        think, state.config.reasoning_budget if budget is None else budget, tokenizer
+    )
     how = S.choose(state, req, request)  # before the compile: a refused precision costs nothing
     await S.compile_constraint(state, so, "tool_calls" if tools is not None else None)
-    think = reasoning_parser(state.config.reasoning_parser, tokenizer, text)
     return ChatRun(S.generate(state, ids, params, how, rid), tools, think, len(ids))
 
 

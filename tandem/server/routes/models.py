@@ -1,10 +1,12 @@
-"""GET /v1/models: the served model, and one `name:precision` entry per variant."""
+"""GET /v1/models: the served model, one `name:precision` entry per variant, and the LoRA
+adapters with their base (`parent`, vLLM's shape)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from tandem.server.precision import model_cards
+from tandem.server.routes.lora import lora_cards
 from tandem.server.state import serving_state
 
 router = APIRouter()
@@ -17,5 +19,6 @@ async def list_models(request: Request):
         "object": "list",
         "data": model_cards(
             state.config.served_model_names, state.facts.precisions, state.facts.max_model_len
-        ),
+        )
+        + lora_cards(state),
     }

@@ -1,0 +1,110 @@
+"""PEFT LoRA adapters read and checked against the base: the fused q/k/v and gate/up layout, the
+scaling (rsLoRA too), and each refusal in words with nothing kept."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from lora_fixture import ATTENTION, make_adapter
+from safetensors.torch import load_file
+
+from tandem.config import EngineConfig, LoRAConfig
+from tandem.core.sampling_params import LoRARequest
+from tandem.models.config import ModelConfig
+from tandem.models.loader.model_files import load_config
+from tandem.models.lora.adapter import load_adapter
+from tandem.models.lora.manager import LoRAManager
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = tiny_model_dirs["qwen2"]
+    return {
+        "all": make_adapter(base, root / "all", 1),
+        "attn16": make_adapter(base, root / "attn16", 2, r=16, targets=ATTENTION, rslora=True),
+        "gemma": make_adapter(tiny_model_dirs["gemma3"], root / "gemma", 3),
+    }
+
+
+def _cfg(path: str) -> ModelConfig:
+    return ModelConfig.from_hf(load_config(path))
+
+
+def test_fused_layout_and_scaling(tiny_model_dirs, adapters):
+    cfg = _cfg(tiny_model_dirs["qwen2"])
+    raw = load_file(f"{adapters['attn16']}/adapter_model.safetensors")
+    adapter = load_adapter(adapters["attn16"], cfg, max_rank=16)
+    assert adapter.rank == 16
+    assert set(adapter.modules) == {
+        f"layers.{i}.self_attn.{m}" for i in range(cfg.num_layers) for m in ("qkv_proj", "o_proj")
+    }
+    qkv = adapter.modules["layers.1.self_attn.qkv_proj"]
+    prefix = "base_model.model.model.layers.1.self_attn"
+    scale = 32 / math.sqrt(16)  # rsLoRA: alpha / sqrt(r)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for part, (rows, name) in enumerate([(slice(0, q), "q"), (slice(q, q + kv), "k")]):
+        a, b = (
+            raw[f"{prefix}.{name}_proj.lora_A.weight"],
+            raw[f"{prefix}.{name}_proj.lora_B.weight"],
+        )
+        cols = slice(16 * part, 16 * part + 16)
+        assert torch.equal(qkv.a[cols], a)
+        assert torch.allclose(qkv.b[rows, cols], b * scale)
+        assert not qkv.b[rows, : 16 * part].any()  # block-diagonal: no other part's columns
+
+
+def test_refusals_in_words(tiny_model_dirs, adapters, tmp_path):
+    qwen, gemma = _cfg(tiny_model_dirs["qwen2"]), _cfg(tiny_model_dirs["gemma3"])
+    with pytest.raises(ValueError, match="rank 16, over max_lora_rank 8"):
+        load_adapter(adapters["attn16"], qwen, max_rank=8)
+    with pytest.raises(ValueError, match="another base model"):
+        load_adapter(adapters["gemma"], qwen, max_rank=16)
+    with pytest.raises(ValueError, match="has no adapter_config.json"):
+        load_adapter(tmp_path, qwen, max_rank=16)
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["all"], broken)
+    (broken / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no adapter_model.safetensors"):
+        load_adapter(broken, qwen, max_rank=16)
+    head = tmp_path / "head"
+    shutil.copytree(adapters["all"], head)
+    config = json.loads((head / "adapter_config.json").read_text())
+    (head / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["lm_head"]}))
+    with pytest.raises(ValueError, match="targets lm_head"):
+        load_adapter(head, qwen, max_rank=16)
+    assert load_adapter(adapters["gemma"], gemma, max_rank=16).rank == 8
+
+
+def test_manager_keeps_nothing_of_a_refused_adapter(tiny_model_dirs, adapters):
+    from tandem.executor.attention import TorchAttention
+    from tandem.models.loader.builder import build_model
+    from tandem.models.loader.model_files import weight_source
+
+    path = tiny_model_dirs["qwen2"]
+    cfg = _cfg(path)
+    model = build_model(
+        weight_source(path, None), cfg, "float", torch.device("cpu"), torch.float32, TorchAttention
+    )
+    manager = LoRAManager(LoRAConfig(enable_lora=True, max_lora_rank=8), cfg, {"fp32": model})
+    with pytest.raises(ValueError, match="over max_lora_rank"):
+        manager.add(LoRARequest("big", 1, adapters["attn16"]))
+    assert not manager.cpu and not manager.loads
+    manager.add(LoRARequest("ok", 2, adapters["all"]))
+    assert list(manager.cpu) == [2] and manager.loads["ok"] == 1
+
+
+def test_config_options():
+    config = EngineConfig.from_kwargs(
+        enable_lora=True, max_loras=2, max_cpu_loras=3, lora_modules=["a=/x", "b=/y"]
+    )
+    assert config.lora_config.modules() == {"a": "/x", "b": "/y"}
+    assert LoRAConfig(lora_modules=["a=/x"]).enabled and not LoRAConfig().enabled
+    with pytest.raises(ValueError, match="name=path"):
+        LoRAConfig(enable_lora=True, lora_modules=["nopath"])
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LoRAConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
