@@ -55,6 +55,7 @@
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: its C++ frontend headers add ~15 s of parsing (21 s against 5 s, g++ -fsyntax-only, AMD EPYC Zen 3)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -303,6 +304,88 @@ struct Part {
   bool keeps;
 };
 
+// The part of weight w read for m rows, its first tile `first_tile`.
+Part part_of(const Weights& w, int64_t m, int64_t first_tile) {
+  const int64_t cap = max_rows(w.format), reads = (m + cap - 1) / cap;
+  return {w, first_tile, reads ? (m + reads - 1) / reads : 1, reads > 1 && kept_bytes(w) > 0};
+}
+
+// Quantise rows [r0, r1) of x (K inputs each) into a, per 256 or per 32.
+template <typename T>
+void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, bool per256, Scratch& a) {
+  const int64_t nb = k / kBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (per256)
+      quantize_row_256(x + r * k, k, a.q.data() + r * k, a.d.data() + r * nb, a.s16.data() + r * nb);
+    else
+      quantize_row(x + r * k, k, a.q.data() + r * k, a.d.data() + r * nb, a.ds.data() + r * nb, a.s16.data() + r * nb);
+  }
+}
+
+void resize(Scratch& a, int64_t m, int64_t k) {
+  const int64_t nb = k / kBlock;
+  a.q.resize(m * k), a.d.resize(m * nb), a.ds.resize(m * nb), a.s16.resize(m * nb);
+}
+
+// Tile t of a part (counted from its first; past its N with a gate: up's) over the m quantised
+// rows of a from row r0, into y (row stride ldy).
+template <typename T>
+void tile_rows(const Part& part, const Scratch& a, int64_t r0, int64_t m, int64_t t, uint8_t* kept, T* y, int64_t ldy) {
+  const int64_t k = part.w.k, nb = k / kBlock;
+  for (int64_t r = 0; r < m; r += part.per_read) {
+    const int64_t at = r0 + r;
+    const Rows xr{a.q.data() + at * k, a.d.data() + at * nb, a.ds.data() + at * nb, a.s16.data() + at * nb};
+    const Reuse reuse = !part.keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
+    with_rows<kRows>(std::min(part.per_read, m - r), [&](auto rows) {
+      tile<decltype(rows)::value>(part.w, xr, t, reuse, kept, y + r * ldy, ldy);
+    });
+  }
+}
+
+// Gate tiles [t0, t1) of a [gate | up] part (`tiles` gate tiles) over m rows of a from r0, then
+// the same up tiles, written as act(gate) * up into y (row stride ldy) from column t0 * 16. One
+// stream through memory at a time: read as a gate tile then its up tile (9 MB apart at 1B
+// shapes), gate_up streamed ~15% slower at batch 1 (AMD EPYC Zen 4). As many tiles at a time as
+// keep both halves' outputs within kGateFloats each: the whole chunk at a few rows, a tile at a
+// time at prefill sizes.
+template <typename T>
+void gated_tiles(const Part& part, const Scratch& a, int64_t r0, int64_t m, int64_t t0, int64_t t1, int64_t tiles,
+                 Gate gate_act, uint8_t* kept, T* y, int64_t ldy) {
+  thread_local std::vector<float> gate, up;  // gate's and up's outputs, [m][width]
+  const int64_t step = std::max<int64_t>(1, kGateFloats / (m * kTile));
+  for (int64_t s0 = t0; s0 < t1; s0 += step) {
+    const int64_t s1 = std::min(s0 + step, t1), width = (s1 - s0) * kTile;
+    gate.resize(m * width), up.resize(m * width);
+    for (int64_t t = s0; t < s1; ++t) tile_rows(part, a, r0, m, t, kept, gate.data() + (t - s0) * kTile, width);
+    for (int64_t t = s0; t < s1; ++t) tile_rows(part, a, r0, m, tiles + t, kept, up.data() + (t - s0) * kTile, width);
+    auto epilogue = [&](auto act) {
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < width; c += kTile)
+          gated16<decltype(act)::value>(gate.data() + r * width + c, up.data() + r * width + c, y + r * ldy + s0 * kTile + c);
+    };
+    if (gate_act == Gate::silu)
+      epilogue(std::integral_constant<Gate, Gate::silu>{});
+    else
+      epilogue(std::integral_constant<Gate, Gate::gelu_tanh>{});
+  }
+}
+
+// Tiles of a GEMM's output handed out in chunks as threads ask, not as one fixed share each: on a
+// shared machine a thread is often held up, and with fixed shares the other waited at the end of
+// the GEMM (the worker thread idled ~6% of a 3B decode step at 16 rows, AMD EPYC Zen 4).
+// f(t0, t1, kept) for every chunk of [0, tiles); kept: the thread's buffer of `kept` bytes.
+template <typename F>
+void for_tile_chunks(int64_t tiles, int64_t kept_size, F&& f) {
+  const int64_t chunk = std::max<int64_t>(1, tiles / (kChunksPerThread * at::get_num_threads()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    thread_local std::vector<uint8_t> kept;  // what a tile keeps across its row reads (Reuse)
+    kept.resize(kept_size);
+    for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;)
+      f(t0, std::min(t0 + chunk, tiles), kept.data());
+  });
+}
+
 // y [M, sum of the parts' N] = x [p_1 | p_2 | ...]^T: quantise x's rows (per 32, and per 256 where a
 // part reads them so), then every 16-column tile of every part in one parallel region, up to
 // max_rows rows per weight read. One part with a gate: act(gate) * up of its [gate | up].
@@ -318,8 +401,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, Gate ga
   for (const Weights& w : weights) {
     TORCH_CHECK(w.k == k, "quant gemm: every weight takes K = ", k, " inputs, got ", w.k);
     TORCH_CHECK(!gated || w.n % (2 * kTile) == 0, "quant gemm: a gate needs N % 32 == 0");
-    const int64_t cap = max_rows(w.format), reads = (m + cap - 1) / cap;
-    parts.push_back({w, n / kTile, reads ? (m + reads - 1) / reads : 1, reads > 1 && kept_bytes(w) > 0});
+    parts.push_back(part_of(w, m, n / kTile));
     n += w.n;
     most_kept = std::max(most_kept, parts.back().keeps ? kept_bytes(w) : 0);
     forms[per_256(w)] = true;
@@ -331,75 +413,20 @@ at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, Gate ga
   thread_local Scratch scratch[2];
   Scratch* const acts = scratch;  // this thread's: the lambdas below also run on the pool's threads
   for (int f = 0; f < 2; ++f)
-    if (forms[f]) {
-      Scratch& a = acts[slot[f]];
-      a.q.resize(m * k), a.d.resize(m * nb), a.ds.resize(m * nb), a.s16.resize(m * nb);
-    }
+    if (forms[f]) resize(acts[slot[f]], m, k);
   auto y = at::empty({m, n_out}, x.options());
   auto body = [&](auto* xp, auto* yp) {
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        if (forms[1]) {
-          Scratch& a = acts[slot[1]];
-          quantize_row_256(xp + r * k, k, a.q.data() + r * k, a.d.data() + r * nb, a.s16.data() + r * nb);
-        }
-        if (forms[0]) {
-          Scratch& a = acts[slot[0]];
-          quantize_row(xp + r * k, k, a.q.data() + r * k, a.d.data() + r * nb, a.ds.data() + r * nb, a.s16.data() + r * nb);
-        }
-      }
+      for (int f = 1; f >= 0; --f)
+        if (forms[f]) quantize_rows(xp, r0, r1, k, f, acts[slot[f]]);
     });
-    // Tiles are handed out in chunks as threads ask, not as one fixed share each: on a shared
-    // machine a thread is often held up, and with fixed shares the other waited at the end of the
-    // GEMM (the worker thread idled ~6% of a 3B decode step at 16 rows, AMD EPYC Zen 4).
-    const int64_t tiles = n_out / kTile, chunk = std::max<int64_t>(1, tiles / (kChunksPerThread * at::get_num_threads()));
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      thread_local std::vector<uint8_t> kept;  // what a tile keeps across its row reads (Reuse)
-      kept.resize(nb * most_kept);
-      // Tile t of part `part` (counted from its first; past its N with a gate: up's), every row,
-      // into y (row stride ldy).
-      auto tile_of = [&](const Part& part, int64_t t, auto* y, int64_t ldy) {
-        const Scratch& a = acts[slot[per_256(part.w)]];
-        for (int64_t r = 0; r < m; r += part.per_read) {
-          const Rows xr{a.q.data() + r * k, a.d.data() + r * nb, a.ds.data() + r * nb, a.s16.data() + r * nb};
-          const Reuse reuse = !part.keeps ? Reuse::none : r == 0 ? Reuse::keep : Reuse::kept;
-          with_rows<kRows>(std::min(part.per_read, m - r), [&](auto rows) {
-            tile<decltype(rows)::value>(part.w, xr, t, reuse, kept.data(), y + r * ldy, ldy);
-          });
-        }
-      };
-      thread_local std::vector<float> gate, up;  // a gate: gate's and up's outputs, [m][tiles * 16]
-      for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;) {
-        const int64_t t1 = std::min(t0 + chunk, tiles);
-        if (!gated) {
-          size_t i = 0;
-          for (int64_t t = t0; t < t1; ++t) {
-            while (i + 1 < parts.size() && t >= parts[i + 1].first_tile) ++i;
-            tile_of(parts[i], t - parts[i].first_tile, yp + t * kTile, n_out);
-          }
-          continue;
-        }
-        // Gate tiles, then the same up tiles: one stream through memory at a time. Read as a gate
-        // tile then its up tile (9 MB apart at 1B shapes), gate_up streamed ~15% slower at batch 1
-        // (AMD EPYC Zen 4). As many tiles at a time as keep both halves' outputs within
-        // kGateFloats each: the whole chunk at a few rows, a tile at a time at prefill sizes.
-        const int64_t step = std::max<int64_t>(1, kGateFloats / (m * kTile));
-        for (int64_t s0 = t0; s0 < t1; s0 += step) {
-          const int64_t s1 = std::min(s0 + step, t1), width = (s1 - s0) * kTile;
-          gate.resize(m * width), up.resize(m * width);
-          for (int64_t t = s0; t < s1; ++t) tile_of(parts[0], t, gate.data() + (t - s0) * kTile, width);
-          for (int64_t t = s0; t < s1; ++t) tile_of(parts[0], tiles + t, up.data() + (t - s0) * kTile, width);
-          auto epilogue = [&](auto act) {
-            for (int64_t r = 0; r < m; ++r)
-              for (int64_t c = 0; c < width; c += kTile)
-                gated16<decltype(act)::value>(gate.data() + r * width + c, up.data() + r * width + c, yp + r * n_out + s0 * kTile + c);
-          };
-          if (gate_act == Gate::silu)
-            epilogue(std::integral_constant<Gate, Gate::silu>{});
-          else
-            epilogue(std::integral_constant<Gate, Gate::gelu_tanh>{});
-        }
+    const int64_t tiles = n_out / kTile;
+    for_tile_chunks(tiles, nb * most_kept, [&](int64_t t0, int64_t t1, uint8_t* kept) {
+      if (gated) return gated_tiles(parts[0], acts[slot[per_256(parts[0].w)]], 0, m, t0, t1, tiles, gate_act, kept, yp, n_out);
+      size_t i = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        while (i + 1 < parts.size() && t >= parts[i + 1].first_tile) ++i;
+        tile_rows(parts[i], acts[slot[per_256(parts[i].w)]], 0, m, t - parts[i].first_tile, kept, yp + t * kTile, n_out);
       }
     });
   };
@@ -408,6 +435,90 @@ at::Tensor run(const at::Tensor& x, const std::vector<Weights>& weights, Gate ga
   else
     body(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
   return y;
+}
+
+// Every chosen expert's weight w[e] over its pairs' rows of a (rows start[e] to start[e + 1]),
+// into y (row stride ldy); its output tiles (its gate tiles where gated) in the chunks of
+// for_tile_chunks, counted over the chosen experts one after another.
+template <typename T>
+void expert_tiles(const std::vector<Weights>& w, const std::vector<int64_t>& chosen, const std::vector<int64_t>& start,
+                  const Scratch& a, Gate gate_act, T* y, int64_t ldy) {
+  std::vector<Part> parts;
+  int64_t most_kept = 0;
+  for (int64_t e : chosen) {
+    parts.push_back(part_of(w[e], start[e + 1] - start[e], 0));
+    most_kept = std::max(most_kept, parts.back().keeps ? kept_bytes(w[e]) : 0);
+  }
+  const bool gated = gate_act != Gate::none;
+  const int64_t tiles = (gated ? w[chosen[0]].n / 2 : w[chosen[0]].n) / kTile;
+  const int64_t total = static_cast<int64_t>(chosen.size()) * tiles;
+  for_tile_chunks(total, w[chosen[0]].k / kBlock * most_kept, [&](int64_t t0, int64_t t1, uint8_t* kept) {
+    for (int64_t t = t0; t < t1;) {  // a chunk may run into the next expert's tiles
+      const int64_t i = t / tiles, first = i * tiles, end = std::min(t1, first + tiles);
+      const int64_t r0 = start[chosen[i]], m = start[chosen[i] + 1] - r0;
+      if (gated) {
+        gated_tiles(parts[i], a, r0, m, t - first, end - first, tiles, gate_act, kept, y + r0 * ldy, ldy);
+      } else {
+        for (int64_t u = t; u < end; ++u) tile_rows(parts[i], a, r0, m, u - first, kept, y + r0 * ldy + (u - first) * kTile, ldy);
+      }
+      t = end;
+    }
+  });
+}
+
+// A mixture-of-experts block's routed experts (see experts below), into out [T, H].
+template <typename T>
+void run_experts(const T* x, int64_t n_tok, int64_t top_k, const int64_t* ids, const T* wts, const std::vector<Weights>& gate_up,
+                 const std::vector<Weights>& down, Gate gate_act, T* out) {
+  const int64_t n_exp = gate_up.size(), pairs = n_tok * top_k, h = gate_up[0].k, inter = down[0].k;
+  // the pairs grouped by expert, in order within each (a stable counting sort): pair p's row slot[p]
+  std::vector<int64_t> start(n_exp + 1, 0), slot(pairs), order(pairs), chosen;
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < n_exp, "quant gemm experts: expert id ", ids[p], " of ", n_exp);
+    ++start[ids[p] + 1];
+  }
+  for (int64_t e = 0; e < n_exp; ++e) {
+    if (start[e + 1]) chosen.push_back(e);
+    start[e + 1] += start[e];
+  }
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    slot[p] = fill[ids[p]]++;
+    order[slot[p]] = p;
+  }
+  const bool up256 = per_256(gate_up[chosen[0]]), down256 = per_256(down[chosen[0]]);
+  for (int64_t e : chosen)
+    TORCH_CHECK(per_256(gate_up[e]) == up256 && per_256(down[e]) == down256, "quant gemm experts: one form of activations a projection");
+  thread_local Scratch scratch[3];  // x's rows; them again per pair, grouped; the experts' intermediate rows
+  Scratch* const acts = scratch;    // this thread's: the lambdas below also run on the pool's threads
+  resize(acts[0], n_tok, h), resize(acts[1], pairs, h), resize(acts[2], pairs, inter);
+  at::parallel_for(0, n_tok, 16, [&](int64_t r0, int64_t r1) { quantize_rows(x, r0, r1, h, up256, acts[0]); });
+  const int64_t nb = h / kBlock;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t r = order[i] / top_k;
+    std::memcpy(acts[1].q.data() + i * h, acts[0].q.data() + r * h, h);
+    std::memcpy(acts[1].d.data() + i * nb, acts[0].d.data() + r * nb, nb * sizeof(float));
+    std::memcpy(acts[1].ds.data() + i * nb, acts[0].ds.data() + r * nb, nb * sizeof(float));
+    std::memcpy(acts[1].s16.data() + i * nb, acts[0].s16.data() + r * nb, nb * sizeof(int32_t));
+  }
+  std::vector<T> mid(pairs * inter), ys(pairs * h);
+  expert_tiles(gate_up, chosen, start, acts[1], gate_act, mid.data(), inter);
+  at::parallel_for(0, pairs, 16, [&](int64_t r0, int64_t r1) { quantize_rows(mid.data(), r0, r1, inter, down256, acts[2]); });
+  expert_tiles(down, chosen, start, acts[2], Gate::none, ys.data(), h);
+  at::parallel_for(0, n_tok, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> js(top_k);
+    for (int64_t t = r0; t < r1; ++t) {
+      for (int64_t j = 0; j < top_k; ++j) js[j] = t * top_k + j;
+      std::sort(js.begin(), js.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+      T* o = out + t * h;
+      std::fill(o, o + h, T(0.f));
+      for (int64_t p : js) {
+        const T* y = ys.data() + slot[p] * h;
+        const float wt = static_cast<float>(wts[p]);
+        for (int64_t c = 0; c < h; ++c) o[c] = T(static_cast<float>(o[c]) + static_cast<float>(T(static_cast<float>(y[c]) * wt)));
+      }
+    }
+  });
 }
 
 #else
@@ -621,19 +732,64 @@ std::shared_ptr<PackedWeight> int8_weight(at::Tensor packed, at::Tensor scales, 
   return std::make_shared<PackedWeight>(PackedWeight{Format::int8, n, k, packed, {}, {}, {}, scales, {}, {}});
 }
 
+#ifdef TANDEM_QUANT_GEMM
+// The kernel's views of packed weights: their tensors' addresses now.
+std::vector<Weights> views(const std::vector<std::shared_ptr<PackedWeight>>& weights) {
+  TORCH_CHECK(supported(), "quant gemm: this CPU lacks the instructions the kernel was built for");
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  std::vector<Weights> out;
+  out.reserve(weights.size());
+  for (const auto& p : weights)
+    out.push_back({static_cast<const uint8_t*>(ptr(p->w)), static_cast<const uint8_t*>(ptr(p->h)),
+                   static_cast<const uint16_t*>(ptr(p->d)), static_cast<const uint16_t*>(ptr(p->m)),
+                   static_cast<const float*>(ptr(p->scales)), static_cast<const int8_t*>(ptr(p->sc)),
+                   static_cast<const uint8_t*>(ptr(p->sc_m)), p->n, p->k, p->format});
+  return out;
+}
+#endif
+
 // y [M, sum of N] = x [W_1 | W_2 | ...]^T (gate, one weight: act(gate) * up of it, Gate's values).
 at::Tensor gemm(at::Tensor x, const std::vector<std::shared_ptr<PackedWeight>>& weights, int64_t gate) {
   TORCH_CHECK(gate >= 0 && gate <= static_cast<int64_t>(Gate::gelu_tanh), "quant gemm: gate 0 (none), 1 (SiLU) or 2 (gelu-tanh), got ", gate);
 #ifdef TANDEM_QUANT_GEMM
-  TORCH_CHECK(supported(), "quant gemm: this CPU lacks the instructions the kernel was built for");
-  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
-  std::vector<Weights> views;
-  for (const auto& p : weights)
-    views.push_back({static_cast<const uint8_t*>(ptr(p->w)), static_cast<const uint8_t*>(ptr(p->h)),
-                     static_cast<const uint16_t*>(ptr(p->d)), static_cast<const uint16_t*>(ptr(p->m)),
-                     static_cast<const float*>(ptr(p->scales)), static_cast<const int8_t*>(ptr(p->sc)),
-                     static_cast<const uint8_t*>(ptr(p->sc_m)), p->n, p->k, p->format});
-  return run(x, views, static_cast<Gate>(gate));
+  return run(x, views(weights), static_cast<Gate>(gate));
+#else
+  TORCH_CHECK(false, "quant gemm: built without AVX2 / AVX512-VNNI");
+#endif
+}
+
+// A mixture-of-experts block's routed experts in one call: out [T, H], each token's sum of its
+// experts' act(gate) * up then down, times their weights. x [T, H]; ids [T, k] int64 each
+// token's experts, weights [T, k] theirs in x's dtype; gate_up ([gate | up], 2I outputs) and
+// down (I -> H) every expert's weights. The (token, expert) pairs are grouped by expert, x's rows
+// quantised once (not once per expert a token chose) and every chosen expert's gate_up tiles run
+// in one parallel region, its down tiles in another, each over its pairs' rows. Each token adds
+// its experts' outputs times their weights in order of expert id, rounded as torch's per-expert
+// loop rounds (the product, then each sum, in x's dtype), so the tokens are the loop's.
+at::Tensor experts(at::Tensor x, at::Tensor ids, at::Tensor weights, const std::vector<std::shared_ptr<PackedWeight>>& gate_up,
+                   const std::vector<std::shared_ptr<PackedWeight>>& down, int64_t gate) {
+  TORCH_CHECK(gate == 1 || gate == 2, "quant gemm experts: gate 1 (SiLU) or 2 (gelu-tanh), got ", gate);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant gemm experts: contiguous [T, H] input");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant gemm experts: float32 or bfloat16 input");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "quant gemm experts: ids [T, k] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == x.scalar_type() && weights.is_contiguous(),
+              "quant gemm experts: weights [T, k] in x's dtype");
+  TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "quant gemm experts: a gate_up and a down per expert");
+#ifdef TANDEM_QUANT_GEMM
+  const std::vector<Weights> up = views(gate_up), dn = views(down);
+  for (size_t e = 0; e < up.size(); ++e)
+    TORCH_CHECK(up[e].k == x.size(1) && up[e].n == up[0].n && up[e].n % (2 * kTile) == 0 && dn[e].k == up[e].n / 2 && dn[e].n == x.size(1),
+                "quant gemm experts: every expert's gate_up [2I, H] (I % 16 == 0) and down [H, I]");
+  auto out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    run_experts(x.data_ptr<float>(), x.size(0), ids.size(1), ids.data_ptr<int64_t>(), weights.data_ptr<float>(), up, dn,
+                static_cast<Gate>(gate), out.data_ptr<float>());
+  else
+    run_experts(x.data_ptr<at::BFloat16>(), x.size(0), ids.size(1), ids.data_ptr<int64_t>(), weights.data_ptr<at::BFloat16>(), up,
+                dn, static_cast<Gate>(gate), out.data_ptr<at::BFloat16>());
+  return out;
 #else
   TORCH_CHECK(false, "quant gemm: built without AVX2 / AVX512-VNNI");
 #endif
@@ -666,6 +822,9 @@ void bind(pybind11::module_ mod) {
           py::arg("packed"), py::arg("scales"), py::arg("k"));
   mod.def("gemm", &gemm, "x [M, K] @ [W_1 | W_2 | ...]^T in one parallel region, activations quantised to int8 per 32 (per 256 "
           "against Q4_K); gate (one weight): act(gate) * up of it, 1 SiLU, 2 gelu-tanh", py::arg("x"), py::arg("weights"), py::arg("gate") = 0);
+  mod.def("experts", &experts, "a mixture-of-experts block's routed experts: x [T, H], ids and weights [T, k], every expert's "
+          "gate_up and down; each token's weighted sum of its experts' outputs, [T, H]", py::arg("x"), py::arg("ids"),
+          py::arg("weights"), py::arg("gate_up"), py::arg("down"), py::arg("gate") = 1);
 }
 
 }  // namespace tandem_cpu_quant_gemm

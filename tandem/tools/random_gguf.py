@@ -70,6 +70,19 @@ SHAPES: dict[str, Shape] = {
         experts_per_token=2,
         expert_size=32,
     ),
+    # quality figures per GGUF type: rows of 256, so llama-quantize writes the K types it names
+    "small-moe": Shape(
+        256,
+        512,
+        2,
+        4,
+        2,
+        context_length=2048,
+        head_size=64,
+        num_experts=8,
+        experts_per_token=2,
+        expert_size=256,
+    ),
     # Qwen3-30B-A3B's widths and experts at 24 layers: ~15.0B params, ~1.46B read per token
     "moe-15b-a1.5b": Shape(
         2048,
@@ -210,7 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape",
         choices=list(SHAPES),
         required=True,
-        help="tiny (tests), 1b (Llama-3.2-1B dims), 3b (Llama-3.2-3B dims), tiny-moe (tests) or "
+        help="tiny (tests), 1b (Llama-3.2-1B dims), 3b (Llama-3.2-3B dims), tiny-moe (tests), "
+        "small-moe (the MoE layout at rows of 256, for quality per GGUF type) or "
         "moe-15b-a1.5b (Qwen3-MoE: Qwen3-30B-A3B's widths and 128 experts, 8 active, 24 layers)",
     )
     p.add_argument(

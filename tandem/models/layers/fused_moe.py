@@ -6,16 +6,22 @@ gate.
 
 The experts are gated MLPs of ordinary linears, so the builder serves each one as it serves any
 linear (float, int8, or int4 / Q6_K / Q8_0 from a GGUF's own blocks, expert by expert), and a
-step reads only the experts its tokens chose.
+step reads only the experts its tokens chose. Where every expert runs on the integer kernel, all
+of them run in one native call (the kernel's `experts`: each token's activations quantised once,
+the tokens grouped by expert, the weighting and sum in it); else expert after expert here.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from tandem.kernels import cpu_quant_gemm
 from tandem.models.layers.activation import Gate
 from tandem.models.layers.linear import Linear
+from tandem.models.quantization.base import IntegerKernelLayer
 
 
 class Expert(nn.Module):
@@ -81,6 +87,9 @@ class FusedMoE(nn.Module):
         if shared_expert_size:
             self.shared_expert = Expert(hidden_size, shared_expert_size)
             self.shared_expert_gate = Linear(hidden_size, 1)
+        # the native call with every expert's tables bound, or False; found at the first forward,
+        # once the builder has put the served linears in
+        self._native: functools.partial | bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -91,7 +100,38 @@ class FusedMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
+    def native_experts(self) -> functools.partial | bool:
+        """The kernel's `experts` bound to every expert's tables, where each expert's gate_up
+        applies its gate in the kernel and its down runs on it as one table; else False."""
+        ext = cpu_quant_gemm()
+        gate_ups, downs = [], []
+        for expert in self.experts:
+            gate_up, down = expert._modules[expert.gate_up_name], expert._modules[expert.down_name]
+            if not (
+                ext is not None
+                and isinstance(gate_up, IntegerKernelLayer)
+                and isinstance(down, IntegerKernelLayer)
+                and gate_up.gates_in_kernel
+                and down.int8_act
+                and down.bias is None
+                and len(gate_up.gemm_weights) == len(down.gemm_weights) == 1
+            ):
+                return False
+            gate_ups += gate_up.gemm_weights
+            downs += down.gemm_weights
+        return functools.partial(ext.experts, gate_up=gate_ups, down=downs, gate=int(self.act))
+
     def run_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """All in the native call where it serves (see native_experts), else `loop_experts`."""
+        if self._native is None:
+            self._native = self.native_experts()
+        if self._native and x.dim() == 2:
+            return self._native(x.contiguous(), ids, weights.contiguous())
+        return self.loop_experts(x, weights, ids)
+
+    def loop_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         """Each chosen expert once over the rows that chose it (the choices grouped by a stable
