@@ -4,6 +4,7 @@ Qwen3-MoE / Mixtral / Qwen2-MoE ones, written as Hugging Face folders."""
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -185,3 +186,14 @@ def pytest_collection_modifyitems(config, items):
         return
     slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)
+
+
+def random_prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    """`n` prompts of random token ids below 512, each `lo` to `hi` tokens long."""
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def token_ids(outs) -> list[list[int]]:
+    """Each request's first completion's token ids."""
+    return [o.outputs[0].token_ids for o in outs]

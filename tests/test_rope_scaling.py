@@ -6,14 +6,13 @@ and refused past it; YaRN read back from a GGUF as llama.cpp's converter writes 
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
 import transformers as tf
-from conftest import TINY, hf_greedy, write_tiny_model
+from conftest import TINY, hf_greedy, random_prompts, token_ids, write_tiny_model
 from gguf_fixture import write_gguf
 
 from tandem import LLM, SamplingParams
@@ -51,24 +50,15 @@ def _config(cls, fields: dict, **kw):
     return cls(**{**TINY, **copy.deepcopy(fields)}, **kw)
 
 
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 # Prompts within the original context (transformers' generate turns a longer prompt whole by
 # one set; see RotaryEmbedding), decoded past it; some share a 28-token prefix.
-SHARED = _prompts(5, 1, 28, 28)[0]
-PROMPTS = _prompts(4, 4, 26, 40) + [SHARED + p for p in _prompts(6, 3, 2, 9)]
+SHARED = random_prompts(5, 1, 28, 28)[0]
+PROMPTS = random_prompts(4, 4, 26, 40) + [SHARED + p for p in random_prompts(6, 3, 2, 9)]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def _llm(path: str, **kw) -> LLM:
     return LLM(path, dtype="float32", kv_cache_memory=1 << 22, **kw)
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize(
@@ -115,13 +105,13 @@ def test_greedy_tokens_equal_transformers(kind, scaled_dirs):
     if kind == "dynamic":  # decoded past the original context: the recomputed sets are used
         assert all(len(p) < 48 < len(p) + MAX_NEW for p in PROMPTS)
     llm = _llm(path)
-    assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == ref[:1]
-    assert _tokens(llm.generate(PROMPTS, GREEDY)) == ref
+    assert token_ids(llm.generate(PROMPTS[:1], GREEDY)) == ref[:1]
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == ref
     chunked = _llm(path, max_num_batched_tokens=8, block_size=4)
-    assert _tokens(chunked.generate(PROMPTS, GREEDY)) == ref
+    assert token_ids(chunked.generate(PROMPTS, GREEDY)) == ref
     stats = chunked.engine.core.kv_manager.stats
     hits = stats.hits
-    assert _tokens(chunked.generate(PROMPTS[4:], GREEDY)) == ref[4:]
+    assert token_ids(chunked.generate(PROMPTS[4:], GREEDY)) == ref[4:]
     assert stats.hits - hits >= 3 * 28  # each prompt again: at least its shared prefix cached
 
 
@@ -129,7 +119,7 @@ def test_dynamic_prompt_past_the_original_context_is_turned_position_by_position
     """A 60-token prompt (original context 48) gives transformers' tokens when it is fed one
     token at a time: each position turned by the set for its own length."""
     path = scaled_dirs["dynamic"]
-    prompt = _prompts(7, 1, 60, 60)[0]
+    prompt = random_prompts(7, 1, 60, 60)[0]
     model = hf_model(path)
     cache, ids, out = tf.DynamicCache(), list(prompt), []
     with torch.inference_mode():
@@ -195,4 +185,4 @@ def test_yarn_read_back_from_gguf(tmp_path, monkeypatch):
     assert cfg.rope_scaling == {**YARN["rope_scaling"], "rope_type": "yarn"}
     assert cfg.max_context_len == 128
     prompts = PROMPTS[:3]
-    assert _tokens(_llm(path).generate(prompts, GREEDY)) == hf_greedy(path, prompts, MAX_NEW)
+    assert token_ids(_llm(path).generate(prompts, GREEDY)) == hf_greedy(path, prompts, MAX_NEW)

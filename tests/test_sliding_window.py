@@ -6,11 +6,9 @@ through the KV groups."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import transformers as tf
-from conftest import TINY, hf_greedy, write_tiny_model
+from conftest import TINY, hf_greedy, random_prompts, token_ids, write_tiny_model
 
 from tandem import LLM, SamplingParams
 from tandem.models.config import ModelConfig
@@ -34,22 +32,13 @@ def window_dirs(tmp_path_factory) -> dict[str, str]:
     return {k: write_tiny_model(make(), tmp_path_factory.mktemp(k)) for k, make in CONFIGS.items()}
 
 
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-SHARED = _prompts(5, 1, 24, 24)[0]
-PROMPTS = _prompts(4, 4, 3, 40) + [SHARED + p for p in _prompts(6, 3, 2, 9)]
+SHARED = random_prompts(5, 1, 24, 24)[0]
+PROMPTS = random_prompts(4, 4, 3, 40) + [SHARED + p for p in random_prompts(6, 3, 2, 9)]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def _llm(path: str, **kw) -> LLM:
     return LLM(path, dtype="float32", kv_cache_memory=1 << 22, **kw)
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_layer_windows_are_the_layers_transformers_windows():
@@ -81,13 +70,13 @@ def test_greedy_tokens_equal_transformers(kind, window_dirs):
     ref = hf_greedy(path, PROMPTS, MAX_NEW)
     llm = _llm(path)
     assert llm.engine.core.kv_manager.group_windows == GROUPS[kind]
-    assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == ref[:1]
-    assert _tokens(llm.generate(PROMPTS, GREEDY)) == ref
+    assert token_ids(llm.generate(PROMPTS[:1], GREEDY)) == ref[:1]
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == ref
     chunked = _llm(path, max_num_batched_tokens=8, block_size=4)
-    assert _tokens(chunked.generate(PROMPTS, GREEDY)) == ref
+    assert token_ids(chunked.generate(PROMPTS, GREEDY)) == ref
     stats = chunked.engine.core.kv_manager.stats
     hits = stats.hits
-    assert _tokens(chunked.generate(PROMPTS[4:], GREEDY)) == ref[4:]
+    assert token_ids(chunked.generate(PROMPTS[4:], GREEDY)) == ref[4:]
     assert stats.hits - hits >= 3 * 24  # each prompt again: at least its shared prefix cached
 
 
@@ -95,7 +84,7 @@ def test_greedy_tokens_equal_transformers(kind, window_dirs):
 def test_blocks_behind_the_window_go_back_to_the_pool(kind, window_dirs):
     """A 40-token prompt in blocks of 4, decoded 10 tokens: the windowed layers hold about
     window / block_size blocks each, the full layers all of theirs."""
-    path, prompt = window_dirs[kind], _prompts(7, 1, 40, 40)[0]
+    path, prompt = window_dirs[kind], random_prompts(7, 1, 40, 40)[0]
     llm = _llm(path, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
     kv = llm.engine.core.kv_manager
     llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
