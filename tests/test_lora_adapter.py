@@ -16,7 +16,7 @@ from tandem.config import EngineConfig, LoRAConfig
 from tandem.core.sampling_params import LoRARequest
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
-from tandem.models.lora.adapter import load_adapter
+from tandem.models.lora.loader import load_adapter
 from tandem.models.lora.manager import LoRAManager
 
 
@@ -47,15 +47,17 @@ def test_fused_layout_and_scaling(tiny_model_dirs, adapters):
     prefix = "base_model.model.model.layers.1.self_attn"
     scale = 32 / math.sqrt(16)  # rsLoRA: alpha / sqrt(r)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for part, (rows, name) in enumerate([(slice(0, q), "q"), (slice(q, q + kv), "k")]):
+    assert qkv.rows == (0, q, q + kv)  # each part's B on its own output slice, no zeros stored
+    for part, name in enumerate("qkv"):
         a, b = (
             raw[f"{prefix}.{name}_proj.lora_A.weight"],
             raw[f"{prefix}.{name}_proj.lora_B.weight"],
         )
-        cols = slice(16 * part, 16 * part + 16)
-        assert torch.equal(qkv.a[cols], a)
-        assert torch.allclose(qkv.b[rows, cols], b * scale)
-        assert not qkv.b[rows, : 16 * part].any()  # block-diagonal: no other part's columns
+        assert torch.equal(qkv.a[16 * part : 16 * part + 16], a)
+        assert torch.allclose(qkv.b[part], b * scale)
+    h = cfg.hidden_size
+    per_layer = sum(16 * (f * len(w) + sum(w)) for f, w in [(h, [q, kv, kv]), (q, [h])])
+    assert adapter.nbytes == 4 * per_layer * cfg.num_layers
 
 
 def test_refusals_in_words(tiny_model_dirs, adapters, tmp_path):
