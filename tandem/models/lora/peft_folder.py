@@ -40,13 +40,13 @@ def read_peft_folder(folder: Path) -> AdapterFile:
     config = json.loads(config_file.read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {where} is {config['peft_type']}, not a LoRA")
+    if config.get("target_parameters"):  # PEFT's way to adapt a fused experts tensor
+        raise ValueError(f"LoRA adapter {where} targets parameters: {MOE_REFUSAL}")
     for key in _UNSUPPORTED:
         if config.get(key):
             raise ValueError(f"LoRA adapter {where} sets {key}, which is not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {where} trains biases, which is not supported")
-    if config.get("target_parameters"):
-        raise ValueError(f"LoRA adapter {where} targets parameters: {MOE_REFUSAL}")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     targets = config.get("target_modules") or []
     if isinstance(targets, list) and (unknown := sorted(set(targets) - PARTS.keys())):
