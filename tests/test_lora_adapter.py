@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from lora_fixture import ATTENTION, make_adapter
@@ -16,7 +17,7 @@ from tandem.config import EngineConfig, LoRAConfig
 from tandem.core.sampling_params import LoRARequest
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
-from tandem.models.lora.adapter import load_adapter
+from tandem.models.lora.loader import load_adapter
 from tandem.models.lora.manager import LoRAManager
 
 
@@ -47,15 +48,17 @@ def test_fused_layout_and_scaling(tiny_model_dirs, adapters):
     prefix = "base_model.model.model.layers.1.self_attn"
     scale = 32 / math.sqrt(16)  # rsLoRA: alpha / sqrt(r)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for part, (rows, name) in enumerate([(slice(0, q), "q"), (slice(q, q + kv), "k")]):
+    assert qkv.rows == (0, q, q + kv)  # each part's B on its own output slice, no zeros stored
+    for part, name in enumerate("qkv"):
         a, b = (
             raw[f"{prefix}.{name}_proj.lora_A.weight"],
             raw[f"{prefix}.{name}_proj.lora_B.weight"],
         )
-        cols = slice(16 * part, 16 * part + 16)
-        assert torch.equal(qkv.a[cols], a)
-        assert torch.allclose(qkv.b[rows, cols], b * scale)
-        assert not qkv.b[rows, : 16 * part].any()  # block-diagonal: no other part's columns
+        assert torch.equal(qkv.a[16 * part : 16 * part + 16], a)
+        assert torch.allclose(qkv.b[part], b * scale)
+    h = cfg.hidden_size
+    per_layer = sum(16 * (f * len(w) + sum(w)) for f, w in [(h, [q, kv, kv]), (q, [h])])
+    assert adapter.nbytes == 4 * per_layer * cfg.num_layers
 
 
 def test_refusals_in_words(tiny_model_dirs, adapters, tmp_path):
@@ -80,22 +83,43 @@ def test_refusals_in_words(tiny_model_dirs, adapters, tmp_path):
     assert load_adapter(adapters["gemma"], gemma, max_rank=16).rank == 8
 
 
-def test_manager_keeps_nothing_of_a_refused_adapter(tiny_model_dirs, adapters):
+def _model(path: str, dtype: torch.dtype = torch.float32):
     from tandem.executor.attention import TorchAttention
     from tandem.models.loader.builder import build_model
     from tandem.models.loader.model_files import weight_source
 
+    return build_model(
+        weight_source(path, None), _cfg(path), "float", torch.device("cpu"), dtype, TorchAttention
+    )
+
+
+def test_manager_keeps_nothing_of_a_refused_adapter(tiny_model_dirs, adapters):
     path = tiny_model_dirs["qwen2"]
     cfg = _cfg(path)
-    model = build_model(
-        weight_source(path, None), cfg, "float", torch.device("cpu"), torch.float32, TorchAttention
-    )
+    model = _model(path)
     manager = LoRAManager(LoRAConfig(enable_lora=True, max_lora_rank=8), cfg, {"fp32": model})
     with pytest.raises(ValueError, match="over max_lora_rank"):
         manager.add(LoRARequest("big", 1, adapters["attn16"]))
     assert not manager.cpu and not manager.loads
     manager.add(LoRARequest("ok", 2, adapters["all"]))
     assert list(manager.cpu) == [2] and manager.loads["ok"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resident_adapter_is_held_once_on_a_cpu(tiny_model_dirs, adapters, dtype):
+    """The host copy is in the activation dtype and the slot views it: the bytes held are one
+    copy's, B per output slice."""
+    path = tiny_model_dirs["qwen2"]
+    cfg = _cfg(path)
+    manager = LoRAManager(LoRAConfig(enable_lora=True), cfg, {"float": _model(path, dtype)})
+    lora = LoRARequest("all", 1, adapters["all"])
+    assert manager.set_step("float", [lora, None], np.array([3, 2]))
+    adapter = manager.cpu[1]
+    q, kv, h, inter = 64, 32, cfg.hidden_size, cfg.intermediate_size  # 4 heads, 2 KV heads of 16
+    per_rank = (h * 3 + q + 2 * kv) + (q + h) + (h * 2 + 2 * inter) + (inter + h)
+    size = torch.finfo(dtype).bits // 8
+    assert adapter.nbytes == per_rank * 8 * cfg.num_layers * size
+    assert manager.held_bytes() == {"cpu": adapter.nbytes}
 
 
 def test_config_options():

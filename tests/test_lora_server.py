@@ -9,11 +9,12 @@ import re
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from lora_fixture import ATTENTION, make_adapter, peft_greedy
+from lora_fixture import ATTENTION, make_adapter, peft_greedy, write_gguf_lora
 from server_fixture import running_server
 
 from tandem.config import EngineConfig
@@ -79,6 +80,18 @@ def test_adapters_by_name(setup):
     for key, least in (("requests", 3), ("tokens", 3 * MAX_NEW), ("loads", 1)):
         m = re.search(rf'^tandem:lora_{key}_total{{.*lora_name="b".*}} ([0-9.e+]+)$', metrics, re.M)
         assert m and float(m.group(1)) >= least, key
+
+
+def test_gguf_adapter_loads_at_run_time(setup):
+    """A GGUF LoRA file (llama.cpp's converter's layout) of adapter b loads by its path and
+    serves b's tokens."""
+    url, _, refs = setup
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
+    root = Path(next(m.root for m in client.models.list().data if m.id == "a")).parent
+    write_gguf_lora(str(root / "b"), root / "b.gguf", "qwen2")
+    r = _post(url, "/v1/load_lora_adapter", {"lora_name": "bg", "lora_path": "b.gguf"})
+    assert r.status_code == 200, r.text
+    assert [_tokens(client, "bg", p) for p in PROMPTS] == refs["b"]
 
 
 def test_refusals_in_words(setup, tmp_path):

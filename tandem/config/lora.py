@@ -11,7 +11,9 @@ from tandem.config.option import option
 @dataclass(slots=True)
 class LoRAConfig:
     enable_lora: bool = option(
-        False, "serve LoRA adapters (PEFT folders) over the base model; on with lora_modules"
+        False,
+        "serve LoRA adapters (PEFT folders, GGUF LoRA files) over the base model; on with "
+        "lora_modules",
     )
     max_loras: int = option(
         4,

@@ -3,7 +3,8 @@ for each row that runs with an adapter, that adapter's low-rank product.
 
 The model runner orders a step's requests by adapter, so each adapter's rows are contiguous
 segments of the batch (Punica's SGMV segments), found once per step (`LoRABatch.set`): each
-layer runs one pair of small GEMMs per segment on its rows, in place, with no gather or scatter."""
+layer runs small GEMMs per segment on its rows (one for the parts' A, one per part's B onto its
+output slice), in place, with no gather or scatter."""
 
 from __future__ import annotations
 
@@ -45,8 +46,12 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         for slot, start, end in self.batch.segments:
             w = self.slots[slot]
-            if w is not None:  # base + delta, as PEFT adds them
-                y[start:end] += (x[start:end] @ w.a.T) @ w.b.T
+            if w is None:
+                continue
+            t = x[start:end] @ w.a.T
+            rank = t.shape[1] // len(w.b)
+            for i, (row, b) in enumerate(zip(w.rows, w.b)):  # base + delta, as PEFT adds them
+                y[start:end, row : row + b.shape[0]] += t[:, i * rank : (i + 1) * rank] @ b.T
         return y
 
     def forward_gated(self, x: torch.Tensor, gate: Gate) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""The adapters an executor holds: up to `max_cpu_loras` loaded in host memory (fp32, least
-recently used evicted first) and up to `max_loras` resident in slots of the models' LoRA layers
-(in each model's dtype and device), also evicted least recently used. A step's rows name their
-adapters by LoRARequest; `set_step` makes them resident and groups the rows by slot."""
+"""The adapters an executor holds: up to `max_cpu_loras` loaded in host memory (in the models'
+activation dtype, least recently used evicted first) and up to `max_loras` resident in slots of
+the models' LoRA layers, also evicted least recently used. On a CPU a slot views the host copy,
+so an adapter is held once; on a GPU its one resident copy serves every precision variant. A
+step's rows name their adapters by LoRARequest; `set_step` makes them resident and groups the
+rows by slot."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from torch import nn
 from tandem.config import LoRAConfig
 from tandem.core.sampling_params import LoRARequest
 from tandem.models.config import ModelConfig
-from tandem.models.lora.adapter import LoRAAdapter, load_adapter, part_shapes
+from tandem.models.lora.adapter import LoRAAdapter, served_modules
 from tandem.models.lora.layer import LoRABatch, LoRALinear
+from tandem.models.lora.loader import load_adapter
 
 T = TypeVar("T")
 
@@ -25,11 +28,12 @@ class LoRAManager:
     def __init__(self, config: LoRAConfig, cfg: ModelConfig, models: dict[str, nn.Module]) -> None:
         self.config, self.cfg = config, cfg
         self.num_slots = config.max_loras
-        # per model (precision variant): its activation dtype and device, where its slots' copies
-        # are made, its step's rows by slot and its LoRA layers
-        self.placements = [(m.norm.weight.dtype, m.norm.weight.device) for m in models.values()]
+        # the variants share one activation dtype and device (one KV pool holds all their KV)
+        norm = next(iter(models.values())).norm.weight
+        self.dtype, self.device = norm.dtype, norm.device
+        # per model (precision variant): its step's rows by slot and its LoRA layers
         self.batches = {p: LoRABatch() for p in models}
-        self.layers = [_wrap(m, self.batches[p], self.num_slots) for p, m in models.items()]
+        self.layers = [_wrap(m, cfg, self.batches[p], self.num_slots) for p, m in models.items()]
         self.names: dict[int, str] = {}
         self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self.slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot
@@ -41,7 +45,7 @@ class LoRAManager:
         """Load (or find loaded) an adapter into host memory; ValueError if it is refused."""
         adapter = self.cpu.get(lora.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(lora.lora_path, self.cfg, self.config.max_lora_rank)
+            adapter = load_adapter(lora.lora_path, self.cfg, self.config.max_lora_rank, self.dtype)
             self.loads[lora.lora_name] += 1
             self.names[lora.lora_int_id] = lora.lora_name
             while len(self.cpu) >= self.config.cpu_capacity:  # a resident copy stays resident
@@ -116,24 +120,36 @@ class LoRAManager:
         self.slots.move_to_end(key)
         return slot
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes the adapters' tensors hold (host cache and slots), per device type; a tensor
+        held in both places is counted once."""
+        tensors = [t for a in self.cpu.values() for w in a.modules.values() for t in w.tensors()]
+        for layers in self.layers:
+            for layer in layers.values():
+                tensors += [t for w in layer.slots if w is not None for t in w.tensors()]
+        storages = {t.untyped_storage().data_ptr(): t for t in tensors}
+        held = collections.Counter[str]()
+        for t in storages.values():
+            held[t.device.type] += t.untyped_storage().nbytes()
+        return dict(held)
+
     def _fill(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        for layers, (dtype, device) in zip(self.layers, self.placements):
+        resident = None if adapter is None else adapter.to(self.device)
+        for layers in self.layers:
             for name, layer in layers.items():
-                w = None if adapter is None else adapter.modules.get(name)
-                layer.slots[slot] = None if w is None else w.to(device, dtype)
+                layer.slots[slot] = None if resident is None else resident.modules.get(name)
 
 
-def _wrap(model: nn.Module, batch: LoRABatch, num_slots: int) -> dict[str, LoRALinear]:
-    """Put each decoder layer's projections behind a LoRALinear (the layers' ops look their
-    linears up by name at each call, so they call the wrappers)."""
+def _wrap(
+    model: nn.Module, cfg: ModelConfig, batch: LoRABatch, num_slots: int
+) -> dict[str, LoRALinear]:
+    """Put each adaptable projection behind a LoRALinear (the layers' ops look their linears up
+    by name at each call, so they call the wrappers)."""
     wrapped = {}
-    for i, layer in enumerate(model.layers):
-        for name in part_shapes(model.cfg):
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            if attr not in parent._modules:  # a layer without it (an MoE block): not adapted
-                continue
-            lora = LoRALinear(parent._modules[attr], batch, num_slots)
-            setattr(parent, attr, lora)
-            wrapped[f"layers.{i}.{name}"] = lora
+    for name in served_modules(cfg):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        lora = LoRALinear(parent._modules[attr], batch, num_slots)
+        setattr(parent, attr, lora)
+        wrapped[name] = lora
     return wrapped
