@@ -18,8 +18,11 @@ from tandem.bench.measure import in_subprocess, peak_rss_mb, until_first_tokens
 DEFAULT_BATCHES = (1, 8, 32, 64)
 
 
-def run_precision(args, precision: str, deterministic: bool) -> dict:
-    """One process: load the variant, then decode each batch size in turn."""
+def run_precision(args, precision: str, deterministic: bool, prefill_alone: bool = False) -> dict:
+    """One process: load the variant, then decode each batch size in turn. `prefill_alone`:
+    each prompt is first prefilled on its own (one token out), so that the timed batch finds
+    every prompt in the prefix cache and all B decode in step from the first token on, however
+    many steps their prompts would take (as llama.cpp's batch decodes after its prompt phase)."""
     import psutil
 
     from tandem import LLM, SamplingParams
@@ -84,13 +87,11 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
         "ms_per_step": {},
     }
     for b in batches:
-        until_first_tokens(
-            engine,
-            [
-                engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
-                for _ in range(b)
-            ],
-        )
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(b)]
+        if prefill_alone:
+            for prompt in prompts:
+                llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        until_first_tokens(engine, [engine.add_request(prompt, params) for prompt in prompts])
         steps, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -139,11 +140,14 @@ def compare(args) -> dict:
 class RunPrecision:
     """Picklable `fn(args, requests)` for the spawned process."""
 
-    def __init__(self, precision: str, deterministic: bool = False) -> None:
+    def __init__(
+        self, precision: str, deterministic: bool = False, prefill_alone: bool = False
+    ) -> None:
         self.precision, self.deterministic = precision, deterministic
+        self.prefill_alone = prefill_alone
 
     def __call__(self, args, _requests) -> dict:
-        return run_precision(args, self.precision, self.deterministic)
+        return run_precision(args, self.precision, self.deterministic, self.prefill_alone)
 
 
 def _print_table(best: dict[str, dict]) -> None:
