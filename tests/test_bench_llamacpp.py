@@ -41,6 +41,8 @@ def _args(**kw) -> argparse.Namespace:
             "num_threads": 2,
             "prefill_lens": None,
             "kv_cache_dtypes": None,
+            "llama_cache_types": None,
+            "shared_prompt": False,
             **kw,
         }
     )

@@ -33,11 +33,16 @@ def test_prompt_lengths_and_kv_dtypes_are_parsed_and_checked(capsys):
 
 
 def test_a_cache_type_runs_both_caches_with_flash_attention():
-    args = argparse.Namespace(batch_sizes="1,4", prompt_len=16000, output_len=64, num_threads=2)
+    args = argparse.Namespace(
+        batch_sizes="1,4", prompt_len=16000, output_len=64, num_threads=2, shared_prompt=False
+    )
     cmd = llamacpp_decode.batched_bench_command(Path("/b"), Path("m.gguf"), args, "q8_0")
     flags = dict(zip(cmd[1::2], cmd[2::2]))
     assert flags["-ctk"] == flags["-ctv"] == "q8_0" and flags["-fa"] == "on"
     assert flags["-c"] == str(4 * 16064) and flags["-npp"] == "16000" and flags["-ntg"] == "63"
+    assert "-pps" not in cmd
+    args.shared_prompt = True
+    assert llamacpp_decode.batched_bench_command(Path("/b"), Path("m.gguf"), args)[-1] == "-pps"
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -55,6 +60,8 @@ def _args(**kw) -> argparse.Namespace:
             "num_threads": 2,
             "seed": 0,
             "repeats": 1,
+            "llama_cache_types": None,
+            "shared_prompt": False,
             **kw,
         }
     )
@@ -67,7 +74,7 @@ def test_each_kv_dtype_against_the_llama_cache_of_its_width(monkeypatch, tmp_pat
     runs = []
 
     def fake_tandem(fn, args, requests):
-        runs.append((fn.precision, args.kv_cache_dtype, fn.prefill_alone))
+        runs.append((fn.precision, args.kv_cache_dtype, fn.prefill))
         return {
             "decode_tok_s": {1: tok_s[args.kv_cache_dtype], 4: 2 * tok_s[args.kv_cache_dtype]},
             "peak_rss_mb": 100.0,
@@ -86,9 +93,9 @@ def test_each_kv_dtype_against_the_llama_cache_of_its_width(monkeypatch, tmp_pat
         for n in (16000, 32000)
     ]
     assert runs[:5] == [
-        ("auto", "bfloat16", True),
-        ("auto", "float16", True),
-        ("auto", "int8", True),
+        ("auto", "bfloat16", "alone"),
+        ("auto", "float16", "alone"),
+        ("auto", "int8", "alone"),
         "f16",
         "q8_0",
     ]
@@ -112,7 +119,7 @@ def test_each_kv_dtype_against_the_llama_cache_of_its_width(monkeypatch, tmp_pat
     assert "-ctk q8_0 -ctv q8_0 -fa on`" in out
     lines = out.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("prompt"))
-    assert "auto (int4) kv int8/llama.cpp" in header and "kv int8 / bfloat16" in header
+    assert "auto (int4) kv int8 / llama.cpp q8_0" in header and "kv int8 / bfloat16" in header
     rows = [line.split() for line in lines if line.lstrip()[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [
         ("16000", "1"),
@@ -125,6 +132,41 @@ def test_each_kv_dtype_against_the_llama_cache_of_its_width(monkeypatch, tmp_pat
         "1.50x",
     ]
     assert "(llama.cpp's: f16, q8_0)" in out
+
+
+def test_llama_cache_types_chosen_and_prompts_shared(monkeypatch, tmp_path, capsys):
+    """--llama-cache-types q8_0 skips llama.cpp's f16 run (bfloat16 then has no llama.cpp
+    ratio, only int8's); --shared-prompt reaches Tandem's sides."""
+    runs = []
+
+    def fake_tandem(fn, args, requests):
+        runs.append(fn.prefill)
+        tok_s = 10.0 if args.kv_cache_dtype == "bfloat16" else 15.0
+        return {
+            "decode_tok_s": {1: tok_s},
+            "peak_rss_mb": 100.0,
+            "precision": "int4",
+            "kv_cache_dtype": args.kv_cache_dtype,
+        }
+
+    def fake_llama(command, batches):
+        runs.append(command[command.index("-ctk") + 1])
+        return {1: 5.0}
+
+    monkeypatch.setattr("tandem.bench.measure.in_subprocess", fake_tandem)
+    monkeypatch.setattr(llamacpp_decode, "run_llama", fake_llama)
+    args = _args(
+        kv_cache_dtypes="bfloat16,int8",
+        llama_cache_types="q8_0",
+        shared_prompt=True,
+        batch_sizes="1",
+    )
+    report = llamacpp_decode.compare(args, tmp_path / "m.gguf", Path("/b"))
+    assert runs == ["shared", "shared", "q8_0"]
+    assert report["ratio"] == {"auto (int4) kv int8": {1: 3.0}}
+    assert report["kv_ratio"] == {"auto (int4) kv int8 / bfloat16": {1: 1.5}}
+    llamacpp_decode.print_table(report)
+    assert "share one prompt" in capsys.readouterr().out
 
 
 def test_a_context_past_the_models_config_is_refused_before_any_run(monkeypatch):
@@ -140,3 +182,39 @@ def test_a_context_past_the_models_config_is_refused_before_any_run(monkeypatch)
     with pytest.raises(ValueError, match="exceeds the 8192 positions .* give at most 8128"):
         llamacpp.main(args)
     llamacpp_decode.check_context("smollm2-135m", 8128, 64)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_prompts_prefilled_alone_decode_from_one_step(tiny_model_dirs, monkeypatch, kind):
+    """Three 800-token prompts take two steps of 2,048 tokens together; prefilled alone first
+    (or one shared prompt), the timed batch finds them in the prefix cache (a sliding window's
+    too) and all three have their first token after the same step."""
+    from tandem.bench import quantization
+
+    steps = []
+
+    def counting(engine, request_ids):
+        waiting, n = set(request_ids), 0
+        while waiting:
+            waiting -= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+            n += 1
+        steps.append(n)
+
+    monkeypatch.setattr(quantization, "until_first_tokens", counting)
+    args = argparse.Namespace(
+        model=tiny_model_dirs[kind],
+        dtype="float32",
+        kv_cache_dtype="auto",
+        device="cpu",
+        batch_sizes="3",
+        prompt_len=800,
+        output_len=3,
+        kv_cache_memory=None,
+        num_threads=1,
+        seed=0,
+    )
+    for prefill in ("together", "alone", "shared"):
+        run = quantization.run_precision(args, "fp32", False, prefill)
+        assert set(run["decode_tok_s"]) == {3}
+    together, alone, shared = steps
+    assert alone == shared < together

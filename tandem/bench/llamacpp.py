@@ -73,6 +73,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "alone, against llama.cpp's default cache",
     )
     p.add_argument(
+        "--llama-cache-types",
+        default=None,
+        metavar="TYPE,TYPE,...",
+        help="llama.cpp's cache types, each its own column (q8_0 alone, say, to skip the f16 "
+        "run; default: those of the --kv-cache-dtypes' widths)",
+    )
+    p.add_argument(
+        "--shared-prompt",
+        action="store_true",
+        help="the B requests of a batch share one prompt, prefilled once on both sides "
+        "(llama.cpp's -pps): 1/B of the prefill at long prompts, but the decode then reads one "
+        "copy of the prompt's KV (default: B prompts)",
+    )
+    p.add_argument(
         "--prompt-len",
         dest="prompt_lens",
         type=token_counts,
@@ -161,4 +175,3 @@ def decode(args: argparse.Namespace) -> dict:
     ]
     llamacpp_decode.print_table(*reports)
     return {"runs": reports}
-

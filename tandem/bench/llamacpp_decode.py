@@ -66,6 +66,7 @@ def batched_bench_command(
     batches = [int(b) for b in args.batch_sizes.split(",")]
     n_kv = max(batches) * (args.prompt_len + args.output_len)
     cache = [] if kv_type is None else ["-ctk", kv_type, "-ctv", kv_type, "-fa", "on"]
+    shared = ["-pps"] if args.shared_prompt else []
     return [
         str(tool),
         "-m",
@@ -81,6 +82,7 @@ def batched_bench_command(
         "-t",
         str(args.num_threads),
         *cache,
+        *shared,
     ]
 
 
@@ -110,6 +112,14 @@ def kv_dtypes(args: argparse.Namespace) -> list[str] | None:
             f"{', '.join(LLAMA_KV_TYPES)}"
         )
     return names
+
+
+def llama_cache_types(args: argparse.Namespace, kvs: list[str] | None) -> list[str | None]:
+    """llama.cpp's cache types: --llama-cache-types, else those of the Tandem KV dtypes' widths,
+    else [None] (its default, no -ctk/-ctv)."""
+    if args.llama_cache_types:
+        return [t.strip() for t in args.llama_cache_types.split(",")]
+    return list(dict.fromkeys(LLAMA_KV_TYPES[kv] for kv in kvs)) if kvs else [None]
 
 
 def check_context(model: str, prompt_len: int, output_len: int) -> None:
@@ -153,7 +163,7 @@ def compare(args: argparse.Namespace, gguf: Path, tool: Path) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # side: (precision, KV dtype) for Tandem, (LLAMA, cache type or None) for llama.cpp
     tandem = [(p, kv) for p in args.quantization.split(",") for kv in kvs or [args.kv_cache_dtype]]
-    llama_types = list(dict.fromkeys(LLAMA_KV_TYPES[kv] for kv in kvs)) if kvs else [None]
+    llama_types = llama_cache_types(args, kvs)
     sides = tandem + [(LLAMA, t) for t in llama_types]
     commands = {t: batched_bench_command(tool, gguf, args, t) for t in llama_types}
     best = {side: dict.fromkeys(batches, 0.0) for side in sides}
@@ -166,7 +176,7 @@ def compare(args: argparse.Namespace, gguf: Path, tool: Path) -> dict:
             if name == LLAMA:
                 got = run_llama(commands[kv], batches)
             else:
-                run_side = RunPrecision(name, prefill_alone=True)
+                run_side = RunPrecision(name, prefill="shared" if args.shared_prompt else "alone")
                 run = in_subprocess(run_side, _tandem_args(args, kv), None)
                 got, peak_rss_mb[side], served[side] = (
                     run["decode_tok_s"],
@@ -181,18 +191,23 @@ def compare(args: argparse.Namespace, gguf: Path, tool: Path) -> dict:
             best[side] = {b: max(best[side][b], got[b]) for b in batches}
     label = {side: _label(side, served, kvs) for side in sides}
 
-    def llama_of(kv: str) -> tuple:
-        return (LLAMA, LLAMA_KV_TYPES[kv] if kvs else None)
+    # each Tandem side against llama.cpp with the same KV width, where that ran
+    paired = {
+        s: (LLAMA, None) if llama_types == [None] else (LLAMA, LLAMA_KV_TYPES[s[1]]) for s in tandem
+    }
+    paired = {s: llama for s, llama in paired.items() if llama in best}
 
     return {
         "model": str(gguf),
         "prompt_len": args.prompt_len,
+        "shared_prompt": args.shared_prompt,
         "llama_commands": [" ".join(c) for c in commands.values()],
         "decode_tok_s": {label[side]: best[side] for side in sides},
-        # each Tandem side against llama.cpp with the same KV width
         "ratio": {
-            label[s]: {b: best[s][b] / best[llama_of(s[1])][b] for b in batches} for s in tandem
+            label[s]: {b: best[s][b] / best[llama][b] for b in batches}
+            for s, llama in paired.items()
         },
+        "ratio_against": {label[s]: label[llama] for s, llama in paired.items()},
         # each KV dtype after the first against the first, at the same precision
         "kv_ratio": {
             f"{label[(p, kv)]} / {kvs[0]}": {
@@ -224,11 +239,13 @@ def print_table(*reports: dict) -> None:
     heads = [f"tandem {s}" if not s.startswith(LLAMA) else f"{s} S_TG" for s in sides]
     llama_kv = {s.removeprefix(LLAMA).strip() or "f16" for s in sides if s.startswith(LLAMA)}
     ratios = {
-        **{f"{s}/{LLAMA}": r for s, r in first["ratio"].items()},
+        **{f"{s} / {first['ratio_against'][s]}": r for s, r in first["ratio"].items()},
         **{s: r for s, r in first["kv_ratio"].items()},
     }
     for line in first["llama_commands"]:
         print(f"{first['model']}, against `{line}`")
+    if first["shared_prompt"]:
+        print("each batch's requests share one prompt (prefilled once, one copy of its KV)")
     widths = [max(15, len(h) + 1) for h in [*heads, *ratios]]
     print(
         "decode tok/s\n"
