@@ -8,9 +8,10 @@ B x (output_len - 1) tokens over the time after every request has its first toke
 first prefilled alone so that the B requests find theirs in the prefix cache and decode in step
 from the first token on, however long the prompts. `--kv-cache-dtypes` adds a KV axis: each
 Tandem KV dtype a column, and llama.cpp with the matching `-ctk/-ctv` type (flash attention on,
-which llama.cpp's quantised V cache needs). Every side runs in a fresh process, the order
-rotating by one each round, for `--repeats` rounds; each figure keeps its best, which is what a
-shared, noisy machine allows.
+which llama.cpp's quantised V cache needs). `--shared-prompt` gives a batch's requests one
+prompt, prefilled once on both sides (llama.cpp's -pps). Every side runs in a fresh process,
+the order rotating by one each round, for `--repeats` rounds; each figure keeps its best, which
+is what a shared, noisy machine allows.
 """
 
 from __future__ import annotations
