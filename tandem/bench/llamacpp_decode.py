@@ -243,8 +243,9 @@ def print_table(*reports: dict) -> None:
         **{f"{s} / {first['ratio_against'][s]}": r for s, r in first["ratio"].items()},
         **{s: r for s, r in first["kv_ratio"].items()},
     }
-    for line in first["llama_commands"]:
-        print(f"{first['model']}, against `{line}`")
+    print(f"{first['model']}, against:")
+    for line in (line for report in reports for line in report["llama_commands"]):
+        print(f"  `{line}`")
     if first["shared_prompt"]:
         print("each batch's requests share one prompt (prefilled once, one copy of its KV)")
     widths = [max(15, len(h) + 1) for h in [*heads, *ratios]]
