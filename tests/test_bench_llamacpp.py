@@ -13,13 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tandem.bench import llamacpp
-from tandem.bench.llamacpp import (
-    batched_bench_command,
-    llama_cpp_tool,
-    parse_batched_bench,
-    run_llama,
-)
+from tandem.bench import llamacpp, llamacpp_decode
+from tandem.bench.llamacpp import llama_cpp_tool
+from tandem.bench.llamacpp_decode import batched_bench_command, parse_batched_bench, run_llama
 from tandem.bench.measure import in_subprocess
 
 # Captured SAMPLE_PLACEHOLDER
@@ -44,6 +40,9 @@ def _args(**kw) -> argparse.Namespace:
             "output_len": 128,
             "num_threads": 2,
             "prefill_lens": None,
+            "kv_cache_dtypes": None,
+            "llama_cache_types": None,
+            "shared_prompt": False,
             **kw,
         }
     )
@@ -201,12 +200,8 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
         return {1: 20.0}
 
     monkeypatch.setattr("tandem.bench.measure.in_subprocess", fake_tandem)
-    monkeypatch.setattr(llamacpp, "run_llama", fake_llama)
-    monkeypatch.setattr(llamacpp, "llama_cpp_tool", lambda name, path: Path("/bin/true"))
-    monkeypatch.setattr(
-        "tandem.models.loader.model_files.gguf_source", lambda model: tmp_path / "m.gguf"
-    )
-    report = llamacpp.compare(
+    monkeypatch.setattr(llamacpp_decode, "run_llama", fake_llama)
+    report = llamacpp_decode.compare(
         _args(
             quantization="auto,int4",
             repeats=2,
@@ -217,14 +212,16 @@ def test_compare_alternates_the_sides_and_names_what_auto_ran(monkeypatch, tmp_p
             kv_cache_dtype="auto",
             kv_cache_memory=None,
             seed=0,
-        )
+        ),
+        tmp_path / "m.gguf",
+        Path("/bin/true"),
     )
     assert order == ["auto", "int4", "llama", "int4", "llama", "auto"]
     assert report["decode_tok_s"]["auto (int4)"] == {1: 10.0} and report["decode_tok_s"][
         "int4"
     ] == {1: 30.0}
     assert report["ratio"]["int4"] == {1: 1.5}
-    llamacpp.print_table(report)
+    llamacpp_decode.print_table(report)
     out = capsys.readouterr().out
     assert "tandem peak RSS: auto (int4) 100 MiB, int4 100 MiB" in out
     assert "tandem KV cache: auto (int4) bfloat16, int4 bfloat16" in out

@@ -327,6 +327,25 @@ def test_mixed_workload_per_class_with_priority_over_chat(server_url):
     assert all(b["messages"][0]["role"] == "user" for b in STATE["bodies"])
 
 
+def test_documents_of_several_lengths_compared_class_by_class(server_url, capsys):
+    """The long requests take the --long-input-len lengths in turn; --compare gives each class's
+    figures side by side (the short requests' TTFT p99 under two schedulers, say)."""
+    out = serve.main(
+        bench_args(
+            server_url,
+            *("--dataset-name", "mixed", "--num-prompts", "12", "--long-fraction", "0.25"),
+            *("--long-input-len", "40,80", "--long-output-len", "2"),
+            *("--short-input-len", "5", "--short-output-len", "2", "--compare", server_url),
+        )
+    )
+    requests = sorted(out["results"]["requests"], key=lambda r: r["index"])
+    assert [r["input_len"] for r in requests if r["cls"] == "long"] == [40, 80, 40]
+    assert "mixed: 3 long (40/80->2 tokens) + 9 short" in out["workload"]["description"]
+    assert out["ratios"]["short.completed"] == 1 and out["ratios"]["long.completed"] == 1
+    comparison = capsys.readouterr().out.split("==== comparison")[1]
+    assert "short.ttft_ms.p99" in comparison and "long.ttft_ms.p99" in comparison
+
+
 # ---- prompt synthesis --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def synth():

@@ -18,8 +18,13 @@ from tandem.bench.measure import in_subprocess, peak_rss_mb, until_first_tokens
 DEFAULT_BATCHES = (1, 8, 32, 64)
 
 
-def run_precision(args, precision: str, deterministic: bool) -> dict:
-    """One process: load the variant, then decode each batch size in turn."""
+def run_precision(args, precision: str, deterministic: bool, prefill: str = "together") -> dict:
+    """One process: load the variant, then decode each batch size in turn. `prefill`: the B
+    prompts prefill together, as served ("together"); or each first alone, one token out
+    ("alone"), so that the timed batch finds every prompt in the prefix cache and all B decode
+    in step from the first token on, however many steps their prompts would take (as llama.cpp's
+    batch decodes after its prompt phase); or as "alone", with one prompt the B requests share
+    ("shared": one prefill, one copy of its KV)."""
     import psutil
 
     from tandem import LLM, SamplingParams
@@ -84,13 +89,13 @@ def run_precision(args, precision: str, deterministic: bool) -> dict:
         "ms_per_step": {},
     }
     for b in batches:
-        until_first_tokens(
-            engine,
-            [
-                engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
-                for _ in range(b)
-            ],
-        )
+        distinct = 1 if prefill == "shared" else b
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(distinct)]
+        if prefill != "together":
+            for prompt in prompts:
+                llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        prompts *= b // distinct
+        until_first_tokens(engine, [engine.add_request(prompt, params) for prompt in prompts])
         steps, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -139,11 +144,11 @@ def compare(args) -> dict:
 class RunPrecision:
     """Picklable `fn(args, requests)` for the spawned process."""
 
-    def __init__(self, precision: str, deterministic: bool = False) -> None:
-        self.precision, self.deterministic = precision, deterministic
+    def __init__(self, precision: str, deterministic: bool = False, prefill: str = "together"):
+        self.precision, self.deterministic, self.prefill = precision, deterministic, prefill
 
     def __call__(self, args, _requests) -> dict:
-        return run_precision(args, self.precision, self.deterministic)
+        return run_precision(args, self.precision, self.deterministic, self.prefill)
 
 
 def _print_table(best: dict[str, dict]) -> None:

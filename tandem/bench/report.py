@@ -189,6 +189,12 @@ def flat_figures(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def with_classes(run: dict) -> dict:
+    """A run's summary with each class's summary beside it, so that flat_figures and ratios give
+    the classes' figures too ("short.ttft_ms.p99")."""
+    return {**run["summary"], **run["per_class"]}
+
+
 def ratios(s1: dict, s2: dict) -> dict:
     """summary2 / summary1 for every numeric figure (None where undefined)."""
     a, b = flat_figures(s1), flat_figures(s2)

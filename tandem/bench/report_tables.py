@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import re
 
-from tandem.bench.report import METRICS, PCTS, QUEUE_SHARE_ALARM, flat_figures, fmt, table
+from tandem.bench.report import (
+    METRICS,
+    PCTS,
+    QUEUE_SHARE_ALARM,
+    flat_figures,
+    fmt,
+    table,
+    with_classes,
+)
 
 
 def format_run(
@@ -114,12 +122,13 @@ def format_run(
 _SHOWN = re.compile(
     r"(completed|failed|duration_s|\w+_throughput|total_\w+_tokens"
     r"|(ttft|itl|tpot|e2e)_ms\.(mean|p50|p99)|goodput\.(rate|share)"
-    r"|latency_split\.(queue_share|tail_queue_share))"
+    r"|latency_split\.(queue_share|tail_queue_share)"
+    r"|\w+\.(completed|(ttft|tpot|e2e)_ms\.(p50|p99)))"  # each class's (short.ttft_ms.p99)
 )
 
 
 def format_compare(run1: dict, run2: dict, r: dict) -> str:
-    a, b = flat_figures(run1["summary"]), flat_figures(run2["summary"])
+    a, b = flat_figures(with_classes(run1)), flat_figures(with_classes(run2))
     rows = [["figure", run1["base_url"], run2["base_url"], "ratio 2/1"]]
     rows += [[k, fmt(a[k]), fmt(b.get(k)), fmt(r[k], 3)] for k in a if _SHOWN.fullmatch(k)]
     return "==== comparison (every figure's ratio is in --json) ====\n" + table(rows)

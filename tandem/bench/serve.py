@@ -186,7 +186,7 @@ def main(args: argparse.Namespace) -> dict:
     if len(runs) == 2:
         out["compare"], out["ratios"] = (
             runs[1],
-            report.ratios(runs[0]["summary"], runs[1]["summary"]),
+            report.ratios(report.with_classes(runs[0]), report.with_classes(runs[1])),
         )
         warning = warm_mismatch([run["server_counters"] for run in runs])
         if warning:

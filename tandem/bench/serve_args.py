@@ -9,6 +9,17 @@ import math
 from tandem.workload.traces import SHIPPED_TRACES
 
 
+def token_counts(text: str) -> list[int]:
+    """An option's "N" or "N,N,...": positive token counts."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive token counts, e.g. 8192,32000")
+    return counts
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """The server under test and how requests reach it."""
     g = p.add_argument_group("target")
@@ -95,7 +106,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         help="mixed: share of long requests (default 0.05)",
     )
     g.add_argument(
-        "--long-input-len", type=int, default=2000, help="mixed: long prompt tokens (default 2000)"
+        "--long-input-len",
+        type=token_counts,
+        default=[2000],
+        metavar="N[,N,...]",
+        help="mixed: long prompt tokens, or several lengths (documents of 8192,32000 tokens, say) "
+        "that the long requests take in turn (default 2000)",
     )
     g.add_argument(
         "--long-output-len", type=int, default=256, help="mixed: long output tokens (default 256)"

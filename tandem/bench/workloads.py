@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
@@ -131,18 +132,20 @@ def random_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
 
 
 def mixed_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
-    """A few long requests (round(n * long_fraction), spread at random) among many short chats."""
+    """A few long requests (round(n * long_fraction), spread at random) among many short chats;
+    the long ones take the --long-input-len lengths in turn, in order of arrival."""
     if not 0 <= args.long_fraction <= 1:
         raise ValueError("--long-fraction must be in [0, 1]")
     rng = random.Random(args.seed)
     n = args.num_prompts
     long_ids = set(rng.sample(range(n), round(n * args.long_fraction)))
     times = arrivals(n, args.request_rate, args.burstiness, args.seed)
+    long_lens = itertools.cycle(args.long_input_len)
     reqs = []
     for i, t in enumerate(times):
         cls = "long" if i in long_ids else "short"
         inp, out = (
-            (args.long_input_len, args.long_output_len)
+            (next(long_lens), args.long_output_len)
             if cls == "long"
             else (args.short_input_len, args.short_output_len)
         )
@@ -164,7 +167,7 @@ def mixed_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
         "max_concurrency": args.max_concurrency,
         "priority_by_class": bool(args.priority_by_class),
         "description": f"mixed: {len(long_ids)} long "
-        f"({args.long_input_len}->{args.long_output_len} tokens) + "
+        f"({'/'.join(map(str, args.long_input_len))}->{args.long_output_len} tokens) + "
         f"{n - len(long_ids)} short ({args.short_input_len}->{args.short_output_len}), "
         f"{_schedule(args)}" + (", priority by class" if args.priority_by_class else ""),
     }
