@@ -147,17 +147,20 @@ class KVCacheCoordinator:
         held = self.num_held_blocks(rid)
         if not held:
             return
-        done = done or 0
+        if done is None:
+            done = self._num_indexed[rid] = 0
         tokens = req.all_token_ids
         # Known tokens only: a verify step in flight has num_computed_tokens past them, over
         # drafts not yet accepted (speculative decoding).
         end = min(self.prefix_limit(min(req.num_computed_tokens, len(tokens))) // bs, held)
+        if end <= done:
+            return
         hashes = self.request_block_hashes(req, end)
         for i in range(done, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             for m in self.managers:
                 m.cache_block(rid, i, hashes[i], chunk)
-        self._num_indexed[rid] = max(done, end)
+        self._num_indexed[rid] = end
 
     # ---- allocation ---------------------------------------------------------------
     def _skipped(self, req: Request) -> list[tuple[SlidingWindowManager, list[int]]]:
