@@ -16,6 +16,7 @@ from test_prompt_logprobs import hf_logprobs
 
 from tandem.config import EngineConfig
 from tandem.server.api_server import ServerConfig
+from tandem.server.engine_metrics import EngineCollector
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "hello there"}]
@@ -160,3 +161,19 @@ def test_vllm_named_metrics_beside_tandems(server):
         assert tandem and all(series.get(k) == v for k, v in vllm.items()), name
     assert float(series['vllm:generation_tokens_total{model_name="tiny"}']) >= 2
     assert 'vllm:gpu_cache_usage_perc{model_name="tiny"}' in series
+
+
+def test_a_scrape_reads_the_engine_state_once(server, monkeypatch):
+    """The vLLM names are Tandem's families renamed as they are collected, not a second read."""
+    url, _ = server
+    calls = []
+    collect = EngineCollector.collect
+
+    def counted(self):
+        calls.append(self)
+        return collect(self)
+
+    monkeypatch.setattr(EngineCollector, "collect", counted)
+    text = httpx.get(url + "/metrics").text
+    assert "vllm:num_requests_running" in text and "tandem:num_requests_running" in text
+    assert len(calls) == 1

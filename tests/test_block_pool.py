@@ -478,6 +478,49 @@ def test_get_computed_blocks_longest_full_block_prefix():
     assert kv.get_computed_blocks(c) == ((), 0)
 
 
+def test_a_requests_blocks_are_hashed_once_however_often_its_admission_is_tried(monkeypatch):
+    """A waiting request's admission is tried every step until it fits: its block hashes are
+    computed on the first try and kept on the request, through indexing, a recompute
+    preemption and its admission again."""
+    from tandem.core import kv_cache_coordinator
+
+    hashed = []
+    real = kv_cache_coordinator.hash_block
+
+    def counted(parent, token_ids):
+        hashed.append(token_ids)
+        return real(parent, token_ids)
+
+    monkeypatch.setattr(kv_cache_coordinator, "hash_block", counted)
+    kv = KVCacheManager(8, block_size=4)
+    run_prefill(kv, make_req("a", range(12)))
+    hashed.clear()
+    b = make_req("b", list(range(12)) + [50] * 5)  # four whole blocks, three of them a's
+    first = kv.get_computed_blocks(b)
+    assert first[1] == 12 and len(hashed) == 4
+    for _ in range(3):
+        assert kv.get_computed_blocks(b) == first
+    ids = kv.allocate_slots(b, b.num_tokens - 12, first[0])
+    assert ids is not None
+    b.num_computed_tokens = b.num_tokens
+    kv.cache_blocks(b)
+    kv.free(b)  # preempted, to recompute: its tokens are the same
+    b.num_computed_tokens = 0
+    assert kv.get_computed_blocks(b)[1] == 16  # its own fourth block too
+    assert len(hashed) == 4 and len(b.block_hashes) == 4
+    check_pool(kv.pool)
+
+
+def test_the_cache_salt_roots_the_hash_chain():
+    """A prefix cached under one salt (a precision variant, a LoRA adapter) is served under the
+    same salt only."""
+    kv = KVCacheManager(8, block_size=4)
+    run_prefill(kv, make_req("a", range(9), cache_salt="int8"))
+    assert kv.get_computed_blocks(make_req("b", range(9), cache_salt="int8"))[1] == 8
+    assert kv.get_computed_blocks(make_req("c", range(9), cache_salt="int4"))[1] == 0
+    assert kv.get_computed_blocks(make_req("d", range(9)))[1] == 0
+
+
 def test_get_computed_blocks_never_the_whole_prompt():
     kv = KVCacheManager(32, block_size=4)
     run_prefill(kv, make_req("a", range(12)))

@@ -1,7 +1,8 @@
 """`tandem cluster up` as a user runs it (a process, tiny model, two model groups of one local
 instance each): an instance that dies is reported and restarted or left out as its group says;
 SIGTERM drains and stops every process the launcher started, and the launcher exits 0 only once
-they are gone (before issue 13, SIGTERM killed the launcher and left its instances running)."""
+they are gone (before issue 13, SIGTERM killed the launcher and left its instances running);
+SIGKILL takes them with it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from server_fixture import free_port
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PORT = free_port()  # the router's; any other test (or xdist worker) may serve beside it
+ENGINE = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -40,32 +42,14 @@ def _alive(procs) -> list[psutil.Process]:
     return out
 
 
-def _state() -> dict:
-    return httpx.get(f"http://127.0.0.1:{PORT}/cluster/state", timeout=2, trust_env=False).json()
+def _state(port: int = PORT) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/cluster/state", timeout=2, trust_env=False).json()
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dirs, tmp_path_factory):
-    """A running `tandem cluster up`: (process, its log file, the processes it started). Whatever
-    it leaves is killed after. No native kernels: their first build (or another checkout's,
-    holding the shared build lock) would stall an instance's first request for 20 s or more."""
-    tmp = tmp_path_factory.mktemp("cluster-up")
-    engine = {"dtype": "float32", "kv_cache_memory": 4 << 20, "num_threads": 1}
-    doc = {
-        "log_dir": str(tmp / "logs"),
-        "stop_timeout_s": 20,
-        "router": {"poll_interval_s": 0.2},
-        "models": [
-            {
-                "name": "a",
-                "model": tiny_model_dirs["llama"],
-                "instances": 1,
-                "engine": engine,
-                "restart": True,
-            },
-            {"name": "b", "model": tiny_model_dirs["llama"], "instances": 1, "engine": engine},
-        ],
-    }
+def _cluster_up(tmp: Path, doc: dict, port: int) -> tuple[subprocess.Popen, Path]:
+    """`tandem cluster up` on this cluster.yaml document, its router on `port`: (process, its
+    log). No native kernels: their first build (or another checkout's, holding the shared build
+    lock) would stall an instance's first request for 20 s or more."""
     (tmp / "cluster.yaml").write_text(yaml.safe_dump(doc))
     log = tmp / "launcher.log"
     with open(log, "wb") as out:
@@ -79,27 +63,56 @@ def cluster(tiny_model_dirs, tmp_path_factory):
                 "--config",
                 str(tmp / "cluster.yaml"),
                 "--port",
-                str(PORT),
+                str(port),
             ],
             cwd=tmp,
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_NO_NATIVE": "1"},
         )
+    return proc, log
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs, tmp_path_factory):
+    """A running `tandem cluster up`: (process, its log file, the processes it started). Whatever
+    it leaves is killed after."""
+    tmp = tmp_path_factory.mktemp("cluster-up")
+    doc = {
+        "log_dir": str(tmp / "logs"),
+        "stop_timeout_s": 20,
+        "router": {"poll_interval_s": 0.2},
+        "models": [
+            {
+                "name": "a",
+                "model": tiny_model_dirs["llama"],
+                "instances": 1,
+                "engine": ENGINE,
+                "restart": True,
+            },
+            {"name": "b", "model": tiny_model_dirs["llama"], "instances": 1, "engine": ENGINE},
+        ],
+    }
+    proc, log = _cluster_up(tmp, doc, PORT)
     seen: set[psutil.Process] = set()
     try:
         assert wait_for(lambda: _healthy(proc, ["a-0", "b-0"]), 240), log.read_text()[-3000:]
         seen.update(_descendants(proc.pid))
         yield proc, log, seen
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for p in _alive(seen | set(_descendants_or_none(proc))):
-            p.kill()
+        _stop(proc, seen)
+
+
+def _stop(proc: subprocess.Popen, seen: set[psutil.Process]) -> None:
+    """SIGTERM the launcher if it still runs, then kill whatever it left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for p in _alive(seen | set(_descendants_or_none(proc))):
+        p.kill()
 
 
 def _descendants_or_none(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -109,10 +122,10 @@ def _descendants_or_none(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
-def _healthy(proc: subprocess.Popen, ids: list[str]) -> bool:
+def _healthy(proc: subprocess.Popen, ids: list[str], port: int = PORT) -> bool:
     assert proc.poll() is None, "tandem cluster up exited"
     try:
-        state = _state()
+        state = _state(port)
     except httpx.HTTPError:
         return False
     return all(state.get(i, {}).get("healthy") for i in ids)
@@ -183,3 +196,26 @@ def test_sigterm_stops_every_process_it_started(cluster):
     assert not left, f"left running: {[(p.pid, ' '.join(p.cmdline())) for p in left]}"
     assert code == 0, log.read_text()[-3000:]
     assert "SIGTERM: stopping the router and every instance" in log.read_text()
+
+
+def test_sigkill_takes_every_process_it_started_with_it(tiny_model_dirs, tmp_path):
+    """A launcher killed by SIGKILL cannot stop its instances: the kernel kills each with it (it
+    runs in a session of its own), and the instance's engine core with the instance."""
+    port = free_port()
+    doc = {
+        "log_dir": str(tmp_path / "logs"),
+        "models": [{"name": "a", "model": tiny_model_dirs["llama"], "engine": ENGINE}],
+    }
+    proc, log = _cluster_up(tmp_path, doc, port)
+    started: set[psutil.Process] = set()
+    try:
+        assert wait_for(lambda: _healthy(proc, ["a-0"], port), 240), log.read_text()[-3000:]
+        started.update(_descendants(proc.pid))
+        assert len(_alive(started)) >= 2, "the instance and its engine core"
+        proc.kill()
+        proc.wait()
+        assert wait_for(lambda: not _alive(started), 10), [
+            " ".join(_cmdline(p)) for p in _alive(started)
+        ]
+    finally:
+        _stop(proc, started)

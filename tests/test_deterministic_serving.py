@@ -6,10 +6,8 @@ Tiny random models with head_dim 64 (the paged kernel's; every position attends 
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from conftest import write_tiny_model
+from conftest import random_prompts, token_ids, write_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,10 +58,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 def _prompts() -> list[list[int]]:
     """Mixed lengths; some share a 40-token prefix (prefix hits), some repeat a pattern (n-gram
     drafts)."""
-    rng = random.Random(5)
-    shared = [rng.randrange(512) for _ in range(40)]
-    plain = [[rng.randrange(512) for _ in range(rng.randint(2, 70))] for _ in range(4)]
-    prefixed = [shared + [rng.randrange(512) for _ in range(rng.randint(1, 9))] for _ in range(2)]
+    shared = random_prompts(5, 1, 40, 40)[0]
+    plain = random_prompts(6, 4, 2, 70)
+    prefixed = [shared + p for p in random_prompts(7, 2, 1, 9)]
     repeating = [[7, 8, 9, 10, 11] * 6, [3, 1, 4, 1, 5] * 4 + [9, 2, 6]]
     return plain + prefixed + repeating
 
@@ -83,7 +80,7 @@ def _generate(llm: LLM, seeded: bool, indices: list[int]) -> list[list[int]]:
     outs = llm.generate(
         [PROMPTS[i] for i in indices], [_params(seeded, i) for i in indices], use_tqdm=False
     )
-    return [o.outputs[0].token_ids for o in outs]
+    return token_ids(outs)
 
 
 def _llm(path: str, precision: str, **options) -> LLM:

@@ -4,11 +4,9 @@ aborts and stops; with async scheduling (step N+1 scheduled while step N runs) a
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, random_prompts, token_ids
 
 from tandem import LLM, SamplingParams
 from tandem.models.config import ModelConfig
@@ -18,16 +16,11 @@ KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 MAX_NEW = 12
 
 
-def _prompts(seed: int, n: int, lo: int, hi: int, vocab: int = 512) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def references(tiny_model_dirs):
-    prompts = _prompts(1, 6, 3, 70)
-    shared = _prompts(2, 1, 40, 40)[0]
-    prefixed = [shared + p for p in _prompts(3, 3, 2, 9)]
+    prompts = random_prompts(1, 6, 3, 70)
+    shared = random_prompts(2, 1, 40, 40)[0]
+    prefixed = [shared + p for p in random_prompts(3, 3, 2, 9)]
     return {
         kind: (prompts, hf_greedy(d, prompts, MAX_NEW), prefixed, hf_greedy(d, prefixed, MAX_NEW))
         for kind, d in tiny_model_dirs.items()
@@ -68,7 +61,7 @@ def test_mixed_batch_matches_hf(kind, async_scheduling, tiny_model_dirs, referen
     prompts, ref, _, _ = references[kind]
     llm = _llm(tiny_model_dirs[kind], async_scheduling=async_scheduling)
     outs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert token_ids(outs) == ref
     _assert_all_blocks_free(llm)
 
 
@@ -83,7 +76,7 @@ def test_chunked_prefill_matches_hf(kind, async_scheduling, tiny_model_dirs, ref
         async_scheduling=async_scheduling,
     )
     outs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert token_ids(outs) == ref
 
 
 @ASYNC
@@ -109,7 +102,7 @@ def test_preemption_matches_hf(kind, mode, async_scheduling, tiny_model_dirs, re
     )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.core.scheduler.preemptions_by_mode[mode] > 0
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert token_ids(outs) == ref
     _assert_all_blocks_free(llm)
 
 
@@ -153,7 +146,7 @@ def test_prefix_cache_hits_match_hf(kind, async_scheduling, tiny_model_dirs, ref
     rest = llm.generate(prefixed[1:], GREEDY)
     stats = llm.engine.core.kv_manager.stats
     assert stats.hits >= 2 * 40 // 8 * 8  # both later prompts reuse the 40-token shared prefix
-    assert [o.outputs[0].token_ids for o in first + rest] == ref
+    assert token_ids(first + rest) == ref
     assert all(o.metrics.num_cached_tokens >= 0 for o in rest)
 
 
@@ -202,9 +195,7 @@ def test_stops_drop_the_token_after_them(async_scheduling, tiny_model_dirs, refe
         assert out.outputs[0].token_ids == r[: r.index(r[3]) + 1]
         assert out.outputs[0].finish_reason == "stop"
     _assert_all_blocks_free(llm)
-    assert [
-        o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)
-    ] == ref  # and it serves on
+    assert token_ids(llm.generate(prompts, GREEDY)) == ref  # and it serves on
 
 
 def test_an_idle_wait_is_no_gap_when_a_step_for_nobody_was_left_in_flight(tiny_model_dirs):
@@ -227,7 +218,7 @@ def test_an_idle_wait_is_no_gap_when_a_step_for_nobody_was_left_in_flight(tiny_m
 
 def test_seeded_sampling_reproducible_across_batches(tiny_model_dirs):
     llm = _llm(tiny_model_dirs["llama"])
-    prompts = _prompts(5, 5, 4, 30)
+    prompts = random_prompts(5, 5, 4, 30)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     alone = llm.generate(prompts[0], seeded)[0].outputs[0].token_ids
@@ -350,7 +341,7 @@ def test_step_trace_has_a_line_per_step_and_summarizes(tmp_path, tiny_model_dirs
 
     path = tmp_path / "steps.jsonl"
     llm = _llm(tiny_model_dirs["llama"], step_trace=str(path), max_num_batched_tokens=16)
-    prompts = _prompts(3, 3, 20, 30)
+    prompts = random_prompts(3, 3, 20, 30)
     llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == llm.engine.core.stats.num_steps and all(s["seconds"] > 0 for s in lines)

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, token_ids
 from gguf import GGMLQuantizationType as Q
 
 from tandem import LLM, SamplingParams
@@ -234,7 +234,7 @@ def test_q6_k_and_q8_0_tensors_are_served_as_stored(tmp_path, weights, v_kind) -
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.blocked
     assert torch.equal(model.lm_head.dequantize(), stored.get("model.embed_tokens.weight"))
     llm = LLM(path, dtype="float32", quantization=weights, kv_cache_memory=1 << 22)
-    batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    batched = token_ids(llm.generate(_prompts(), GREEDY))
     assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
 
 
@@ -281,7 +281,7 @@ def test_a_vocabulary_stored_in_4_to_6_bits_keeps_its_codes(tmp_path, kind, bits
     # the int8 variant: int8 but for Q6_K, which it serves as stored
     assert isinstance(int8.lm_head, Q6KLinear if bits == 6 else Int8Linear)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, this head
-    batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    batched = token_ids(llm.generate(_prompts(), GREEDY))
     assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
 
 
@@ -310,7 +310,7 @@ def test_fp32_serving_equals_transformers_on_the_dequantised_file(q4_k_m) -> Non
     prompts = _prompts()
     llm = LLM(q4_k_m, dtype="float32", quantization="fp32", kv_cache_memory=1 << 22)
     outs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(q4_k_m, prompts, 8)
+    assert token_ids(outs) == hf_greedy(q4_k_m, prompts, 8)
 
 
 def test_a_precision_the_file_cannot_give_is_refused_in_words(tmp_path) -> None:

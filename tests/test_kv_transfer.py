@@ -4,7 +4,6 @@ no block leaks on any path (finish, abort before admission, a failed import)."""
 
 from __future__ import annotations
 
-import random
 import socket
 import threading
 from collections import Counter
@@ -12,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import random_prompts, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_block_pool import check_pool, make_req
@@ -32,9 +32,8 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _prompts(seed: int = 7) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
+def _prompts() -> list[list[int]]:
+    return [random_prompts(seed, 1, n, n)[0] for seed, n in enumerate(LENGTHS)]
 
 
 def _llm(path: str, **kw) -> LLM:
@@ -81,7 +80,7 @@ def llama(tiny_model_dirs) -> str:
 
 
 def plain_run(path: str) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in _llm(path).generate(_prompts(), greedy(MAX_NEW))]
+    return token_ids(_llm(path).generate(_prompts(), greedy(MAX_NEW)))
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,9 @@ under chunked prefill, prefix hits, preemption, and more adapters than max_loras
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from conftest import random_prompts, token_ids
 from lora_fixture import ATTENTION, make_adapter, peft_greedy
 
 from tandem import LLM, LoRARequest, SamplingParams
@@ -17,11 +16,6 @@ from tandem.models.loader.model_files import load_config
 KINDS = ["llama", "qwen2", "gemma3"]
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +31,8 @@ def cases(tiny_model_dirs, tmp_path_factory):
             make_adapter(base, root / "c", 3, r=4, targets=["q_proj", "v_proj", "down_proj"]),
             None,
         ]
-        shared = _prompts(5, 1, 24, 24)[0]
-        prompts = _prompts(4, 6, 3, 40) + [shared + p for p in _prompts(6, 2, 2, 6)]
+        shared = random_prompts(5, 1, 24, 24)[0]
+        prompts = random_prompts(4, 6, 3, 40) + [shared + p for p in random_prompts(6, 2, 2, 6)]
         refs = [peft_greedy(base, a, prompts, MAX_NEW) for a in adapters]
         out[kind] = (base, adapters, prompts, refs)
     return out
@@ -59,7 +53,7 @@ def _mixed(llm: LLM, adapters, prompts, refs) -> None:
     loras = _loras(adapters)
     pick = [i % len(loras) for i in range(len(prompts))]
     outs = llm.generate(prompts, GREEDY, lora_request=[loras[k] for k in pick])
-    assert [o.outputs[0].token_ids for o in outs] == [refs[k][i] for i, k in enumerate(pick)]
+    assert token_ids(outs) == [refs[k][i] for i, k in enumerate(pick)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -68,7 +62,7 @@ def test_each_adapter_alone_matches_peft(kind, cases):
     llm = _llm(base)
     for lora, ref in zip(_loras(adapters), refs):
         outs = llm.generate(prompts, GREEDY, lora_request=lora)
-        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert token_ids(outs) == ref
     assert refs[0] != refs[3]  # the adapters change the output
 
 
@@ -136,9 +130,9 @@ def test_adapters_over_a_quantised_base(weights, cases, tmp_path):
         model, peft.LoraConfig(r=8, target_modules=["q_proj", "up_proj"])
     ).save_pretrained(tmp_path / "zero")
     llm = _llm(base, **weights)
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    plain = token_ids(llm.generate(prompts, GREEDY))
     zero, real = LoRARequest("zero", 1, str(tmp_path / "zero")), LoRARequest("a", 2, adapters[0])
     picks = [zero, real] * (len(prompts) // 2)
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=picks)]
+    outs = token_ids(llm.generate(prompts, GREEDY, lora_request=picks))
     assert outs[0::2] == plain[0::2]
     assert outs[1::2] != plain[1::2]

@@ -6,12 +6,10 @@ variants keep the routers float."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from conftest import MOE_KINDS as KINDS
-from conftest import TINY, hf_greedy, tiny_moe_config, write_tiny_model
+from conftest import hf_greedy, random_prompts, tiny_moe_config, token_ids, write_tiny_model
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_invariant_gemm, cpu_paged_decode
@@ -25,17 +23,11 @@ MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    vocab = TINY["vocab_size"]
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def references(moe_dirs):
-    prompts = _prompts(1, 5, 3, 60)
-    shared = _prompts(2, 1, 40, 40)[0]
-    prefixed = [shared + p for p in _prompts(3, 3, 2, 9)]
+    prompts = random_prompts(1, 5, 3, 60)
+    shared = random_prompts(2, 1, 40, 40)[0]
+    prefixed = [shared + p for p in random_prompts(3, 3, 2, 9)]
     return {
         kind: (prompts, hf_greedy(d, prompts, MAX_NEW), prefixed, hf_greedy(d, prefixed, MAX_NEW))
         for kind, d in moe_dirs.items()
@@ -46,10 +38,6 @@ def _llm(path: str, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("kv_cache_memory", 1 << 22)
     return LLM(path, **kw)
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_config_reads_the_sparse_layers_and_the_routing(moe_dirs) -> None:
@@ -65,15 +53,15 @@ def test_config_reads_the_sparse_layers_and_the_routing(moe_dirs) -> None:
 def test_alone_and_batched_match_hf(kind, moe_dirs, references) -> None:
     prompts, ref, _, _ = references[kind]
     llm = _llm(moe_dirs[kind])
-    assert _tokens(llm.generate(prompts[:1], GREEDY)) == ref[:1]
-    assert _tokens(llm.generate(prompts, GREEDY)) == ref
+    assert token_ids(llm.generate(prompts[:1], GREEDY)) == ref[:1]
+    assert token_ids(llm.generate(prompts, GREEDY)) == ref
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_prefill_matches_hf(kind, moe_dirs, references) -> None:
     prompts, ref, _, _ = references[kind]
     llm = _llm(moe_dirs[kind], max_num_batched_tokens=16, block_size=8)
-    assert _tokens(llm.generate(prompts, GREEDY)) == ref
+    assert token_ids(llm.generate(prompts, GREEDY)) == ref
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,7 +71,7 @@ def test_prefix_cache_hits_match_hf(kind, moe_dirs, references) -> None:
     first = llm.generate(prefixed[:1], GREEDY)
     rest = llm.generate(prefixed[1:], GREEDY)
     assert llm.engine.core.kv_manager.stats.hits >= 2 * 40 // 8 * 8
-    assert _tokens(first + rest) == ref
+    assert token_ids(first + rest) == ref
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -100,7 +88,7 @@ def test_preemption_matches_hf(kind, mode, moe_dirs, references) -> None:
     )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.core.scheduler.preemptions_by_mode[mode] > 0
-    assert _tokens(outs) == ref
+    assert token_ids(outs) == ref
 
 
 SPECULATION = {
@@ -122,7 +110,7 @@ def test_speculation_matches_hf(kind, proposer, moe_dirs, references) -> None:
     copying = prompts[1][:20] * 2  # the n-gram proposer drafts from its own prompt
     llm = _llm(moe_dirs[kind], speculative_config=SPECULATION[proposer])
     outs = llm.generate([*prompts, copying], GREEDY)
-    assert _tokens(outs) == ref + hf_greedy(moe_dirs[kind], [copying], MAX_NEW)
+    assert token_ids(outs) == ref + hf_greedy(moe_dirs[kind], [copying], MAX_NEW)
     assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
 
 
@@ -133,7 +121,7 @@ def test_pd_through_shm_matches_hf(kind, moe_dirs) -> None:
 
     from tandem.executor.kv_transfer import ShmTransport
 
-    prompts = _prompts(7, 4, 5, 40)
+    prompts = random_prompts(7, 4, 5, 40)
     ref = hf_greedy(moe_dirs[kind], prompts, MAX_NEW)
     prefill_side, decode_side = (_llm(moe_dirs[kind], block_size=BS).engine for _ in range(2))
     conn = ShmTransport()
@@ -157,9 +145,9 @@ def test_deterministic_mode_gives_each_request_its_single_request_run(precision,
     config.head_dim = 64
     path = write_tiny_model(config, tmp_path)
     llm = _llm(path, deterministic=True, max_num_batched_tokens=17, **precision)
-    prompts = _prompts(6, 5, 3, 40)
-    batched = _tokens(llm.generate(prompts, GREEDY))
-    assert batched == [_tokens(llm.generate([p], GREEDY))[0] for p in prompts]
+    prompts = random_prompts(6, 5, 3, 40)
+    batched = token_ids(llm.generate(prompts, GREEDY))
+    assert batched == [token_ids(llm.generate([p], GREEDY))[0] for p in prompts]
 
 
 def test_a_step_runs_each_chosen_expert_once_and_no_other() -> None:
@@ -192,4 +180,4 @@ def test_quantised_variants_keep_the_routers_float(weights, moe_dirs) -> None:
     block = model.layers[0].mlp
     assert type(block.gate) is Linear and type(block.shared_expert_gate) is Linear
     assert type(block.experts[0].gate_up_proj) is not Linear
-    assert len(llm.generate(_prompts(4, 2, 5, 20), GREEDY)[1].outputs[0].token_ids) == MAX_NEW
+    assert len(llm.generate(random_prompts(4, 2, 5, 20), GREEDY)[1].outputs[0].token_ids) == MAX_NEW

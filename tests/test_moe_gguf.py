@@ -12,11 +12,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import MOE_KINDS, hf_greedy
+from conftest import MOE_KINDS, hf_greedy, token_ids
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from safetensors.torch import load_file
-from test_gguf_serving import _blocks
+from test_gguf_serving import _blocks, _prompts
 
 from tandem import LLM, SamplingParams
 from tandem.executor.attention import TorchAttention
@@ -130,11 +130,6 @@ def _fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _prompts() -> list[list[int]]:
-    rng = np.random.default_rng(3)
-    return [rng.integers(0, 320, n).tolist() for n in (5, 17, 33)]
-
-
 @pytest.mark.parametrize("kind", MOE_KINDS)
 def test_gguf_reads_back_the_folders_weights_and_tokens(kind, moe_dirs, moe_ggufs) -> None:
     folder, path = moe_dirs[kind], moe_ggufs[kind]
@@ -150,7 +145,7 @@ def test_gguf_reads_back_the_folders_weights_and_tokens(kind, moe_dirs, moe_gguf
     ref = hf_greedy(folder, prompts, 8)
     assert hf_greedy(path, prompts, 8) == ref  # transformers' model of the file: the folder's
     llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert token_ids(llm.generate(prompts, GREEDY)) == ref
 
 
 # byte offsets of a block's fp16 d (and dmin)
@@ -293,12 +288,10 @@ def test_quantised_experts_are_served_from_the_files_blocks(tmp_path) -> None:
             )
     prompts = _prompts()
     llm = LLM(str(path), dtype="float32", quantization="fp32", kv_cache_memory=1 << 22)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == hf_greedy(
-        str(path), prompts, 8
-    )
+    assert token_ids(llm.generate(prompts, GREEDY)) == hf_greedy(str(path), prompts, 8)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)  # auto: int4, as stored
     assert llm.engine.core.executor.variants.default == "int4"
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    batched = token_ids(llm.generate(prompts, GREEDY))
     assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
 
 
@@ -308,5 +301,5 @@ def test_int8_and_int4_of_other_expert_types_serve(tmp_path, gate_up, down) -> N
     for quantization in ("int8", "int4"):
         llm = LLM(str(path), dtype="float32", quantization=quantization, kv_cache_memory=1 << 22)
         prompts = _prompts()
-        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        batched = token_ids(llm.generate(prompts, GREEDY))
         assert batched == [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]

@@ -3,10 +3,9 @@ variant run alone; KV is never shared across variants; choice order, fallback an
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from conftest import random_prompts, token_ids
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
@@ -15,24 +14,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 MIXED = dict(quantization="bf16", precision_classes={"standard": "int8", "background": "int4"})
 
 
-def _prompts(n: int, seed: int = 5) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(n)]
-
-
 def _llm(path: str, **kw) -> LLM:
     # bf16 activations for every variant, as in the mixed engine (an AVX2 CPU's default is fp32)
     return LLM(path, kv_cache_memory=1 << 22, **{"dtype": "bfloat16", **kw})
 
 
 def test_mixed_engine_gives_each_request_its_variant_alone_tokens(tiny_model_dirs):
-    path, prompts = tiny_model_dirs["llama"], _prompts(6)
+    path, prompts = tiny_model_dirs["llama"], random_prompts(5, 6, 3, 40)
     precisions = ["bf16", "int8", "int4", "int4", "bf16", "int8"]
     alone = {}
     for p in ("bf16", "int8", "int4"):
         mine = [q for q, pp in zip(prompts, precisions) if pp == p]
         outs = _llm(path, quantization=p).generate(mine, GREEDY)
-        alone[p] = [o.outputs[0].token_ids for o in outs]
+        alone[p] = token_ids(outs)
     mixed = _llm(path, **MIXED)
     assert set(mixed.engine.core.executor.variants.models) == {"bf16", "int8", "int4"}
     ids = [mixed.engine.add_request(q, GREEDY, precision=p) for q, p in zip(prompts, precisions)]
@@ -51,7 +45,7 @@ def test_mixed_engine_gives_each_request_its_variant_alone_tokens(tiny_model_dir
 
 def test_prefix_cache_is_per_variant(tiny_model_dirs):
     llm = _llm(tiny_model_dirs["llama"], **MIXED)
-    prompt = _prompts(1, seed=9)[0] * 3  # several whole blocks
+    prompt = random_prompts(9, 1, 3, 40)[0] * 3  # several whole blocks
     first = llm.engine.core.kv_manager.stats.hits
     llm.engine.add_request(prompt, GREEDY, precision="int8")
     while llm.engine.has_unfinished_requests():

@@ -5,7 +5,6 @@ against the weights they came from, batch independence, and where it is (not) us
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -517,15 +516,14 @@ def test_bf16_quantised_engine_is_batch_independent(tmp_path, precision):
     without the mode bf16 attention and GEMMs round by batch shape, and ties on a random model
     flip)."""
     import transformers as tf
-    from conftest import TINY, write_tiny_model
+    from conftest import TINY, random_prompts, token_ids, write_tiny_model
 
     config = tf.LlamaConfig(
         **{**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
         tie_word_embeddings=True,
     )
     path = write_tiny_model(config, tmp_path)
-    rng = random.Random(8)
-    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    prompts = random_prompts(8, 6, 3, 40)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(
         path, dtype="bfloat16", kv_cache_memory=1 << 22, quantization=precision, deterministic=True
@@ -534,7 +532,7 @@ def test_bf16_quantised_engine_is_batch_independent(tmp_path, precision):
         getattr(m, "int8_act", False)
         for m in llm.engine.core.executor.variants.models[precision].modules()
     )
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    batched = token_ids(llm.generate(prompts, params))
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
 

@@ -5,7 +5,6 @@ the same dequantised weights."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_greedy
+from conftest import hf_greedy, random_prompts, token_ids
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
@@ -157,8 +156,7 @@ def test_quantized_engine_matches_hf_on_dequantised_weights(
     monkeypatch.setattr(base, "int8_act_kernel", lambda *args: None)
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", reject)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", reject)
-    rng = random.Random(4)
-    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    prompts = random_prompts(4, 4, 3, 40)
     reference = hf_greedy(
         _dequantised_copy(tiny_model_dirs[kind], tmp_path / kind, precision), prompts, 10
     )
@@ -166,7 +164,7 @@ def test_quantized_engine_matches_hf_on_dequantised_weights(
         tiny_model_dirs[kind], dtype="float32", kv_cache_memory=1 << 22, quantization=precision
     )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert token_ids(outs) == reference
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from types import SimpleNamespace
 
 import conftest
@@ -78,8 +77,7 @@ def copy_models(tmp_path_factory) -> dict[str, str]:
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 70))] for _ in range(5)]
+    prompts = conftest.random_prompts(1, 5, 3, 70)
     return prompts + [prompts[0][:20] * 2]  # one that copies from its prompt
 
 
@@ -96,7 +94,7 @@ def _llm(path: str, spec: bool | str | dict, **kw) -> LLM:
 def plain(copy_models):
     """Reference: no speculation, one batch (itself equal to HF, tests/test_engine_tiny.py)."""
     return {
-        kind: [o.outputs[0].token_ids for o in _llm(d, False).generate(_prompts(), GREEDY)]
+        kind: conftest.token_ids(_llm(d, False).generate(_prompts(), GREEDY))
         for kind, d in copy_models.items()
     }
 
@@ -139,7 +137,7 @@ def test_greedy_equals_no_speculation(kind, scenario, proposer, copy_models, pla
         kw["kv_cache_memory"] = per_token * 4 * 24  # ~96 tokens: preempts
     llm = _llm(copy_models[kind], proposer, **kw)
     outs = llm.generate(_prompts(), GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain[kind]
+    assert conftest.token_ids(outs) == plain[kind]
     if scenario in ("recompute", "swap"):
         assert llm.engine.core.scheduler.preemptions_by_mode[scenario] > 0
     _assert_drafts_accepted_and_rejected(llm)
@@ -154,7 +152,7 @@ def test_prefix_hits_and_n_greater_than_one(kind, proposer, copy_models, plain):
         prompts, SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     )
     assert llm.engine.core.kv_manager.stats.hits > 0
-    assert [o.outputs[0].token_ids for o in first] == plain[kind]
+    assert conftest.token_ids(first) == plain[kind]
     assert [[c.token_ids for c in o.outputs] for o in again] == [[r, r] for r in plain[kind]]
     _assert_drafts_accepted_and_rejected(llm)
 
@@ -204,7 +202,7 @@ def test_a_pd_decode_instance_speculates_on_transferred_kv(proposer, copy_models
 def test_adaptive_k_keeps_greedy_output(proposer, copy_models, plain):
     llm = _llm(copy_models["llama"], dict(PROPOSERS[proposer], adaptive=True))
     outs = llm.generate(_prompts(), GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain["llama"]
+    assert conftest.token_ids(outs) == plain["llama"]
     assert llm.engine.core.scheduler.spec_stats.num_drafts > 0  # it drafted, measured, chose
 
 
@@ -260,8 +258,8 @@ def test_seeded_sampling_is_reproducible(proposer, copy_models):
         SamplingParams(temperature=0.02, top_p=0.9, seed=7 + i, max_tokens=MAX_NEW, ignore_eos=True)
         for i in range(len(_prompts()))
     ]
-    a = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
-    b = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+    a = conftest.token_ids(llm.generate(_prompts(), params))
+    b = conftest.token_ids(llm.generate(_prompts(), params))
     assert a == b
     assert llm.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
 
@@ -310,7 +308,7 @@ def test_self_draft_of_the_targets_own_weights_is_accepted_throughout(copy_model
     """self:fp32 in an fp32 engine is the target itself (no extra weights): every draft is the
     target's greedy token, up to fp32 rounding of a one-token step against a verify chunk."""
     llm = _llm(copy_models["qwen3"], dict(PROPOSERS["self-int4"], model="self:fp32"))
-    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)] == plain["qwen3"]
+    assert conftest.token_ids(llm.generate(_prompts(), GREEDY)) == plain["qwen3"]
     stats = llm.engine.core.scheduler.spec_stats
     assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.95
     assert "draft:fp32" not in llm.engine.core.executor.variants.weight_bytes
@@ -326,7 +324,7 @@ def test_another_model_as_draft_keeps_its_own_kv(copy_models, plain, tmp_path):
     copy = tmp_path / "same-weights"
     shutil.copytree(copy_models["qwen2"], copy)
     llm = _llm(copy_models["qwen2"], dict(PROPOSERS["first-layer"], model=str(copy)), block_size=8)
-    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)] == plain["qwen2"]
+    assert conftest.token_ids(llm.generate(_prompts(), GREEDY)) == plain["qwen2"]
     stats = llm.engine.core.scheduler.spec_stats
     assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.95
     executor = llm.engine.core.executor

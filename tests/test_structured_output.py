@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from conftest import token_ids
 from structured_fixture import with_tokenizer
 
 from tandem import LLM, SamplingParams
@@ -37,6 +38,7 @@ def model_dir(tiny_model_dirs, tmp_path_factory):
 
 
 def _prompts(n: int, seed: int = 7) -> list[list[int]]:
+    """Like conftest's random_prompts, without token 0: the tokenizer's EOS."""
     rng = random.Random(seed)
     return [[rng.randrange(1, 512) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
@@ -104,7 +106,7 @@ def test_greedy_output_unchanged_where_it_already_satisfied_the_constraint(
         for t in texts
     ]
     outs = llm.generate(prompts, [_params(so, max_tokens=12, ignore_eos=True) for so in cons])
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert token_ids(outs) == token_ids(plain)
 
 
 @ASYNC
@@ -115,7 +117,7 @@ def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     prompts = _prompts(6, seed=11)
     sos = [KINDS[0], KINDS[2], KINDS[4]] * 2
     params = [_params(so, max_tokens=30) for so in sos]
-    ref = [o.outputs[0].token_ids for o in _llm(model_dir).generate(prompts, params)]
+    ref = token_ids(_llm(model_dir).generate(prompts, params))
     per_token = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32)
     llm = _llm(
         model_dir,
@@ -128,7 +130,7 @@ def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     )
     outs = llm.generate(prompts, params)
     assert llm.engine.core.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert token_ids(outs) == ref
     for so, o in zip(sos, outs):
         _check(so, o.outputs[0].text, o.outputs[0].finish_reason)
 

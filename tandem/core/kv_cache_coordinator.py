@@ -7,7 +7,7 @@ tables are built from (G entries per logical block of block_size tokens)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from tandem.core.block_pool import BlockPool, KVBlock, hash_block, salt_hash
 from tandem.core.request import Request
@@ -64,7 +64,7 @@ class KVCacheCoordinator:
         self._full = [m for m in self.managers if isinstance(m, FullAttentionManager)]
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self._no_hit: PerGroup = tuple([] for _ in self.managers)  # never extended
-        self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, chained
+        self._num_indexed: dict[str, int] = {}  # the request's full blocks in the prefix index
         self._req_tokens: dict[str, int] = {}  # tokens whose KV the request holds
 
     @property
@@ -98,13 +98,29 @@ class KVCacheCoordinator:
             parent = hash_block(parent, chunk)
             yield parent, chunk
 
+    def request_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """`req.block_hashes`, extended to its first `num_blocks` whole blocks (fewer when it
+        has fewer); it may hold more. Each block is hashed once in the request's life, however
+        often its admission is tried, and across preemptions."""
+        hashes = req.block_hashes
+        if len(hashes) < num_blocks:
+            tokens, bs = req.all_token_ids, self.block_size
+            parent = hashes[-1] if hashes else salt_hash(req.cache_salt)
+            for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
+                parent = hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+                hashes.append(parent)
+        return hashes
+
     def find_longest_cache_hit(
-        self, token_ids: list[int], parent: int | None, max_blocks: int
+        self, token_ids: list[int], hashes: Iterable[int]
     ) -> tuple[PerGroup, int]:
-        """The longest run of whole blocks of `token_ids` (at most `max_blocks`) that every group
-        serves to a query right after it: each group's blocks, and how many."""
+        """The longest run of whole blocks of `token_ids` (`hashes`: their chained hashes, as
+        many as may be served) that every group serves to a query right after it: each group's
+        blocks, and how many."""
         hits: list[list[KVBlock | None]] = [[] for _ in self.managers]
-        for h, chunk in self.block_hashes(token_ids, parent, max_blocks):
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             row = [m.lookup(h, chunk) for m in self.managers]
             if any(row[m.group_id] is None for m in self._full):
                 break
@@ -125,24 +141,26 @@ class KVCacheCoordinator:
         if not self.enable_caching:
             return
         rid, bs = req.request_id, self.block_size
-        hashes = self._req_hashes.get(rid)
-        if hashes is not None and (len(hashes) + 1) * bs > req.num_computed_tokens:
+        done = self._num_indexed.get(rid)
+        if done is not None and (done + 1) * bs > req.num_computed_tokens:
             return  # no new full block (most steps): the rest is off a request's hot path
         held = self.num_held_blocks(rid)
         if not held:
             return
-        if hashes is None:
-            hashes = self._req_hashes[rid] = []
+        if done is None:
+            done = self._num_indexed[rid] = 0
         tokens = req.all_token_ids
         # Known tokens only: a verify step in flight has num_computed_tokens past them, over
         # drafts not yet accepted (speculative decoding).
-        limit = self.prefix_limit(min(req.num_computed_tokens, len(tokens)))
-        for i in range(len(hashes), min(limit // bs, held)):
+        end = min(self.prefix_limit(min(req.num_computed_tokens, len(tokens))) // bs, held)
+        if end <= done:
+            return
+        hashes = self.request_block_hashes(req, end)
+        for i in range(done, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else salt_hash(req.cache_salt), chunk)
-            hashes.append(h)
             for m in self.managers:
-                m.cache_block(rid, i, h, chunk)
+                m.cache_block(rid, i, hashes[i], chunk)
+        self._num_indexed[rid] = end
 
     # ---- allocation ---------------------------------------------------------------
     def _skipped(self, req: Request) -> list[tuple[SlidingWindowManager, list[int]]]:
@@ -253,7 +271,7 @@ class KVCacheCoordinator:
 
     def free(self, req_id: str) -> None:
         blocks = [m.free(req_id) or [] for m in self.managers]
-        self._req_hashes.pop(req_id, None)
+        self._num_indexed.pop(req_id, None)
         self._req_tokens.pop(req_id, None)
         if blocks[0]:
             self.pool.free_blocks(self.tail_first(blocks))

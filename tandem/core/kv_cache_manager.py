@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tandem.core.block_pool import salt_hash
 from tandem.core.kv_cache_coordinator import KVCacheCoordinator, PerGroup
 from tandem.core.kv_connector.host_tier import HostTierConnector
 from tandem.core.request import Request
@@ -55,9 +54,11 @@ class KVCacheManager:
         c = self.coordinator
         if not c.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return (), 0
-        limit = c.prefix_limit(req.num_tokens - 1)
-        salt = salt_hash(req.cache_salt)
-        blocks, n = c.find_longest_cache_hit(req.all_token_ids, salt, limit // self.block_size)
+        num_blocks = c.prefix_limit(req.num_tokens - 1) // self.block_size
+        hashes = c.request_block_hashes(req, num_blocks)
+        blocks, n = c.find_longest_cache_hit(
+            req.all_token_ids, itertools.islice(hashes, num_blocks)
+        )
         num_hit = n * self.block_size
         if num_hit < max(self.min_match_length, 1):
             return (), 0

@@ -62,6 +62,9 @@ class Request:
     precision: str | None = None  # the model variant it runs on (None: the engine's only one)
     cache_salt: str | None = None  # prefix-cache namespace: KV of another variant is never reused
     all_token_ids: list[int] = field(default_factory=list)
+    # Chained prefix-cache hashes of its first whole blocks, from its cache salt on: computed
+    # once (KVCacheCoordinator.request_block_hashes); tokens are only appended, so they hold.
+    block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens scheduled to be sampled whose ids are not known yet: at most the one of the step
     # in flight under async scheduling (the scheduler plans the next step as if it were there).

@@ -4,7 +4,9 @@ ServerMetrics updates them."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
+
+from tandem.server.vllm_metrics import VllmNamedRegistry
 
 _LATENCY = (
     0.005,
@@ -31,10 +33,10 @@ _ITL = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5
 
 
 class MetricSeries:
-    """The series ServerMetrics updates, in a registry of their own."""
+    """The series ServerMetrics updates, in a registry of their own (which adds vLLM's names)."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = r = VllmNamedRegistry()
         lbl = ["model_name"]
         by_level = lbl + ["level"]
         self.ttft = Histogram(

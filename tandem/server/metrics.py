@@ -14,7 +14,6 @@ from tandem.engine.core_messages import SchedulerStats
 from tandem.engine.output_processor import RequestOutput
 from tandem.server.engine_metrics import EngineCollector
 from tandem.server.metric_series import MetricSeries
-from tandem.server.vllm_metrics import VllmNames
 
 
 def request_timings(out: RequestOutput) -> dict[str, float]:
@@ -39,25 +38,7 @@ class ServerMetrics(MetricSeries):
         super().__init__()
         self._log_text, self._tokenizer = log_text, llm.tokenizer
         self.model = model
-        engine = EngineCollector(llm, model)
-        self.registry.register(engine)
-        self.registry.register(
-            VllmNames(
-                [
-                    engine,
-                    self.ttft,
-                    self.itl,
-                    self.tpot,
-                    self.e2e,
-                    self.queue,
-                    self.prefill,
-                    self.decode,
-                    self.prompt_tokens,
-                    self.generation_tokens,
-                    self.finished,
-                ]
-            )
-        )
+        self.registry.register(EngineCollector(llm, model))
         self._last_token: dict[str, float] = {}
         self._log_path = Path(request_log) if request_log else None
         self._log_lock = threading.Lock()

@@ -4,6 +4,7 @@ scrape time, renamed. Tandem's series keep their extra labels (a request's queue
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 # Tandem's name (after "tandem:") -> vLLM's names for it
@@ -33,20 +34,18 @@ VLLM_NAMES = {
 VLLM_NAMES["kv_cache_usage_perc"] = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # v1, v0
 
 
-class VllmNames:
-    """A collector: `sources`' families listed in VLLM_NAMES again under vLLM's names."""
-
-    def __init__(self, sources: list) -> None:
-        self.sources = sources
+class VllmNamedRegistry(CollectorRegistry):
+    """A registry whose families listed in VLLM_NAMES come out again under vLLM's names, renamed
+    as they are collected: each collector is read once per scrape."""
 
     def collect(self):
-        for source in self.sources:
-            for family in source.collect():
-                short = family.name.removeprefix("tandem:")
-                for name in VLLM_NAMES.get(short, ()) if short != family.name else ():
-                    renamed = Metric(f"vllm:{name}", family.documentation, family.type)
-                    renamed.samples = [
-                        s._replace(name=s.name.replace(family.name, renamed.name, 1))
-                        for s in family.samples
-                    ]
-                    yield renamed
+        for family in super().collect():
+            yield family
+            short = family.name.removeprefix("tandem:")
+            for name in VLLM_NAMES.get(short, ()) if short != family.name else ():
+                renamed = Metric(f"vllm:{name}", family.documentation, family.type)
+                renamed.samples = [
+                    s._replace(name=s.name.replace(family.name, renamed.name, 1))
+                    for s in family.samples
+                ]
+                yield renamed

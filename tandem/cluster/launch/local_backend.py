@@ -1,14 +1,17 @@
 """Instances as local processes: each a `tandem serve` (or embedding server) on a free port, in a
-process group of its own, so stopping it also stops any process it started (its engine core)."""
+process group of its own, so stopping it also stops any process it started (its engine core).
+On Linux an instance also dies with the launcher, even one killed by SIGKILL."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -25,6 +28,7 @@ from tandem.cluster.launch.instances import (
 from tandem.cluster.router.pool import Instance
 
 log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
 
 
 def instance_command(spec: InstanceSpec, port: int, config_file: Path) -> list[str]:
@@ -105,7 +109,12 @@ class LocalBackend:
         }
         with open(self.log_dir / f"{spec.id}.log", log_mode) as logf:
             self.procs[spec.id] = subprocess.Popen(
-                cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
             )
         return f"http://127.0.0.1:{port}"
 
@@ -159,6 +168,23 @@ class LocalBackend:
         for p in self.procs.values():
             _kill_group(p)
             p.wait()
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel SIGKILL the child when the thread that starts it exits
+    (Linux; the launcher starts every instance from its main thread). The instance's engine core
+    dies with the instance in turn. Elsewhere only stop() ends the instances."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # loaded here: no dlopen in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the launcher died before the prctl
+            os._exit(1)
+
+    return preexec
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

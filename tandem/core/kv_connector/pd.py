@@ -55,8 +55,9 @@ class PDConnector(KVConnectorScheduler):
     def cached_prefix(self, token_ids: list[int]) -> tuple[PerGroup, int]:
         """The longest run of whole blocks of `token_ids` in the prefix cache (nothing taken):
         each group's blocks, and how many."""
-        n = self._num_transfer_blocks(token_ids)
-        return self.coordinator.find_longest_cache_hit(token_ids, None, n)
+        c, n = self.coordinator, self._num_transfer_blocks(token_ids)
+        hashes = (h for h, _ in c.block_hashes(token_ids, None, n))  # lazy: a miss ends it
+        return c.find_longest_cache_hit(token_ids, hashes)
 
     def reserve(self, token_ids: list[int]) -> KVReservation | None:
         """Hold a block in each group for each whole block of `token_ids` that a later prefix
