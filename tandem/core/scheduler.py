@@ -242,9 +242,13 @@ class Scheduler(Admission):
             ):
                 i += 1  # no budget left, its verify step is in flight, or its last token is
                 continue
-            k = planner.num_drafts(req, pending, cap)
-            num_new = min(pending, cap) + k
-            lookahead = planner.lookahead(req, req.num_computed_tokens + num_new)
+            if pending == 1 and not (req.spec.draft_token_ids or planner.max_lookahead):
+                k = lookahead = 0  # a plain decode (the hot path): nothing to verify or look past
+                num_new = 1
+            else:
+                k = planner.num_drafts(req, pending, cap)
+                num_new = min(pending, cap) + k
+                lookahead = planner.lookahead(req, req.num_computed_tokens + num_new)
             new_block_ids = self._allocate(req, num_new + lookahead, step)
             if new_block_ids is None and (
                 k or lookahead
@@ -268,7 +272,8 @@ class Scheduler(Admission):
             out.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
             )
-            planner.schedule(req, k, lookahead, out)
+            if k or lookahead or req.spec.draft_token_ids:
+                planner.schedule(req, k, lookahead, out)
             step.commit(req, num_new, pending)
             i += 1
         return i
@@ -293,6 +298,9 @@ class Scheduler(Admission):
         preempted since this step was scheduled: its token still counts."""
         outputs, finished = [], False
         requests, sampled_ids = self.requests, result.sampled_token_ids  # a request's hot path
+        # without drafts verified or proposed this step, after_step has nothing to do
+        spec_step = bool(sched.spec.draft_token_ids or result.spec_token_ids)
+        cache_blocks = self.kv.cache_blocks
         for req_id in sched.num_scheduled_tokens:
             req = requests.get(req_id)
             if req is None:
@@ -302,16 +310,19 @@ class Scheduler(Admission):
             if sampled:
                 req.num_output_placeholders -= 1  # one per step that samples, however many tokens
             new_ids, stopped = [], False
+            tokens = req.all_token_ids
             for token_id in sampled:
-                req.append_token(token_id)
+                tokens.append(token_id)
                 new_ids.append(token_id)
                 if req.check_stop():
                     stopped = True
                     break
-            num_drafts, num_accepted = self.planner.after_step(req, sched, result, len(sampled))
+            num_drafts = num_accepted = 0
+            if spec_step or req.spec.draft_token_ids:
+                num_drafts, num_accepted = self.planner.after_step(req, sched, result, len(sampled))
             # After the append: a block may end in the token just sampled, whose KV the step
             # in flight computes (it runs before any step that could hit the block).
-            self.kv.cache_blocks(req)
+            cache_blocks(req)
             if not new_ids:
                 continue
             lps = result.logprobs.get(req_id)
