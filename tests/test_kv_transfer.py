@@ -32,8 +32,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _prompts() -> list[list[int]]:
-    return [random_prompts(seed, 1, n, n)[0] for seed, n in enumerate(LENGTHS)]
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """One prompt of each of LENGTHS; another `seed`, other tokens."""
+    return [random_prompts(seed * 100 + i, 1, n, n)[0] for i, n in enumerate(LENGTHS)]
 
 
 def _llm(path: str, **kw) -> LLM:
