@@ -27,7 +27,9 @@ from tandem.bench.report import SPLIT_KEYS
 from tandem.bench.serve_args import add_trace_arguments
 from tandem.bench.soak_target import start_target
 from tandem.config.args import add_engine_arguments, given
+from tandem.sim.cost_model import CostModel
 from tandem.tools import simulate_cli
+from tandem.tools.fidelity_steps import compare_steps, format_steps
 
 METRICS = ("ttft_ms", "itl_ms", "e2e_ms")
 PCTS = ("p50", "p90", "p99")
@@ -110,8 +112,11 @@ def replay(args: argparse.Namespace, out: Path, i: int) -> dict:
         args,
         url=None,
         cluster=None,
-        serve_args=_flags(given(args, SERVER_OPTIONS)) + args.serve_args,
+        serve_args=_flags(given(args, SERVER_OPTIONS))
+        + ["--step-trace", str(out / f"steps-{i}.jsonl")]
+        + args.serve_args,
     )
+    (out / f"steps-{i}.jsonl").unlink(missing_ok=True)  # the trace appends
     target = start_target(server)
     try:
         _warm_up(target.url, args.model)
@@ -240,6 +245,9 @@ def main(args: argparse.Namespace) -> dict:
     sim = simulate(args, out, profile, frontend_ms)
     rows = compare([run["results"]["summary"] for run in runs], sim["summary"])
     steps = step_figures(runs, sim)
+    per_step = compare_steps(
+        [out / f"steps-{i}.jsonl" for i in range(1, args.replays + 1)], CostModel.load(profile)
+    )
     seen = "not reported" if measured is None else f"{measured * 1e3:.1f} ms"
     print(f"\nfront end: {frontend_ms:.1f} ms per request (measured in the replays: {seen})")
     print(format_table(rows))
@@ -248,6 +256,8 @@ def main(args: argparse.Namespace) -> dict:
             f"engine steps: real {steps['real_steps']:.0f} of {steps['real_step_ms']:.2f} ms "
             f"(mean), simulated {steps['sim_steps']} of {steps['sim_step_ms']:.2f} ms"
         )
+    print("real steps against the profile's prediction for the same batch:")
+    print(format_steps(per_step))
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": str(profile),
@@ -255,6 +265,7 @@ def main(args: argparse.Namespace) -> dict:
         "frontend_ms_measured": measured and measured * 1e3,
         "rows": rows,
         "steps": steps,
+        "per_step": per_step,
     }
     (out / "fidelity.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out}/fidelity.json")
