@@ -43,3 +43,58 @@ def test_frontend_is_client_e2e_less_the_engine_time():
     assert step_figures(runs, sim) == pytest.approx(
         {"real_steps": 10, "real_step_ms": 50.0, "sim_steps": 20, "sim_step_ms": 50.0}
     )
+
+
+def test_step_trace_records_the_cost_models_batch_shape():
+    from tandem.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.engine.step_trace import batch_context
+
+    new = NewRequestData("p", [1] * 40, [], SamplingParams(), [], 8)  # a chunk after 8 tokens
+    so = SchedulerOutput(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=[CachedRequestData("d1", [], 99), CachedRequestData("d2", [], 9)],
+        num_scheduled_tokens={"p": 16, "d1": 1, "d2": 1},
+    )
+    assert batch_context(so) == (16 * (8 + 16), 100 + 10)
+
+
+def test_real_steps_are_compared_with_the_cost_model_by_kind(tmp_path):
+    import json
+
+    from tandem.sim.cost_model import CostModel
+    from tandem.tools.fidelity_steps import compare_steps, format_steps
+
+    term = {"compute": (0, 1e-3, 0, 2e-3, 0), "memory": (0,) * 5}
+    cost = CostModel("measured", 0.01, {"fit": term})
+
+    def step(start, seconds, prefill, decodes, running=1):
+        return {
+            "start": start,
+            "seconds": seconds,
+            "tokens": prefill + decodes,
+            "prefill_tokens": prefill,
+            "throttled_prefill_tokens": 0,
+            "prefill_attention": prefill * prefill,
+            "decodes": decodes,
+            "decode_context": 50 * decodes,
+            "running": running,
+            "waiting": 0,
+        }
+
+    steps = [
+        step(0.0, 0.012, 0, 1),  # model: 12 ms
+        step(0.013, 0.022, 0, 6),  # model 22 ms
+        step(0.036, 0.055, 40, 1),  # mixed: model 52 ms
+        step(0.092, 0.050, 40, 0, running=0),  # prefill: model 50 ms; idle after it
+        step(1.000, 0.011, 0, 1),
+    ]
+    path = tmp_path / "steps-1.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    report = compare_steps([path], cost)
+    assert report["kinds"]["decode"]["steps"] == 3
+    assert report["kinds"]["decode"]["median_error"] == pytest.approx(0.0, abs=1e-9)
+    assert report["kinds"]["mixed"]["median_error"] == pytest.approx(52 / 55 - 1)
+    assert report["kinds"]["prefill"]["median_abs_error"] == pytest.approx(0.0, abs=1e-9)
+    assert report["gap_ms"] == pytest.approx(1.0)  # the 900 ms idle wait is not counted
+    assert "mixed" in format_steps(report)

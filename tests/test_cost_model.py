@@ -138,6 +138,7 @@ def test_profile_quick_on_a_tiny_model(tiny_model_dirs, tmp_path, capsys):
     assert rc == 0
     cm = load_cost_model(str(out))
     assert cm.kind == "measured" and cm.kv_capacity_tokens > 0 and cm.info["device"] == "cpu"
+    assert cm.info["temperature"] == 0.0  # greedy, as the benches' requests
     assert len(cm.info["samples"]) == 8 and cm.info["fit"]["median_rel_error"] >= 0
     assert (
         cm.step_time(BatchShape(0, 0, 4, 128)) > 0
@@ -188,6 +189,7 @@ def test_profile_roofline_and_bad_flags(tmp_path, capsys):
         ["--roofline", "mi300", "--model-shape", "llama-3-8b"],
         ["--tp", "2"],
         ["--roofline", "h100", "--model-shape", "llama-3-8b", "--repeats", "0"],
+        ["--roofline", "h100", "--model-shape", "llama-3-8b", "--temperature", "-1"],
     ):
         capsys.readouterr()
         assert cli(["profile", "--out", str(tmp_path / "x.json"), *argv]) == 2

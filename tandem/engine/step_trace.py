@@ -9,8 +9,23 @@ import json
 from typing import IO
 
 from tandem.config.request_class import LEVELS
+from tandem.core.outputs import SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.engine.step_pipeline import ExecutedStep
+
+
+def batch_context(sched: SchedulerOutput) -> tuple[int, int]:
+    """(prefill attention pairs: per chunk, its tokens times the tokens it attends to at its
+    end; decode context: per one-token step, the tokens it attends to)."""
+    computed = {r.req_id: r.num_computed_tokens for r in sched.scheduled_new_reqs}
+    computed.update((r.req_id, r.num_computed_tokens) for r in sched.scheduled_cached_reqs)
+    attention = context = 0
+    for req_id, n in sched.num_scheduled_tokens.items():
+        if n == 1:
+            context += computed[req_id] + 1
+        else:
+            attention += n * (computed[req_id] + n)
+    return attention, context
 
 
 class StepTrace:
@@ -22,6 +37,7 @@ class StepTrace:
     def write(self, done: ExecutedStep, scheduler: Scheduler) -> None:
         sched, kv, cfg = done.sched, scheduler.kv, scheduler.config
         host = kv.host_tier
+        attention, context = batch_context(sched)
         self._file.write(
             json.dumps(
                 {
@@ -31,6 +47,10 @@ class StepTrace:
                     "seqs": len(sched.num_scheduled_tokens),
                     "prefill_tokens": sum(n for n in sched.num_scheduled_tokens.values() if n > 1),
                     "decodes": sum(1 for n in sched.num_scheduled_tokens.values() if n == 1),
+                    # the cost model's batch shape (sim/cost_model.py): what `tandem bench
+                    # fidelity` predicts each step's time from
+                    "prefill_attention": attention,
+                    "decode_context": context,
                     "throttled_prefill_tokens": sched.num_throttled_prefill_tokens,
                     "throttle": scheduler.lower_prefill_tokens,
                     "swap_out_blocks": len(sched.blocks_to_swap_out),

@@ -8,7 +8,10 @@ beside the replays' own spread. Every run is saved under --result-dir.
 
 The simulator's front end (`--frontend-ms`: HTTP, tokenising, detokenising, queueing at the API
 process) is measured in the replays themselves, not fitted: per request, the client's E2E less
-the engine's own queue + prefill + decode time, which the server reports with each response."""
+the engine's own queue + prefill + decode time, which the server reports with each response.
+So is its per-step overhead (`--step-overhead-ms`): the executor's idle time between two busy
+steps in the replays' step traces, where each real step is also set against the profile's
+prediction for its batch (fidelity_steps.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ from tandem.bench.report import SPLIT_KEYS
 from tandem.bench.serve_args import add_trace_arguments
 from tandem.bench.soak_target import start_target
 from tandem.config.args import add_engine_arguments, given
+from tandem.sim.cost_model import CostModel
 from tandem.tools import simulate_cli
+from tandem.tools.fidelity_steps import compare_steps, format_steps
 
 METRICS = ("ttft_ms", "itl_ms", "e2e_ms")
 PCTS = ("p50", "p90", "p99")
@@ -73,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the simulator's front-end delay (default: measured in the replays)",
     )
     p.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=None,
+        help="added to each simulated step (default: measured in the replays, the executor's "
+        "mean idle time between two busy steps)",
+    )
+    p.add_argument(
         "--result-dir",
         default=None,
         help="where every run is saved (default results/fidelity-<time>)",
@@ -110,8 +122,11 @@ def replay(args: argparse.Namespace, out: Path, i: int) -> dict:
         args,
         url=None,
         cluster=None,
-        serve_args=_flags(given(args, SERVER_OPTIONS)) + args.serve_args,
+        serve_args=_flags(given(args, SERVER_OPTIONS))
+        + ["--step-trace", str(out / f"steps-{i}.jsonl")]
+        + args.serve_args,
     )
+    (out / f"steps-{i}.jsonl").unlink(missing_ok=True)  # the trace appends
     target = start_target(server)
     try:
         _warm_up(target.url, args.model)
@@ -164,7 +179,9 @@ def step_figures(runs: list[dict], sim: dict) -> dict:
     }
 
 
-def simulate(args: argparse.Namespace, out: Path, profile: Path, frontend_ms: float) -> dict:
+def simulate(
+    args: argparse.Namespace, out: Path, profile: Path, frontend_ms: float, step_ms: float
+) -> dict:
     parser = argparse.ArgumentParser()
     simulate_cli.add_arguments(parser)
     sim = parser.parse_args(
@@ -177,6 +194,8 @@ def simulate(args: argparse.Namespace, out: Path, profile: Path, frontend_ms: fl
             "1",
             "--frontend-ms",
             f"{frontend_ms:g}",
+            "--step-overhead-ms",
+            f"{step_ms:g}",
             "--json",
             str(out / "sim.json"),
             # the server's seats (the simulator's own default is a GPU server's)
@@ -237,17 +256,26 @@ def main(args: argparse.Namespace) -> dict:
     runs = [replay(args, out, i) for i in range(1, args.replays + 1)]
     measured = frontend_seconds(runs)
     frontend_ms = args.frontend_ms if args.frontend_ms is not None else (measured or 0.0) * 1e3
-    sim = simulate(args, out, profile, frontend_ms)
+    per_step = compare_steps(
+        [out / f"steps-{i}.jsonl" for i in range(1, args.replays + 1)], CostModel.load(profile)
+    )
+    # The engine thread's work between two steps (taking the last step's tokens back, topping
+    # the next one up) keeps the executor idle: a step cost the profile cannot see.
+    step_ms = args.step_overhead_ms if args.step_overhead_ms is not None else per_step["gap_ms"]
+    sim = simulate(args, out, profile, frontend_ms, step_ms or 0.0)
     rows = compare([run["results"]["summary"] for run in runs], sim["summary"])
     steps = step_figures(runs, sim)
     seen = "not reported" if measured is None else f"{measured * 1e3:.1f} ms"
     print(f"\nfront end: {frontend_ms:.1f} ms per request (measured in the replays: {seen})")
+    print(f"step overhead: {step_ms or 0.0:.2f} ms per simulated step")
     print(format_table(rows))
     if steps["real_step_ms"] is not None:
         print(
             f"engine steps: real {steps['real_steps']:.0f} of {steps['real_step_ms']:.2f} ms "
             f"(mean), simulated {steps['sim_steps']} of {steps['sim_step_ms']:.2f} ms"
         )
+    print("real steps against the profile's prediction for the same batch:")
+    print(format_steps(per_step))
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": str(profile),
@@ -255,6 +283,8 @@ def main(args: argparse.Namespace) -> dict:
         "frontend_ms_measured": measured and measured * 1e3,
         "rows": rows,
         "steps": steps,
+        "per_step": per_step,
+        "step_overhead_ms": step_ms,
     }
     (out / "fidelity.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out}/fidelity.json")

@@ -42,10 +42,11 @@ class NoRoom(Exception):
 class Driver:
     """Feeds hand-built steps to a real executor and times them."""
 
-    def __init__(self, runner, vocab_size: int, repeats: int) -> None:
+    def __init__(self, runner, vocab_size: int, repeats: int, temperature: float = 0.0) -> None:
         import random
 
         self.runner, self.repeats, self.rng = runner, repeats, random.Random(0)
+        self.temperature = temperature
         self.vocab, self.ids, self.next_block = vocab_size, itertools.count(), 0
 
     def _new(self, prompt_len: int, computed: int, extra: int):
@@ -66,7 +67,7 @@ class Driver:
             f"p{next(self.ids)}",
             tokens[:prompt_len],
             out,
-            SamplingParams(max_tokens=1 << 20),
+            SamplingParams(max_tokens=1 << 20, temperature=self.temperature),
             blocks,
             computed,
         )
@@ -139,7 +140,7 @@ def measure(args: argparse.Namespace) -> CostModel:
 
     config = EngineConfig.from_kwargs(**given(args, ENGINE_OPTIONS))
     runner = ModelRunner(config, resolve_model(args.model))
-    driver = Driver(runner, runner.model_config.vocab_size, args.repeats)
+    driver = Driver(runner, runner.model_config.vocab_size, args.repeats, args.temperature)
     grid = QUICK if args.quick else GRID
     jobs = (
         [((0, 0), p) for p in grid["prefill"]]
@@ -173,6 +174,7 @@ def measure(args: argparse.Namespace) -> CostModel:
         "load_average": [load_before, os.getloadavg()[0]],
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "repeats": args.repeats,
+        "temperature": args.temperature,
         "features": list(FEATURES),
         "skipped_for_kv_capacity": skipped,
         "host_copy_bandwidth": bw,
@@ -256,6 +258,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=3, help="timed steps per shape (the median is kept)"
     )
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the profiled requests' sampling: 0 greedy (what the benches send), above 0 the "
+        "random path, a few times dearer per sampled row on a CPU (default 0)",
+    )
+    p.add_argument(
         "--roofline",
         default=None,
         help="no measurement: roofline of this accelerator (h100, h200, a100-80gb)",
@@ -279,6 +288,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> CostModel:
     if args.repeats < 1 or (args.num_threads is not None and args.num_threads < 1):
         raise ValueError("--repeats and --num-threads must be >= 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
     if args.roofline:
         if not args.model_shape:
             raise ValueError("--roofline needs --model-shape (e.g. llama-3-8b)")
