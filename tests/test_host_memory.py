@@ -15,7 +15,12 @@ from test_gguf_serving import GREEDY, Q4_K_M, _prompts, write_quantised_gguf
 
 from tandem import LLM
 from tandem.models.quantization import host_memory
-from tandem.models.quantization.host_memory import huge_empty, move_to_huge_pages, on_huge_pages
+from tandem.models.quantization.host_memory import (
+    gather_on_huge_pages,
+    huge_empty,
+    move_to_huge_pages,
+    on_huge_pages,
+)
 
 pytestmark = pytest.mark.skipif(
     not host_memory.thp_available(), reason="no transparent huge pages here"
@@ -39,6 +44,26 @@ def test_a_move_keeps_values_and_aliases_and_skips_what_it_cannot_free() -> None
     assert torch.equal(a, expected[0]) and torch.equal(a_rows.reshape(-1), expected[0])
     assert torch.equal(p, expected[1]) and torch.equal(c, expected[2])
     assert move_to_huge_pages([a, a_rows, p]) == 0  # already there
+
+
+def test_a_gather_puts_small_tables_on_one_mapping() -> None:
+    a = torch.randn(1000)
+    a_rows = a.view(10, -1)
+    b = torch.arange(77, dtype=torch.int16)
+    c = torch.randn(100)
+    c_tail = c[10:]  # not given: c stays
+    big = torch.randn(HUGE // 2)  # move_to_huge_pages's
+    expected = [a.clone(), b.clone(), c.clone(), big.clone()]
+    c_ptr = c.data_ptr()
+    assert gather_on_huge_pages([a, a_rows, b, c, big]) == a.nbytes + b.nbytes
+    assert on_huge_pages(a) and on_huge_pages(b) and a_rows.data_ptr() == a.data_ptr()
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one mapping
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    assert c.data_ptr() == c_ptr and c_tail.data_ptr() == c_ptr + 40 and not on_huge_pages(big)
+    for t, want in zip((a, b, c, big), expected, strict=True):
+        assert torch.equal(t, want)
+    assert torch.equal(a_rows.reshape(-1), expected[0])
+    assert gather_on_huge_pages([a, b]) == 0  # already there
 
 
 def test_the_old_memory_is_freed() -> None:

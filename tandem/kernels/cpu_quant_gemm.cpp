@@ -470,13 +470,10 @@ void expert_tiles(const std::vector<Weights>& w, const std::vector<int64_t>& cho
 template <typename T>
 void run_experts(const T* x, int64_t n_tok, int64_t top_k, const int64_t* ids, const T* wts, const std::vector<Weights>& gate_up,
                  const std::vector<Weights>& down, Gate gate_act, T* out) {
-  const int64_t n_exp = gate_up.size(), pairs = n_tok * top_k, h = gate_up[0].k, inter = down[0].k;
+  const int64_t n_exp = gate_up.size(), pairs = n_tok * top_k;
   // the pairs grouped by expert, in order within each (a stable counting sort): pair p's row slot[p]
   std::vector<int64_t> start(n_exp + 1, 0), slot(pairs), order(pairs), chosen;
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < n_exp, "quant gemm experts: expert id ", ids[p], " of ", n_exp);
-    ++start[ids[p] + 1];
-  }
+  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];  // ids checked by experts
   for (int64_t e = 0; e < n_exp; ++e) {
     if (start[e + 1]) chosen.push_back(e);
     start[e + 1] += start[e];
@@ -486,9 +483,11 @@ void run_experts(const T* x, int64_t n_tok, int64_t top_k, const int64_t* ids, c
     slot[p] = fill[ids[p]]++;
     order[slot[p]] = p;
   }
+  const int64_t h = gate_up[chosen[0]].k, inter = down[chosen[0]].k;  // the others unviewed
   const bool up256 = per_256(gate_up[chosen[0]]), down256 = per_256(down[chosen[0]]);
   for (int64_t e : chosen)
-    TORCH_CHECK(per_256(gate_up[e]) == up256 && per_256(down[e]) == down256, "quant gemm experts: one form of activations a projection");
+    TORCH_CHECK(gate_up[e].n == gate_up[chosen[0]].n && per_256(gate_up[e]) == up256 && per_256(down[e]) == down256,
+                "quant gemm experts: one width and one form of activations a projection");
   thread_local Scratch scratch[3];  // x's rows; them again per pair, grouped; the experts' intermediate rows
   Scratch* const acts = scratch;    // this thread's: the lambdas below also run on the pool's threads
   resize(acts[0], n_tok, h), resize(acts[1], pairs, h), resize(acts[2], pairs, inter);
@@ -733,17 +732,19 @@ std::shared_ptr<PackedWeight> int8_weight(at::Tensor packed, at::Tensor scales, 
 }
 
 #ifdef TANDEM_QUANT_GEMM
-// The kernel's views of packed weights: their tensors' addresses now.
+// The kernel's view of a packed weight: its tensors' addresses now.
+Weights view(const PackedWeight& p) {
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  return {static_cast<const uint8_t*>(ptr(p.w)), static_cast<const uint8_t*>(ptr(p.h)), static_cast<const uint16_t*>(ptr(p.d)),
+          static_cast<const uint16_t*>(ptr(p.m)), static_cast<const float*>(ptr(p.scales)), static_cast<const int8_t*>(ptr(p.sc)),
+          static_cast<const uint8_t*>(ptr(p.sc_m)), p.n, p.k, p.format};
+}
+
 std::vector<Weights> views(const std::vector<std::shared_ptr<PackedWeight>>& weights) {
   TORCH_CHECK(supported(), "quant gemm: this CPU lacks the instructions the kernel was built for");
-  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
   std::vector<Weights> out;
   out.reserve(weights.size());
-  for (const auto& p : weights)
-    out.push_back({static_cast<const uint8_t*>(ptr(p->w)), static_cast<const uint8_t*>(ptr(p->h)),
-                   static_cast<const uint16_t*>(ptr(p->d)), static_cast<const uint16_t*>(ptr(p->m)),
-                   static_cast<const float*>(ptr(p->scales)), static_cast<const int8_t*>(ptr(p->sc)),
-                   static_cast<const uint8_t*>(ptr(p->sc_m)), p->n, p->k, p->format});
+  for (const auto& p : weights) out.push_back(view(*p));
   return out;
 }
 #endif
@@ -777,10 +778,20 @@ at::Tensor experts(at::Tensor x, at::Tensor ids, at::Tensor weights, const std::
               "quant gemm experts: weights [T, k] in x's dtype");
   TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "quant gemm experts: a gate_up and a down per expert");
 #ifdef TANDEM_QUANT_GEMM
-  const std::vector<Weights> up = views(gate_up), dn = views(down);
-  for (size_t e = 0; e < up.size(); ++e)
-    TORCH_CHECK(up[e].k == x.size(1) && up[e].n == up[0].n && up[e].n % (2 * kTile) == 0 && dn[e].k == up[e].n / 2 && dn[e].n == x.size(1),
+  TORCH_CHECK(supported(), "quant gemm: this CPU lacks the instructions the kernel was built for");
+  // views of the chosen experts only (the others left null): a decode step at 1 row chooses 8
+  // of Qwen3-MoE's 128 experts, whose 256 weights' addresses a call need not look up
+  const int64_t n_exp = gate_up.size();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<Weights> up(n_exp), dn(n_exp);
+  for (int64_t p = 0; p < ids.numel(); ++p) {
+    const int64_t e = id[p];
+    TORCH_CHECK(e >= 0 && e < n_exp, "quant gemm experts: expert id ", e, " of ", n_exp);
+    if (up[e].w) continue;
+    up[e] = view(*gate_up[e]), dn[e] = view(*down[e]);
+    TORCH_CHECK(up[e].k == x.size(1) && up[e].n % (2 * kTile) == 0 && dn[e].k == up[e].n / 2 && dn[e].n == x.size(1),
                 "quant gemm experts: every expert's gate_up [2I, H] (I % 16 == 0) and down [H, I]");
+  }
   auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
   if (x.scalar_type() == at::kFloat)

@@ -98,6 +98,22 @@ SHAPES: dict[str, Shape] = {
         experts_per_token=8,
         expert_size=768,
     ),
+    # the same at 4 layers (~2.5B params), for iterating on MoE speed without the 9 GB file; its
+    # Q4_K_M has Q6_K experts' down in half its layers, as the 24-layer one
+    "moe-4l-a1.5b": Shape(
+        2048,
+        6144,
+        4,
+        32,
+        4,
+        context_length=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        head_size=128,
+        num_experts=128,
+        experts_per_token=8,
+        expert_size=768,
+    ),
 }
 
 
@@ -225,7 +241,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="tiny (tests), 1b (Llama-3.2-1B dims), 3b (Llama-3.2-3B dims), tiny-moe (tests), "
         "small-moe (the MoE layout at rows of 256, for quality per GGUF type) or "
-        "moe-15b-a1.5b (Qwen3-MoE: Qwen3-30B-A3B's widths and 128 experts, 8 active, 24 layers)",
+        "moe-15b-a1.5b (Qwen3-MoE: Qwen3-30B-A3B's widths and 128 experts, 8 active, 24 layers) "
+        "or moe-4l-a1.5b (the same at 4 layers)",
     )
     p.add_argument(
         "--out",

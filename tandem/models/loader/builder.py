@@ -50,7 +50,11 @@ from tandem.models.loader.model_files import load_config
 from tandem.models.loader.stored_layers import LayerFormat, served_as, stored_layer
 from tandem.models.quantization import base
 from tandem.models.quantization.embedding import QuantEmbedding
-from tandem.models.quantization.host_memory import move_to_huge_pages, trim_heap
+from tandem.models.quantization.host_memory import (
+    gather_on_huge_pages,
+    move_to_huge_pages,
+    trim_heap,
+)
 from tandem.models.quantization.int4 import Int4Linear
 from tandem.models.quantization.int8 import Int8Linear
 from tandem.models.quantization.q6k import Q6KLinear
@@ -156,6 +160,9 @@ def build_model(
                 setattr(model.get_submodule(parent), attr, quantised)
                 trim_heap()
                 move_to_huge_pages(_tensors(quantised))
+        for block in model.modules():
+            if isinstance(block, FusedMoE):  # its experts' tables are each under a huge page
+                gather_on_huge_pages(_tensors(block))
         if native:
             log.info(
                 "%s from %s: %d of the linear layers' tensors are served as the file stores them",

@@ -22,7 +22,7 @@ import mmap
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -102,32 +102,69 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     copy alive. Returns the bytes moved."""
     if not thp_available():
         return 0
+    moved = 0
+    for group in _movable(tensors, lambda nbytes: nbytes >= HUGE_PAGE):
+        moved += _move(group, huge_bytes(_storage_bytes(group)))
+        trim_heap()
+    return moved
+
+
+def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Copy the CPU storages under a huge page that `tensors` view (those move_to_huge_pages
+    leaves) back to back onto one huge-page mapping, 64-byte aligned, and point the tensors at
+    it in place; the storages it may not free stay put, as there. An MoE block's experts are
+    hundreds of tables of 0.01-1.5 MiB each, streamed one after another: on 4 KiB pages a
+    block's experts ran 20-35% slower at 1 and 16 rows (AMD EPYC Zen 3). Returns the bytes
+    moved."""
+    if not thp_available():
+        return 0
+    groups = list(_movable(tensors, lambda nbytes: nbytes < HUGE_PAGE))
+    if not groups:
+        return 0
+    sizes = [-(-_storage_bytes(group) // 64) * 64 for group in groups]
+    mapping, at, moved = huge_bytes(sum(sizes)), 0, 0
+    for group, size in zip(groups, sizes, strict=True):
+        moved += _move(group, mapping[at : at + size])
+        at += size
+    trim_heap()
+    return moved
+
+
+def _movable(
+    tensors: Iterable[torch.Tensor], fits: Callable[[int], bool]
+) -> Iterator[list[torch.Tensor]]:
+    """The tensors grouped by the CPU storage they view, for each storage not on huge pages
+    whose size `fits` and that no tensor outside `tensors` views."""
     views: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
     for t in tensors:
-        if (
-            _in_host_memory(t)
-            and not on_huge_pages(t)
-            and t.untyped_storage().nbytes() >= HUGE_PAGE
-        ):
+        if _in_host_memory(t) and not on_huge_pages(t) and fits(t.untyped_storage().nbytes()):
             views[t.untyped_storage().data_ptr()][id(t)] = t
-    moved = 0
+    for group in views.values():
+        old = next(iter(group.values())).untyped_storage()
+        # held by each tensor here and by `old`; one more: a view this was not given
+        sole = torch._C._storage_Use_Count(old._cdata) == len(group) + 1
+        del old  # not held here while the caller moves it
+        if sole:
+            yield list(group.values())
+
+
+def _storage_bytes(group: list[torch.Tensor]) -> int:
+    return group[0].untyped_storage().nbytes()
+
+
+def _move(group: list[torch.Tensor], new: torch.Tensor) -> int:
+    """Copy the storage that `group` views into the start of `new` (uint8 bytes) and point each
+    tensor at it; the old storage is freed with the last of them. Returns its bytes."""
+    old = group[0].untyped_storage()
+    nbytes = old.nbytes()
     with torch.no_grad():
-        for group in views.values():
-            old = next(iter(group.values())).untyped_storage()
-            # held by each tensor here and by `old`; one more: a view this was not given
-            if torch._C._storage_Use_Count(old._cdata) != len(group) + 1:
-                continue
-            new = huge_bytes(old.nbytes())
-            new.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (old.nbytes(),)))
-            base = new.storage_offset()  # bytes into the mapping
-            for t in group.values():
-                t.set_(
-                    new.untyped_storage(),
-                    base // t.element_size() + t.storage_offset(),
-                    t.shape,
-                    t.stride(),
-                )
-            moved += old.nbytes()
-            del old
-            trim_heap()
-    return moved
+        new[:nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (nbytes,)))
+        base = new.storage_offset()  # bytes into the mapping
+        for t in group:
+            t.set_(
+                new.untyped_storage(),
+                base // t.element_size() + t.storage_offset(),
+                t.shape,
+                t.stride(),
+            )
+    return nbytes
