@@ -153,12 +153,16 @@ inline void prefetch_row(const T* p) {
   for (int64_t o = 0; o < kRowLen<T, D> * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
 }
 
-// Sums of q . k over elements [i0, i1) into a[2j + r]: R K rows, G query heads.
-template <int G, int R, typename T, int D>
-inline void dots(const float* qj, const T* kp, int64_t stride, int i0, int i1, v8 (&a)[8]) {
+// Sums of q . k over elements [i0, i1) into a[2j + r]: R K rows (k widened, then times ks[r] when
+// given), G query heads.
+template <int G, int R, typename T, int D, bool Scaled = false>
+inline void dots(const float* qj, const T* kp, int64_t stride, int i0, int i1, v8 (&a)[8], const float* ks = nullptr) {
   for (int i = i0; i < i1; i += 8) {
     v8 k[R];
-    for (int r = 0; r < R; ++r) k[r] = load8(kp + r * stride + i);
+    for (int r = 0; r < R; ++r) {
+      k[r] = load8(kp + r * stride + i);
+      if constexpr (Scaled) k[r] *= ks[r];
+    }
     for (int j = 0; j < G; ++j) {
       const v8 q = load8(qj + j * D + i);
       for (int r = 0; r < R; ++r) a[2 * j + r] += q * k[r];
@@ -168,25 +172,29 @@ inline void dots(const float* qj, const T* kp, int64_t stride, int i0, int i1, v
 
 // Scores of R (1-2) K rows (`stride` elements apart from kp) against G (1-4) query heads qj [G, D]
 // (fp32, scaled) into s[j * kPart + r]: each K element is read and widened once for the G heads.
-// An int8 row's score is its groups' partial sums times their scales.
+// An int8 row of one group takes its scale on the score; of several, each group's K vectors take
+// their scale as they are widened (per-group partial sums need twice the accumulators: at G = 4,
+// R = 2 more than AVX2's 16 registers).
 template <int G, int R, typename T, int D>
 inline void scores_of(const float* qj, const T* kp, int64_t stride, float* s) {
+  constexpr bool kInt8 = std::is_same<T, int8_t>::value;
   v8 a[8] = {};  // a[2j + r]
-  if constexpr (std::is_same<T, int8_t>::value) {
+  float ks[R];
+  if constexpr (kInt8 && D > kScaleGroup) {
     for (int c = 0; c < D / kScaleGroup; ++c) {
-      v8 part[8] = {};
-      dots<G, R, T, D>(qj, kp, stride, c * kScaleGroup, (c + 1) * kScaleGroup, part);
-      for (int r = 0; r < R; ++r) {
-        const float k_scale = scale_of<D>(kp + r * stride, c);
-        for (int j = 0; j < G; ++j) a[2 * j + r] += k_scale * part[2 * j + r];
-      }
+      for (int r = 0; r < R; ++r) ks[r] = scale_of<D>(kp + r * stride, c);
+      dots<G, R, T, D, true>(qj, kp, stride, c * kScaleGroup, (c + 1) * kScaleGroup, a, ks);
     }
   } else {
     dots<G, R, T, D>(qj, kp, stride, 0, D, a);
   }
   const v8 sums = sums8(a);
+  for (int r = 0; r < R; ++r) {
+    ks[r] = 1.f;
+    if constexpr (kInt8 && D == kScaleGroup) ks[r] = scale_of<D>(kp + r * stride, 0);
+  }
   for (int j = 0; j < G; ++j)
-    for (int r = 0; r < R; ++r) s[j * kPart + r] = sums[2 * j + r];
+    for (int r = 0; r < R; ++r) s[j * kPart + r] = sums[2 * j + r] * ks[r];
 }
 
 // The V side: kW outputs of G query heads at a time summed in registers over the part, each V
