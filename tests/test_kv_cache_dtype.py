@@ -20,8 +20,12 @@ from test_kv_transfer import (
 )
 
 from tandem import LLM, SamplingParams
-from tandem.config import EngineConfig
+from tandem.config import CacheConfig, EngineConfig
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.request import Request
 from tandem.executor.device import resolve_kv_cache_dtype
+from tandem.executor.kv_cache import KVCache
+from tandem.executor.kv_quant import row_len
 from tandem.executor.kv_transfer import ShmTransport
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
@@ -143,14 +147,38 @@ def test_int8_rows_hold_their_scale_and_the_pool_counts_it(model):
     cfg = ModelConfig.from_hf(load_config(path))
     small, wide = _llm(path, kv_cache_dtype="int8").engine, _llm(path).engine
     cache = small.core.executor.kv.kv_cache
-    assert cache.dtype == torch.int8 and cache.shape[-1] == cfg.head_dim + 2
+    row = row_len(cfg.head_dim, torch.int8)
+    assert cache.dtype == torch.int8 and cache.shape[-1] == row == cfg.head_dim + 1
     assert small.info().kv_cache_dtype == "int8"
-    assert small.info().kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * (
-        cfg.head_dim + 2
-    )
+    assert small.info().kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * row
     ratio = small.core.executor.num_kv_blocks / wide.core.executor.num_kv_blocks
-    # bf16 rows of 2 D bytes against D + 2: 1.94x at head_dim 64 (tiny Gemma 3), 1.78x at 16
-    assert ratio >= 2 * cfg.head_dim / (cfg.head_dim + 2) * 0.99
+    # bf16 rows of 2 D bytes against D + 1: 1.97x at head_dim 64 (tiny Gemma 3), 1.88x at 16
+    assert ratio >= 2 * cfg.head_dim / row * 0.99
+
+
+@pytest.mark.parametrize(
+    "dtype,context,fits",
+    [(BF16, 32_768, 8), (BF16, 32_000, 8), (torch.int8, 32_000, 16), (torch.int8, 32_768, 15)],
+)
+def test_8_gib_of_the_1b_shapes_kv_holds_16_contexts_on_int8_where_bf16_holds_8(
+    dtype, context, fits
+):
+    """`tandem random-gguf --shape 1b` (16 layers, 8 KV heads, head_dim 64) with an 8 GiB KV
+    budget: the pool as KVCache sizes it (on the meta device: no memory) and the KV manager's
+    allocation. int8 rows of 65 bytes hold 16 contexts of up to 32,256 tokens (15 of 32,768: a
+    scale of any size overflows 8 GiB there), bf16 8 of 32,768."""
+    hf = dict(vocab_size=49_152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)
+    cfg = ModelConfig.from_hf({**hf, "num_attention_heads": 32, "num_key_value_heads": 8})
+    config = CacheConfig(block_size=16, kv_cache_memory=8 << 30)
+    pool = KVCache(config, cfg, None, dtype, torch.device("meta"))
+    kv = KVCacheManager(pool.num_kv_blocks, block_size=16, enable_caching=False)
+    held = 0
+    while True:
+        req = Request(f"r{held}", [1] * context, SamplingParams(max_tokens=1))
+        if kv.allocate_slots(req, context) is None:
+            break
+        held += 1
+    assert held == fits
 
 
 def test_int8_greedy_tokens_mostly_agree_with_a_bf16_cache(model, tiny_model_dirs):

@@ -1,6 +1,7 @@
 """The int8 KV cache's rows (executor/kv_quant.py): the native write gives the PyTorch form's bits,
-a row round-trips within half a step of its grid, and the native decode kernel over int8 rows
-equals SDPA over the dequantised rows to float rounding."""
+a row round-trips within half a step of its grid, a scale byte is the smallest of its grid that
+fits the group, and the native decode kernel over int8 rows equals SDPA over the dequantised rows
+to float rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from test_attention import _reference
 
 from tandem.executor import triton_attention
 from tandem.executor.attention import AttentionMetadata, TorchAttention, decode_buckets
-from tandem.executor.kv_quant import dequantize_kv_rows, quantize_kv_rows, read_kv, write_kv
+from tandem.executor.kv_quant import (
+    decode_scales,
+    dequantize_kv_rows,
+    encode_scales,
+    quantize_kv_rows,
+    read_kv,
+    write_kv,
+)
 from tandem.kernels import cpu_paged_attention
 
 
@@ -25,27 +33,49 @@ def ext():
 def _rows(*shape, seed=0, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g) * 8
-    x[0, 0] = 0.0  # an all-zero row: scale 0, values 0
-    x[1, 0, 3] = 300.0  # an outlier: its row's grid widens, no other row's
+    x[0, 0] = 0.0  # an all-zero row: the smallest scale, values 0
+    x[1, 0, 3] = 300.0  # an outlier: its group's grid widens, no other group's
     return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_round_trips_within_half_a_step(dtype):
-    x = _rows(64, 3, 64, dtype=dtype)
+@pytest.mark.parametrize("head_dim,groups", [(64, 1), (256, 4), (80, 2)])
+def test_a_row_round_trips_within_half_a_step(dtype, head_dim, groups):
+    x = _rows(64, 3, head_dim, dtype=dtype)
     rows = quantize_kv_rows(x)
-    assert rows.dtype == torch.int8 and rows.shape == (64, 3, 66)
+    assert rows.dtype == torch.int8 and rows.shape == (64, 3, head_dim + groups)
     back = dequantize_kv_rows(rows, torch.float32)
-    step = x.float().abs().amax(-1, keepdim=True) / 127
-    assert ((back - x.float()).abs() <= step * 0.5 + step * 2e-3 + 1e-30).all()
-    assert back[0, 0].eq(0).all() and rows[..., :64].abs().max() <= 127
+    scales = decode_scales(rows[..., head_dim:].view(torch.uint8))
+    amax = torch.nn.functional.pad(x.float().abs(), (0, -head_dim % 64)).unflatten(-1, (-1, 64))
+    assert (scales <= amax.amax(-1) / 127 * 1.125 + 1e-6).all()  # at most 1/8 over the max's
+    step = scales.repeat_interleave(64, -1)[..., :head_dim]
+    assert ((back - x.float()).abs() <= step * (0.5 + 2e-3)).all()
+    assert back[0, 0].eq(0).all() and rows[..., :head_dim].abs().max() <= 127
+
+
+def test_a_scale_byte_is_the_smallest_that_fits():
+    """Every byte's scale times 127 covers the max |x| that encodes to it, and the byte below
+    does not (rounded up, never down: no value clips); the range ends clamp."""
+    scales = decode_scales(torch.arange(256, dtype=torch.uint8))
+    assert scales[0] == 2.0**-20 and scales[8] == 2.0**-19 and scales[255] == 1.875 * 2.0**11
+    assert (scales[1:] > scales[:-1]).all()
+    g = torch.Generator().manual_seed(5)
+    amax = 2.0 ** (torch.rand(10_000, generator=g) * 30 - 14)
+    amax = torch.cat([amax, scales * 127, torch.tensor([0.0, 1e-30, 1e9])])
+    codes = encode_scales(amax, 127.0).long()
+    s = decode_scales(codes.to(torch.uint8))
+    inside = (amax >= 127 * 2.0**-20) & (amax <= scales[-1] * 127)
+    assert (s[inside] * 127 >= amax[inside] * (1 - 1e-6)).all()
+    below = decode_scales((codes - 1).clamp(min=0).to(torch.uint8))
+    assert (below[inside & (codes > 0)] * 127 < amax[inside & (codes > 0)]).all()
+    assert codes[-3:].tolist() == [0, 0, 255]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_write_gives_the_pytorch_bits(ext, dtype):
     k, v = _rows(40, 2, 128, seed=1, dtype=dtype), _rows(40, 2, 128, seed=2, dtype=dtype)
     slots = torch.randperm(64)[:40]
-    native = torch.zeros(2, 64, 2, 130, dtype=torch.int8)
+    native = torch.zeros(2, 64, 2, 128 + 2, dtype=torch.int8)
     ext.reshape_and_cache_int8(k, v, native, slots)
     plain = torch.zeros_like(native)
     plain[0, slots], plain[1, slots] = quantize_kv_rows(k), quantize_kv_rows(v)
@@ -125,7 +155,7 @@ def test_write_without_the_kernel_is_the_pytorch_form(monkeypatch):
 
     monkeypatch.setattr(kv_quant, "cpu_paged_attention", lambda: None)
     k, v = _rows(8, 2, 64, seed=3), _rows(8, 2, 64, seed=4)
-    cache, slots = torch.zeros(2, 16, 2, 66, dtype=torch.int8), torch.arange(8) * 2
+    cache, slots = torch.zeros(2, 16, 2, 64 + 1, dtype=torch.int8), torch.arange(8) * 2
     write_kv(k, v, cache, slots)
     assert torch.equal(cache[0, slots], quantize_kv_rows(k)) and cache[:, 1::2].eq(0).all()
 

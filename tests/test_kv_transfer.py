@@ -19,6 +19,7 @@ from test_block_pool import check_pool, make_req
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import KVPoolFullError, PDConnector
+from tandem.executor.kv_quant import row_len
 from tandem.executor.kv_transfer import KVPayload, ShmTransport
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
@@ -137,12 +138,13 @@ def test_payload_bytes(llama):
 
 
 def test_int8_payload_carries_the_scales(llama):
-    """An int8 cache's blocks travel as they are, each row's scale in it: the payload's bytes
+    """An int8 cache's blocks travel as they are, each row's scales in it: the payload's bytes
     are what the pool counts per block, and the rows arrive bit for bit."""
     a, conn = _llm(llama, kv_cache_dtype="int8").engine, ShmTransport()
     cfg = ModelConfig.from_hf(load_config(llama))
     _, payload = prefill(a, _prompts()[-1], "p")
-    assert payload.kv.dtype == torch.int8 and payload.kv.shape[-1] == cfg.head_dim + 2
+    assert payload.kv.dtype == torch.int8
+    assert payload.kv.shape[-1] == row_len(cfg.head_dim, torch.int8)
     assert payload.num_bytes == 5 * BS * cfg.kv_bytes_per_token(torch.int8)
     conn.send("t", payload)
     got, _ = conn.recv("t", timeout=5)

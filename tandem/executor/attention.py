@@ -226,7 +226,7 @@ class TorchAttention:
     """Every layer's attention: PyTorch (and the CPU kernel), or the Triton kernels when
     meta.triton. KV cache layout: [2, num_slots, num_kv_heads, head_dim], in the activations'
     dtype or, under fp32 on CPU, bf16 / fp16 (K and V are rounded as they are written, widened as
-    they are read); or int8 on CPU, rows of head_dim + 2 with their scale (kv_quant.py)."""
+    they are read); or int8 on CPU, rows of head_dim values and their scale bytes (kv_quant.py)."""
 
     def __init__(
         self,

@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 
 class KVCache:
     """[layers_per_group, 2, slots, num_kv_heads, row] on the device (every layer, in the
-    plain layout; row: head_dim, or head_dim + 2 for int8 and fp8); a block is block_size
-    consecutive slots. One allocator and one block table serve the target and a draft model with
-    KV of its own (`draft_cfg`, plain layout only): the budget pays for both per block."""
+    plain layout; row: head_dim, or with its scale bytes for int8 and fp8: kv_quant.row_len); a
+    block is block_size consecutive slots. One allocator and one block table serve the target and
+    a draft model with KV of its own (`draft_cfg`, plain layout only): the budget pays for both
+    per block."""
 
     def __init__(
         self,

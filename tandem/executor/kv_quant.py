@@ -1,9 +1,15 @@
 """The quantised KV caches' rows: a K or V row of head_dim values is stored as head_dim one-byte
-values and their fp16 scale (max |x| / 127 for int8, the CPU's; max |x| / 448 for fp8 e4m3, the
-Triton kernels') in two more bytes, [..., head_dim + 2]. The scale lives in the row, so every
-block copy (swap, P/D transfer, the prefix cache's shared blocks) moves it with the values. A
-scale per token and KV head follows outliers of one token without widening the grid of the
-others, and a row is written once, never rescaled when its block fills.
+values (int8 on the CPU, fp8 e4m3 in the Triton kernels) and then one scale byte per GROUP of them:
+[..., head_dim + ceil(head_dim / GROUP)]. The scales live in the row, so every block copy (swap,
+P/D transfer, the prefix cache's shared blocks) moves them with the values. Scales per token and
+KV head follow outliers of one token without widening the grid of the others, and a row is written
+once, never rescaled when its block fills; a group of 64 keeps one outlier from coarsening a whole
+256-value row (Gemma 3's head_dim).
+
+A scale byte is an unsigned float with 5 exponent and 3 mantissa bits, 2^-20 to 1.875 * 2^11:
+its fp32 bits are (byte << 20) + SCALE_BIAS_BITS. It is max |x| / qmax rounded up to that grid, so
+the group's largest value still fits (|x| / scale <= qmax), at worst 1/8 coarser than an exact
+scale; one byte, not an fp16's two, lets a head_dim-64 row of 65 bytes hold 1.97x bf16's tokens.
 
 The kernels (kernels/cpu_paged_attention.cpp, executor/triton_attention.py) write and read these
 rows; the functions here are the same arithmetic in PyTorch, bit for bit, for the gather paths
@@ -15,33 +21,53 @@ import torch
 
 from tandem.kernels import cpu_paged_attention
 
-SCALE_BYTES = 2  # an fp16 scale after each row
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the quantised dtypes' largest value
+GROUP = 64  # values per scale byte (kernels: kScaleGroup)
+SCALE_BIAS_BITS = 107 << 23  # a scale byte's exponent 0 is 2^-20: fp32 exponent field 107
 
 
 def row_len(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of a cache row of this dtype."""
-    return head_dim + SCALE_BYTES if dtype in QMAX else head_dim
+    """Elements of a cache row of this dtype: the values, then a scale byte per group."""
+    return head_dim + -(-head_dim // GROUP) if dtype in QMAX else head_dim
+
+
+def _head_dim(row: int) -> int:
+    """row_len's inverse: a row of n groups holds GROUP (n - 1) + r values (1 <= r <= GROUP) and n
+    scale bytes, so n = ceil(row / (GROUP + 1))."""
+    return row - -(-row // (GROUP + 1))
+
+
+def encode_scales(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Scale bytes (uint8) for groups whose largest |x| is amax (fp32): amax * (1 / qmax) rounded
+    up to 3 mantissa bits, clamped to the byte's range."""
+    bits = (amax * (1.0 / qmax)).view(torch.int32)
+    return (((bits + 0xFFFFF) >> 20) - (SCALE_BIAS_BITS >> 20)).clamp_(0, 255).to(torch.uint8)
+
+
+def decode_scales(codes: torch.Tensor) -> torch.Tensor:
+    """Scale bytes (uint8) as fp32 scales."""
+    return ((codes.to(torch.int32) << 20) + SCALE_BIAS_BITS).view(torch.float32)
 
 
 def quantize_kv_rows(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor:
-    """[..., D] floats as rows [..., D + 2] of `dtype`: scale = (max |x| / qmax) rounded to fp16,
-    values x / scale rounded to the dtype (int8: half to even, as the kernel's nearbyint), written
-    as x * (1 / scale)."""
-    qmax = QMAX[dtype]
-    xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) * (1.0 / qmax)).half()
-    s = scale.float()
-    q = (xf * torch.where(s > 0, 1.0 / s, 0.0)).clamp_(-qmax, qmax)
+    """[..., D] floats as rows [..., row_len(D)] of `dtype`: per group, scale = encode_scales of its
+    max |x|, values x / scale rounded to the dtype (int8: half to even, as the kernel's nearbyint),
+    written as x * (1 / scale). A last group shorter than GROUP is padded with zeros for its max."""
+    qmax, d = QMAX[dtype], x.shape[-1]
+    xf = torch.nn.functional.pad(x.float(), (0, -d % GROUP)).unflatten(-1, (-1, GROUP))
+    codes = encode_scales(xf.abs().amax(-1), qmax)
+    inv = 1.0 / decode_scales(codes).unsqueeze(-1)
+    q = (xf * inv).clamp_(-qmax, qmax).flatten(-2)[..., :d]
     q = q.round_().to(dtype) if dtype == torch.int8 else q.to(dtype)
-    return torch.cat([q, scale.view(dtype)], -1)
+    return torch.cat([q.view(torch.uint8), codes], -1).view(dtype)
 
 
 def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Quantised rows [..., D + 2] as [..., D] values in `dtype` (fp32 arithmetic)."""
-    d = rows.shape[-1] - SCALE_BYTES
-    scale = rows[..., d:].contiguous().view(torch.float16).float()
-    return (rows[..., :d].float() * scale).to(dtype)
+    """Quantised rows [..., row_len(D)] as [..., D] values in `dtype` (fp32 arithmetic)."""
+    d = _head_dim(rows.shape[-1])
+    scales = decode_scales(rows[..., d:].view(torch.uint8)).unsqueeze(-1)
+    values = torch.nn.functional.pad(rows[..., :d].float(), (0, -d % GROUP))
+    return (values.unflatten(-1, (-1, GROUP)) * scales).flatten(-2)[..., :d].to(dtype)
 
 
 def write_kv(

@@ -12,8 +12,9 @@ of tokens and sequences: a CUDA graph can replay it with new metadata. It walks 
 one tile of keys (one KV block or several) at a time with an online softmax in fp32; a query
 row sees keys up to its own position (causal within the chunk, all of the prefix before it).
 
-An fp8 (e4m3) cache holds rows of head_dim values and their fp16 scale (executor/kv_quant.py):
-the write quantises each (token, KV head) row, the attention dequantises each tile it loads.
+An fp8 (e4m3) cache holds rows of head_dim values and a scale byte per group of them, the CPU int8
+rows' layout and scale format (executor/kv_quant.py): the write quantises each (token, KV head)
+row, the attention dequantises each tile it loads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from tandem.executor.kv_quant import GROUP, SCALE_BIAS_BITS
 
 try:
     import triton
@@ -67,20 +70,30 @@ if triton is not None:
         stride_xh,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
+        SCALE_GROUP: tl.constexpr,
+        GROUPS_PAD: tl.constexpr,
+        SCALE_BIAS: tl.constexpr,
     ):
-        """Token t's row of KV head h (K or V) as an fp8 row and its fp16 scale."""
+        """Token t's row of KV head h (K or V) as an fp8 row and its scale bytes (kv_quant.py:
+        quantize_kv_rows)."""
         t, h = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             d = tl.arange(0, HEAD_PAD)
             x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=d < HEAD_DIM, other=0.0)
             x = x.to(tl.float32)
-            scale = (tl.max(tl.abs(x), 0) * (1.0 / 448.0)).to(tl.float16)
-            inv = tl.where(scale > 0, 1.0 / scale.to(tl.float32), 0.0)
-            row = (slot * tl.num_programs(1) + h) * (HEAD_DIM + 2)
+            c = tl.arange(0, GROUPS_PAD)
+            in_group = (d[None, :] // SCALE_GROUP) == c[:, None]  # [groups, d]
+            amax = tl.max(tl.where(in_group, tl.abs(x)[None, :], 0.0), 1)
+            bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+            code = tl.minimum(tl.maximum(((bits + 0xFFFFF) >> 20) - (SCALE_BIAS >> 20), 0), 255)
+            scale = ((code << 20) + SCALE_BIAS).to(tl.float32, bitcast=True)
+            inv = tl.sum(tl.where(in_group, (1.0 / scale)[:, None], 0.0), 0)  # [d]
+            row = (slot * tl.num_programs(1) + h) * (HEAD_DIM + tl.cdiv(HEAD_DIM, SCALE_GROUP))
             q = tl.clamp(x * inv, -448.0, 448.0).to(tl.float8e4nv)
             tl.store(cache_ptr + row + d, q, mask=d < HEAD_DIM)
-            tl.store(cache_ptr.to(tl.pointer_type(tl.float16)) + (row + HEAD_DIM) // 2, scale)
+            codes_ptr = cache_ptr.to(tl.pointer_type(tl.uint8)) + row + HEAD_DIM
+            tl.store(codes_ptr + c, code.to(tl.uint8), mask=c * SCALE_GROUP < HEAD_DIM)
 
     @triton.jit
     def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
@@ -109,6 +122,8 @@ if triton is not None:
         d_ok,
         HEAD_DIM: tl.constexpr,
         FP8: tl.constexpr,
+        SCALE_GROUP: tl.constexpr,
+        SCALE_BIAS: tl.constexpr,
     ):
         """K and V of the positions k_pos (masked by k_ok) of one sequence, one KV head, through
         its block table; from an fp8 cache, dequantised to fp32."""
@@ -118,13 +133,13 @@ if triton is not None:
         kv_ok = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
-        if FP8:  # each row's fp16 scale after its values
-            scale_off = (slot * stride_cs + head_off + HEAD_DIM) // 2
-            f16 = tl.pointer_type(tl.float16)
-            ks = tl.load(k_cache_ptr.to(f16) + scale_off, mask=k_ok, other=0.0).to(tl.float32)
-            vs = tl.load(v_cache_ptr.to(f16) + scale_off, mask=k_ok, other=0.0).to(tl.float32)
-            k = k.to(tl.float32) * ks[:, None]
-            v = v.to(tl.float32) * vs[:, None]
+        if FP8:  # each value's group's scale byte, after the row's values
+            code_off = kv_off - d[None, :] + HEAD_DIM + d[None, :] // SCALE_GROUP
+            u8 = tl.pointer_type(tl.uint8)
+            kc = tl.load(k_cache_ptr.to(u8) + code_off, mask=kv_ok, other=0).to(tl.int32)
+            vc = tl.load(v_cache_ptr.to(u8) + code_off, mask=kv_ok, other=0).to(tl.int32)
+            k = k.to(tl.float32) * ((kc << 20) + SCALE_BIAS).to(tl.float32, bitcast=True)
+            v = v.to(tl.float32) * ((vc << 20) + SCALE_BIAS).to(tl.float32, bitcast=True)
         return k, v
 
     @triton.jit
@@ -172,6 +187,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         IEEE: tl.constexpr,
         FP8: tl.constexpr,
+        SCALE_GROUP: tl.constexpr,
+        SCALE_BIAS: tl.constexpr,
     ):
         q_block = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -224,6 +241,8 @@ if triton is not None:
                     d_ok,
                     HEAD_DIM,
                     FP8,
+                    SCALE_GROUP,
+                    SCALE_BIAS,
                 )
                 if FP8:  # the tiles in the activations' dtype, as the dots below take them
                     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -251,9 +270,9 @@ if triton is not None:
 def reshape_and_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D] (fp8: D + 2). Token t goes to slot
-    slot_mapping[t] (skipped where it is -1). One launch for K and V of every token of the layer
-    (fp8: one each)."""
+    """k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D] (fp8: kv_quant.row_len). Token t goes
+    to slot slot_mapping[t] (skipped where it is -1). One launch for K and V of every token of the
+    layer (fp8: one each)."""
     if kv_cache.dtype == torch.float8_e4m3fn:
         for x, cache in zip((k, v), kv_cache):
             _reshape_and_cache_fp8_kernel[x.shape[:2]](
@@ -264,6 +283,9 @@ def reshape_and_cache(
                 x.stride(1),
                 HEAD_DIM=x.shape[2],
                 HEAD_PAD=triton.next_power_of_2(x.shape[2]),
+                SCALE_GROUP=GROUP,
+                GROUPS_PAD=triton.next_power_of_2(-(-x.shape[2] // GROUP)),
+                SCALE_BIAS=SCALE_BIAS_BITS,
             )
         return
     k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
@@ -343,5 +365,7 @@ def unified_attention(
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu",
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        SCALE_GROUP=GROUP,
+        SCALE_BIAS=SCALE_BIAS_BITS,
     )
     return out

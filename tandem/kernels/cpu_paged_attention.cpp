@@ -4,9 +4,11 @@
 // type, or bf16 / fp16 under fp32 activations: half the bytes to stream); the query heads of a
 // GQA group share every K/V row they read, and a context is split into fixed parts that the
 // threads share.
-// An int8 cache row is D int8 values and their fp16 scale (max |x| / 127) in two more bytes: the
-// scale travels with the row through every block copy (swap, P/D, prefix cache). It is folded into
-// the score (K) and the value weight (V), never multiplied into the row.
+// An int8 cache row is D int8 values and then a scale byte per kScaleGroup of them (max |x| / 127
+// rounded up to an 8-bit float: executor/kv_quant.py): the scales travel with the row through every
+// block copy (swap, P/D, prefix cache). They are folded into the score (K; with several groups,
+// into each group's K values as they are widened) and the value weights of each group's outputs
+// (V), never multiplied into the row.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
 #include <ATen/Dispatch.h>
@@ -90,33 +92,51 @@ inline v8 sums8(const v8 (&v)[8]) {
 #endif
 }
 
-// Elements of a cache row: an int8 row carries its fp16 scale after its D values.
+// Elements of a cache row: an int8 row carries a scale byte per kScaleGroup values after its D
+// values (executor/kv_quant.py: GROUP, row_len).
+constexpr int64_t kScaleGroup = 64;
+constexpr int64_t int8_row_len(int64_t d) { return d + (d + kScaleGroup - 1) / kScaleGroup; }
 template <typename T, int D>
-constexpr int64_t kRowLen = std::is_same<T, int8_t>::value ? D + 2 : D;
+constexpr int64_t kRowLen = std::is_same<T, int8_t>::value ? int8_row_len(D) : D;
 
-template <int D>
-inline float scale_of(const int8_t* row) {
-  uint16_t bits;
-  std::memcpy(&bits, row + D, sizeof bits);
-#ifdef __F16C__  // one instruction, not at::Half's bit arithmetic: two per position
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
+// A scale byte's fp32 bits are (byte << 20) + kScaleBiasBits: 5 exponent bits from 2^-20, 3 mantissa
+// bits (kv_quant.py: SCALE_BIAS_BITS, decode_scales).
+constexpr uint32_t kScaleBiasBits = 107u << 23;
+inline float decode_scale(uint8_t code) {
+  const uint32_t bits = (static_cast<uint32_t>(code) << 20) + kScaleBiasBits;
+  float s;
+  std::memcpy(&s, &bits, sizeof s);
+  return s;
 }
 
-// x [D] as an int8 cache row: scale = (max |x| / 127) rounded to fp16, values round(x / scale) in
-// [-127, 127]. Written as x * (1 / scale) and max |x| * (1 / 127), which -ffast-math leaves as they
-// are: the same bits as kv_cache.quantize_kv_rows, the PyTorch form.
+// Group c's scale of an int8 row of D values.
+template <int D>
+inline float scale_of(const int8_t* row, int64_t c) { return decode_scale(static_cast<uint8_t>(row[D + c])); }
+
+// amax * (1 / 127) rounded up to a scale byte (kv_quant.py: encode_scales).
+inline uint8_t encode_scale(float amax) {
+  const float s = amax * (1.f / 127.f);
+  uint32_t bits;
+  std::memcpy(&bits, &s, sizeof bits);
+  const int64_t code = ((static_cast<int64_t>(bits) + 0xFFFFF) >> 20) - (kScaleBiasBits >> 20);
+  return static_cast<uint8_t>(std::min<int64_t>(255, std::max<int64_t>(0, code)));
+}
+
+// x [d] as an int8 cache row: per group of kScaleGroup values, its scale byte (encode_scale of the
+// group's max |x|), values round(x / scale) in [-127, 127]. Written as x * (1 / scale), which
+// -ffast-math leaves as it is: the same bits as kv_quant.quantize_kv_rows, the PyTorch form.
 template <typename TQ>
 inline void quantize_row(const TQ* x, int64_t d, int8_t* out) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
-  const at::Half scale(amax * (1.f / 127.f));
-  const float s = static_cast<float>(scale), inv = s > 0.f ? 1.f / s : 0.f;
-  for (int64_t i = 0; i < d; ++i)
-    out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[i]) * inv))));
-  std::memcpy(out + d, &scale, sizeof scale);
+  for (int64_t c0 = 0; c0 < d; c0 += kScaleGroup) {
+    const int64_t c1 = std::min(c0 + kScaleGroup, d);
+    float amax = 0.f;
+    for (int64_t i = c0; i < c1; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+    const uint8_t code = encode_scale(amax);
+    const float inv = 1.f / decode_scale(code);
+    for (int64_t i = c0; i < c1; ++i)
+      out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[i]) * inv))));
+    out[d + c0 / kScaleGroup] = static_cast<int8_t>(code);
+  }
 }
 
 // Position p's row for KV head h in a cache [num_slots, hkv, row] through block table `table`.
@@ -134,22 +154,48 @@ inline void prefetch_row(const T* p) {
   for (int64_t o = 0; o < kRowLen<T, D> * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, static_cast<_mm_hint>(Hint));
 }
 
-// Scores of R (1-2) K rows (`stride` elements apart from kp) against G (1-4) query heads qj [G, D]
-// (fp32, scaled) into s[j * kPart + r]: each K element is read and widened once for the G heads.
-template <int G, int R, typename T, int D>
-inline void scores_of(const float* qj, const T* kp, int64_t stride, float* s) {
-  v8 a[8] = {};  // a[2j + r]
-  for (int i = 0; i < D; i += 8) {
+// Sums of q . k over elements [i0, i1) into a[2j + r]: R K rows (k widened, then times ks[r] when
+// given), G query heads.
+template <int G, int R, typename T, int D, bool Scaled = false>
+inline void dots(const float* qj, const T* kp, int64_t stride, int i0, int i1, v8 (&a)[8], const float* ks = nullptr) {
+  for (int i = i0; i < i1; i += 8) {
     v8 k[R];
-    for (int r = 0; r < R; ++r) k[r] = load8(kp + r * stride + i);
+    for (int r = 0; r < R; ++r) {
+      k[r] = load8(kp + r * stride + i);
+      if constexpr (Scaled) k[r] *= ks[r];
+    }
     for (int j = 0; j < G; ++j) {
       const v8 q = load8(qj + j * D + i);
       for (int r = 0; r < R; ++r) a[2 * j + r] += q * k[r];
     }
   }
+}
+
+// Scores of R (1-2) K rows (`stride` elements apart from kp) against G (1-4) query heads qj [G, D]
+// (fp32, scaled) into s[j * kPart + r]: each K element is read and widened once for the G heads.
+// An int8 row of one group takes its scale on the score; of several, each group's K vectors take
+// their scale as they are widened (per-group partial sums need twice the accumulators: at G = 4,
+// R = 2 more than AVX2's 16 registers).
+template <int G, int R, typename T, int D>
+inline void scores_of(const float* qj, const T* kp, int64_t stride, float* s) {
+  constexpr bool kInt8 = std::is_same<T, int8_t>::value;
+  v8 a[8] = {};  // a[2j + r]
+  float ks[R];
+  if constexpr (kInt8 && D > kScaleGroup) {
+    for (int c = 0; c < D / kScaleGroup; ++c) {
+      for (int r = 0; r < R; ++r) ks[r] = scale_of<D>(kp + r * stride, c);
+      dots<G, R, T, D, true>(qj, kp, stride, c * kScaleGroup, (c + 1) * kScaleGroup, a, ks);
+    }
+  } else {
+    dots<G, R, T, D>(qj, kp, stride, 0, D, a);
+  }
   const v8 sums = sums8(a);
+  for (int r = 0; r < R; ++r) {
+    ks[r] = 1.f;
+    if constexpr (kInt8 && D == kScaleGroup) ks[r] = scale_of<D>(kp + r * stride, 0);
+  }
   for (int j = 0; j < G; ++j)
-    for (int r = 0; r < R; ++r) s[j * kPart + r] = sums[2 * j + r];
+    for (int r = 0; r < R; ++r) s[j * kPart + r] = sums[2 * j + r] * ks[r];
 }
 
 // The V side: kW outputs of G query heads at a time summed in registers over the part, each V
@@ -184,7 +230,8 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   const int64_t len = hi - lo, row_stride = hkv * kRowLen<T, D>;
   auto row = [&](const T* cache, int64_t p) { return row_of<T, D>(cache, table, block_size, hkv, h, p); };
   for (int64_t p = lo; p < std::min(lo + kAhead, hi); ++p) prefetch_row<T, D>(row(k_cache, p));
-  float scores[kMaxGroup * kPart], k_scale[kPart], v_scale[kPart];
+  constexpr int64_t kGroups = D / kScaleGroup;  // an int8 row's scales
+  float scores[kMaxGroup * kPart], v_scale[kGroups * kPart];
   for (int64_t p0 = lo, n; p0 < hi; p0 += n) {  // block by block: a block's rows are row_stride apart
     n = std::min(block_size - p0 % block_size, hi - p0);
     const T* kp = row(k_cache, p0);
@@ -201,10 +248,8 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
       prefetch_row<T, D, _MM_HINT_T1>(vp + t * row_stride);
     }
     if constexpr (kInt8)
-      for (int64_t t = 0; t < n; ++t) {
-        k_scale[p0 - lo + t] = scale_of<D>(kp + t * row_stride);
-        v_scale[p0 - lo + t] = scale_of<D>(vp + t * row_stride);
-      }
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < kGroups; ++c) v_scale[c * kPart + p0 - lo + t] = scale_of<D>(vp + t * row_stride, c);
     head_groups(g, [&](int64_t j0, auto g_const) {
       constexpr int G = decltype(g_const)::value;
       float* s = scores + j0 * kPart + (p0 - lo);
@@ -217,14 +262,10 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * kPart;
     float mx = -INFINITY, sum = 0.f;  // locals: through m[j] the max is a store-to-load chain
-    if constexpr (kInt8)
-      for (int64_t t = 0; t < len; ++t) sj[t] *= k_scale[t];
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sj[t]);
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) sum += (sj[t] = std::exp(sj[t] - mx));
     m[j] = mx, l[j] = sum;
-    if constexpr (kInt8)  // the weight of V's int8 values: the softmax's times V's scale
-      for (int64_t t = 0; t < len; ++t) sj[t] *= v_scale[t];
   }
   // The part's V rows (v_row): with one KV head a block's rows lie D apart and are read in
   // place (a copy was ~4% of Gemma 3 270M's decode step at 16 rows, AVX2 build); else they lie
@@ -254,9 +295,18 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   head_groups(g, [&](int64_t j0, auto g_const) {
     constexpr int G = decltype(g_const)::value;
     const float* p = scores + j0 * kPart;
+    float v_weights[G * kPart];  // int8: the softmax's weights times the scales of V's group
     for (int64_t t0 = 0; t0 < len; t0 += kSpan) {
       const int64_t t1 = std::min(t0 + kSpan, len);
       for (int i0 = 0; i0 < D; i0 += kW) {
+        const float* w = p;
+        if constexpr (kInt8) {  // a group's kScaleGroup outputs take several passes: weights once
+          const float* vs = v_scale + i0 / kScaleGroup * kPart;
+          if (i0 % kScaleGroup == 0)
+            for (int j = 0; j < G; ++j)
+              for (int64_t t = t0; t < t1; ++t) v_weights[j * kPart + t] = p[j * kPart + t] * vs[t];
+          w = v_weights;
+        }
         v8 a[G][kW / 8] = {};
         if (t0 > 0)
           for (int j = 0; j < G; ++j)
@@ -266,8 +316,8 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
           v8 v[kW / 8];
           for (int u = 0; u < kW / 8; ++u) v[u] = load8(vp + 8 * u);
           for (int j = 0; j < G; ++j) {
-            const float w = p[j * kPart + t];
-            for (int u = 0; u < kW / 8; ++u) a[j][u] += w * v[u];
+            const float wt = w[j * kPart + t];
+            for (int u = 0; u < kW / 8; ++u) a[j][u] += wt * v[u];
           }
         }
         for (int j = 0; j < G; ++j)
@@ -364,7 +414,7 @@ void dispatch_types(at::ScalarType q, at::ScalarType cache, const char* name, F&
   }
 }
 
-// q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (int8: D + 2); block_tables: [B, max_blocks] int64;
+// q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (int8: int8_row_len(D)); block_tables: [B, max_blocks] int64;
 // seq_lens: [B] int64 (context length including the query token). Returns [B, Hq, D].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens,
@@ -376,7 +426,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_attention supports head_dim 64, 128 or 256");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K and V caches' dtypes differ");
-  TORCH_CHECK(k_cache.size(2) == d + (k_cache.scalar_type() == at::kChar ? 2 : 0),
+  TORCH_CHECK(k_cache.size(2) == (k_cache.scalar_type() == at::kChar ? int8_row_len(d) : d),
               "paged_decode_attention: cache rows do not fit head_dim ", d);
   dispatch_types(q.scalar_type(), k_cache.scalar_type(), "paged_decode_attention", [&](auto tq, auto tkv) {
     using TQ = decltype(tq);
@@ -391,7 +441,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 
 // A decode-only step's whole attention from the layer's fused projection: qkv [B, (Hq + 2 Hkv) D]
 // (q, k, v of one token per sequence, RoPE applied); writes k and v at slot_mapping [B] of
-// kv_cache [2, num_slots, Hkv, D] (int8: quantised, D + 2), then attends. Returns [B, Hq * D]. At batch 1 the separate
+// kv_cache [2, num_slots, Hkv, D] (int8: quantised, int8_row_len(D)), then attends. Returns [B, Hq * D]. At batch 1 the separate
 // split / index_copy_ / slice / copy ops around the kernel cost more than the attention.
 at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot_mapping,
                             at::Tensor block_tables, at::Tensor seq_lens, int64_t num_heads,
@@ -401,10 +451,11 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               slot_mapping.scalar_type() == at::kLong);
   const bool int8 = kv_cache.scalar_type() == at::kChar;
-  const int64_t b = qkv.size(0), hkv = kv_cache.size(2), row_len = kv_cache.size(3), d = row_len - (int8 ? 2 : 0),
-                slots = kv_cache.size(1);
+  const int64_t b = qkv.size(0), hkv = kv_cache.size(2), row_len = kv_cache.size(3),
+                d = qkv.size(1) / (num_heads + 2 * hkv), slots = kv_cache.size(1);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_decode_qkv supports head_dim 64, 128 or 256");
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && slot_mapping.numel() == b && seq_lens.numel() >= b);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * hkv) * d && row_len == (int8 ? int8_row_len(d) : d) &&
+              slot_mapping.numel() == b && seq_lens.numel() >= b);
   auto out = at::empty({b, num_heads * d}, qkv.options());
   dispatch_types(qkv.scalar_type(), kv_cache.scalar_type(), "paged_decode_qkv", [&](auto tq, auto tkv) {
     using TQ = decltype(tq);
@@ -434,23 +485,23 @@ at::Tensor paged_decode_qkv(at::Tensor qkv, at::Tensor kv_cache, at::Tensor slot
 }
 
 // Writes k and v [T, Hkv, D] (unit inner stride) at slot_mapping [T] of an int8 kv_cache
-// [2, num_slots, Hkv, D + 2], quantised row by row: the KV write of a step that is not decode-only.
+// [2, num_slots, Hkv, int8_row_len(D)], quantised row by row: the KV write of a step that is not decode-only.
 void reshape_and_cache_int8(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kChar);
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes() &&
               k.scalar_type() == v.scalar_type());
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong);
-  const int64_t t = k.size(0), hkv = k.size(1), d = k.size(2), slots = kv_cache.size(1);
-  TORCH_CHECK(kv_cache.size(2) == hkv && kv_cache.size(3) == d + 2 && slot_mapping.numel() == t);
+  const int64_t t = k.size(0), hkv = k.size(1), d = k.size(2), slots = kv_cache.size(1), row = int8_row_len(d);
+  TORCH_CHECK(kv_cache.size(2) == hkv && kv_cache.size(3) == row && slot_mapping.numel() == t);
   int8_t* cache = kv_cache.data_ptr<int8_t>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "reshape_and_cache_int8", [&] {
     for (int64_t i = 0; i < t; ++i) {
       TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "reshape_and_cache_int8: slot out of range");
       for (int64_t h = 0; h < hkv; ++h) {
-        quantize_row(k.data_ptr<scalar_t>() + i * k.stride(0) + h * k.stride(1), d, cache + (slot[i] * hkv + h) * (d + 2));
+        quantize_row(k.data_ptr<scalar_t>() + i * k.stride(0) + h * k.stride(1), d, cache + (slot[i] * hkv + h) * row);
         quantize_row(v.data_ptr<scalar_t>() + i * v.stride(0) + h * v.stride(1), d,
-                     cache + ((slots + slot[i]) * hkv + h) * (d + 2));
+                     cache + ((slots + slot[i]) * hkv + h) * row);
       }
     }
   });

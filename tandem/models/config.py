@@ -140,9 +140,10 @@ class ModelConfig:
         return max_model_len or limit
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of every layer; a row of one-byte values (int8, fp8) also holds its fp16
-        scale."""
-        row = self.head_dim + 2 if dtype.itemsize == 1 else self.head_dim * dtype.itemsize
+        """K and V of every layer; a row of one-byte values (int8, fp8) also holds a scale byte
+        per 64 of them (executor/kv_quant.py: row_len)."""
+        d = self.head_dim
+        row = d + -(-d // 64) if dtype.itemsize == 1 else d * dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * row
 
 
