@@ -23,7 +23,7 @@ namespace tandem_cpu_lora_sgmv {
 
 namespace {
 
-constexpr int64_t kRows = 4;  // rows per block: they share each load of A
+constexpr int64_t kRows = 4;  // rows per block: they share each load of A and B (hsum8: 2 x 4 sums)
 constexpr int64_t kSlotHead = 3, kPartCols = 3;
 
 template <typename T>
@@ -86,49 +86,65 @@ void shrink(const T* x, const T* a, int64_t k, int64_t n_out, float* t, int64_t 
   }
 }
 
-// y[n] += t . b[n] for n < width (b [width, r]) for one row.
-template <typename T>
-void expand(const float* t, const T* b, int64_t r, int64_t width, T* y) {
-  int64_t n = 0;
+// y[i][c] += t[i] . b[c] for R rows (t's `ld` apart, y's `ldy`) and c < width (b [width, r]).
+// Up to kRows rows per read of b, two columns at a time: their eight sums reduced in one go.
+template <int64_t R, typename T>
+void expand(const float* t, int64_t ld, const T* b, int64_t r, int64_t width, T* y, int64_t ldy) {
+  int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if (r % 8 == 0) {
-    for (; n + 8 <= width; n += 8) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < r; c += 8) {
-        __m256 v = _mm256_loadu_ps(t + c);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(v, load8(b + (n + j) * r + c), acc[j]);
+    for (; c + 2 <= width; c += 2) {
+      __m256 acc[2 * kRows];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t j = 0; j < r; j += 8) {
+        __m256 w0 = load8(b + c * r + j), w1 = load8(b + (c + 1) * r + j);
+        for (int64_t i = 0; i < R; ++i) {
+          __m256 v = _mm256_loadu_ps(t + i * ld + j);
+          acc[2 * i] = _mm256_fmadd_ps(v, w0, acc[2 * i]);
+          acc[2 * i + 1] = _mm256_fmadd_ps(v, w1, acc[2 * i + 1]);
+        }
       }
-      alignas(32) float d[8];
+      alignas(32) float d[2 * kRows];
       _mm256_store_ps(d, hsum8(acc));
-      for (int j = 0; j < 8; ++j) y[n + j] = static_cast<T>(to_float(y[n + j]) + d[j]);
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t h = 0; h < 2; ++h) {
+          T& o = y[i * ldy + c + h];
+          o = static_cast<T>(to_float(o) + d[2 * i + h]);
+        }
     }
   }
 #endif
-  for (; n < width; ++n) {
-    float d = 0.f;
-    for (int64_t c = 0; c < r; ++c) d += t[c] * to_float(b[n * r + c]);
-    y[n] = static_cast<T>(to_float(y[n]) + d);
+  for (; c < width; ++c)
+    for (int64_t i = 0; i < R; ++i) {
+      float d = 0.f;
+      for (int64_t j = 0; j < r; ++j) d += t[i * ld + j] * to_float(b[c * r + j]);
+      T& o = y[i * ldy + c];
+      o = static_cast<T>(to_float(o) + d);
+    }
+}
+
+// One block of R rows of a segment: t = x @ A^T, then each part's expand onto its columns.
+template <int64_t R, typename T>
+void block(const T* x, T* y, int64_t k, int64_t n, const int64_t* slot, std::vector<float>& t) {
+  const T* a = reinterpret_cast<const T*>(slot[0]);
+  const int64_t rank = slot[1], parts = slot[2], ld = parts * rank;
+  t.resize(R * ld);
+  shrink<R>(x, a, k, ld, t.data(), ld);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t* part = slot + kSlotHead + p * kPartCols;
+    expand<R>(t.data() + p * rank, ld, reinterpret_cast<const T*>(part[0]), rank, part[2], y + part[1], n);
   }
 }
 
 template <typename T>
 void sgmv_rows(const T* x, T* y, int64_t k, int64_t n, const int64_t* slot, int64_t r0, int64_t rows, std::vector<float>& t) {
-  const T* a = reinterpret_cast<const T*>(slot[0]);
-  const int64_t rank = slot[1], parts = slot[2], ld = parts * rank;
-  t.resize(kRows * ld);
-  const T* xr = x + r0 * k;
+  x += r0 * k;
+  y += r0 * n;
   switch (rows) {
-    case 4: shrink<4>(xr, a, k, ld, t.data(), ld); break;
-    case 3: shrink<3>(xr, a, k, ld, t.data(), ld); break;
-    case 2: shrink<2>(xr, a, k, ld, t.data(), ld); break;
-    default: shrink<1>(xr, a, k, ld, t.data(), ld);
-  }
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t* part = slot + kSlotHead + p * kPartCols;
-    const T* b = reinterpret_cast<const T*>(part[0]);
-    for (int64_t i = 0; i < rows; ++i)
-      expand(t.data() + i * ld + p * rank, b, rank, part[2], y + (r0 + i) * n + part[1]);
+    case 4: return block<4>(x, y, k, n, slot, t);
+    case 3: return block<3>(x, y, k, n, slot, t);
+    case 2: return block<2>(x, y, k, n, slot, t);
+    default: return block<1>(x, y, k, n, slot, t);
   }
 }
 
