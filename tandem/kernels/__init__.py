@@ -171,6 +171,13 @@ def cpu_invariant_gemm():
     return _kernel("cpu_invariant_gemm")
 
 
+@functools.cache
+def cpu_lora_sgmv():
+    """LoRA's shrink and expand for every adapter segment of a batch in one call per linear
+    (kernels/cpu_lora_sgmv.cpp), or None. Its FMAs are its intrinsics'."""
+    return _kernel("cpu_lora_sgmv")
+
+
 def target_flags() -> list[str]:
     """The instruction set the kernels are built for: this CPU's (-march=native), or with
     TANDEM_CPU_ISA=avx2 its AVX2 subset, no AVX-512: what an AVX2-only machine runs, reproduced
@@ -191,7 +198,7 @@ UNITS = {
         ["-ffast-math", "-fopenmp"],
     ),
     "cpu_kernels": (
-        ("cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm"),
+        ("cpu_fused_ops", "cpu_quant_gemm", "cpu_invariant_gemm", "cpu_lora_sgmv"),
         ["-ffp-contract=off", "-fopenmp"],
     ),
 }

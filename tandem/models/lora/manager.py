@@ -137,7 +137,7 @@ class LoRAManager:
         resident = None if adapter is None else adapter.to(self.device)
         for layers in self.layers:
             for name, layer in layers.items():
-                layer.slots[slot] = None if resident is None else resident.modules.get(name)
+                layer.set_slot(slot, None if resident is None else resident.modules.get(name))
 
 
 def _wrap(
