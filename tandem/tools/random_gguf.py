@@ -13,7 +13,7 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -98,23 +98,10 @@ SHAPES: dict[str, Shape] = {
         experts_per_token=8,
         expert_size=768,
     ),
-    # the same at 4 layers (~2.5B params), for iterating on MoE speed without the 9 GB file; its
-    # Q4_K_M has Q6_K experts' down in half its layers, as the 24-layer one
-    "moe-4l-a1.5b": Shape(
-        2048,
-        6144,
-        4,
-        32,
-        4,
-        context_length=32768,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        head_size=128,
-        num_experts=128,
-        experts_per_token=8,
-        expert_size=768,
-    ),
 }
+# the same at 4 layers (~2.5B params), for iterating on MoE speed without the 9 GB file; its
+# Q4_K_M has Q6_K experts' down in half its layers, as the 24-layer one
+SHAPES["moe-4l-a1.5b"] = replace(SHAPES["moe-15b-a1.5b"], num_layers=4)
 
 
 def tensor_shapes(shape: Shape, vocab_size: int) -> Iterator[tuple[str, tuple[int, ...]]]:
