@@ -98,3 +98,42 @@ def test_real_steps_are_compared_with_the_cost_model_by_kind(tmp_path):
     assert report["kinds"]["prefill"]["median_abs_error"] == pytest.approx(0.0, abs=1e-9)
     assert report["gap_ms"] == pytest.approx(1.0)  # the 900 ms idle wait is not counted
     assert "mixed" in format_steps(report)
+
+
+def test_decode_excess_is_a_line_through_the_median_excess_per_batch_size(tmp_path):
+    import json
+
+    from tandem.sim.cost_model import BatchShape, CostModel
+    from tandem.tools.fidelity_steps import decode_excess
+
+    term = {"compute": (0, 1e-3, 0, 2e-3, 1e-6), "memory": (0,) * 5}
+    cost = CostModel("measured", 0.005, {"fit": term})
+    steps = []
+    for n in (1, 4, 16):
+        for i in range(5):
+            shape = BatchShape(0, 0, n, n * (100 + i))
+            late = 0.5 if i == 0 else 0.0  # one step the OS delayed: the median ignores it
+            seconds = cost.step_time(shape) + 0.0015 + 0.0003 * n + late
+            steps.append(
+                {
+                    "start": float(len(steps)),
+                    "seconds": seconds,
+                    "tokens": n,
+                    "prefill_tokens": 0,
+                    "throttled_prefill_tokens": 0,
+                    "prefill_attention": 0,
+                    "decodes": n,
+                    "decode_context": n * (100 + i),
+                    "running": n,
+                    "waiting": 0,
+                }
+            )
+    path = tmp_path / "steps-calibration.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    per_step, per_seq = decode_excess([path], cost)
+    assert per_step == pytest.approx(0.0015) and per_seq == pytest.approx(0.0003)
+    calibrated = cost.calibrated(1.0, per_step, per_seq)
+    shape = BatchShape(0, 0, 8, 800)
+    assert calibrated.step_time(shape) == pytest.approx(cost.step_time(shape) + 0.0015 + 0.0024)
+    prefill = BatchShape(512, 512 * 512)  # a step decoding nothing pays the step's share only
+    assert calibrated.step_time(prefill) == pytest.approx(cost.step_time(prefill) + 0.0015)

@@ -71,25 +71,36 @@ class CostModel:
     link_latency: float = 1e-5  # seconds per transfer
     max_num_batched_tokens: int = 2048  # the prefill step size X is quoted at
     info: dict = field(default_factory=dict)  # provenance, tables, samples, fit error
+    # seconds each decoding request adds to a step beyond the executor: on a CPU host the front
+    # end's work for the token it streams shares the executor's cores (bench fidelity measures it)
+    seq_overhead: float = 0.0
 
     def step_time(self, batch: BatchShape) -> float:
         x = batch.features()
-        return self.overhead + sum(
-            max(
-                sum(c * v for c, v in zip(t["compute"], x)),
-                sum(m * v for m, v in zip(t["memory"], x))
-                + (expert_read_time(t["experts"], x[1] + x[3]) if "experts" in t else 0.0),
+        return (
+            self.overhead
+            + self.seq_overhead * batch.num_decode_seqs
+            + sum(
+                max(
+                    sum(c * v for c, v in zip(t["compute"], x)),
+                    sum(m * v for m, v in zip(t["memory"], x))
+                    + (expert_read_time(t["experts"], x[1] + x[3]) if "experts" in t else 0.0),
+                )
+                for t in self.terms.values()
             )
-            for t in self.terms.values()
         )
 
-    def calibrated(self, factor: float = 1.0, extra: float = 0.0) -> CostModel:
-        """Every step `factor` times longer plus `extra` seconds: what serving adds on top of
-        the profiled executor (front-end threads sharing the CPU and the GIL, per-step engine
-        work), calibrated from a served run of another workload."""
-        if factor <= 0 or extra < 0:
+    def calibrated(
+        self, factor: float = 1.0, extra: float = 0.0, per_seq: float = 0.0
+    ) -> CostModel:
+        """Every step `factor` times longer plus `extra` seconds, and `per_seq` more for each
+        decoding request in it: what serving adds on top of the profiled executor (front-end
+        threads sharing the CPU and the GIL, per-step engine work), calibrated from a served run
+        of another workload."""
+        if factor <= 0 or extra < 0 or per_seq < 0:
             raise ValueError(
-                f"step scale must be positive and step overhead >= 0, got {factor}, {extra}"
+                "step scale must be positive and step and request overheads >= 0, got "
+                f"{factor}, {extra}, {per_seq}"
             )
         terms = {  # an experts entry scales its read time, not its expert counts
             k: {
@@ -103,8 +114,14 @@ class CostModel:
         return replace(
             self,
             overhead=self.overhead * factor + extra,
+            seq_overhead=self.seq_overhead * factor + per_seq,
             terms=terms,
-            info={**self.info, "step_scale": factor, "step_overhead_s": extra},
+            info={
+                **self.info,
+                "step_scale": factor,
+                "step_overhead_s": extra,
+                "seq_overhead_s": per_seq,
+            },
         )
 
     def kv_transfer_time(self, num_tokens: int) -> float:

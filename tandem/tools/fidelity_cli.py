@@ -9,9 +9,12 @@ beside the replays' own spread. Every run is saved under --result-dir.
 The simulator's front end (`--frontend-ms`: HTTP, tokenising, detokenising, queueing at the API
 process) is measured in the replays themselves, not fitted: per request, the client's E2E less
 the engine's own queue + prefill + decode time, which the server reports with each response.
-So is its per-step overhead (`--step-overhead-ms`): the executor's idle time between two busy
-steps in the replays' step traces, where each real step is also set against the profile's
-prediction for its batch (fidelity_steps.py)."""
+So is the executor's idle time between two busy steps in the replays' step traces, where each
+real step is also set against the profile's prediction for its batch (fidelity_steps.py).
+What serving adds to a decode step (the front end streaming each token on the executor's cores)
+is measured on a calibration load of random requests before the replays
+(fidelity_replay.calibrate): a time per step (`--step-overhead-ms`, with the idle time) and
+per decoding request (`--seq-overhead-ms`)."""
 
 from __future__ import annotations
 
@@ -21,18 +24,15 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from tandem.bench import serve
-from tandem.bench.measure import replace_args
 from tandem.bench.report import SPLIT_KEYS
 from tandem.bench.serve_args import add_trace_arguments
-from tandem.bench.soak_target import start_target
 from tandem.config.args import add_engine_arguments, given
 from tandem.sim.cost_model import CostModel
 from tandem.tools import simulate_cli
-from tandem.tools.fidelity_steps import compare_steps, format_steps
+from tandem.tools.fidelity_replay import calibrate, flags, replay
+from tandem.tools.fidelity_steps import compare_steps, decode_excess, format_steps
 
 METRICS = ("ttft_ms", "itl_ms", "e2e_ms")
 PCTS = ("p50", "p90", "p99")
@@ -40,7 +40,6 @@ TOLERANCE = 0.05  # the goal: within 5% of the real mean, or within the replays'
 # Of the server and the profile alike: the profile stands for the server's KV pool and its
 # batched-token budget.
 PROFILE_OPTIONS = ("model", "quantization", "kv_cache_memory", "num_threads")
-SERVER_OPTIONS = ("quantization", "num_threads", "max_num_seqs")  # start_target passes the rest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,8 +80,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--step-overhead-ms",
         type=float,
         default=None,
-        help="added to each simulated step (default: measured in the replays, the executor's "
-        "mean idle time between two busy steps)",
+        help="added to each simulated step (default: measured, the executor's mean idle time "
+        "between two busy steps in the replays plus the calibration load's excess a step)",
+    )
+    p.add_argument(
+        "--seq-overhead-ms",
+        type=float,
+        default=None,
+        help="added to a simulated step per request decoding in it (default: measured on the "
+        "calibration load)",
     )
     p.add_argument(
         "--result-dir",
@@ -91,63 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _flags(values: dict) -> list[str]:
-    return [
-        x for k, v in values.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))
-    ]
-
-
 def make_profile(args: argparse.Namespace, out: Path) -> Path:
     """`tandem profile` of the engine options the server runs with, in a process of its own."""
     path = out / "profile.json"
     cmd = [sys.executable, "-m", "tandem.cli", "profile", "--out", str(path)]
-    subprocess.run(cmd + _flags(given(args, PROFILE_OPTIONS)) + args.profile_args, check=True)
+    subprocess.run(cmd + flags(given(args, PROFILE_OPTIONS)) + args.profile_args, check=True)
     return path
-
-
-def _warm_up(url: str, model: str) -> None:
-    """One short completion first: a fresh server's first step builds kernels, which the
-    profile (measured warm) does not count."""
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4}).encode()
-    req = urllib.request.Request(
-        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
-
-
-def replay(args: argparse.Namespace, out: Path, i: int) -> dict:
-    """One replay against a fresh server; returns `tandem bench serve`'s result."""
-    server = replace_args(
-        args,
-        url=None,
-        cluster=None,
-        serve_args=_flags(given(args, SERVER_OPTIONS))
-        + ["--step-trace", str(out / f"steps-{i}.jsonl")]
-        + args.serve_args,
-    )
-    (out / f"steps-{i}.jsonl").unlink(missing_ok=True)  # the trace appends
-    target = start_target(server)
-    try:
-        _warm_up(target.url, args.model)
-        parser = argparse.ArgumentParser()
-        serve.add_arguments(parser)
-        bench = parser.parse_args([])
-        shared = {k: v for k, v in vars(args).items() if k in vars(bench)}
-        bench = replace_args(
-            bench,
-            **{
-                **shared,
-                "base_url": target.url,
-                "save_result": True,
-                "result_dir": str(out),
-                "result_filename": f"real-{i}.json",
-                "quiet": True,
-            },
-        )
-        return serve.main(bench)
-    finally:
-        target.stop()
 
 
 def frontend_seconds(runs: list[dict]) -> float | None:
@@ -180,7 +135,12 @@ def step_figures(runs: list[dict], sim: dict) -> dict:
 
 
 def simulate(
-    args: argparse.Namespace, out: Path, profile: Path, frontend_ms: float, step_ms: float
+    args: argparse.Namespace,
+    out: Path,
+    profile: Path,
+    frontend_ms: float,
+    step_ms: float,
+    seq_ms: float,
 ) -> dict:
     parser = argparse.ArgumentParser()
     simulate_cli.add_arguments(parser)
@@ -196,10 +156,12 @@ def simulate(
             f"{frontend_ms:g}",
             "--step-overhead-ms",
             f"{step_ms:g}",
+            "--seq-overhead-ms",
+            f"{seq_ms:g}",
             "--json",
             str(out / "sim.json"),
             # the server's seats (the simulator's own default is a GPU server's)
-            *_flags(given(args, ("max_num_seqs", "max_model_len"))),
+            *flags(given(args, ("max_num_seqs", "max_model_len"))),
         ]
     )
     return simulate_cli.main(sim)["results"][0]
@@ -253,21 +215,31 @@ def main(args: argparse.Namespace) -> dict:
     out = Path(args.result_dir or f"results/fidelity-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(args.profile) if args.profile else make_profile(args, out)
+    cost = CostModel.load(profile)
+    excess = (0.0, 0.0)
+    if args.step_overhead_ms is None or args.seq_overhead_ms is None:
+        excess = decode_excess([calibrate(args, out)], cost)
     runs = [replay(args, out, i) for i in range(1, args.replays + 1)]
     measured = frontend_seconds(runs)
     frontend_ms = args.frontend_ms if args.frontend_ms is not None else (measured or 0.0) * 1e3
-    per_step = compare_steps(
-        [out / f"steps-{i}.jsonl" for i in range(1, args.replays + 1)], CostModel.load(profile)
-    )
+    traces = [out / f"steps-{i}.jsonl" for i in range(1, args.replays + 1)]
+    per_step = compare_steps(traces, cost)
+    calibrated = cost.calibrated(1.0, *excess)
     # The engine thread's work between two steps (taking the last step's tokens back, topping
     # the next one up) keeps the executor idle: a step cost the profile cannot see.
-    step_ms = args.step_overhead_ms if args.step_overhead_ms is not None else per_step["gap_ms"]
-    sim = simulate(args, out, profile, frontend_ms, step_ms or 0.0)
+    step_ms = args.step_overhead_ms
+    if step_ms is None:
+        step_ms = (per_step["gap_ms"] or 0.0) + 1e3 * excess[0]
+    seq_ms = args.seq_overhead_ms if args.seq_overhead_ms is not None else 1e3 * excess[1]
+    sim = simulate(args, out, profile, frontend_ms, step_ms, seq_ms)
     rows = compare([run["results"]["summary"] for run in runs], sim["summary"])
     steps = step_figures(runs, sim)
     seen = "not reported" if measured is None else f"{measured * 1e3:.1f} ms"
     print(f"\nfront end: {frontend_ms:.1f} ms per request (measured in the replays: {seen})")
-    print(f"step overhead: {step_ms or 0.0:.2f} ms per simulated step")
+    print(
+        f"step overhead: {step_ms:.2f} ms a simulated step, {seq_ms:.3f} ms a decoding request "
+        f"(calibration load: {1e3 * excess[0]:.2f} ms a step, {1e3 * excess[1]:.3f} a request)"
+    )
     print(format_table(rows))
     if steps["real_step_ms"] is not None:
         print(
@@ -276,6 +248,9 @@ def main(args: argparse.Namespace) -> dict:
         )
     print("real steps against the profile's prediction for the same batch:")
     print(format_steps(per_step))
+    calibrated_steps = compare_steps(traces, calibrated)
+    print("... and with the calibration load's excess added:")
+    print(format_steps(calibrated_steps))
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": str(profile),
@@ -284,7 +259,10 @@ def main(args: argparse.Namespace) -> dict:
         "rows": rows,
         "steps": steps,
         "per_step": per_step,
+        "per_step_calibrated": calibrated_steps,
         "step_overhead_ms": step_ms,
+        "seq_overhead_ms": seq_ms,
+        "calibration_excess_ms": [1e3 * x for x in excess],
     }
     (out / "fidelity.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out}/fidelity.json")

@@ -60,6 +60,26 @@ def compare_steps(paths: list[Path], cost: CostModel) -> dict:
     }
 
 
+def decode_excess(paths: list[Path], cost: CostModel) -> tuple[float, float]:
+    """(seconds a step, seconds a request) that served decode steps take beyond the profile's
+    prediction: the median excess at each batch size, fit as a line weighted by the steps at
+    it (a median per size: a step the OS delayed does not move it). Both kept >= 0."""
+    excess: dict[int, list[float]] = {}
+    for s in (s for p in paths for s in read_steps(p)):
+        b = shape(s)
+        if kind(b) == "decode" and b.num_decode_seqs:
+            excess.setdefault(b.num_decode_seqs, []).append(s["seconds"] - cost.step_time(b))
+    if not excess:
+        raise ValueError("no decode steps to calibrate from")
+    points = [(n, statistics.median(e), len(e)) for n, e in excess.items()]
+    weight = sum(w for *_, w in points)
+    mx = sum(n * w for n, _, w in points) / weight
+    my = sum(y * w for _, y, w in points) / weight
+    var = sum(w * (n - mx) ** 2 for n, _, w in points)
+    slope = max(sum(w * (n - mx) * (y - my) for n, y, w in points) / var, 0.0) if var else 0.0
+    return max(my - slope * mx, 0.0), slope
+
+
 def format_steps(report: dict) -> str:
     lines = [
         f"{'steps':8} {'count':>7} {'real ms':>8} {'model ms':>9} {'median err':>11} "

@@ -142,6 +142,14 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="add to every step time (calibrated like --step-scale)",
     )
     g.add_argument(
+        "--seq-overhead-ms",
+        type=float,
+        default=0.0,
+        help="add to a step for each request decoding in it: the front end's work for the "
+        "token it streams, where it shares a CPU host's cores (`tandem bench fidelity` "
+        "measures it)",
+    )
+    g.add_argument(
         "--frontend-ms",
         type=float,
         default=0.0,

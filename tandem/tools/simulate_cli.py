@@ -200,8 +200,10 @@ def main(args: argparse.Namespace) -> dict:
     if args.frontend_ms < 0 or args.prefix_weight < 0:
         raise ValueError("--frontend-ms and --prefix-weight must be >= 0")
     cost = load_cost_model(args.profile)
-    if args.step_scale != 1.0 or args.step_overhead_ms:
-        cost = cost.calibrated(args.step_scale, args.step_overhead_ms / 1000)
+    if args.step_scale != 1.0 or args.step_overhead_ms or args.seq_overhead_ms:
+        cost = cost.calibrated(
+            args.step_scale, args.step_overhead_ms / 1000, args.seq_overhead_ms / 1000
+        )
     _, desc = _requests(args)  # validates the workload before any run
     yaml_values = _yaml_engine(args.config)
     policies = [p.strip() for p in args.policy.split(",")] if args.policy else [None]
