@@ -56,7 +56,8 @@ def served_runs(args: argparse.Namespace, trace: Path, loads: list[dict]) -> lis
         parser = argparse.ArgumentParser()
         serve.add_arguments(parser)
         defaults = parser.parse_args([])
-        shared = {k: v for k, v in vars(args).items() if k in vars(defaults)}
+        # the fidelity run's own --result-dir holds what a load saves only when it asks to
+        shared = {k: v for k, v in vars(args).items() if k in vars(defaults) and k != "result_dir"}
         runs = []
         for load in loads:
             bench = replace_args(
