@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem import LLM
-from tandem.bench.quality import perplexity
+from tandem.bench.perplexity import perplexity
 from tandem.models.loader.hf_reference import hf_model
 
 

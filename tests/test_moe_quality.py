@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from test_moe_gguf import VOCAB, write_quantised_moe_gguf
 
 from tandem import LLM
-from tandem.bench.quality import perplexity
+from tandem.bench.perplexity import perplexity
 from tandem.models.quantization import base
 
 

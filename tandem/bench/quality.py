@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
+from tandem.bench.perplexity import chunk_nlls, paired_change, perplexity_of_chunks
 from tandem.config.args import add_engine_arguments, given
 
 ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype")  # one KV pool: every variant's KV
@@ -78,70 +78,6 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(c) for c in chats] + [
         text[i * step : i * step + 24] for i in range(25)
     ]
-
-
-def perplexity(runner, precision: str, token_ids: list[int], window: int) -> float:
-    """exp(mean NLL) of every token after the first of each `window`-token chunk."""
-    return _perplexity(chunk_nlls(runner, precision, token_ids, window))
-
-
-def _perplexity(chunks: list[tuple[float, int]]) -> float:
-    return math.exp(sum(n for n, _ in chunks) / sum(c for _, c in chunks))
-
-
-def paired_change(chunks: list[tuple[float, int]], base: list[tuple[float, int]]) -> dict:
-    """`chunks`' perplexity against `base`'s over the same text: the change, the standard error
-    of its log over the chunks (each chunk's mean NLL difference, paired), and each half's
-    change: a change inside a few standard errors, or of opposite signs in the halves, is noise."""
-    diffs = [(a - b) / n for (a, n), (b, _) in zip(chunks, base)]
-    k, mean = len(diffs), sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / (k - 1) if k > 1 else math.nan
-    half = k // 2
-    return {
-        "change": _perplexity(chunks) / _perplexity(base) - 1,
-        "stderr": math.sqrt(var / k),
-        "chunks": k,
-        "halves": [
-            _perplexity(chunks[s]) / _perplexity(base[s]) - 1
-            for s in (slice(0, half), slice(half, k))
-        ]
-        if half
-        else [],
-    }
-
-
-def chunk_nlls(
-    runner, precision: str, token_ids: list[int], window: int
-) -> list[tuple[float, int]]:
-    """(summed NLL, tokens) of every token after the first of each `window`-token chunk,
-    computed by one prefill per chunk (the runner's own input building, on blocks 0..n: G
-    entries per logical block with KV groups)."""
-    import numpy as np
-    import torch
-
-    from tandem.core.sampling_params import SamplingParams
-    from tandem.executor.input_batch import CachedRequestState
-
-    model, chunks = runner.variants.models[precision], []
-    for start in range(0, len(token_ids) - 1, window):
-        chunk = token_ids[start : start + window]
-        if len(chunk) < 2:
-            break
-        blocks = list(
-            range(math.ceil(len(chunk) / runner.block_size) * len(runner.kv_group_windows))
-        )
-        state = CachedRequestState(
-            "ppl", len(chunk), chunk + [0], SamplingParams(), blocks, 0, None, precision
-        )
-        inputs, *_ = runner.input_batch.prepare_inputs([state], np.array([len(chunk)]))
-        input_ids = inputs.input_ids
-        with torch.inference_mode():
-            logits = model.compute_logits(
-                model(input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata)
-            )
-        logp = torch.log_softmax(logits[:-1], -1).gather(1, input_ids[1:, None])
-        chunks.append((-logp.sum().item(), len(chunk) - 1))
-    return chunks
 
 
 def _greedy(
@@ -258,7 +194,7 @@ def main(args: argparse.Namespace) -> dict:
         chunks = chunk_nlls(runner, p, text_ids, args.window)
         ref_chunks = ref_chunks or chunks
         report["variants"][p] = {
-            "perplexity": _perplexity(chunks),
+            "perplexity": perplexity_of_chunks(chunks),
             "agreement": share,
             "identical_outputs": identical,
             "batch_dependent_prompts": dependent,
@@ -321,7 +257,7 @@ def _kv_baseline(
     chunks = chunk_nlls(engine.core.executor, precision, text_ids, args.window)
     return {
         "kv_cache_dtype": engine.info().kv_cache_dtype,
-        "perplexity": _perplexity(chunks),
+        "perplexity": perplexity_of_chunks(chunks),
         "chunks": chunks,
         "agreement": share,
         "identical_outputs": identical,
