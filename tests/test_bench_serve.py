@@ -434,6 +434,33 @@ def test_mooncake_prompts_share_real_prefixes(synth):
             assert enc[i][: (k + 1) * block] != enc[j][: (k + 1) * block]
         shared += n > 0
     assert shared > 0
+    for q, r, e in zip(reqs, rows, enc):  # the blocks a prompt holds, for the simulator
+        assert q.block_tokens == block and list(q.hash_ids) == r.hash_ids[: len(q.hash_ids)]
+        assert (len(q.hash_ids) - 1) * block < len(e) or not q.hash_ids
+
+
+def test_simulator_replays_a_runs_prefix_blocks_at_its_scale(tmp_path):
+    from tandem.sim.workload import from_bench_run
+
+    def row(i, hash_ids):
+        return {
+            "index": i,
+            "start": 0.1 * i,
+            "prompt_tokens": 40,
+            "input_len": 40,
+            "requested_output": 4,
+            "hash_ids": hash_ids,
+            "block_tokens": 16,
+        }
+
+    run = {"config": {}, "results": {"requests": [row(0, [7, 8]), row(1, [7, 9]), row(2, [])]}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    a, b, c = from_bench_run(str(path))[0]
+    ids = [r.prompt_token_ids() for r in (a, b, c)]
+    assert ids[0][:16] == ids[1][:16] and ids[0][16:32] != ids[1][16:32]
+    assert ids[2][:16] != ids[0][:16]
+    assert len(a.prefix_hashes(16, 1 << 20)) == 2 and not c.prefix_hashes(16, 1 << 20)
 
 
 def test_malformed_trace_lines(tmp_path, synth):

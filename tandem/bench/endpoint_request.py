@@ -104,6 +104,8 @@ async def _one(client, args, req: Request, t0: float, sem, bar) -> dict:
         "input_len": req.input_len,
         "prompt_tokens": usage.get("prompt_tokens"),
         "requested_output": req.output_len,
+        "hash_ids": list(req.hash_ids),
+        "block_tokens": req.block_tokens,
         "metrics": out["metrics"],
     }
 

@@ -160,6 +160,8 @@ def build_run(
         "input_len",
         "prompt_tokens",
         "requested_output",
+        "hash_ids",
+        "block_tokens",
         "metrics",
     )
     return {

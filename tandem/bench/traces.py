@@ -41,14 +41,17 @@ def trace_workload(args, synth: PromptSynth) -> tuple[list[Request], dict]:
         capped_in += inp < max(1, round(r.input_len * args.length_scale))
         capped_out += out < max(1, round(r.output_len * args.length_scale))
         ids: list[int] = []
+        used = 0
         for h in r.hash_ids:  # each hash id is its own fixed block of exactly `block` tokens
             if len(ids) >= inp:
                 break
             if h not in blocks:
                 blocks[h] = synth.words(random.Random(f"{args.seed}:block:{h}"), block)
             ids += blocks[h]
+            used += 1
         text, got = synth.fit(ids, inp, rng)
-        reqs.append(Request(i, text, got, out, r.arrival))
+        shared = tuple(r.hash_ids[:used])
+        reqs.append(Request(i, text, got, out, r.arrival, hash_ids=shared, block_tokens=block))
     span = picked[-1].arrival
     scaling = {
         "window_start_s": args.window_start,

@@ -26,6 +26,9 @@ class Request:
     arrival: float  # seconds after the start of the run
     cls: str = "all"
     priority: str | None = None
+    # a trace's prefix blocks: equal ids, equal leading tokens, `block_tokens` each
+    hash_ids: tuple[int, ...] = ()
+    block_tokens: int = 0
 
 
 class PromptSynth:

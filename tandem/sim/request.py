@@ -21,6 +21,7 @@ class SimRequest:
     priority: int | None = None  # None: classified by length
     cls: str = "all"
     hash_ids: tuple[int, ...] = ()
+    block_tokens: int = TRACE_BLOCK_TOKENS  # prompt tokens a hash id stands for
     # What happened (virtual seconds).
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -41,7 +42,7 @@ class SimRequest:
         for h in self.hash_ids:
             if len(ids) >= self.prompt_len:
                 break
-            ids += [_SHARED_BASE + h] + [0] * (TRACE_BLOCK_TOKENS - 1)
+            ids += [_SHARED_BASE + h] + [0] * (self.block_tokens - 1)
         if len(ids) < self.prompt_len:
             ids += [_UNIQUE_BASE + self.index] + [0] * (self.prompt_len - len(ids) - 1)
         return ids[: self.prompt_len]
@@ -51,7 +52,7 @@ class SimRequest:
         if not self.hash_ids:
             return []
         ids, out, parent = self.prompt_token_ids(), [], None
-        limit = min(len(self.hash_ids) * TRACE_BLOCK_TOKENS, self.prompt_len - 1, max_tokens)
+        limit = min(len(self.hash_ids) * self.block_tokens, self.prompt_len - 1, max_tokens)
         for i in range(limit // block_size):
             parent = hash_block(parent, tuple(ids[i * block_size : (i + 1) * block_size]))
             out.append(parent)

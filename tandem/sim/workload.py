@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from tandem.sim.request import SimRequest
+from tandem.sim.request import TRACE_BLOCK_TOKENS, SimRequest
 from tandem.workload.traces import read_trace, resolve_trace, select
 
 CLASS_PRIORITY = {"short": 1, "long": 2}  # bench serve --priority-by-class
@@ -57,7 +57,8 @@ def from_trace(
 
 def from_bench_run(path: str) -> tuple[list[SimRequest], dict]:
     """The requests a `tandem bench serve --save-result` run sent, at the times it sent them, with
-    the prompt lengths the server counted (chat template included)."""
+    the prompt lengths the server counted (chat template included) and a trace's prefix blocks
+    as the run scaled them."""
     try:
         data = json.loads(Path(path).read_text())
         by_class = bool(data.get("config", {}).get("priority_by_class"))
@@ -69,6 +70,8 @@ def from_bench_run(path: str) -> tuple[list[SimRequest], dict]:
                 int(r["requested_output"]),
                 cls=r.get("cls", "all"),
                 priority=CLASS_PRIORITY.get(r.get("cls")) if by_class else None,
+                hash_ids=tuple(int(h) for h in r.get("hash_ids") or ()),
+                block_tokens=int(r.get("block_tokens") or TRACE_BLOCK_TOKENS),
             )
             for r in data["results"]["requests"]
         ]
