@@ -11,6 +11,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.bench import offline, offline_runs, quantization
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -26,7 +27,7 @@ def test_info_names_what_the_engine_built(llm, tiny_model_dirs):
     info = llm.engine.info()
     cfg = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"]))
     assert (info.dtype, info.block_size, info.default_precision) == ("float32", 16, "fp32")
-    assert info.kv_bytes_per_token == cfg.kv_bytes_per_token(torch.float32)
+    assert info.kv_bytes_per_token == kv_bytes_per_token(cfg, torch.float32)
     assert info.num_kv_blocks == (1 << 22) // (info.kv_bytes_per_token * info.block_size)
     assert (
         list(info.weight_bytes) == ["fp32"]

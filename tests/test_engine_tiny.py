@@ -9,6 +9,7 @@ import torch
 from conftest import hf_greedy, random_prompts, token_ids
 
 from tandem import LLM, SamplingParams
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -84,8 +85,8 @@ def test_chunked_prefill_matches_hf(kind, async_scheduling, tiny_model_dirs, ref
 @pytest.mark.parametrize("kind", KINDS)
 def test_preemption_matches_hf(kind, mode, async_scheduling, tiny_model_dirs, references):
     prompts, ref, _, _ = references[kind]
-    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs[kind])).kv_bytes_per_token(
-        torch.float32
+    per_token = kv_bytes_per_token(
+        ModelConfig.from_hf(load_config(tiny_model_dirs[kind])), torch.float32
     )
     # Room for the longest request alone (~82 tokens), far less than all six at once. Gemma 3's
     # sliding layers free their blocks behind the window (KV groups): in chunks of 32 tokens, a
@@ -112,8 +113,8 @@ def test_multilevel_preemption_matches_hf(mode, async_scheduling, tiny_model_dir
     """Interactive requests arriving while the batch is full preempt standard/background
     ones; every request still gets exactly its single-request greedy tokens."""
     prompts, ref, _, _ = references["llama"]
-    per_token = ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])).kv_bytes_per_token(
-        torch.float32
+    per_token = kv_bytes_per_token(
+        ModelConfig.from_hf(load_config(tiny_model_dirs["llama"])), torch.float32
     )
     llm = _llm(
         tiny_model_dirs["llama"],

@@ -11,6 +11,7 @@ import torch
 from conftest import hf_greedy
 
 from tandem import LLM, SamplingParams
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config, resolve_model
 
@@ -48,7 +49,7 @@ def test_batched_and_prefix_hits_match_hf(gemma):
 
 def test_chunked_prefill_and_swap_match_hf(gemma):
     _, path, prompts, ref = gemma
-    per_block = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32) * 16
+    per_block = kv_bytes_per_token(ModelConfig.from_hf(load_config(path)), torch.float32) * 16
     # Room for the long request alone (45 blocks of 16 in the full layers; its local layers hold
     # their 512-token window plus a chunk, the blocks behind it freed), not for all three at once.
     llm = LLM(

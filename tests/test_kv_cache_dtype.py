@@ -25,7 +25,7 @@ from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request
 from tandem.executor.device import resolve_kv_cache_dtype
 from tandem.executor.kv_cache import KVCache
-from tandem.executor.kv_quant import row_len
+from tandem.executor.kv_quant import kv_bytes_per_token, row_len
 from tandem.executor.kv_transfer import ShmTransport
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
@@ -215,7 +215,7 @@ def test_the_rounding_shows_in_the_logprobs(model):
 @pytest.mark.parametrize("scenario", ["batch", "chunked", "swap", "recompute", "prefix", "ngram"])
 def test_greedy_tokens_equal_a_single_request_run(model, scenario):
     path, kv, prompts, alone = model
-    per_token = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(getattr(torch, kv))
+    per_token = kv_bytes_per_token(ModelConfig.from_hf(load_config(path)), getattr(torch, kv))
     kw = {
         "chunked": {"max_num_batched_tokens": 16},
         # room for the longest request (~60 tokens) and not for all at once

@@ -143,11 +143,12 @@ def test_gemma3_serves_a_request_the_plain_layout_could_not_hold(tiny_model_dirs
     from conftest import hf_greedy
 
     from tandem import LLM, SamplingParams
+    from tandem.executor.kv_quant import kv_bytes_per_token
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config
 
     path = tiny_model_dirs["gemma3"]
-    per_token = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32)
+    per_token = kv_bytes_per_token(ModelConfig.from_hf(load_config(path)), torch.float32)
     llm = LLM(
         path,
         dtype="float32",

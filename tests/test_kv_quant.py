@@ -17,6 +17,8 @@ from tandem.executor.kv_quant import (
     encode_scales,
     quantize_kv_rows,
     read_kv,
+    row_len,
+    scale_group,
     write_kv,
 )
 from tandem.kernels import cpu_paged_attention
@@ -38,17 +40,35 @@ def _rows(*shape, seed=0, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype)
 
 
+def test_a_row_has_one_scale_up_to_64_values_else_one_per_32():
+    """row_len follows scale_group, and dequantize_kv_rows finds head_dim from a row's length
+    (row_len's inverse) for every head_dim up to 512."""
+    assert [scale_group(d) for d in (1, 16, 64, 65, 80, 128, 256)] == [64] * 3 + [32] * 4
+    rows = [row_len(d, torch.int8) for d in (16, 64, 65, 96, 128, 256)]
+    assert rows == [17, 65, 68, 99, 132, 264]
+    assert row_len(256, torch.bfloat16) == 256
+    for d in range(1, 513):
+        row = row_len(d, torch.int8)
+        assert row == d + -(-d // scale_group(d))
+        back = dequantize_kv_rows(torch.zeros(row, dtype=torch.int8), torch.float32)
+        assert back.shape == (d,)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,groups", [(64, 1), (256, 4), (80, 2)])
+@pytest.mark.parametrize(
+    "head_dim,groups", [(64, 1), (128, 4), (256, 8), (80, 3), (96, 3), (48, 1)]
+)
 def test_a_row_round_trips_within_half_a_step(dtype, head_dim, groups):
     x = _rows(64, 3, head_dim, dtype=dtype)
     rows = quantize_kv_rows(x)
     assert rows.dtype == torch.int8 and rows.shape == (64, 3, head_dim + groups)
     back = dequantize_kv_rows(rows, torch.float32)
     scales = decode_scales(rows[..., head_dim:].view(torch.uint8))
-    amax = torch.nn.functional.pad(x.float().abs(), (0, -head_dim % 64)).unflatten(-1, (-1, 64))
-    assert (scales <= amax.amax(-1) / 127 * 1.125 + 1e-6).all()  # at most 1/8 over the max's
-    step = scales.repeat_interleave(64, -1)[..., :head_dim]
+    group = scale_group(head_dim)
+    amax = torch.nn.functional.pad(x.float().abs(), (0, -head_dim % group))
+    amax = amax.unflatten(-1, (-1, group)).amax(-1)
+    assert (scales <= amax / 127 * 1.125 + 1e-6).all()  # at most 1/8 over the max's
+    step = scales.repeat_interleave(group, -1)[..., :head_dim]
     assert ((back - x.float()).abs() <= step * (0.5 + 2e-3)).all()
     assert back[0, 0].eq(0).all() and rows[..., :head_dim].abs().max() <= 127
 
@@ -72,10 +92,11 @@ def test_a_scale_byte_is_the_smallest_that_fits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_native_write_gives_the_pytorch_bits(ext, dtype):
-    k, v = _rows(40, 2, 128, seed=1, dtype=dtype), _rows(40, 2, 128, seed=2, dtype=dtype)
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80, 96])
+def test_native_write_gives_the_pytorch_bits(ext, dtype, head_dim):
+    k, v = (_rows(40, 2, head_dim, seed=s, dtype=dtype) for s in (1, 2))
     slots = torch.randperm(64)[:40]
-    native = torch.zeros(2, 64, 2, 128 + 2, dtype=torch.int8)
+    native = torch.zeros(2, 64, 2, row_len(head_dim, torch.int8), dtype=torch.int8)
     ext.reshape_and_cache_int8(k, v, native, slots)
     plain = torch.zeros_like(native)
     plain[0, slots], plain[1, slots] = quantize_kv_rows(k), quantize_kv_rows(v)
@@ -111,11 +132,12 @@ def test_decode_kernel_over_int8_equals_sdpa_over_the_dequantised_rows(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qkv_writes_and_attends_as_the_separate_ops(ext, dtype):
+@pytest.mark.parametrize("d", [64, 256])
+def test_fused_qkv_writes_and_attends_as_the_separate_ops(ext, dtype, d):
     """forward_qkv's quantised write and attention give forward's bits (its write through
     write_kv), and the SDPA buckets (no kernel) read the same rows to float rounding."""
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, d, bs, batch = 9, 3, 64, 16, 5
+    heads, kv_heads, bs, batch = 9, 3, 16, 5
     seq_lens = torch.tensor([1, 7, 16, 17, 90])
     tables = torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(batch)])
     slots = torch.stack(
@@ -161,17 +183,20 @@ def test_write_without_the_kernel_is_the_pytorch_form(monkeypatch):
 
 
 def _fp8_exact_rows(t: int, heads: int, d: int, g: torch.Generator) -> torch.Tensor:
-    """Rows that quantise with no rounding: e4m3 values times a power of two, max |x| 448 times
-    it. The interpreter's fp32 -> fp8 cast mis-rounds a carry into the exponent (124.1 -> 64), so
-    under it only such rows check the write (layout, scales, slots); CUDA's cvt.rn rounds."""
+    """Rows that quantise with no rounding: e4m3 values times a power of two, each group's max
+    |x| 448 times it. The interpreter's fp32 -> fp8 cast mis-rounds a carry into the exponent
+    (124.1 -> 64), so under it only such rows check the write (layout, scales, slots); CUDA's
+    cvt.rn rounds."""
     grid = torch.randint(-120, 121, (t, heads, d), generator=g).to(torch.float8_e4m3fn).float()
-    grid[..., 0] = 448.0
+    grid[..., :: scale_group(d)] = 448.0
     return grid * 2.0 ** torch.randint(-10, -7, (t, heads, 1), generator=g).float()
 
 
 @pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(6, 3, 64, 0), (4, 1, 32, 6)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window", [(6, 3, 64, 0), (4, 1, 32, 6), (4, 2, 96, 0)]
+)
 def test_triton_fp8_cache_equals_the_pytorch_reading_of_it(
     dtype, tol, heads, kv_heads, head_dim, window
 ):

@@ -19,7 +19,7 @@ from test_block_pool import check_pool, make_req
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.kv_connector.pd import KVPoolFullError, PDConnector
-from tandem.executor.kv_quant import row_len
+from tandem.executor.kv_quant import kv_bytes_per_token, row_len
 from tandem.executor.kv_transfer import KVPayload, ShmTransport
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
@@ -121,7 +121,7 @@ def test_transferred_kv_is_what_decode_reads(llama, reference):
 
 
 def _block_bytes(model_dir: str) -> int:
-    return ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32) * BS
+    return kv_bytes_per_token(ModelConfig.from_hf(load_config(model_dir)), torch.float32) * BS
 
 
 def test_payload_bytes(llama):
@@ -145,7 +145,7 @@ def test_int8_payload_carries_the_scales(llama):
     _, payload = prefill(a, _prompts()[-1], "p")
     assert payload.kv.dtype == torch.int8
     assert payload.kv.shape[-1] == row_len(cfg.head_dim, torch.int8)
-    assert payload.num_bytes == 5 * BS * cfg.kv_bytes_per_token(torch.int8)
+    assert payload.num_bytes == 5 * BS * kv_bytes_per_token(cfg, torch.int8)
     conn.send("t", payload)
     got, _ = conn.recv("t", timeout=5)
     assert torch.equal(got.kv, payload.kv.cpu())

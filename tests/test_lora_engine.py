@@ -10,6 +10,7 @@ from conftest import random_prompts, token_ids
 from lora_fixture import ATTENTION, make_adapter, peft_greedy
 
 from tandem import LLM, LoRARequest, SamplingParams
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -101,7 +102,7 @@ def test_prefix_hits_are_kept_per_adapter(cases):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_mixed_under_preemption(mode, cases):
     base, adapters, prompts, refs = cases["qwen2"]
-    per_token = ModelConfig.from_hf(load_config(base)).kv_bytes_per_token(torch.float32)
+    per_token = kv_bytes_per_token(ModelConfig.from_hf(load_config(base)), torch.float32)
     llm = _llm(
         base,
         block_size=4,

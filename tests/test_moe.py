@@ -12,6 +12,7 @@ from conftest import MOE_KINDS as KINDS
 from conftest import hf_greedy, random_prompts, tiny_moe_config, token_ids, write_tiny_model
 
 from tandem import LLM, SamplingParams
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.kernels import cpu_invariant_gemm, cpu_paged_decode
 from tandem.models.config import ModelConfig
 from tandem.models.layers.activation import Gate
@@ -78,7 +79,7 @@ def test_prefix_cache_hits_match_hf(kind, moe_dirs, references) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_preemption_matches_hf(kind, mode, moe_dirs, references) -> None:
     prompts, ref, _, _ = references[kind]
-    per_token = ModelConfig.from_hf(load_config(moe_dirs[kind])).kv_bytes_per_token(torch.float32)
+    per_token = kv_bytes_per_token(ModelConfig.from_hf(load_config(moe_dirs[kind])), torch.float32)
     llm = _llm(
         moe_dirs[kind],
         block_size=4,

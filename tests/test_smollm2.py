@@ -55,10 +55,11 @@ def test_chunked_and_preempted_greedy_matches_hf(smollm):
     _, path, prompts, ref = smollm
     import torch
 
+    from tandem.executor.kv_quant import kv_bytes_per_token
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config
 
-    per_block = ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32) * 16
+    per_block = kv_bytes_per_token(ModelConfig.from_hf(load_config(path)), torch.float32) * 16
     llm = LLM(
         path,
         dtype="float32",

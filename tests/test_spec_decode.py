@@ -21,6 +21,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig, load_yaml
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -111,7 +112,7 @@ def _assert_drafts_accepted_and_rejected(llm: LLM) -> None:
 
 
 def _per_token(path: str) -> int:
-    return ModelConfig.from_hf(load_config(path)).kv_bytes_per_token(torch.float32)
+    return kv_bytes_per_token(ModelConfig.from_hf(load_config(path)), torch.float32)
 
 
 SCENARIOS = {

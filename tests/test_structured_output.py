@@ -16,6 +16,7 @@ from structured_fixture import with_tokenizer
 
 from tandem import LLM, SamplingParams
 from tandem.core.sampling_params import StructuredOutputsParams
+from tandem.executor.kv_quant import kv_bytes_per_token
 from tandem.models.config import ModelConfig
 from tandem.models.loader.model_files import load_config
 
@@ -118,7 +119,7 @@ def test_matchers_survive_preemption(model_dir, policy, mode, async_scheduling):
     sos = [KINDS[0], KINDS[2], KINDS[4]] * 2
     params = [_params(so, max_tokens=30) for so in sos]
     ref = token_ids(_llm(model_dir).generate(prompts, params))
-    per_token = ModelConfig.from_hf(load_config(model_dir)).kv_bytes_per_token(torch.float32)
+    per_token = kv_bytes_per_token(ModelConfig.from_hf(load_config(model_dir)), torch.float32)
     llm = _llm(
         model_dir,
         block_size=4,

@@ -37,6 +37,7 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
     import torch
 
     from tandem import SamplingParams
+    from tandem.executor.kv_quant import kv_bytes_per_token
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config, resolve_model
 
@@ -49,7 +50,7 @@ def check_equality(model: str, device: str, max_new: int, n: int, vocab: int) ->
     ref = _hf_greedy(model, prompts + prefixed, max_new, torch.device(device))
     longest = max(map(len, prompts)) + max_new
     per_block = (
-        ModelConfig.from_hf(load_config(resolve_model(model))).kv_bytes_per_token(torch.float32)
+        kv_bytes_per_token(ModelConfig.from_hf(load_config(resolve_model(model))), torch.float32)
         * 16
     )
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)

@@ -42,6 +42,7 @@ def main(args: argparse.Namespace) -> dict:
 
     from tandem import LLM, SamplingParams
     from tandem.bench.report import mib
+    from tandem.executor.kv_quant import kv_bytes_per_token
     from tandem.models.config import ModelConfig
     from tandem.models.loader.model_files import load_config, resolve_model
 
@@ -53,7 +54,7 @@ def main(args: argparse.Namespace) -> dict:
     blocks = -(-total // block_size)
     # room for the full-attention layout of the request, so the figure is what it holds,
     # not what fits
-    per_token_fp32 = cfg.kv_bytes_per_token(torch.float32)
+    per_token_fp32 = kv_bytes_per_token(cfg, torch.float32)
     budget = (blocks + 2) * block_size * per_token_fp32
     llm = LLM(
         **given(args, ENGINE_OPTIONS),
@@ -65,7 +66,7 @@ def main(args: argparse.Namespace) -> dict:
     core = llm.engine.core
     kv, cache = core.kv_manager, core.executor.kv
     block_bytes = cache.kv_cache[:, :, :block_size].numel() * cache.kv_cache.element_size()
-    full_bytes = blocks * block_size * cfg.kv_bytes_per_token(cache.kv_cache.dtype)
+    full_bytes = blocks * block_size * kv_bytes_per_token(cfg, cache.kv_cache.dtype)
     prompt = (
         np.random.default_rng(args.seed).integers(10, cfg.vocab_size - 10, args.prompt_len).tolist()
     )

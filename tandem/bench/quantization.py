@@ -30,6 +30,7 @@ def run_precision(args, precision: str, deterministic: bool, prefill: str = "tog
     from tandem import LLM, SamplingParams
     from tandem.executor.attention import resolve_attention_backend
     from tandem.executor.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+    from tandem.executor.kv_quant import kv_bytes_per_token
     from tandem.models.config import ModelConfig
     from tandem.models.loader.builder import resolve_precision
     from tandem.models.loader.model_files import (
@@ -57,7 +58,7 @@ def run_precision(args, precision: str, deterministic: bool, prefill: str = "tog
     kv_tokens = max(batches) * (args.prompt_len + args.output_len + 32)
     kv_memory = (
         args.kv_cache_memory
-        or ModelConfig.from_hf(load_config(resolve_model(args.model))).kv_bytes_per_token(kv_dtype)
+        or kv_bytes_per_token(ModelConfig.from_hf(load_config(resolve_model(args.model))), kv_dtype)
         * kv_tokens
     )
     llm = LLM(

@@ -17,9 +17,10 @@ class CacheConfig:
     kv_cache_dtype: str = option(
         "auto",
         "the KV cache's element type; auto: the activations' dtype, but bfloat16 on a CPU that "
-        "computes in float32; int8 (CPU): K and V rows in int8 with a one-byte scale per 64 "
-        "values of each token and KV head, about half bf16's bytes, so the pool holds about "
-        "twice the tokens (1.97x); fp8 (the Triton kernels, CUDA): the same in e4m3",
+        "computes in float32; int8 (CPU): K and V rows in int8 with a one-byte scale per row "
+        "of each token and KV head (per 32 values when head_dim is over 64), about half bf16's "
+        "bytes, so the pool holds about twice the tokens (1.97x at head_dim 64, 1.94x at "
+        "256); fp8 (the Triton kernels, CUDA): the same in e4m3",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory: int | None = option(

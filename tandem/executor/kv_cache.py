@@ -13,7 +13,7 @@ import torch
 from tandem.config import CacheConfig
 from tandem.core.kv_groups import KVGroups, plain_groups
 from tandem.executor.device import default_kv_cache_memory
-from tandem.executor.kv_quant import row_len
+from tandem.executor.kv_quant import kv_bytes_per_token, row_len
 from tandem.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,10 @@ class KVCache:
         budget = config.kv_cache_memory or default_kv_cache_memory(
             device, config.gpu_memory_utilization
         )
-        layer_bytes = cfg.kv_bytes_per_token(dtype) // cfg.num_layers
+        layer_bytes = kv_bytes_per_token(cfg, dtype) // cfg.num_layers
         target_per_block = per_block = layer_bytes * groups.layers_per_group * self.block_size
         if draft_cfg is not None:
-            per_block += draft_cfg.kv_bytes_per_token(dtype) * self.block_size
+            per_block += kv_bytes_per_token(draft_cfg, dtype) * self.block_size
         self.num_kv_blocks = budget // per_block
         if self.num_kv_blocks < 1:
             raise ValueError(
@@ -84,7 +84,7 @@ class KVCache:
         self.num_host_blocks = (
             config.swap_space // target_per_block
         )  # a swapped-out draft starts again
-        self.kv_bytes_per_token = cfg.kv_bytes_per_token(dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, dtype)
 
     def _zeros(self, cfg: ModelConfig, rows: int) -> torch.Tensor:
         return torch.zeros(

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from tandem.executor.kv_quant import GROUP, SCALE_BIAS_BITS
+from tandem.executor.kv_quant import SCALE_BIAS_BITS, scale_group
 
 try:
     import triton
@@ -274,6 +274,8 @@ def reshape_and_cache(
     to slot slot_mapping[t] (skipped where it is -1). One launch for K and V of every token of the
     layer (fp8: one each)."""
     if kv_cache.dtype == torch.float8_e4m3fn:
+        head_dim = k.shape[2]
+        group = scale_group(head_dim)
         for x, cache in zip((k, v), kv_cache):
             _reshape_and_cache_fp8_kernel[x.shape[:2]](
                 x,
@@ -281,10 +283,10 @@ def reshape_and_cache(
                 slot_mapping,
                 x.stride(0),
                 x.stride(1),
-                HEAD_DIM=x.shape[2],
-                HEAD_PAD=triton.next_power_of_2(x.shape[2]),
-                SCALE_GROUP=GROUP,
-                GROUPS_PAD=triton.next_power_of_2(-(-x.shape[2] // GROUP)),
+                HEAD_DIM=head_dim,
+                HEAD_PAD=triton.next_power_of_2(head_dim),
+                SCALE_GROUP=group,
+                GROUPS_PAD=triton.next_power_of_2(-(-head_dim // group)),
                 SCALE_BIAS=SCALE_BIAS_BITS,
             )
         return
@@ -365,7 +367,7 @@ def unified_attention(
         # fp32 products in fp32 (not TF32); the interpreter (CPU tensors) mis-multiplies bf16 dots.
         IEEE=q.dtype == torch.float32 or q.device.type == "cpu",
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
-        SCALE_GROUP=GROUP,
+        SCALE_GROUP=scale_group(head_dim),
         SCALE_BIAS=SCALE_BIAS_BITS,
     )
     return out

@@ -4,7 +4,7 @@
 // type, or bf16 / fp16 under fp32 activations: half the bytes to stream); the query heads of a
 // GQA group share every K/V row they read, and a context is split into fixed parts that the
 // threads share.
-// An int8 cache row is D int8 values and then a scale byte per kScaleGroup of them (max |x| / 127
+// An int8 cache row is D int8 values and then a scale byte per scale_group(D) of them (max |x| / 127
 // rounded up to an 8-bit float: executor/kv_quant.py): the scales travel with the row through every
 // block copy (swap, P/D, prefix cache). They are folded into the score (K; with several groups,
 // into each group's K values as they are widened) and the value weights of each group's outputs
@@ -92,10 +92,10 @@ inline v8 sums8(const v8 (&v)[8]) {
 #endif
 }
 
-// Elements of a cache row: an int8 row carries a scale byte per kScaleGroup values after its D
-// values (executor/kv_quant.py: GROUP, row_len).
-constexpr int64_t kScaleGroup = 64;
-constexpr int64_t int8_row_len(int64_t d) { return d + (d + kScaleGroup - 1) / kScaleGroup; }
+// Elements of a cache row: an int8 row carries a scale byte per scale_group(d) values after its d
+// values, one for a row of up to 64, else one per 32 (executor/kv_quant.py: scale_group, row_len).
+constexpr int64_t scale_group(int64_t d) { return d <= 64 ? 64 : 32; }
+constexpr int64_t int8_row_len(int64_t d) { return d + (d + scale_group(d) - 1) / scale_group(d); }
 template <typename T, int D>
 constexpr int64_t kRowLen = std::is_same<T, int8_t>::value ? int8_row_len(D) : D;
 
@@ -122,20 +122,21 @@ inline uint8_t encode_scale(float amax) {
   return static_cast<uint8_t>(std::min<int64_t>(255, std::max<int64_t>(0, code)));
 }
 
-// x [d] as an int8 cache row: per group of kScaleGroup values, its scale byte (encode_scale of the
-// group's max |x|), values round(x / scale) in [-127, 127]. Written as x * (1 / scale), which
+// x [d] as an int8 cache row: per group of scale_group(d) values, its scale byte (encode_scale of
+// the group's max |x|), values round(x / scale) in [-127, 127]. Written as x * (1 / scale), which
 // -ffast-math leaves as it is: the same bits as kv_quant.quantize_kv_rows, the PyTorch form.
 template <typename TQ>
 inline void quantize_row(const TQ* x, int64_t d, int8_t* out) {
-  for (int64_t c0 = 0; c0 < d; c0 += kScaleGroup) {
-    const int64_t c1 = std::min(c0 + kScaleGroup, d);
+  const int64_t group = scale_group(d);
+  for (int64_t c0 = 0; c0 < d; c0 += group) {
+    const int64_t c1 = std::min(c0 + group, d);
     float amax = 0.f;
     for (int64_t i = c0; i < c1; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
     const uint8_t code = encode_scale(amax);
     const float inv = 1.f / decode_scale(code);
     for (int64_t i = c0; i < c1; ++i)
       out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[i]) * inv))));
-    out[d + c0 / kScaleGroup] = static_cast<int8_t>(code);
+    out[d + c0 / group] = static_cast<int8_t>(code);
   }
 }
 
@@ -179,12 +180,14 @@ inline void dots(const float* qj, const T* kp, int64_t stride, int i0, int i1, v
 template <int G, int R, typename T, int D>
 inline void scores_of(const float* qj, const T* kp, int64_t stride, float* s) {
   constexpr bool kInt8 = std::is_same<T, int8_t>::value;
+  constexpr int kGroup = scale_group(D);
+  static_assert(!kInt8 || D <= kGroup || D % kGroup == 0, "whole groups of K");
   v8 a[8] = {};  // a[2j + r]
   float ks[R];
-  if constexpr (kInt8 && D > kScaleGroup) {
-    for (int c = 0; c < D / kScaleGroup; ++c) {
+  if constexpr (kInt8 && D > kGroup) {
+    for (int c = 0; c < D / kGroup; ++c) {
       for (int r = 0; r < R; ++r) ks[r] = scale_of<D>(kp + r * stride, c);
-      dots<G, R, T, D, true>(qj, kp, stride, c * kScaleGroup, (c + 1) * kScaleGroup, a, ks);
+      dots<G, R, T, D, true>(qj, kp, stride, c * kGroup, (c + 1) * kGroup, a, ks);
     }
   } else {
     dots<G, R, T, D>(qj, kp, stride, 0, D, a);
@@ -192,7 +195,7 @@ inline void scores_of(const float* qj, const T* kp, int64_t stride, float* s) {
   const v8 sums = sums8(a);
   for (int r = 0; r < R; ++r) {
     ks[r] = 1.f;
-    if constexpr (kInt8 && D == kScaleGroup) ks[r] = scale_of<D>(kp + r * stride, 0);
+    if constexpr (kInt8 && D <= kGroup) ks[r] = scale_of<D>(kp + r * stride, 0);
   }
   for (int j = 0; j < G; ++j)
     for (int r = 0; r < R; ++r) s[j * kPart + r] = sums[2 * j + r] * ks[r];
@@ -230,7 +233,8 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
   const int64_t len = hi - lo, row_stride = hkv * kRowLen<T, D>;
   auto row = [&](const T* cache, int64_t p) { return row_of<T, D>(cache, table, block_size, hkv, h, p); };
   for (int64_t p = lo; p < std::min(lo + kAhead, hi); ++p) prefetch_row<T, D>(row(k_cache, p));
-  constexpr int64_t kGroups = D / kScaleGroup;  // an int8 row's scales
+  constexpr int64_t kGroup = scale_group(D), kGroups = (D + kGroup - 1) / kGroup;  // an int8 row's scales
+  static_assert(!kInt8 || kGroup % kW == 0, "a V pass's kW outputs lie in one group");
   float scores[kMaxGroup * kPart], v_scale[kGroups * kPart];
   for (int64_t p0 = lo, n; p0 < hi; p0 += n) {  // block by block: a block's rows are row_stride apart
     n = std::min(block_size - p0 % block_size, hi - p0);
@@ -300,9 +304,9 @@ void attend_part(const float* qf, const T* k_cache, const T* v_cache, const int6
       const int64_t t1 = std::min(t0 + kSpan, len);
       for (int i0 = 0; i0 < D; i0 += kW) {
         const float* w = p;
-        if constexpr (kInt8) {  // a group's kScaleGroup outputs take several passes: weights once
-          const float* vs = v_scale + i0 / kScaleGroup * kPart;
-          if (i0 % kScaleGroup == 0)
+        if constexpr (kInt8) {  // a group's outputs take kGroup / kW passes: its weights once
+          const float* vs = v_scale + i0 / kGroup * kPart;
+          if (i0 % kGroup == 0)
             for (int j = 0; j < G; ++j)
               for (int64_t t = t0; t < t1; ++t) v_weights[j * kPart + t] = p[j * kPart + t] * vs[t];
           w = v_weights;

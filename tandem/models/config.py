@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from tandem.models.layers.rope_scaling import rope_type
 
 SUPPORTED_MODEL_TYPES = (
@@ -138,13 +136,6 @@ class ModelConfig:
                 f"allows ({why})"
             )
         return max_model_len or limit
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of every layer; a row of one-byte values (int8, fp8) also holds a scale byte
-        per 64 of them (executor/kv_quant.py: row_len)."""
-        d = self.head_dim
-        row = d + -(-d // 64) if dtype.itemsize == 1 else d * dtype.itemsize
-        return 2 * self.num_layers * self.num_kv_heads * row
 
 
 def rope_scaling(scaling: dict | None, hf: dict, max_positions: int) -> dict | None:
