@@ -224,7 +224,6 @@ def main(args: argparse.Namespace) -> dict:
     frontend_ms = args.frontend_ms if args.frontend_ms is not None else (measured or 0.0) * 1e3
     traces = [out / f"steps-{i}.jsonl" for i in range(1, args.replays + 1)]
     per_step = compare_steps(traces, cost)
-    calibrated = cost.calibrated(1.0, *excess)
     # The engine thread's work between two steps (taking the last step's tokens back, topping
     # the next one up) keeps the executor idle: a step cost the profile cannot see.
     step_ms = args.step_overhead_ms
@@ -248,8 +247,10 @@ def main(args: argparse.Namespace) -> dict:
         )
     print("real steps against the profile's prediction for the same batch:")
     print(format_steps(per_step))
-    calibrated_steps = compare_steps(traces, calibrated)
-    print("... and with the calibration load's excess added:")
+    # the executor's share of what the simulation adds (the idle time falls between steps)
+    executor_ms = max(step_ms - (per_step["gap_ms"] or 0.0), 0.0)
+    calibrated_steps = compare_steps(traces, cost.calibrated(1.0, executor_ms / 1e3, seq_ms / 1e3))
+    print("... and with the simulation's step and request overheads added:")
     print(format_steps(calibrated_steps))
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},

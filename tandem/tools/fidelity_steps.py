@@ -37,9 +37,10 @@ def busy_gaps(steps: list[dict]) -> list[float]:
 
 
 def compare_steps(paths: list[Path], cost: CostModel) -> dict:
-    """Per kind: steps, measured and predicted mean ms, the median and mean relative error of
-    the prediction per step; and the mean gap between busy steps."""
-    steps = [s for p in paths for s in read_steps(p)]
+    """Per kind: steps, measured and predicted mean ms, the median relative error of the
+    prediction per step and the median of its size; and the mean gap between busy steps."""
+    traces = [read_steps(p) for p in paths]
+    steps = [s for t in traces for s in t]
     rows = {}
     for k in KINDS:
         pairs = [(s["seconds"], cost.step_time(shape(s))) for s in steps if kind(shape(s)) == k]
@@ -53,7 +54,7 @@ def compare_steps(paths: list[Path], cost: CostModel) -> dict:
             "median_error": statistics.median(errors),
             "median_abs_error": statistics.median(abs(e) for e in errors),
         }
-    gaps = [g for p in paths for g in busy_gaps(read_steps(p))]
+    gaps = [g for t in traces for g in busy_gaps(t)]
     return {
         "kinds": rows,
         "gap_ms": 1e3 * statistics.fmean(gaps) if gaps else None,
