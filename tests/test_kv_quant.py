@@ -1,7 +1,7 @@
 """The int8 KV cache's rows (executor/kv_quant.py): the native write gives the PyTorch form's bits,
 a row round-trips within half a step of its grid, a scale byte is the smallest of its grid that
 fits the group, and the native decode kernel over int8 rows equals SDPA over the dequantised rows
-to float rounding."""
+and the query as it scores them (int16 steps of each head's max) to float rounding."""
 
 from __future__ import annotations
 
@@ -105,6 +105,15 @@ def test_native_write_gives_the_pytorch_bits(ext, dtype, head_dim):
     assert torch.equal(read, dequantize_kv_rows(plain[1, slots], torch.float32))
 
 
+def _int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q as the kernel scores int8 K rows with it: q * scale rounded, head by head, to 32767
+    steps of its max |q|; divided back by scale for a reference that applies it again."""
+    qf = q.float() * scale
+    amax = qf.abs().amax(-1, keepdim=True)
+    q16 = torch.where(amax > 0, torch.round(qf * (32767 / amax)), 0.0)
+    return q16 * (amax / 32767) / scale
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 64), (4, 4, 128), (8, 1, 256), (10, 2, 128)]
@@ -126,7 +135,7 @@ def test_decode_kernel_over_int8_equals_sdpa_over_the_dequantised_rows(
         q, k_rows, v_rows, tables, seq_lens, bs, head_dim**-0.5, window or 0
     )
     k, v = (dequantize_kv_rows(r, torch.float32) for r in (k_rows, v_rows))
-    ref = _reference(q, k, v, tables, seq_lens, bs, window)
+    ref = _reference(_int16_query(q, head_dim**-0.5), k, v, tables, seq_lens, bs, window)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -135,7 +144,8 @@ def test_decode_kernel_over_int8_equals_sdpa_over_the_dequantised_rows(
 @pytest.mark.parametrize("d", [64, 256])
 def test_fused_qkv_writes_and_attends_as_the_separate_ops(ext, dtype, d):
     """forward_qkv's quantised write and attention give forward's bits (its write through
-    write_kv), and the SDPA buckets (no kernel) read the same rows to float rounding."""
+    write_kv), and the SDPA buckets (no kernel) read the same rows, with the kernel's int16
+    query, to float rounding."""
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, bs, batch = 9, 3, 16, 5
     seq_lens = torch.tensor([1, 7, 16, 17, 90])
@@ -167,6 +177,7 @@ def test_fused_qkv_writes_and_attends_as_the_separate_ops(ext, dtype, d):
     assert torch.equal(torch_cache, fused_cache)
     meta.decode_kernel = None
     meta.decodes = decode_buckets(tables.numpy(), seq_lens.numpy(), bs, torch.device("cpu"))
+    q = _int16_query(q.float(), d**-0.5).to(dtype)  # the query as the kernel scores with it
     buckets = attn.forward(q, k, v, cache.clone(), meta)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(buckets.float(), fused.float(), atol=tol, rtol=tol)
@@ -193,6 +204,15 @@ def _fp8_exact_rows(t: int, heads: int, d: int, g: torch.Generator) -> torch.Ten
 
 
 @pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
+def _int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q as the kernel scores int8 K rows with it: q * scale rounded, head by head, to 32767
+    steps of its max |q|; divided back by scale for a reference that applies it again."""
+    qf = q.float() * scale
+    amax = qf.abs().amax(-1, keepdim=True)
+    q16 = torch.where(amax > 0, torch.round(qf * (32767 / amax)), 0.0)
+    return q16 * (amax / 32767) / scale
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window", [(6, 3, 64, 0), (4, 1, 32, 6), (4, 2, 96, 0)]
