@@ -136,7 +136,7 @@ def test_each_kv_dtype_against_the_llama_cache_of_its_width(monkeypatch, tmp_pat
 
 def test_llama_cache_types_chosen_and_prompts_shared(monkeypatch, tmp_path, capsys):
     """--llama-cache-types q8_0 skips llama.cpp's f16 run (bfloat16 then has no llama.cpp
-    ratio, only int8's); --shared-prompt reaches Tandem's sides."""
+    ratio, only int8's), none every llama.cpp run; --shared-prompt reaches Tandem's sides."""
     runs = []
 
     def fake_tandem(fn, args, requests):
@@ -167,6 +167,15 @@ def test_llama_cache_types_chosen_and_prompts_shared(monkeypatch, tmp_path, caps
     assert report["kv_ratio"] == {"auto (int4) kv int8 / bfloat16": {1: 1.5}}
     llamacpp_decode.print_table(report)
     assert "share one prompt" in capsys.readouterr().out
+
+    runs.clear()  # none: Tandem's KV dtypes alone, no llama.cpp binary needed
+    args.llama_cache_types = "none"
+    report = llamacpp_decode.compare(args, tmp_path / "m.gguf", None)
+    assert runs == ["shared", "shared"]
+    assert report["ratio"] == {} and report["llama_commands"] == []
+    assert report["kv_ratio"] == {"auto (int4) kv int8 / bfloat16": {1: 1.5}}
+    llamacpp_decode.print_table(report)
+    assert "int8 / bfloat16" in capsys.readouterr().out
 
 
 def test_a_context_past_the_models_config_is_refused_before_any_run(monkeypatch):

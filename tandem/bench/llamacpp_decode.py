@@ -116,8 +116,10 @@ def kv_dtypes(args: argparse.Namespace) -> list[str] | None:
 
 
 def llama_cache_types(args: argparse.Namespace, kvs: list[str] | None) -> list[str | None]:
-    """llama.cpp's cache types: --llama-cache-types, else those of the Tandem KV dtypes' widths,
-    else [None] (its default, no -ctk/-ctv)."""
+    """llama.cpp's cache types: --llama-cache-types (none: no llama.cpp run), else those of the
+    Tandem KV dtypes' widths, else [None] (its default, no -ctk/-ctv)."""
+    if args.llama_cache_types == "none":
+        return []
     if args.llama_cache_types:
         return [t.strip() for t in args.llama_cache_types.split(",")]
     return list(dict.fromkeys(LLAMA_KV_TYPES[kv] for kv in kvs)) if kvs else [None]
@@ -153,7 +155,7 @@ def _tandem_args(args: argparse.Namespace, kv_cache_dtype: str) -> argparse.Name
     )
 
 
-def compare(args: argparse.Namespace, gguf: Path, tool: Path) -> dict:
+def compare(args: argparse.Namespace, gguf: Path, tool: Path | None) -> dict:
     """Every side (each Tandem precision at each KV dtype, then llama.cpp at each of their cache
     types) at args.prompt_len for `repeats` rounds, the order rotating by one each round; each
     figure keeps its best."""
@@ -166,7 +168,7 @@ def compare(args: argparse.Namespace, gguf: Path, tool: Path) -> dict:
     tandem = [(p, kv) for p in args.quantization.split(",") for kv in kvs or [args.kv_cache_dtype]]
     llama_types = llama_cache_types(args, kvs)
     sides = tandem + [(LLAMA, t) for t in llama_types]
-    commands = {t: batched_bench_command(tool, gguf, args, t) for t in llama_types}
+    commands = {t: batched_bench_command(tool, gguf, args, t) for t in llama_types} if tool else {}
     best = {side: dict.fromkeys(batches, 0.0) for side in sides}
     peak_rss_mb: dict[tuple, float] = {}
     served: dict[tuple, str] = {}  # side -> the precision it ran ("auto" resolves to the file's)

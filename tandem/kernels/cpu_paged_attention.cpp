@@ -6,9 +6,9 @@
 // threads share.
 // An int8 cache row is D int8 values and then a scale byte per scale_group(D) of them (max |x| / 127
 // rounded up to an 8-bit float: executor/kv_quant.py): the scales travel with the row through every
-// block copy (swap, P/D, prefix cache). They are folded into the score (K; with several groups,
-// into each group's K values as they are widened) and the value weights of each group's outputs
-// (V), never multiplied into the row.
+// block copy (swap, P/D, prefix cache). K rows are scored in integers (scores_int8), their scales
+// multiplying each group's sum; V's go into the weights of each group's outputs; neither is ever
+// multiplied into the row.
 // window > 0: a sliding-window layer; each query sees only the last `window` positions (itself
 // included), and blocks before them are not read.
 #include <ATen/Dispatch.h>

@@ -56,7 +56,9 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     "tiny": Shape(64, 128, 2, 4, 2, context_length=2048),  # for tests: seconds to write and load
-    "1b": Shape(2048, 8192, 16, 32, 8),  # Llama-3.2-1B's dims: ~1.07B params with a 49,152 vocab
+    # Llama-3.2-1B's dims: ~1.07B params with a 49,152 vocab; 32k positions for the long-context
+    # benches (its own 128k come by llama3 RoPE scaling)
+    "1b": Shape(2048, 8192, 16, 32, 8, context_length=32768),
     "3b": Shape(3072, 8192, 28, 24, 8),  # Llama-3.2-3B's dims: ~2.97B params with a 49,152 vocab
     "tiny-moe": Shape(  # for tests: the MoE layout at the tiny widths
         64,
