@@ -430,7 +430,7 @@ def test_allocate_slots_holds_ceil_blocks():
     assert len(ids) == 3 and kv.block_ids(req) == ids
     req.num_computed_tokens = 10
     for step in range(1, 9):  # decode one token at a time
-        req.append_token(step)
+        req.all_token_ids.append(step)
         new = kv.allocate_slots(req, 1)
         assert new is not None
         req.num_computed_tokens += 1
@@ -617,7 +617,7 @@ def test_kv_manager_random_ops_keep_figures_in_range(data):
             live[req.request_id] = req
         elif op == "grow" and live:
             req = live[data.draw(st.sampled_from(sorted(live)))]
-            req.append_token(data.draw(st.integers(0, 3)))
+            req.all_token_ids.append(data.draw(st.integers(0, 3)))
             held = kv.block_ids(req)
             if kv.allocate_slots(req, 1) is None:
                 assert kv.block_ids(req) == held

@@ -94,7 +94,7 @@ def test_allocation_frees_behind_windows_and_accounts_exactly(
         steps, decodes = 0, 0
         while decodes < 8:  # the rest of the prompt, then 8 decodes
             if req.num_computed_tokens >= req.num_tokens:
-                req.append_token(7)
+                req.all_token_ids.append(7)
                 decodes += 1
             if steps == swap_at:
                 pairs = kv.host_tier.swap_out(req)

@@ -270,5 +270,5 @@ def print_table(*reports: dict) -> None:
     print(
         "tandem KV cache: "
         + ", ".join(f"{s} {kv}" for s, kv in first["tandem_kv_cache_dtype"].items())
-        + f" (llama.cpp's: {', '.join(sorted(llama_kv))})"
+        + (f" (llama.cpp's: {', '.join(sorted(llama_kv))})" if llama_kv else "")
     )

@@ -112,9 +112,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-
     def check_stop(self) -> bool:
         """Stop on max_tokens, EOS or a stop token id. Stop strings are checked by the
         detokenizer."""
