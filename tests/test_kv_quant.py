@@ -204,15 +204,6 @@ def _fp8_exact_rows(t: int, heads: int, d: int, g: torch.Generator) -> torch.Ten
 
 
 @pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
-def _int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """q as the kernel scores int8 K rows with it: q * scale rounded, head by head, to 32767
-    steps of its max |q|; divided back by scale for a reference that applies it again."""
-    qf = q.float() * scale
-    amax = qf.abs().amax(-1, keepdim=True)
-    q16 = torch.where(amax > 0, torch.round(qf * (32767 / amax)), 0.0)
-    return q16 * (amax / 32767) / scale
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window", [(6, 3, 64, 0), (4, 1, 32, 6), (4, 2, 96, 0)]
