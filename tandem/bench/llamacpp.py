@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="TYPE,TYPE,...",
         help="llama.cpp's cache types, each its own column (q8_0 alone, say, to skip the f16 "
-        "run; none: Tandem's KV dtypes alone, where llama.cpp's long prefill would take the "
-        "hour; default: those of the --kv-cache-dtypes' widths)",
+        "run; none: Tandem's KV dtypes alone, as when llama.cpp's prefill of a long prompt "
+        "takes too long; default: those of the --kv-cache-dtypes' widths)",
     )
     p.add_argument(
         "--shared-prompt",
@@ -166,8 +166,11 @@ def decode(args: argparse.Namespace) -> dict:
         raise ValueError(
             "--output-len must be at least 2 (one token from the prompt, then decode steps)"
         )
-    no_llama = args.llama_cache_types == "none"
-    tool = None if no_llama else llama_cpp_tool("llama-batched-bench", args.llama_batched_bench)
+    tool = (
+        None
+        if args.llama_cache_types == "none"
+        else llama_cpp_tool("llama-batched-bench", args.llama_batched_bench)
+    )
     gguf = model_gguf(args.model)
     llamacpp_decode.kv_dtypes(args)  # refused before any run
     llamacpp_decode.check_context(args.model, max(args.prompt_lens), args.output_len)
